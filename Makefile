@@ -1,0 +1,30 @@
+# The two commands a new user needs: `make chat` (set up, pull the model, chat) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build on CPU-only machines; a CUDA machine may set TORCH_SPEC to its own build.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup chat test lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+chat: setup
+	$(BIN)/python -m engine pull smollm2-135m-instruct
+	$(BIN)/python -m engine chat --model smollm2-135m-instruct
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m bench.engine_throughput

@@ -1,0 +1,89 @@
+"""`python -m control_plane`: arguments → settings → logging → serve the admin API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+from pydantic import ValidationError
+
+from control_plane.app import create_app
+from control_plane.settings import Settings
+
+logger = logging.getLogger("control_plane")
+
+# Long-polling gateways hold requests open for up to `wait`; do not let them delay shutdown.
+GRACEFUL_SHUTDOWN_S = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m control_plane",
+        description="Meridian control plane. Tokens come from MERIDIAN_ADMIN_TOKEN, "
+        "MERIDIAN_NODE_TOKEN and MERIDIAN_GATEWAY_TOKEN; on a loopback host, missing ones are "
+        "generated into a token file next to the database.",
+    )
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="admin API port (default 8080)")
+    parser.add_argument("--xds-port", type=int, help="xDS (ADS) port for Envoy (default 18000)")
+    parser.add_argument("--dns-port", type=int, help="simulated authoritative DNS port (8053)")
+    parser.add_argument("--consul", dest="consul_addr", help="Consul HTTP address (optional)")
+    parser.add_argument("--db", dest="db_path", help="SQLite database file")
+    parser.add_argument("--token-file", help="where loopback-generated tokens are kept")
+    parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    overrides = {name: value for name, value in vars(args).items() if value is not None}
+    return Settings(**overrides)
+
+
+def _one_line(exc: ValidationError) -> str:
+    # Only field names and messages: the input values may be tokens.
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
+        for err in exc.errors()
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = load_settings(args)
+    except ValidationError as exc:
+        print(f"control_plane: bad configuration: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    logger.info(
+        "admin API on http://%s:%d (db %s); xDS, DNS and Consul sync are not part of this "
+        "build yet, so --xds-port %d, --dns-port %d and --consul are recorded but nothing "
+        "listens there",
+        settings.host,
+        settings.port,
+        settings.db_path,
+        settings.xds_port,
+        settings.dns_port,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""API keys: operators create (secret shown once), list and revoke; gateways watch a snapshot."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response, status
+
+from control_plane.api.regions import INDEX_HEADER, Index, Wait
+from control_plane.auth import AdminAuth, GatewayAuth
+from control_plane.changes import parse_wait_s
+from control_plane.schemas import KeyCreate, KeyCreated, KeyList
+from control_plane.services import ServicesDep
+from wire.key_snapshot import KeySnapshot
+
+router = APIRouter(prefix="/v1/keys", tags=["keys"])
+
+
+@router.get(
+    "/snapshot",
+    response_model=KeySnapshot,
+    responses={200: {"headers": {INDEX_HEADER: {"schema": {"type": "integer"}}}}},
+)
+async def watch_keys(
+    actor: GatewayAuth, services: ServicesDep, index: Index = 0, wait: Wait = "0s"
+) -> Response:
+    """Blocking query over the active keys' hashes and limits (same semantics as the region
+    summary): a revoked key is missing from the next snapshot."""
+    wait_s = parse_wait_s(wait, services.settings.max_wait_s)
+    await services.keys.feed.wait_past(index, wait_s)
+    snapshot = await services.keys.snapshot()
+    return Response(
+        content=snapshot.model_dump_json(),
+        media_type="application/json",
+        headers={INDEX_HEADER: str(snapshot.index)},
+    )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+async def create_key(actor: AdminAuth, services: ServicesDep, body: KeyCreate) -> KeyCreated:
+    """Create a key. The `secret` in this response is never shown again."""
+    return await services.keys.create(actor, body)
+
+
+@router.get("")
+async def list_keys(actor: AdminAuth, services: ServicesDep) -> KeyList:
+    return KeyList(keys=await services.keys.list())
+
+
+@router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT)
+async def revoke_key(actor: AdminAuth, services: ServicesDep, key_id: str) -> None:
+    """Revoke a key; gateways watching the snapshot drop it within about a second."""
+    await services.keys.revoke(actor, key_id)

@@ -1,0 +1,90 @@
+"""Regions: operators register, edit and remove them; gateways watch their summaries."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+
+from control_plane.auth import AdminAuth, GatewayAuth
+from control_plane.changes import WAIT_PATTERN, parse_wait_s
+from control_plane.errors import ConflictError
+from control_plane.fleet import Region
+from control_plane.schemas import RegionCreate, RegionList, RegionPatch, RegionView
+from control_plane.services import ServicesDep
+from wire.region_summary import RegionSummaryIndex
+
+INDEX_HEADER = "X-Meridian-Index"
+# Path segments under /v1/regions that are routes, not region names.
+RESERVED_NAMES = frozenset({"summary"})
+
+router = APIRouter(prefix="/v1/regions", tags=["regions"])
+
+Index = Annotated[int, Query(ge=0, le=2**62, description="last index seen; 0 = do not block")]
+Wait = Annotated[
+    str, Query(pattern=WAIT_PATTERN, description='longest wait, e.g. "30s", "500ms", "1m"')
+]
+
+
+def view_of(region: Region) -> RegionView:
+    return RegionView(
+        name=region.name,
+        lat=region.lat,
+        lon=region.lon,
+        ingress_url=region.ingress_url,
+        weight=region.weight,
+        state=region.state,
+        created_at=region.created_at,
+        updated_at=region.updated_at,
+    )
+
+
+@router.get(
+    "/summary",
+    response_model=RegionSummaryIndex,
+    responses={200: {"headers": {INDEX_HEADER: {"schema": {"type": "integer"}}}}},
+)
+async def watch_summaries(
+    actor: GatewayAuth, services: ServicesDep, index: Index = 0, wait: Wait = "0s"
+) -> Response:
+    """Blocking query: answers at once if the index differs from `index`, else waits for a
+    change or for `wait` to pass (then with the same index)."""
+    publisher = services.summaries
+    wait_s = parse_wait_s(wait, services.settings.max_wait_s)
+    await publisher.feed.wait_past(index, wait_s)
+    current = publisher.current
+    return Response(
+        content=publisher.body,
+        media_type="application/json",
+        headers={INDEX_HEADER: str(current.index)},
+    )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+async def create_region(actor: AdminAuth, services: ServicesDep, body: RegionCreate) -> RegionView:
+    if body.name in RESERVED_NAMES:
+        raise ConflictError(f"region name {body.name!r} is reserved", "region_name_reserved")
+    return view_of(await services.registry.create_region(actor, body))
+
+
+@router.get("")
+async def list_regions(actor: AdminAuth, services: ServicesDep) -> RegionList:
+    regions = sorted(services.registry.fleet.regions.values(), key=lambda r: r.name)
+    return RegionList(regions=[view_of(region) for region in regions])
+
+
+@router.get("/{name}")
+async def get_region(actor: AdminAuth, services: ServicesDep, name: str) -> RegionView:
+    return view_of(services.registry.get_region(name))
+
+
+@router.patch("/{name}")
+async def update_region(
+    actor: AdminAuth, services: ServicesDep, name: str, patch: RegionPatch
+) -> RegionView:
+    return view_of(await services.registry.update_region(actor, name, patch))
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
+async def delete_region(actor: AdminAuth, services: ServicesDep, name: str) -> None:
+    await services.registry.delete_region(actor, name)

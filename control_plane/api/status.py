@@ -1,0 +1,58 @@
+"""Read-only views for operators: the whole fleet, and the audit log."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel
+
+from control_plane import audit
+from control_plane.api.nodes import view_of as node_view
+from control_plane.audit import AuditEntry
+from control_plane.auth import AdminAuth
+from control_plane.schemas import StatusView
+from control_plane.services import ServicesDep
+
+router = APIRouter(prefix="/v1", tags=["status"])
+
+
+class AuditPage(BaseModel):
+    entries: list[AuditEntry]
+
+
+@router.get("/status")
+async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
+    fleet = services.registry.fleet
+    summaries = services.summaries.current
+    nodes = sorted(fleet.nodes.values(), key=lambda n: n.node_id)
+    known = {node.identity.region for node in nodes}
+    return StatusView(
+        summary_index=summaries.index,
+        keys_index=services.keys.feed.index,
+        heartbeat_interval_s=services.settings.heartbeat_interval_s,
+        unhealthy_after_s=services.settings.unhealthy_after_s,
+        num_nodes=len(nodes),
+        num_healthy_nodes=sum(node.is_healthy for node in nodes),
+        num_draining_nodes=sum(node.is_draining for node in nodes),
+        regions=summaries.regions,
+        unregistered_regions=sorted(known - set(fleet.regions)),
+        nodes=[node_view(node) for node in nodes],
+        routing=summaries.routing,
+    )
+
+
+@router.get("/audit")
+async def get_audit(
+    actor: AdminAuth,
+    services: ServicesDep,
+    after_id: Annotated[int, Query(ge=0, le=2**62, description="return entries after this id")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> AuditPage:
+    """Audit entries oldest first; page by passing the last id seen as `after_id`."""
+
+    def query(conn: sqlite3.Connection) -> list[AuditEntry]:
+        return audit.list_entries(conn, after_id, limit)
+
+    return AuditPage(entries=await services.store.read(query))

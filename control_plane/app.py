@@ -1,0 +1,103 @@
+"""`create_app(settings)`: the FastAPI app, with a lifespan that owns the store and the sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+
+import anyio.to_thread
+from fastapi import FastAPI
+
+from control_plane import keys as key_store
+from control_plane.api import keys, nodes, regions, routing, status
+from control_plane.changes import ChangeFeed
+from control_plane.errors import install_error_handlers
+from control_plane.fleet import Fleet
+from control_plane.keys import KeyRegistry
+from control_plane.registry import Registry, load_fleet
+from control_plane.routing import PolicyRegistry, load_policy
+from control_plane.services import ControlPlane
+from control_plane.settings import Settings
+from control_plane.store import Store
+from control_plane.summaries import SummaryPublisher
+from control_plane.tokens import TokenSet, resolve_tokens
+from wire.routing_policy import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+API_VERSION = "1"
+
+_Loaded = tuple[Fleet, RoutingPolicy, int]  # what the lifespan reads from the store at start
+
+
+def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) -> ControlPlane:
+    fleet, policy, keys_index = loaded
+    # Summary indexes start from the wall clock in milliseconds, so they keep growing across
+    # restarts (at most a few changes a second) and gateways never see an index go backwards.
+    summary_feed = ChangeFeed(int(time.time() * 1000))
+
+    def publish_now() -> None:
+        publisher.refresh()
+
+    policies = PolicyRegistry(store, policy, on_change=publish_now)
+    publisher = SummaryPublisher(fleet, lambda: policies.policy, summary_feed)
+    registry = Registry(store, fleet, on_change=publish_now, on_capacity=publisher.mark_dirty)
+    return ControlPlane(
+        settings=settings,
+        tokens=tokens,
+        store=store,
+        registry=registry,
+        keys=KeyRegistry(store, ChangeFeed(keys_index)),
+        routing=policies,
+        summaries=publisher,
+    )
+
+
+def create_app(settings: Settings) -> FastAPI:
+    tokens = resolve_tokens(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await anyio.to_thread.run_sync(Store, settings.db_path)
+        try:
+
+            def load(conn: sqlite3.Connection) -> _Loaded:
+                fleet = load_fleet(conn, settings.unhealthy_after_s)
+                return fleet, load_policy(conn), key_store.read_index(conn)
+
+            services = _build(settings, tokens, store, await store.read(load))
+            app.state.services = services
+            sweep = asyncio.create_task(services.summaries.run(settings.sweep_interval_s))
+            logger.info(
+                "control plane ready: %d regions, %d nodes known",
+                len(services.registry.fleet.regions),
+                len(services.registry.fleet.nodes),
+            )
+            try:
+                yield
+            finally:
+                sweep.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweep
+                services.summaries.feed.close()
+                services.keys.feed.close()
+                app.state.services = None
+        finally:
+            store.close()
+
+    app = FastAPI(
+        title="Meridian control plane",
+        version=API_VERSION,
+        summary="Fleet registry, admin API, heartbeats and region summaries.",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    install_error_handlers(app)
+    for router in (regions.router, nodes.router, keys.router, routing.router, status.router):
+        app.include_router(router)
+    return app

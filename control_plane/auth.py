@@ -1,0 +1,96 @@
+"""Bearer-token authentication: which kind of caller (admin, node, gateway) a request comes from.
+
+A missing or unknown token is 401; a valid token of another kind is 403. The presented token is
+compared with every known token in constant time (`hmac.compare_digest`), without stopping at the
+first match, so timing reveals neither the tokens nor which kind matched.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from control_plane.audit import Actor
+from control_plane.errors import AuthenticationError, PermissionDeniedError
+from control_plane.services import ServicesDep
+from control_plane.tokens import ENV_NAMES, TokenKind, TokenSet
+
+MAX_AGENT_LEN = 120
+
+
+def match_token(tokens: TokenSet, presented: str) -> TokenKind | None:
+    presented_bytes = presented.encode("utf-8")
+    matched: TokenKind | None = None
+    for kind, token in tokens.items():
+        if hmac.compare_digest(presented_bytes, token.encode("utf-8")):
+            matched = kind
+    return matched
+
+
+def _describe_client(request: Request) -> str:
+    address = f"{request.client.host}:{request.client.port}" if request.client else "unknown"
+    agent = request.headers.get("user-agent", "")[:MAX_AGENT_LEN]
+    return f"{address} ({agent})" if agent else address
+
+
+def _scheme(kind: TokenKind) -> HTTPBearer:
+    # auto_error=False: we raise our own 401 (the JSON error shape) when the header is missing.
+    return HTTPBearer(
+        auto_error=False,
+        scheme_name=f"{kind.value}Token",
+        description=f"Bearer token: the value of {ENV_NAMES[kind]}.",
+    )
+
+
+Credentials = HTTPAuthorizationCredentials | None
+_ADMIN_SCHEME = _scheme(TokenKind.ADMIN)
+_NODE_SCHEME = _scheme(TokenKind.NODE)
+_GATEWAY_SCHEME = _scheme(TokenKind.GATEWAY)
+
+
+def authenticate(
+    kind: TokenKind, request: Request, tokens: TokenSet, credentials: Credentials
+) -> Actor:
+    if credentials is None:
+        raise AuthenticationError("missing bearer token", "missing_token")
+    matched = match_token(tokens, credentials.credentials)
+    if matched is None:
+        raise AuthenticationError("invalid bearer token", "invalid_token")
+    if matched is not kind:
+        raise PermissionDeniedError(
+            f"this route needs the {kind.value} token, not the {matched.value} token",
+            "wrong_token_kind",
+        )
+    return Actor(kind=matched.value, client=_describe_client(request))
+
+
+def require_admin(
+    request: Request,
+    services: ServicesDep,
+    credentials: Annotated[Credentials, Depends(_ADMIN_SCHEME)],
+) -> Actor:
+    return authenticate(TokenKind.ADMIN, request, services.tokens, credentials)
+
+
+def require_node(
+    request: Request,
+    services: ServicesDep,
+    credentials: Annotated[Credentials, Depends(_NODE_SCHEME)],
+) -> Actor:
+    return authenticate(TokenKind.NODE, request, services.tokens, credentials)
+
+
+def require_gateway(
+    request: Request,
+    services: ServicesDep,
+    credentials: Annotated[Credentials, Depends(_GATEWAY_SCHEME)],
+) -> Actor:
+    return authenticate(TokenKind.GATEWAY, request, services.tokens, credentials)
+
+
+AdminAuth = Annotated[Actor, Depends(require_admin)]
+NodeAuth = Annotated[Actor, Depends(require_node)]
+GatewayAuth = Annotated[Actor, Depends(require_gateway)]

@@ -1,0 +1,49 @@
+"""The routing policy: one document, stored in the meta table, replaced as a whole by operators."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from control_plane import audit
+from control_plane.audit import Actor
+from control_plane.store import Store, StoreError, get_meta, set_meta
+from wire.routing_policy import RoutingPolicy
+
+POLICY_KEY = "routing_policy"
+
+
+def load_policy(conn: sqlite3.Connection) -> RoutingPolicy:
+    stored = get_meta(conn, POLICY_KEY)
+    if stored is None:
+        return RoutingPolicy()
+    try:
+        return RoutingPolicy.model_validate_json(stored)
+    except ValidationError as exc:
+        raise StoreError(f"stored routing policy is invalid: {exc}") from exc
+
+
+class PolicyRegistry:
+    def __init__(self, store: Store, policy: RoutingPolicy, on_change: Callable[[], None]) -> None:
+        self._store = store
+        self._policy = policy
+        self._on_change = on_change
+        self._lock = asyncio.Lock()  # memory follows the store's commit order
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._policy
+
+    async def replace(self, actor: Actor, policy: RoutingPolicy) -> RoutingPolicy:
+        def change(conn: sqlite3.Connection) -> None:
+            set_meta(conn, POLICY_KEY, policy.model_dump_json())
+            audit.record(conn, actor, "routing.replace", "routing", policy.model_dump())
+
+        async with self._lock:
+            await self._store.write(change)
+            self._policy = policy
+        self._on_change()
+        return policy

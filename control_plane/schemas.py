@@ -1,0 +1,121 @@
+"""Request and response bodies of the admin API (the wire schemas shared with nodes and gateways
+live in `wire/`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from wire.heartbeat import Heartbeat, HttpUrlStr, Name
+from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
+from wire.routing_policy import RoutingPolicy
+
+# Free text shown to operators: printable, one line.
+Label = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+class RegionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    lat: Latitude
+    lon: Longitude
+    ingress_url: HttpUrlStr | None = None
+    weight: Weight = 1.0
+    state: RegionState = "active"
+
+
+class RegionPatch(BaseModel):
+    """Fields to change; `ingress_url: null` clears it. At least one field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lat: Latitude | None = None
+    lon: Longitude | None = None
+    ingress_url: HttpUrlStr | None = None
+    weight: Weight | None = None
+    state: RegionState | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> RegionPatch:
+        if not self.model_fields_set:
+            raise ValueError("give at least one of lat, lon, ingress_url, weight, state")
+        for name in ("lat", "lon", "weight", "state"):
+            if name in self.model_fields_set and getattr(self, name) is None:
+                raise ValueError(f"{name} cannot be null")
+        return self
+
+
+class RegionView(BaseModel):
+    name: str
+    lat: float
+    lon: float
+    ingress_url: str | None
+    weight: float
+    state: RegionState
+    created_at: float
+    updated_at: float
+
+
+class RegionList(BaseModel):
+    regions: list[RegionView]
+
+
+class NodeView(BaseModel):
+    node_id: str
+    region: str
+    url: str
+    model: str
+    tp_size: int
+    is_healthy: bool
+    is_draining: bool  # asked to drain, or draining on its own
+    drain_requested: bool  # asked to drain by an operator
+    registered_at: float
+    last_heartbeat_at: float | None  # Unix seconds at the control plane; None since (re)start
+    last_heartbeat: Heartbeat | None
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeView]
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Label
+    tenant: Label | None = None
+    rpm: int = Field(ge=1, le=10**9, description="requests per minute")
+    tpm: int = Field(ge=1, le=10**12, description="tokens per minute")
+
+
+class KeyView(BaseModel):
+    id: str
+    name: str
+    tenant: str | None
+    rpm: int
+    tpm: int
+    created_at: float
+    revoked_at: float | None
+
+
+class KeyCreated(KeyView):
+    secret: str = Field(description="the API key itself; shown only in this response")
+
+
+class KeyList(BaseModel):
+    keys: list[KeyView]
+
+
+class StatusView(BaseModel):
+    summary_index: int
+    keys_index: int
+    heartbeat_interval_s: float
+    unhealthy_after_s: float
+    num_nodes: int
+    num_healthy_nodes: int
+    num_draining_nodes: int
+    regions: list[RegionSummary]
+    unregistered_regions: list[str]  # named by nodes' heartbeats but not registered
+    nodes: list[NodeView]
+    routing: RoutingPolicy

@@ -1,0 +1,36 @@
+"""The control plane's parts for one running app, and the dependency that hands them to routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from control_plane.keys import KeyRegistry
+from control_plane.registry import Registry
+from control_plane.routing import PolicyRegistry
+from control_plane.settings import Settings
+from control_plane.store import Store
+from control_plane.summaries import SummaryPublisher
+from control_plane.tokens import TokenSet
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlane:
+    settings: Settings
+    tokens: TokenSet
+    store: Store
+    registry: Registry
+    keys: KeyRegistry
+    routing: PolicyRegistry
+    summaries: SummaryPublisher
+
+
+def get_services(request: Request) -> ControlPlane:
+    services = request.app.state.services
+    assert isinstance(services, ControlPlane), "app lifespan has not started"
+    return services
+
+
+ServicesDep = Annotated[ControlPlane, Depends(get_services)]

@@ -1,0 +1,88 @@
+"""Control-plane settings: command-line arguments > environment > defaults, validated at start."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIN_TOKEN_LEN = 16
+MEMORY_DB = ":memory:"
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _token_field(env_name: str) -> SecretStr | None:
+    return Field(None, validation_alias=AliasChoices(env_name), min_length=MIN_TOKEN_LEN)
+
+
+class Settings(BaseSettings):
+    """One settings object for the control plane, built once in `__main__`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MERIDIAN_CP_", validate_by_name=True, extra="forbid", frozen=True
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    # Accepted now so scripts can pass them; the xDS, DNS and Consul parts are not built yet.
+    xds_port: int = Field(default=18000, ge=0, le=65535)
+    dns_port: int = Field(default=8053, ge=0, le=65535)
+    consul_addr: str | None = None
+    db_path: str = "meridian-control-plane.db"
+
+    # Bearer tokens, read from MERIDIAN_ADMIN_TOKEN / MERIDIAN_NODE_TOKEN / MERIDIAN_GATEWAY_TOKEN.
+    admin_token: SecretStr | None = _token_field("MERIDIAN_ADMIN_TOKEN")
+    node_token: SecretStr | None = _token_field("MERIDIAN_NODE_TOKEN")
+    gateway_token: SecretStr | None = _token_field("MERIDIAN_GATEWAY_TOKEN")
+    # Where tokens generated on loopback are kept (default: next to the database, `<db>.tokens`).
+    token_file: Path | None = None
+
+    heartbeat_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
+    # A node that has not been heard from for `missed_beats` intervals is unhealthy.
+    missed_beats: int = Field(default=3, ge=1, le=100)
+    # How often health is re-judged and summaries recomputed; bounds how late a gateway hears of
+    # a change caused by time passing (a node going silent), so keep it well under a second.
+    sweep_interval_s: float = Field(default=0.25, gt=0.0, le=1.0)
+    # Upper bound on a blocking query's `wait` (Consul caps at 10 minutes).
+    max_wait_s: float = Field(default=300.0, gt=0.0, le=600.0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @model_validator(mode="after")
+    def _tokens_required_off_loopback(self) -> Settings:
+        tokens = {
+            "MERIDIAN_ADMIN_TOKEN": self.admin_token,
+            "MERIDIAN_NODE_TOKEN": self.node_token,
+            "MERIDIAN_GATEWAY_TOKEN": self.gateway_token,
+        }
+        missing = [name for name, value in tokens.items() if value is None]
+        if missing and not is_loopback_host(self.host):
+            raise ValueError(
+                f"{', '.join(missing)} must be set to serve on non-loopback host {self.host!r}"
+            )
+        values = [v.get_secret_value() for v in tokens.values() if v is not None]
+        if len(set(values)) != len(values):
+            raise ValueError("the admin, node and gateway tokens must all differ")
+        return self
+
+    @property
+    def unhealthy_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.missed_beats
+
+    @property
+    def resolved_token_file(self) -> Path:
+        if self.token_file is not None:
+            return self.token_file
+        if self.db_path == MEMORY_DB:
+            return Path("meridian-control-plane.tokens")
+        return Path(self.db_path + ".tokens")

@@ -1,0 +1,153 @@
+"""The SQLite store: one connection, WAL mode, schema migrations, one transaction per change.
+
+Every change runs as one function inside `BEGIN IMMEDIATE ... COMMIT` (its audit-log row
+included), so a failure anywhere rolls the whole change back: nothing is half-written. Calls run
+in a worker thread (`await store.write(fn)`), serialized by a lock, so the event loop never blocks
+on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
+import anyio.to_thread
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Append only: migration N (1-based) moves a database from user_version N-1 to N.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE regions (
+            name TEXT PRIMARY KEY,
+            lat REAL NOT NULL,
+            lon REAL NOT NULL,
+            ingress_url TEXT,
+            weight REAL NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('active', 'draining', 'disabled')),
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        )""",
+        """CREATE TABLE nodes (
+            node_id TEXT PRIMARY KEY,
+            region TEXT NOT NULL,
+            url TEXT NOT NULL,
+            model TEXT NOT NULL,
+            tp_size INTEGER NOT NULL,
+            drain_requested INTEGER NOT NULL DEFAULT 0,
+            registered_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        )""",
+        """CREATE TABLE api_keys (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            tenant TEXT,
+            secret_sha256 TEXT NOT NULL UNIQUE,
+            rpm INTEGER NOT NULL,
+            tpm INTEGER NOT NULL,
+            created_at REAL NOT NULL,
+            revoked_at REAL
+        )""",
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        """CREATE TABLE audit_log (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            at REAL NOT NULL,
+            actor TEXT NOT NULL,
+            client TEXT NOT NULL,
+            action TEXT NOT NULL,
+            target TEXT NOT NULL,
+            detail TEXT NOT NULL
+        )""",
+    ),
+)
+
+
+class StoreError(Exception):
+    """The database cannot be used (e.g. written by a newer control plane)."""
+
+
+class Store:
+    def __init__(self, path: str) -> None:
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.row_factory = sqlite3.Row
+        try:
+            self._conn.execute("PRAGMA busy_timeout = 5000")
+            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            # With WAL, NORMAL keeps every commit atomic and consistent; a power cut may lose the
+            # last few commits but never corrupts the file.
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._migrate()
+        except BaseException:
+            self._conn.close()
+            raise
+        logger.info("store %s open (journal_mode=%s, schema v%d)", path, mode, self.schema_version)
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+
+    def _migrate(self) -> None:
+        version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > len(MIGRATIONS):
+            raise StoreError(
+                f"database schema v{version} is newer than this control plane "
+                f"(knows up to v{len(MIGRATIONS)})"
+            )
+        for target, statements in enumerate(MIGRATIONS[version:], start=version + 1):
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in statements:
+                    self._conn.execute(statement)
+                self._conn.execute(f"PRAGMA user_version = {target:d}")
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            logger.info("migrated store to schema v%d", target)
+
+    def write_sync(self, change: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `change` in one transaction: all of it is committed, or none of it."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = change(self._conn)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            return result
+
+    def read_sync(self, query: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            return query(self._conn)
+
+    async def write(self, change: Callable[[sqlite3.Connection], T]) -> T:
+        return await anyio.to_thread.run_sync(partial(self.write_sync, change))
+
+    async def read(self, query: Callable[[sqlite3.Connection], T]) -> T:
+        return await anyio.to_thread.run_sync(partial(self.read_sync, query))
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def get_meta(conn: sqlite3.Connection, key: str) -> str | None:
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return None if row is None else str(row["value"])
+
+
+def set_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
+    conn.execute(
+        "INSERT INTO meta (key, value) VALUES (?, ?) "
+        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )

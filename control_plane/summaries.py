@@ -1,0 +1,129 @@
+"""Region summaries for gateways, and the versioned index they are watched by.
+
+Summaries are recomputed from the in-memory fleet right after every routing-relevant change (a
+region edited, a node registered, drained or back to health) and on every sweep tick (default
+0.25 s), which also judges node health by time. The index moves only when the document actually
+differs, so a waiting gateway wakes at most once per tick and hears of any change within about
+`sweep_interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from control_plane.changes import ChangeFeed
+from control_plane.fleet import Fleet, Node, Region
+from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
+from wire.routing_policy import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUE_DELAY_S = 600.0
+MIN_TOKENS_PER_S = 1.0
+
+
+def expected_queue_delay_s(num_waiting_prefill_tokens: int, decode_tokens_per_s: float) -> float:
+    """Seconds to work off the waiting prompt tokens at the region's recent token throughput.
+
+    A deliberately simple, pessimistic proxy (prefill runs faster than decode): gateways weigh it
+    against RTT with `queue_weight`, which absorbs the constant factor. Capped at 10 minutes.
+    """
+    if num_waiting_prefill_tokens == 0:
+        return 0.0
+    delay_s = num_waiting_prefill_tokens / max(decode_tokens_per_s, MIN_TOKENS_PER_S)
+    return round(min(delay_s, MAX_QUEUE_DELAY_S), 3)
+
+
+def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
+    beats = [node.last_beat for node in nodes if node.is_routable and node.last_beat is not None]
+    num_waiting_prefill_tokens = sum(beat.num_waiting_prefill_tokens for beat in beats)
+    decode_tokens_per_s = round(sum(beat.decode_tokens_per_s for beat in beats), 3)
+    queue = QueueEstimate(
+        num_waiting=sum(beat.num_waiting for beat in beats),
+        num_waiting_prefill_tokens=num_waiting_prefill_tokens,
+        decode_tokens_per_s=decode_tokens_per_s,
+        expected_queue_delay_s=expected_queue_delay_s(
+            num_waiting_prefill_tokens, decode_tokens_per_s
+        ),
+    )
+    return RegionSummary(
+        name=region.name,
+        lat=region.lat,
+        lon=region.lon,
+        state=region.state,
+        ingress_url=region.ingress_url,
+        healthy_nodes=len(beats),
+        kv_blocks_free=sum(beat.kv_blocks_free for beat in beats),
+        kv_blocks_total=sum(beat.kv_blocks_total for beat in beats),
+        queue=queue,
+        weight=region.weight,
+    )
+
+
+def summarize(fleet: Fleet) -> list[RegionSummary]:
+    """One summary per registered region, sorted by name; nodes of unknown regions are left out."""
+    by_region: dict[str, list[Node]] = {name: [] for name in fleet.regions}
+    for node in fleet.nodes.values():
+        members = by_region.get(node.identity.region)
+        if members is not None:
+            members.append(node)
+    return [summarize_region(fleet.regions[name], by_region[name]) for name in sorted(by_region)]
+
+
+class SummaryPublisher:
+    """Holds the current `RegionSummaryIndex` (and its JSON), moving the feed when it changes."""
+
+    def __init__(
+        self, fleet: Fleet, read_policy: Callable[[], RoutingPolicy], feed: ChangeFeed
+    ) -> None:
+        self.feed = feed
+        self._fleet = fleet
+        self._read_policy = read_policy
+        self._is_dirty = False
+        self._current = RegionSummaryIndex(
+            index=feed.index, regions=summarize(fleet), routing=read_policy()
+        )
+        self._body = self._current.model_dump_json().encode()
+
+    @property
+    def current(self) -> RegionSummaryIndex:
+        return self._current
+
+    @property
+    def body(self) -> bytes:
+        """The current document as JSON, encoded once per index for every waiting gateway."""
+        return self._body
+
+    def mark_dirty(self) -> None:
+        """Live capacity changed: publish at the next tick (coalesces many heartbeats)."""
+        self._is_dirty = True
+
+    def refresh(self) -> bool:
+        """Recompute now; returns True (and moves the index) if the document changed."""
+        self._is_dirty = False
+        regions = summarize(self._fleet)
+        routing = self._read_policy()
+        if regions == self._current.regions and routing == self._current.routing:
+            return False
+        self._current = RegionSummaryIndex(
+            index=self.feed.advance(), regions=regions, routing=routing
+        )
+        self._body = self._current.model_dump_json().encode()
+        return True
+
+    def tick(self, now_mono: float) -> None:
+        if self._fleet.sweep(now_mono) or self._is_dirty:
+            self.refresh()
+
+    async def run(self, interval_s: float) -> None:
+        """Sweep health and publish changes every `interval_s`, until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self.tick(time.monotonic())
+            except Exception:
+                # One bad tick must not stop health sweeps for good.
+                logger.exception("summary sweep failed")

@@ -1,0 +1,199 @@
+"""The synchronous engine: add requests, step, collect outputs. One thread drives it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_checkpoint
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.model_store import resolve_model
+from engine.output_processor import RequestState
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of load and capacity, for the node agent's metrics and heartbeats."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_prefill_tokens: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    kv_cache_usage: float
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    decode_tokens_per_s: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        checkpoint = load_checkpoint(resolve_model(config.model))
+        self.model_config: ModelConfig = checkpoint.config
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        device, dtype = config.torch_device(), config.torch_dtype()
+        context_len = min(
+            self.model_config.max_position_embeddings,
+            config.max_model_len or self.model_config.max_position_embeddings,
+        )
+        started = time.monotonic()
+        self.runner = ModelRunner(
+            self.model_config, checkpoint.tensors(), device, dtype, config.block_size, context_len
+        )
+        num_blocks = self._num_kv_blocks(device)
+        self.runner.allocate_kv_cache(num_blocks)
+        # A request alone must always fit in the pool, or preemption could never make room.
+        self.max_model_len = min(context_len, num_blocks * config.block_size)
+        kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), kv_cache
+        )
+        self.requests: dict[str, RequestState] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        logger.info(
+            "loaded %s (%s, %s) in %.1f s; context %d tokens",
+            config.model,
+            dtype,
+            device,
+            time.monotonic() - started,
+            self.max_model_len,
+        )
+
+    def _num_kv_blocks(self, device: torch.device) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if device.type == "cuda":
+            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+            budget = free_bytes - (1 - self.config.gpu_memory_utilization) * total_bytes
+        else:
+            budget = self.config.cpu_kv_cache_gib * 2**30
+        num_blocks = int(budget // self.runner.kv_bytes_per_block)
+        if num_blocks < 1:
+            raise InvalidRequestError("no memory is left for the KV cache")
+        return num_blocks
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seq = Sequence(request_id, token_ids, params, max_tokens)
+        self.requests[request_id] = RequestState.create(
+            seq, prompt_text, self.tokenizer, self.max_model_len
+        )
+        self.scheduler.add(seq)
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but this model's context is "
+                f"{self.max_model_len} tokens, and at least one must be left to generate"
+            )
+        vocab_size = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Stop these requests now and free their blocks; unknown ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            self.scheduler.finish(state.seq, "abort")
+            state.finished_time = time.monotonic()
+            output = state.output(finished=True)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch and return the outputs it produced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.execute(batch)
+        self.scheduler.update_after_step(batch)
+        now = time.monotonic()
+        self._prompt_tokens_total += batch.num_tokens - len(result.seqs)
+        self._count_generated(now, len(result.seqs))
+        outputs = []
+        sampled = result.sampled
+        for seq, token_id, logprobs in zip(
+            result.seqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            state = self.requests[seq.request_id]
+            finish = state.append_token(token_id, logprobs)
+            if finish is not None:
+                self.scheduler.finish(seq, finish[0])
+                seq.stop_reason = finish[1]
+                state.finished_time = now
+                del self.requests[seq.request_id]
+            output = state.output(finished=finish is not None)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _count_generated(self, now: float, num_tokens: int) -> None:
+        self._generation_tokens_total += num_tokens
+        self._recent_tokens.append((now, num_tokens))
+        while self._recent_tokens and self._recent_tokens[0][0] < now - _THROUGHPUT_WINDOW_S:
+            self._recent_tokens.popleft()
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache
+        s = self.scheduler.stats
+        now = time.monotonic()
+        recent = sum(n for t, n in self._recent_tokens if t >= now - _THROUGHPUT_WINDOW_S)
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_waiting_prefill_tokens=self.scheduler.num_waiting_tokens,
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            block_size=kv.block_size,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queried_tokens=s.num_prefix_queried_tokens,
+            prefix_cache_hit_tokens=s.num_prefix_hit_tokens,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_preemptions_total=s.num_preemptions,
+            decode_tokens_per_s=recent / _THROUGHPUT_WINDOW_S,
+        )

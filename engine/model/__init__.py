@@ -1,0 +1,1 @@
+"""Model definitions over the paged KV cache."""

@@ -1,0 +1,110 @@
+"""Attention over the paged KV cache.
+
+Cache layout per layer: (num_blocks, block_size, num_kv_heads, head_dim), so a block is one
+contiguous slab and a token's slot is `block_id * block_size + offset`. A step's tokens come
+flattened, single-token queries first (decodes, batched into one padded call), then each
+multi-token chunk (prefills, one call each, causal with the chunk's offset into its context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # index of the chunk's first token in the step's flattened tokens
+    num_tokens: int
+    num_context_tokens: int  # tokens of this sequence before the chunk, already in the cache
+    block_ids: torch.Tensor  # (num_blocks,) the sequence's blocks covering context + chunk
+    # (num_tokens, num_context_tokens + num_tokens), True where a query may attend.
+    mask: torch.Tensor | None  # None when there is no context: plain causal attention
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step; shared by every layer."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) cache slot of each token's K and V
+    num_decode_tokens: int
+    decode_block_ids: torch.Tensor  # (num_decodes * max_blocks,) padded block tables, flat
+    decode_mask: torch.Tensor  # (num_decodes, 1, 1, max_blocks * block_size) valid keys
+    prefills: list[PrefillChunk]
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q (T, H, D), k and v (T, KVH, D) for this step's tokens -> (T, H, D)."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    num_seqs = q.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    # (B * max_blocks, block_size, KVH, D) -> (B, KVH, max_blocks * block_size, D)
+    keys = k_cache.index_select(0, meta.decode_block_ids)
+    values = v_cache.index_select(0, meta.decode_block_ids)
+    keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+) -> torch.Tensor:
+    if chunk.mask is None:
+        keys, values = k, v
+    else:
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        num_keys = chunk.num_context_tokens + chunk.num_tokens
+        keys = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
+        values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
+        values = values[:num_keys]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,70 @@
+"""Per-request sampling settings, validated once at the boundary."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output carries the whole text so far
+    DELTA = "delta"  # every output carries only what is new: for streaming
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop; the names follow vLLM's.
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters. A seed makes the
+    request's samples reproducible whatever else runs beside it. logprobs None returns none,
+    0 the chosen token's only, N also the top N.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,145 @@
+"""Continuous batching: which requests run this step, and how many of their tokens.
+
+Every step, running requests come first (oldest first), then waiting ones are admitted while
+blocks, sequence slots and the step's token budget last. A request is scheduled for as many of
+its uncomputed tokens as the budget allows, so a long prompt is prefilled in chunks beside the
+decodes instead of stalling them. When the pool runs dry, the newest running request is
+preempted: its blocks are freed and it is recomputed later from its tokens, which gives the
+same output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """This step's work: `num_scheduled_tokens[i]` tokens of `seqs[i]`, starting at its
+    `num_computed_tokens`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+
+class Scheduler:
+    """The only owner of the KV cache manager and of the waiting and running queues."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        has_preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv_cache.allocate_slots(seq, num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                has_preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_scheduled_tokens.append(num_tokens)
+                budget -= num_tokens
+                index += 1
+                continue
+            break
+        # Admitting while preempting would only thrash: the pool is already too small.
+        if not has_preempted:
+            budget = self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        block_size = self.kv_cache.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self.kv_cache.get_computed_blocks(seq)
+            num_cached = len(computed) * block_size
+            num_tokens = min(seq.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(seq, num_tokens, computed):
+                break
+            self.waiting.popleft()
+            self.stats.num_prefix_queried_tokens += seq.num_tokens
+            self.stats.num_prefix_hit_tokens += num_cached
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_scheduled_tokens.append(num_tokens)
+            budget -= num_tokens
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_after_step(self, batch: ScheduledBatch) -> None:
+        """Advance each scheduled sequence past the tokens this step computed."""
+        for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += num_tokens
+            self.kv_cache.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire `seq` now and give its blocks back."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv_cache.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

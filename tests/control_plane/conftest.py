@@ -1,0 +1,253 @@
+"""Fixtures for the control plane: the app in-process (ASGI), in a uvicorn thread on loopback, or
+as a real `python -m control_plane` subprocess."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from fastapi import FastAPI
+
+from control_plane.app import create_app
+from control_plane.services import ControlPlane
+from control_plane.settings import Settings
+from control_plane.tokens import TokenSet
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_START_S = 20.0
+
+
+def new_tokens() -> TokenSet:
+    return TokenSet(
+        admin="adm-" + secrets.token_urlsafe(24),
+        node="nod-" + secrets.token_urlsafe(24),
+        gateway="gw-" + secrets.token_urlsafe(24),
+    )
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def make_settings(db_path: Path, tokens: TokenSet, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "db_path": str(db_path),
+        "admin_token": tokens.admin,
+        "node_token": tokens.node,
+        "gateway_token": tokens.gateway,
+        "heartbeat_interval_s": 0.2,
+        "sweep_interval_s": 0.05,
+    }
+    return Settings(**(values | overrides))
+
+
+def heartbeat(node_id: str = "n1", region: str = "us-east", **fields: Any) -> dict[str, Any]:
+    """A valid heartbeat body; `fields` override or add fields."""
+    body: dict[str, Any] = {
+        "schema_version": 1,
+        "node_id": node_id,
+        "region": region,
+        "url": f"http://127.0.0.1:9{abs(hash(node_id)) % 1000:03d}",
+        "model": "smollm2-135m-instruct",
+        "tp_size": 1,
+        "kv_blocks_total": 1000,
+        "kv_blocks_free": 600,
+        "block_size": 16,
+        "num_running": 3,
+        "num_waiting": 2,
+        "num_waiting_prefill_tokens": 400,
+        "decode_tokens_per_s": 200.0,
+        "draining": False,
+        "timestamp": time.time(),
+    }
+    return body | fields
+
+
+@dataclass
+class ControlPlaneClient:
+    """An httpx client for one control plane, with a header set per token kind."""
+
+    http: httpx.AsyncClient
+    tokens: TokenSet
+    db_path: Path
+    app: FastAPI | None = None
+    base_url: str = ""
+    headers: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.headers = {kind.value: bearer(token) for kind, token in self.tokens.items()}
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return self.headers["admin"]
+
+    @property
+    def node(self) -> dict[str, str]:
+        return self.headers["node"]
+
+    @property
+    def gateway(self) -> dict[str, str]:
+        return self.headers["gateway"]
+
+    @property
+    def services(self) -> ControlPlane:
+        assert self.app is not None
+        services = self.app.state.services
+        assert isinstance(services, ControlPlane)
+        return services
+
+    async def beat(self, node_id: str = "n1", region: str = "us-east", **fields: Any) -> Any:
+        response = await self.http.post(
+            "/v1/nodes/heartbeat", json=heartbeat(node_id, region, **fields), headers=self.node
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def add_region(self, name: str = "us-east", **fields: Any) -> Any:
+        body = {"name": name, "lat": 40.7, "lon": -74.0} | fields
+        response = await self.http.post("/v1/regions", json=body, headers=self.admin)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+
+@pytest.fixture
+def tokens() -> TokenSet:
+    return new_tokens()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, tokens: TokenSet) -> Settings:
+    return make_settings(tmp_path / "cp.db", tokens)
+
+
+@pytest_asyncio.fixture
+async def cp(settings: Settings, tokens: TokenSet) -> AsyncIterator[ControlPlaneClient]:
+    """The app in-process over httpx.ASGITransport, its lifespan running."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://cp.test") as http:
+            yield ControlPlaneClient(
+                http=http, tokens=tokens, db_path=Path(settings.db_path), app=app
+            )
+
+
+class ThreadedServer:
+    """The real app served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
+
+    def __init__(self, app: FastAPI) -> None:
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def start(self) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + MAX_START_S
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+@pytest_asyncio.fixture
+async def live_cp(settings: Settings, tokens: TokenSet) -> AsyncIterator[ControlPlaneClient]:
+    """The app behind a real uvicorn server on loopback, and an httpx client to it."""
+    app = create_app(settings)
+    server = ThreadedServer(app)
+    base_url = server.start()
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10.0) as http:
+            yield ControlPlaneClient(
+                http=http,
+                tokens=tokens,
+                db_path=Path(settings.db_path),
+                app=app,
+                base_url=base_url,
+            )
+    finally:
+        server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ControlPlaneProcess:
+    """`python -m control_plane` as a subprocess on loopback."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "control_plane", "--port", str(self.port), *args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + MAX_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"control plane exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.base_url + "/openapi.json", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise RuntimeError("control plane did not become ready")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_process(tmp_path: Path) -> Iterator[Any]:
+    """Factory: start `python -m control_plane ARGS` with ENV; all are stopped at the end."""
+    started: list[ControlPlaneProcess] = []
+
+    def start(args: list[str], env_extra: dict[str, str] | None = None) -> ControlPlaneProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+        env |= env_extra or {}
+        process = ControlPlaneProcess(args, env, tmp_path / "control_plane.log")
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()

@@ -1,0 +1,1 @@
+"""Wire schemas shared by the services (node agent, control plane, gateway)."""

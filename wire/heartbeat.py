@@ -1,0 +1,83 @@
+"""Heartbeat: node agent → control plane (`POST /v1/nodes/heartbeat`), and the reply.
+
+Versioned by `schema_version`; unknown fields are ignored so that either side can grow fields
+without breaking the other. A receiver rejects a version it does not know (a breaking change bumps
+it) and validates values: counts are non-negative and free KV blocks never exceed the total.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+HEARTBEAT_SCHEMA_VERSION: Final = 1
+
+# A node or region name: lower-case DNS-label style, so it can appear in URLs, xDS names and DNS.
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=63)]
+MAX_URL_LEN = 2048
+
+
+def _check_http_url(value: str) -> str:
+    # Plain-string check (not pydantic's HttpUrl) so the value travels byte-for-byte as the node
+    # sent it, and so the schema stays a simple string for non-Python readers.
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        raise ValueError("must be an http:// or https:// URL")
+    host = rest.split("/", 1)[0]
+    if not host or any(c.isspace() for c in value):
+        raise ValueError("must be an http(s) URL with a host and no whitespace")
+    return value
+
+
+HttpUrlStr = Annotated[
+    str,
+    Field(min_length=8, max_length=MAX_URL_LEN, examples=["http://127.0.0.1:9001"]),
+    AfterValidator(_check_http_url),
+]
+Count = Annotated[int, Field(ge=0, le=2**40)]
+
+
+class Heartbeat(BaseModel):
+    """One capacity report from a node agent (sent every heartbeat interval, default 1 s)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: Literal[1] = HEARTBEAT_SCHEMA_VERSION
+    node_id: Name
+    region: Name
+    url: HttpUrlStr
+    model: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+    tp_size: Annotated[int, Field(ge=1, le=1024)] = 1
+    kv_blocks_total: Count
+    kv_blocks_free: Count
+    block_size: Annotated[int, Field(ge=1, le=2**20)]
+    num_running: Count = 0
+    num_waiting: Count = 0
+    num_waiting_prefill_tokens: Count = 0
+    decode_tokens_per_s: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)] = 0.0
+    draining: bool = False
+    # Unix seconds at the node when the report was made (informational: health is judged by the
+    # control plane's own clock when the beat arrives, so node clock skew cannot keep a node alive).
+    timestamp: Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False)]
+
+    @model_validator(mode="after")
+    def _free_within_total(self) -> Heartbeat:
+        if self.kv_blocks_free > self.kv_blocks_total:
+            raise ValueError("kv_blocks_free must not exceed kv_blocks_total")
+        return self
+
+
+class HeartbeatReply(BaseModel):
+    """What the control plane tells a node in answer to each heartbeat."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: Literal[1] = HEARTBEAT_SCHEMA_VERSION
+    # An operator asked this node to drain: stop admitting new requests, finish in-flight ones.
+    drain: bool
+    # The interval the control plane judges health by; a node missing 3 beats is unhealthy.
+    heartbeat_interval_s: float
+    # False when the node's region is not registered: the node is known but receives no traffic.
+    region_registered: bool

@@ -1,0 +1,66 @@
+"""Region summaries: control plane → gateways (`GET /v1/regions/summary?index=N&wait=30s`).
+
+The envelope carries a monotonically increasing `index` (also in the `X-Meridian-Index` header): a
+gateway passes the last index it saw and the control plane answers as soon as anything in the
+envelope changes, or after `wait` with the same index (Consul blocking-query semantics). If the
+index a gateway holds is ahead of the server's (a different control plane), it is answered at once
+and should adopt the new index.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from wire.heartbeat import HttpUrlStr, Name
+from wire.routing_policy import RoutingPolicy
+
+REGION_SUMMARY_SCHEMA_VERSION: Final = 1
+
+RegionState = Literal["active", "draining", "disabled"]
+Latitude = Annotated[float, Field(ge=-90.0, le=90.0, allow_inf_nan=False)]
+Longitude = Annotated[float, Field(ge=-180.0, le=180.0, allow_inf_nan=False)]
+Weight = Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False)]
+
+
+class QueueEstimate(BaseModel):
+    """Work waiting in a region (sums over its routable nodes)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    num_waiting: int = Field(ge=0)
+    num_waiting_prefill_tokens: int = Field(ge=0)
+    decode_tokens_per_s: float = Field(ge=0.0)
+    # Seconds a new request can expect to wait before its prefill starts: the waiting prompt
+    # tokens divided by the region's recent token throughput (see control_plane/summaries.py).
+    expected_queue_delay_s: float = Field(ge=0.0)
+
+
+class RegionSummary(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: Name
+    lat: Latitude
+    lon: Longitude
+    state: RegionState
+    ingress_url: HttpUrlStr | None = None
+    # Nodes whose heartbeats are current and that are not draining: the ones that take traffic.
+    healthy_nodes: int = Field(ge=0)
+    kv_blocks_free: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+    queue: QueueEstimate
+    # Operator's weight for this region (1.0 by default; 0 takes it out of weighted choices).
+    weight: Weight
+
+
+class RegionSummaryIndex(BaseModel):
+    """The document a gateway watches."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: Literal[1] = REGION_SUMMARY_SCHEMA_VERSION
+    index: int = Field(ge=0)
+    regions: list[RegionSummary]
+    # The operator's routing parameters, so a policy change reaches gateways the same way.
+    routing: RoutingPolicy
