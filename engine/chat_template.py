@@ -76,8 +76,10 @@ def _plain(value: object, where: str) -> object:
         return value
     if isinstance(value, Mapping):
         return {str(key): _plain(item, where) for key, item in value.items()}
-    if isinstance(value, list | tuple):
+    if isinstance(value, list):
         return [_plain(item, where) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item, where) for item in value)
     # Subclasses (enums, numpy scalars) carry extra methods: strip them back to the base type.
     if isinstance(value, str):
         return str.__str__(value)

@@ -98,15 +98,23 @@ class LLMEngine:
         return num_blocks
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        prompt_text: str | None = None,
     ) -> None:
-        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot run."""
+        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot run.
+
+        `prompt_text` names the text that `prompt` token ids came from, for the outputs."""
         params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
+        self.check_request(token_ids, params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seq = Sequence(request_id, token_ids, params, max_tokens)
@@ -115,7 +123,9 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this prompt cannot run. Reads only state fixed at
+        start-up, so a server may call it from its own thread before queueing the request."""
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -126,6 +136,8 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})")
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Stop these requests now and free their blocks; unknown ids are ignored."""
