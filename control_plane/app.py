@@ -37,7 +37,7 @@ _Loaded = tuple[Fleet, RoutingPolicy, int]  # what the lifespan reads from the s
 def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) -> ControlPlane:
     fleet, policy, keys_index = loaded
     # Summary indexes start from the wall clock in milliseconds, so they keep growing across
-    # restarts (at most a few changes a second) and gateways never see an index go backwards.
+    # restarts (changes come far slower than 1,000 a second) and gateways see no index go back.
     summary_feed = ChangeFeed(int(time.time() * 1000))
 
     def publish_now() -> None:

@@ -7,6 +7,7 @@ raised it: our own exceptions, request validation, unknown routes, or an unexpec
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,20 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+# For OpenAPI: every route may answer with these, all in the `ErrorBody` shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in (
+        (400, "Body is not JSON"),
+        (401, "Missing or unknown bearer token"),
+        (403, "A valid token of the wrong kind"),
+        (404, "Not found"),
+        (409, "Conflicts with the current state"),
+        (422, "Invalid input"),
+    )
+}
 
 
 class ControlPlaneError(Exception):
@@ -85,7 +100,9 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     assert isinstance(exc, RequestValidationError)
     message, is_bad_json = _describe_validation(exc)
     if is_bad_json:
-        return error_response(400, message, "invalid_request_error", "invalid_json")
+        return error_response(
+            400, "request body is not valid JSON", "invalid_request_error", "invalid_json"
+        )
     return error_response(422, message, "invalid_request_error", "validation_error")
 
 

@@ -70,15 +70,14 @@ class Fleet:
     regions: dict[str, Region] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
 
-    def record_beat(self, node: Node, beat: Heartbeat, now_mono: float, now_unix: float) -> bool:
-        """Store a beat; returns True if the node's health changed (it was unhealthy)."""
+    def record_beat(self, node: Node, beat: Heartbeat, now_mono: float, now_unix: float) -> None:
+        """Store a beat: the node is healthy from now until it misses too many."""
         node.last_beat = beat
         node.last_seen_mono = now_mono
         node.last_seen_unix = now_unix
-        was_healthy, node.is_healthy = node.is_healthy, True
-        if not was_healthy:
+        if not node.is_healthy:
+            node.is_healthy = True
             logger.info("node %s is healthy (region %s)", node.node_id, beat.region)
-        return not was_healthy
 
     def sweep(self, now_mono: float) -> list[Node]:
         """Mark nodes silent for longer than the limit unhealthy; returns the ones that changed."""

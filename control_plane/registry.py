@@ -164,9 +164,10 @@ class Registry:
         node = self.fleet.nodes.get(beat.node_id)
         if node is None or node.identity != identity:
             node = await self._register_node(actor, beat.node_id, identity)
-        is_news = self.fleet.record_beat(node, beat, time.monotonic(), time.time())
-        if is_news:
-            self._on_change()
+        was_routable = node.is_routable
+        self.fleet.record_beat(node, beat, time.monotonic(), time.time())
+        if node.is_routable != was_routable:
+            self._on_change()  # back to health, or started / stopped draining on its own
         else:
             self._on_capacity()
         return node

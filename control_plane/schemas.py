@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from wire.heartbeat import Heartbeat, HttpUrlStr, Name
 from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
 from wire.routing_policy import RoutingPolicy
+
+# Path segments under /v1/regions that are routes, not region names.
+RESERVED_REGION_NAMES = frozenset({"summary"})
 
 # Free text shown to operators: printable, one line.
 Label = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
@@ -25,17 +29,25 @@ class RegionCreate(BaseModel):
     weight: Weight = 1.0
     state: RegionState = "active"
 
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name in RESERVED_REGION_NAMES:
+            raise ValueError(f"{name!r} is reserved (it is a route under /v1/regions)")
+        return name
+
 
 class RegionPatch(BaseModel):
     """Fields to change; `ingress_url: null` clears it. At least one field."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
 
-    lat: Latitude | None = None
-    lon: Longitude | None = None
+    # `SkipJsonSchema[None]`: a field may be left out, but only ingress_url may be null.
+    lat: Latitude | SkipJsonSchema[None] = None
+    lon: Longitude | SkipJsonSchema[None] = None
     ingress_url: HttpUrlStr | None = None
-    weight: Weight | None = None
-    state: RegionState | None = None
+    weight: Weight | SkipJsonSchema[None] = None
+    state: RegionState | SkipJsonSchema[None] = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> RegionPatch:

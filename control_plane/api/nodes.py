@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 
 from control_plane.auth import AdminAuth, NodeAuth
+from control_plane.errors import ERROR_RESPONSES
 from control_plane.fleet import Node
 from control_plane.schemas import NodeList, NodeView
 from control_plane.services import ServicesDep
 from wire.heartbeat import Heartbeat, HeartbeatReply
 
-router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
+router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=ERROR_RESPONSES)
 
 
 def view_of(node: Node) -> NodeView:

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Response, status
 
-from fastapi import APIRouter, Query, Response, status
-
+from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json
 from control_plane.auth import AdminAuth, GatewayAuth
-from control_plane.changes import WAIT_PATTERN, parse_wait_s
-from control_plane.errors import ConflictError
+from control_plane.changes import parse_wait_s
+from control_plane.errors import ERROR_RESPONSES
 from control_plane.fleet import Region
 from control_plane.schemas import RegionCreate, RegionList, RegionPatch, RegionView
 from control_plane.services import ServicesDep
 from wire.region_summary import RegionSummaryIndex
 
-INDEX_HEADER = "X-Meridian-Index"
-# Path segments under /v1/regions that are routes, not region names.
-RESERVED_NAMES = frozenset({"summary"})
-
-router = APIRouter(prefix="/v1/regions", tags=["regions"])
-
-Index = Annotated[int, Query(ge=0, le=2**62, description="last index seen; 0 = do not block")]
-Wait = Annotated[
-    str, Query(pattern=WAIT_PATTERN, description='longest wait, e.g. "30s", "500ms", "1m"')
-]
+router = APIRouter(prefix="/v1/regions", tags=["regions"], responses=ERROR_RESPONSES)
 
 
 def view_of(region: Region) -> RegionView:
@@ -42,7 +32,7 @@ def view_of(region: Region) -> RegionView:
 @router.get(
     "/summary",
     response_model=RegionSummaryIndex,
-    responses={200: {"headers": {INDEX_HEADER: {"schema": {"type": "integer"}}}}},
+    responses=INDEX_HEADER_DOC,
 )
 async def watch_summaries(
     actor: GatewayAuth, services: ServicesDep, index: Index = 0, wait: Wait = "0s"
@@ -52,18 +42,11 @@ async def watch_summaries(
     publisher = services.summaries
     wait_s = parse_wait_s(wait, services.settings.max_wait_s)
     await publisher.feed.wait_past(index, wait_s)
-    current = publisher.current
-    return Response(
-        content=publisher.body,
-        media_type="application/json",
-        headers={INDEX_HEADER: str(current.index)},
-    )
+    return indexed_json(publisher.body, publisher.current.index)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 async def create_region(actor: AdminAuth, services: ServicesDep, body: RegionCreate) -> RegionView:
-    if body.name in RESERVED_NAMES:
-        raise ConflictError(f"region name {body.name!r} is reserved", "region_name_reserved")
     return view_of(await services.registry.create_region(actor, body))
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from control_plane.auth import AdminAuth
+from control_plane.errors import ERROR_RESPONSES
 from control_plane.services import ServicesDep
 from wire.routing_policy import RoutingPolicy
 
-router = APIRouter(prefix="/v1/routing", tags=["routing"])
+router = APIRouter(prefix="/v1/routing", tags=["routing"], responses=ERROR_RESPONSES)
 
 
 @router.get("")

@@ -12,10 +12,11 @@ from control_plane import audit
 from control_plane.api.nodes import view_of as node_view
 from control_plane.audit import AuditEntry
 from control_plane.auth import AdminAuth
+from control_plane.errors import ERROR_RESPONSES
 from control_plane.schemas import StatusView
 from control_plane.services import ServicesDep
 
-router = APIRouter(prefix="/v1", tags=["status"])
+router = APIRouter(prefix="/v1", tags=["status"], responses=ERROR_RESPONSES)
 
 
 class AuditPage(BaseModel):

@@ -99,12 +99,13 @@ def _prefill_attention(
         keys = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
         values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
         values = values[:num_keys]
+    # (1, heads, tokens, D): the CPU flash kernel takes only 4-D inputs; 3-D falls back to math.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
         attn_mask=chunk.mask,
         is_causal=chunk.mask is None,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

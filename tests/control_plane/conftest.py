@@ -124,6 +124,14 @@ class ControlPlaneClient:
         return response.json()
 
 
+@pytest.fixture(autouse=True)
+def no_meridian_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests decide every setting themselves: ignore MERIDIAN_* from the calling shell."""
+    for name in list(os.environ):
+        if name.startswith("MERIDIAN_"):
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def tokens() -> TokenSet:
     return new_tokens()

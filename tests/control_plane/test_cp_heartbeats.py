@@ -1,0 +1,161 @@
+"""Heartbeat ingestion: validation, the reply, drain, and health judged by missed beats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from conftest import ControlPlaneClient, heartbeat
+
+from wire.heartbeat import Heartbeat, HeartbeatReply
+from wire.region_summary import RegionSummaryIndex
+
+
+async def summary(cp: ControlPlaneClient, **params: Any) -> RegionSummaryIndex:
+    response = await cp.http.get("/v1/regions/summary", params=params, headers=cp.gateway)
+    assert response.status_code == 200, response.text
+    document = RegionSummaryIndex.model_validate_json(response.content)
+    assert int(response.headers["x-meridian-index"]) == document.index
+    return document
+
+
+@pytest.mark.asyncio
+async def test_heartbeat_registers_node_and_fills_the_summary(cp: ControlPlaneClient) -> None:
+    await cp.add_region("us-east")
+    reply = HeartbeatReply.model_validate(await cp.beat("n1", kv_blocks_free=600))
+    assert reply == HeartbeatReply(drain=False, heartbeat_interval_s=0.2, region_registered=True)
+    await cp.beat("n2", kv_blocks_free=100, num_waiting=1, num_waiting_prefill_tokens=100)
+
+    (region,) = (await summary(cp)).regions
+    assert region.name == "us-east" and region.healthy_nodes == 2
+    assert (region.kv_blocks_free, region.kv_blocks_total) == (700, 2000)
+    assert region.queue.num_waiting == 3 and region.queue.num_waiting_prefill_tokens == 500
+    assert region.queue.decode_tokens_per_s == 400.0
+    assert region.queue.expected_queue_delay_s == pytest.approx(500 / 400)
+
+    nodes = (await cp.http.get("/v1/nodes", headers=cp.admin)).json()["nodes"]
+    assert [(n["node_id"], n["is_healthy"]) for n in nodes] == [("n1", True), ("n2", True)]
+    assert nodes[0]["last_heartbeat"]["kv_blocks_free"] == 600
+
+
+@pytest.mark.asyncio
+async def test_unknown_fields_are_ignored(cp: ControlPlaneClient) -> None:
+    body = heartbeat("n1") | {"gpu_temperature_c": 71, "future": {"nested": [1, 2]}}
+    response = await cp.http.post("/v1/nodes/heartbeat", json=body, headers=cp.node)
+    assert response.status_code == 200, response.text
+    node = (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()
+    assert "gpu_temperature_c" not in node["last_heartbeat"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"kv_blocks_free": 1001}, "kv_blocks_free must not exceed"),
+        ({"kv_blocks_free": -1}, "kv_blocks_free"),
+        ({"num_waiting": -3}, "num_waiting"),
+        ({"decode_tokens_per_s": -0.5}, "decode_tokens_per_s"),
+        ({"block_size": 0}, "block_size"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"url": "ftp://127.0.0.1:9001"}, "url"),
+        ({"url": "127.0.0.1:9001"}, "url"),
+        ({"node_id": "Bad Node"}, "node_id"),
+        ({"region": ""}, "region"),
+        ({"schema_version": 2}, "schema_version"),
+        ({"draining": "maybe"}, "draining"),
+        ({"timestamp": None}, "timestamp"),
+    ],
+)
+async def test_bad_heartbeat_is_422(
+    cp: ControlPlaneClient, change: dict[str, Any], fragment: str
+) -> None:
+    body = heartbeat("n1") | change
+    response = await cp.http.post("/v1/nodes/heartbeat", json=body, headers=cp.node)
+    assert response.status_code == 422, response.text
+    assert fragment in response.json()["error"]["message"]
+    assert (await cp.http.get("/v1/nodes", headers=cp.admin)).json()["nodes"] == []
+
+
+def test_heartbeat_model_requires_the_contract_fields() -> None:
+    body = heartbeat("n1")
+    for name in ("node_id", "region", "url", "model", "kv_blocks_total", "block_size"):
+        with pytest.raises(ValueError, match=name):
+            Heartbeat.model_validate({k: v for k, v in body.items() if k != name})
+    assert Heartbeat.model_validate(body | {"extra": 1}).node_id == "n1"
+
+
+@pytest.mark.asyncio
+async def test_drain_is_told_to_the_node_and_takes_it_out(cp: ControlPlaneClient) -> None:
+    await cp.add_region("us-east")
+    await cp.beat("n1")
+    await cp.beat("n2")
+    drained = await cp.http.post("/v1/nodes/n1/drain", headers=cp.admin)
+    assert drained.status_code == 200 and drained.json()["drain_requested"] is True
+    assert (await summary(cp)).regions[0].healthy_nodes == 1
+    assert (await cp.beat("n1"))["drain"] is True
+    assert (await cp.beat("n2"))["drain"] is False
+
+    undrained = await cp.http.post("/v1/nodes/n1/undrain", headers=cp.admin)
+    assert undrained.json()["is_draining"] is False
+    assert (await cp.beat("n1"))["drain"] is False
+    assert (await summary(cp)).regions[0].healthy_nodes == 2
+
+    # A node draining on its own (SIGTERM at the agent) leaves routing too.
+    await cp.beat("n2", draining=True)
+    assert (await summary(cp)).regions[0].healthy_nodes == 1
+    for path in ("/v1/nodes/zz/drain", "/v1/nodes/zz/undrain"):
+        assert (await cp.http.post(path, headers=cp.admin)).status_code == 404
+
+
+@pytest.mark.asyncio
+async def test_node_missing_three_beats_is_unhealthy_and_leaves_the_summary(
+    cp: ControlPlaneClient,
+) -> None:
+    await cp.add_region("us-east")
+    await cp.beat("n1")
+    await cp.beat("n2")
+    assert (await summary(cp)).regions[0].healthy_nodes == 2
+    # Keep n2 beating every 0.1 s; n1 goes silent. Unhealthy after 3 × 0.2 s.
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:
+        await cp.beat("n2")
+        await asyncio.sleep(0.1)
+    region = (await summary(cp)).regions[0]
+    assert region.healthy_nodes == 1 and region.kv_blocks_total == 1000
+    nodes = {
+        n["node_id"]: n for n in (await cp.http.get("/v1/nodes", headers=cp.admin)).json()["nodes"]
+    }
+    assert nodes["n1"]["is_healthy"] is False and nodes["n2"]["is_healthy"] is True
+    # One beat brings it back at once.
+    await cp.beat("n1")
+    assert (await summary(cp)).regions[0].healthy_nodes == 2
+
+
+@pytest.mark.asyncio
+async def test_node_of_unregistered_region_is_known_but_not_routed(cp: ControlPlaneClient) -> None:
+    reply = await cp.beat("n1", region="ap-south")
+    assert reply["region_registered"] is False
+    assert (await summary(cp)).regions == []
+    status = (await cp.http.get("/v1/status", headers=cp.admin)).json()
+    assert status["unregistered_regions"] == ["ap-south"] and status["num_nodes"] == 1
+    await cp.add_region("ap-south", lat=19.1, lon=72.9)
+    assert (await summary(cp)).regions[0].healthy_nodes == 1
+
+
+@pytest.mark.asyncio
+async def test_delete_node_and_moving_region_are_audited(cp: ControlPlaneClient) -> None:
+    await cp.beat("n1", region="us-east")
+    await cp.beat("n1", region="us-east")
+    await cp.beat("n1", region="eu-west")
+    assert (await cp.http.delete("/v1/nodes/n1", headers=cp.admin)).status_code == 204
+    assert (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).status_code == 404
+    assert (await cp.http.delete("/v1/nodes/n1", headers=cp.admin)).status_code == 404
+    entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
+    assert [(e["action"], e["actor"]) for e in entries] == [
+        ("node.register", "node"),
+        ("node.update", "node"),
+        ("node.delete", "admin"),
+    ]
+    assert entries[1]["detail"]["region"] == "eu-west"

@@ -1,0 +1,114 @@
+"""`python -m control_plane` as a real process: state survives a restart with the same --db;
+loopback tokens; refusing to start without tokens off loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import REPO_ROOT, bearer, heartbeat, new_tokens
+
+from control_plane.tokens import TokenKind, read_token_file
+
+pytestmark = pytest.mark.slow
+
+
+# uvicorn shuts down gracefully on SIGTERM, then re-raises the signal.
+CLEAN_EXIT = (0, -signal.SIGTERM)
+
+
+def token_env(tokens: Any) -> dict[str, str]:
+    return {
+        "MERIDIAN_ADMIN_TOKEN": tokens.admin,
+        "MERIDIAN_NODE_TOKEN": tokens.node,
+        "MERIDIAN_GATEWAY_TOKEN": tokens.gateway,
+    }
+
+
+def test_state_survives_a_restart(tmp_path: Path, start_process: Any) -> None:
+    tokens = new_tokens()
+    db = str(tmp_path / "fleet.db")
+    admin, node, gateway = bearer(tokens.admin), bearer(tokens.node), bearer(tokens.gateway)
+    first = start_process(["--db", db, "--heartbeat-interval", "0.5"], token_env(tokens))
+    with httpx.Client(base_url=first.base_url, timeout=5) as http:
+        region = {"name": "us-east", "lat": 40.7, "lon": -74.0, "ingress_url": "http://127.0.0.1:1"}
+        assert http.post("/v1/regions", json=region, headers=admin).status_code == 201
+        kept = http.post("/v1/keys", json={"name": "a", "rpm": 1, "tpm": 2}, headers=admin).json()
+        gone = http.post("/v1/keys", json={"name": "b", "rpm": 3, "tpm": 4}, headers=admin).json()
+        assert http.delete(f"/v1/keys/{gone['id']}", headers=admin).status_code == 204
+        assert http.post("/v1/nodes/heartbeat", json=heartbeat("n1"), headers=node).is_success
+        assert http.post("/v1/nodes/n1/drain", headers=admin).is_success
+        assert http.put("/v1/routing", json={"rtt_weight": 3.0}, headers=admin).is_success
+        summary_index = int(http.get("/v1/regions/summary", headers=gateway).json()["index"])
+        keys_index = int(http.get("/v1/keys/snapshot", headers=gateway).json()["index"])
+        audit_before = http.get("/v1/audit", headers=admin).json()["entries"]
+    assert first.stop() in CLEAN_EXIT
+
+    second = start_process(["--db", db, "--heartbeat-interval", "0.5"], token_env(tokens))
+    with httpx.Client(base_url=second.base_url, timeout=5) as http:
+        regions = http.get("/v1/regions", headers=admin).json()["regions"]
+        assert [(r["name"], r["ingress_url"]) for r in regions] == [
+            ("us-east", "http://127.0.0.1:1")
+        ]
+        keys = {k["id"]: k for k in http.get("/v1/keys", headers=admin).json()["keys"]}
+        assert keys[kept["id"]]["revoked_at"] is None and keys[gone["id"]]["revoked_at"]
+        snapshot = http.get("/v1/keys/snapshot", headers=gateway).json()
+        assert snapshot["index"] == keys_index
+        assert [k["id"] for k in snapshot["keys"]] == [kept["id"]]
+        (n1,) = http.get("/v1/nodes", headers=admin).json()["nodes"]
+        # Durable: identity and the drain request. Live: health, until it beats again.
+        assert n1["drain_requested"] is True and n1["is_healthy"] is False
+        assert http.get("/v1/routing", headers=admin).json()["rtt_weight"] == 3.0
+        summary = http.get("/v1/regions/summary", headers=gateway).json()
+        assert summary["index"] > summary_index  # never goes backwards across restarts
+        assert summary["routing"]["rtt_weight"] == 3.0
+        assert http.get("/v1/audit", headers=admin).json()["entries"] == audit_before
+        reply = http.post("/v1/nodes/heartbeat", json=heartbeat("n1"), headers=node).json()
+        assert reply["drain"] is True
+    assert second.stop() in CLEAN_EXIT
+    assert "Application shutdown complete" in (tmp_path / "control_plane.log").read_text()
+
+
+def test_loopback_without_tokens_generates_and_keeps_them(
+    tmp_path: Path, start_process: Any
+) -> None:
+    db = tmp_path / "cp.db"
+    first = start_process(["--db", str(db)])
+    token_file = tmp_path / "cp.db.tokens"
+    stored = read_token_file(token_file)
+    assert set(stored) == set(TokenKind)
+    admin = bearer(stored[TokenKind.ADMIN])
+    with httpx.Client(base_url=first.base_url, timeout=5) as http:
+        assert http.get("/v1/status", headers=admin).status_code == 200
+        assert http.get("/v1/status").status_code == 401
+    first.stop()
+    log = (tmp_path / "control_plane.log").read_text()
+    assert str(token_file) in log and stored[TokenKind.ADMIN] not in log
+
+    second = start_process(["--db", str(db)])
+    with httpx.Client(base_url=second.base_url, timeout=5) as http:
+        assert http.get("/v1/status", headers=admin).status_code == 200
+
+
+def test_refuses_to_serve_off_loopback_without_tokens(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env["MERIDIAN_ADMIN_TOKEN"] = "secret-admin-token-123456"
+    result = subprocess.run(
+        [sys.executable, "-m", "control_plane", "--host", "0.0.0.0", "--db", str(tmp_path / "x")],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MERIDIAN_NODE_TOKEN" in lines[0]
+    assert "secret-admin-token" not in result.stderr
+    assert not (tmp_path / "x").exists()

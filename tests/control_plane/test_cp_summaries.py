@@ -1,0 +1,165 @@
+"""Region summaries and blocking queries, against the app served by uvicorn on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ControlPlaneClient, make_settings
+
+from control_plane.changes import ChangeFeed, parse_wait_s
+from control_plane.settings import Settings
+from control_plane.summaries import MAX_QUEUE_DELAY_S, expected_queue_delay_s
+from control_plane.tokens import TokenSet
+from wire.region_summary import RegionSummaryIndex
+
+NUM_WATCHERS = 50
+
+
+@pytest.fixture
+def settings(tmp_path: Path, tokens: TokenSet) -> Settings:
+    # Production's sweep interval (0.25 s), fast heartbeats so health changes come quickly.
+    return make_settings(
+        tmp_path / "cp.db", tokens, heartbeat_interval_s=0.2, sweep_interval_s=0.25
+    )
+
+
+async def watch(
+    cp: ControlPlaneClient, index: int, wait: str = "10s"
+) -> tuple[RegionSummaryIndex, float]:
+    started = time.monotonic()
+    response = await cp.http.get(
+        "/v1/regions/summary", params={"index": index, "wait": wait}, headers=cp.gateway
+    )
+    assert response.status_code == 200, response.text
+    assert int(response.headers["x-meridian-index"]) == int(response.json()["index"])
+    return RegionSummaryIndex.model_validate_json(response.content), time.monotonic() - started
+
+
+async def current(cp: ControlPlaneClient) -> RegionSummaryIndex:
+    return (await watch(cp, 0))[0]
+
+
+@pytest.mark.asyncio
+async def test_admin_change_reaches_waiting_gateways_within_a_second(
+    live_cp: ControlPlaneClient,
+) -> None:
+    await live_cp.add_region("us-east")
+    before = await current(live_cp)
+    watchers = [asyncio.create_task(watch(live_cp, before.index)) for _ in range(NUM_WATCHERS)]
+    await asyncio.sleep(0.3)
+    assert not any(w.done() for w in watchers)
+    changed_at = time.monotonic()
+    patch = await live_cp.http.patch(
+        "/v1/regions/us-east", json={"state": "draining"}, headers=live_cp.admin
+    )
+    assert patch.status_code == 200
+    results = await asyncio.wait_for(asyncio.gather(*watchers), timeout=5)
+    latency_s = time.monotonic() - changed_at
+    assert latency_s < 1.0
+    for document, _ in results:
+        assert document.index > before.index and document.regions[0].state == "draining"
+
+
+@pytest.mark.asyncio
+async def test_wait_times_out_with_the_same_index(live_cp: ControlPlaneClient) -> None:
+    await live_cp.add_region("us-east")
+    before = await current(live_cp)
+    document, waited_s = await watch(live_cp, before.index, wait="700ms")
+    assert 0.65 <= waited_s < 1.5
+    assert document.index == before.index and document == before
+
+
+@pytest.mark.asyncio
+async def test_index_zero_or_from_elsewhere_answers_at_once(live_cp: ControlPlaneClient) -> None:
+    before = await current(live_cp)
+    _, waited_s = await watch(live_cp, 0, wait="5s")
+    assert waited_s < 0.5
+    ahead, waited_s = await watch(live_cp, before.index + 1000, wait="5s")
+    assert waited_s < 0.5 and ahead.index == before.index
+
+
+@pytest.mark.asyncio
+async def test_silent_node_leaves_the_summary_within_a_second(live_cp: ControlPlaneClient) -> None:
+    await live_cp.add_region("us-east")
+    await live_cp.beat("n1")
+    last_beat_at = time.monotonic()
+    await asyncio.sleep(0.3)  # let the first capacity publish settle
+    before = await current(live_cp)
+    assert before.regions[0].healthy_nodes == 1
+    document, _ = await watch(live_cp, before.index)
+    silent_s = time.monotonic() - last_beat_at
+    assert document.regions[0].healthy_nodes == 0 and document.regions[0].kv_blocks_total == 0
+    # Unhealthy once 3 × 0.2 s have passed; the waiting gateway hears within a second of that.
+    assert 0.6 <= silent_s < 0.6 + 1.0
+
+
+@pytest.mark.asyncio
+async def test_capacity_change_reaches_waiting_gateway(live_cp: ControlPlaneClient) -> None:
+    await live_cp.add_region("us-east")
+    await live_cp.beat("n1", kv_blocks_free=600)
+    await asyncio.sleep(0.3)
+    before = await current(live_cp)
+    watcher = asyncio.create_task(watch(live_cp, before.index))
+    await asyncio.sleep(0.1)
+    await live_cp.beat("n1", kv_blocks_free=10)
+    document, _ = await asyncio.wait_for(watcher, timeout=5)
+    assert document.regions[0].kv_blocks_free == 10
+
+
+@pytest.mark.asyncio
+async def test_routing_policy_change_is_published_with_the_summaries(
+    live_cp: ControlPlaneClient,
+) -> None:
+    before = await current(live_cp)
+    assert before.routing.rtt_weight == 1.0
+    watcher = asyncio.create_task(watch(live_cp, before.index))
+    await asyncio.sleep(0.1)
+    put = await live_cp.http.put(
+        "/v1/routing", json={"rtt_weight": 2.0, "affinity_enabled": False}, headers=live_cp.admin
+    )
+    assert put.status_code == 200
+    document, _ = await asyncio.wait_for(watcher, timeout=5)
+    assert document.routing.rtt_weight == 2.0 and document.routing.affinity_enabled is False
+
+
+def test_expected_queue_delay() -> None:
+    assert expected_queue_delay_s(0, 0.0) == 0.0
+    assert expected_queue_delay_s(1000, 500.0) == 2.0
+    assert expected_queue_delay_s(10, 0.0) == 10.0  # no throughput yet: 1 token/s floor
+    assert expected_queue_delay_s(10**9, 1.0) == MAX_QUEUE_DELAY_S
+
+
+def test_parse_wait() -> None:
+    assert parse_wait_s("30s", 300) == 30.0
+    assert parse_wait_s("500ms", 300) == 0.5
+    assert parse_wait_s("2m", 300) == 120.0
+    assert parse_wait_s("7", 300) == 7.0
+    assert parse_wait_s("10m", 300) == 300.0
+    with pytest.raises(ValueError):
+        parse_wait_s("soon", 300)
+
+
+@pytest.mark.asyncio
+async def test_change_feed_semantics() -> None:
+    feed = ChangeFeed(5)
+    assert await feed.wait_past(0, 10) == 5  # 0 never blocks
+    assert await feed.wait_past(4, 10) == 5  # behind: at once
+    assert await feed.wait_past(9, 10) == 5  # ahead (another server): at once
+    started = time.monotonic()
+    assert await feed.wait_past(5, 0.1) == 5
+    assert time.monotonic() - started >= 0.1
+    waiter = asyncio.create_task(feed.wait_past(5, 10))
+    await asyncio.sleep(0.01)
+    assert feed.advance() == 6
+    assert await asyncio.wait_for(waiter, 1) == 6
+    feed.advance_to(3)
+    assert feed.index == 6
+    feed.advance_to(9)
+    assert feed.index == 9
+    closing = asyncio.create_task(feed.wait_past(9, 10))
+    await asyncio.sleep(0.01)
+    feed.close()
+    assert await asyncio.wait_for(closing, 1) == 9
