@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import cpu_paged_attention
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -58,6 +59,8 @@ class ModelRunner:
         self.model.eval()
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, max_model_len, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Decodes read the paged cache in place where the native kernel exists (CPU).
+        self.use_decode_kernel = device.type == "cpu" and cpu_paged_attention() is not None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -120,11 +123,13 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_rows.append(row + num_tokens - 1)
                 sampling_seqs.append(seq)
+        context_lens = self._tensor(decode_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_lens),
-            decode_block_ids=self._tensor([b for t in _pad(decode_tables) for b in t]),
-            decode_mask=self._decode_mask(decode_tables, decode_lens),
+            decode_block_tables=self._tensor(_pad(decode_tables)),
+            decode_context_lens=context_lens,
+            decode_mask=None if self.use_decode_kernel else self._decode_mask(context_lens),
             prefills=prefills,
         )
         return _StepInputs(
@@ -145,13 +150,13 @@ class ModelRunner:
             mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
         return PrefillChunk(row, num_tokens, num_context, self._tensor(block_ids), mask)
 
-    def _decode_mask(self, tables: list[list[int]], lens: list[int]) -> torch.Tensor:
-        max_keys = max((len(t) for t in tables), default=0) * self.block_size
-        key_pos = torch.arange(max_keys, device=self.device)
-        valid = key_pos.unsqueeze(0) < self._tensor(lens).unsqueeze(1)
+    def _decode_mask(self, context_lens: torch.Tensor) -> torch.Tensor:
+        max_blocks = -(-int(context_lens.max()) // self.block_size) if len(context_lens) else 0
+        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+        valid = key_pos.unsqueeze(0) < context_lens.unsqueeze(1)
         return valid[:, None, None, :]
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
 

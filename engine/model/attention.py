@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_paged_attention
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -30,8 +32,11 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot of each token's K and V
     num_decode_tokens: int
-    decode_block_ids: torch.Tensor  # (num_decodes * max_blocks,) padded block tables, flat
-    decode_mask: torch.Tensor  # (num_decodes, 1, 1, max_blocks * block_size) valid keys
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) padded with block 0
+    decode_context_lens: torch.Tensor  # (num_decodes,) keys each decode attends to
+    # (num_decodes, 1, 1, max_blocks * block_size) valid keys, for the portable path; None
+    # when the native kernel reads the block tables itself.
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
 
 
@@ -72,9 +77,21 @@ def _decode_attention(
 ) -> torch.Tensor:
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    # (B * max_blocks, block_size, KVH, D) -> (B, KVH, max_blocks * block_size, D)
-    keys = k_cache.index_select(0, meta.decode_block_ids)
-    values = v_cache.index_select(0, meta.decode_block_ids)
+    if meta.decode_mask is None:
+        kernel = cpu_paged_attention()
+        assert kernel is not None, "metadata built for a kernel that is not loaded"
+        return kernel.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            head_dim**-0.5,
+        )
+    # Portable path: gather the blocks into a padded batch, (B, KVH, max_blocks * bs, D).
+    block_ids = meta.decode_block_tables.view(-1)
+    keys = k_cache.index_select(0, block_ids)
+    values = v_cache.index_select(0, block_ids)
     keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(

@@ -1,0 +1,98 @@
+"""Continuous batching decisions, on real block pools with exact numbers."""
+
+from __future__ import annotations
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+def make_scheduler(
+    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16
+) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), KVCacheManager(num_blocks, block_size))
+
+
+def seq(request_id: str, num_prompt: int, first_token: int = 0) -> Sequence:
+    tokens = list(range(first_token, first_token + num_prompt))
+    return Sequence(request_id, tokens, SamplingParams(), max_tokens=100)
+
+
+def run_step(scheduler: Scheduler, next_token: int = 7) -> ScheduledBatch:
+    """What the engine does around the model: schedule, advance, append sampled tokens."""
+    batch = scheduler.schedule()
+    scheduler.update_after_step(batch)
+    for s in batch.seqs:
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(next_token)
+    return batch
+
+
+def scheduled(batch: ScheduledBatch) -> dict[str, int]:
+    return {s.request_id: n for s, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True)}
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget() -> None:
+    scheduler = make_scheduler(budget=16)
+    scheduler.add(seq("a", 40))
+    assert [scheduled(run_step(scheduler)) for _ in range(3)] == [{"a": 16}, {"a": 16}, {"a": 8}]
+    assert scheduler.running[0].num_output_tokens == 1  # sampled only at the end of the prompt
+
+
+def test_decodes_go_first_and_a_new_prompt_gets_the_rest_of_the_budget() -> None:
+    scheduler = make_scheduler(budget=16)
+    scheduler.add(seq("a", 4))
+    run_step(scheduler)
+    scheduler.add(seq("b", 40, first_token=100))
+    assert scheduled(run_step(scheduler)) == {"a": 1, "b": 15}
+    assert scheduled(run_step(scheduler)) == {"a": 1, "b": 15}
+
+
+def test_admission_stops_at_max_num_seqs() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, budget=100)
+    for i in range(3):
+        scheduler.add(seq(f"r{i}", 4, first_token=10 * i))
+    assert set(scheduled(run_step(scheduler))) == {"r0", "r1"}
+    assert [s.request_id for s in scheduler.waiting] == ["r2"]
+
+
+def test_pool_exhaustion_preempts_the_newest_and_frees_its_blocks() -> None:
+    # 4 blocks of 4 tokens: two 8-token prompts take 2 blocks each; the next decode of the
+    # oldest needs a fifth block, so the newest is preempted and waits at the head of the queue.
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=100)
+    scheduler.add(seq("old", 8))
+    scheduler.add(seq("new", 8, first_token=50))
+    run_step(scheduler)  # both prefilled, each sampled its 9th token
+    batch = run_step(scheduler)  # "old" needs a third block for its 9th token
+    assert scheduled(batch) == {"old": 1}
+    new = scheduler.waiting[0]
+    assert new.request_id == "new" and new.status is SequenceStatus.WAITING
+    assert new.block_table == [] and new.num_computed_tokens == 0 and new.num_preemptions == 1
+    assert new.token_ids[-1] == 7, "its generated token is kept and recomputed later"
+    assert scheduler.stats.num_preemptions == 1
+
+
+def test_preempted_request_resumes_with_its_prefix_from_the_cache() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=100)
+    scheduler.add(seq("old", 8))
+    scheduler.add(seq("new", 8, first_token=50))
+    run_step(scheduler)
+    run_step(scheduler)  # "new" preempted; "old" took the block freed from its tail
+    old = scheduler.running[0]
+    scheduler.finish(old, "stop")
+    assert scheduler.kv_cache.num_free_blocks == 4
+    batch = run_step(scheduler)
+    # "new" (9 tokens) re-admits with its first block still cached: 5 tokens are recomputed.
+    assert scheduled(batch) == {"new": 5}
+    assert scheduler.running[0].num_cached_tokens == 4
+
+
+def test_finish_returns_blocks_at_once() -> None:
+    scheduler = make_scheduler(num_blocks=8)
+    scheduler.add(seq("a", 10))
+    run_step(scheduler)
+    a = scheduler.running[0]
+    assert scheduler.kv_cache.num_free_blocks == 8 - 3
+    scheduler.finish(a, "abort")
+    assert scheduler.kv_cache.num_free_blocks == 8 and a.is_finished and not scheduler.running
