@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from control_plane.app import create_app
 from control_plane.settings import Settings
+from control_plane.xds import bootstrap
 
 logger = logging.getLogger("control_plane")
 
@@ -24,6 +25,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Meridian control plane. Tokens come from MERIDIAN_ADMIN_TOKEN, "
         "MERIDIAN_NODE_TOKEN and MERIDIAN_GATEWAY_TOKEN; on a loopback host, missing ones are "
         "generated into a token file next to the database.",
+        epilog="`python -m control_plane envoy-bootstrap --help`: print an Envoy bootstrap.",
     )
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="admin API port (default 8080)")
@@ -51,6 +53,9 @@ def _one_line(exc: ValidationError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["envoy-bootstrap"]:
+        return bootstrap.main(argv[1:])
     args = parse_args(argv)
     try:
         settings = load_settings(args)
@@ -62,14 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = create_app(settings)
     logger.info(
-        "admin API on http://%s:%d (db %s); xDS, DNS and Consul sync are not part of this "
-        "build yet, so --xds-port %d, --dns-port %d and --consul are recorded but nothing "
-        "listens there",
+        "admin API on http://%s:%d (db %s), xDS on port %d, DNS on udp port %d, Consul %s",
         settings.host,
         settings.port,
         settings.db_path,
         settings.xds_port,
         settings.dns_port,
+        settings.consul_addr or "off",
     )
     server = uvicorn.Server(
         uvicorn.Config(

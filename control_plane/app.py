@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from control_plane import keys as key_store
 from control_plane.api import keys, nodes, regions, routing, status
 from control_plane.changes import ChangeFeed
+from control_plane.consul_sync import follow_consul
+from control_plane.dns.server import DnsServer
 from control_plane.errors import install_error_handlers
 from control_plane.fleet import Fleet
 from control_plane.keys import KeyRegistry
@@ -25,6 +27,8 @@ from control_plane.settings import Settings
 from control_plane.store import Store
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet, resolve_tokens
+from control_plane.xds import api as xds_api
+from control_plane.xds.server import XdsServer
 from wire.routing_policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,8 @@ def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) 
         keys=KeyRegistry(store, ChangeFeed(keys_index)),
         routing=policies,
         summaries=publisher,
+        xds=XdsServer(fleet, summary_feed, refresh_interval_s=settings.sweep_interval_s),
+        dns=DnsServer(settings.dns, publisher),
     )
 
 
@@ -71,6 +77,12 @@ def create_app(settings: Settings) -> FastAPI:
 
             services = _build(settings, tokens, store, await store.read(load))
             app.state.services = services
+            xds = services.xds
+            assert xds is not None
+            await xds.start(settings.host, settings.xds_port)
+            dns = services.dns
+            assert dns is not None
+            await dns.start(settings.host, settings.dns_port)
             sweep = asyncio.create_task(services.summaries.run(settings.sweep_interval_s))
             logger.info(
                 "control plane ready: %d regions, %d nodes known",
@@ -78,11 +90,17 @@ def create_app(settings: Settings) -> FastAPI:
                 len(services.registry.fleet.nodes),
             )
             try:
-                yield
+                consul = follow_consul(
+                    settings.consul_addr, settings.consul_service_name, services.registry
+                )
+                async with consul:
+                    yield
             finally:
                 sweep.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sweep
+                await xds.stop()
+                dns.stop()
                 services.summaries.feed.close()
                 services.keys.feed.close()
                 app.state.services = None
@@ -98,6 +116,13 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app)
-    for router in (regions.router, nodes.router, keys.router, routing.router, status.router):
+    for router in (
+        regions.router,
+        nodes.router,
+        keys.router,
+        routing.router,
+        status.router,
+        xds_api.router,
+    ):
         app.include_router(router)
     return app

@@ -4,12 +4,26 @@ Owned by the event loop (only touched from async code, never from worker threads
 (regions, node identities, drain requests) are loaded from the store at start and updated after
 each committed change; live capacity and last-heard-from times are memory only, so a restarted
 control plane counts every node unhealthy until it beats again.
+
+Nodes have two possible sources: heartbeats (the node reports to us; durable in the store) and,
+with `--consul`, Consul's catalog (memory only, replaced whenever Consul's view changes). The merge
+rule, one place in `Node.is_healthy`:
+
+- Consul says the node's checks are critical: unhealthy, whatever the heartbeats say (a veto).
+- The node heartbeats to us: healthy while its beats are current (Consul passing alone is not
+  enough: a node that reports to us and stops is gone, or cut off from us).
+- Known only from Consul: healthy while Consul's checks pass (passing or warning); it carries no
+  capacity numbers. When Consul is unreachable its opinion is "unknown": no veto, and Consul-only
+  nodes are unhealthy until Consul answers again.
+- Deregistered from Consul: a Consul-only node is forgotten; a heartbeat node just loses the veto.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from wire.heartbeat import Heartbeat
 from wire.region_summary import RegionState
@@ -43,6 +57,19 @@ class NodeIdentity:
         return cls(region=beat.region, url=beat.url, model=beat.model, tp_size=beat.tp_size)
 
 
+# Consul's aggregated check status for a service instance; "unknown" while Consul is unreachable.
+ConsulStatus = Literal["passing", "warning", "critical", "unknown"]
+NodeSource = Literal["heartbeat", "consul"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsulEntry:
+    """One node agent as Consul lists it (service instance id = node id)."""
+
+    identity: NodeIdentity
+    status: ConsulStatus
+
+
 @dataclass(slots=True)
 class Node:
     node_id: str
@@ -52,7 +79,23 @@ class Node:
     last_beat: Heartbeat | None = None
     last_seen_mono: float | None = None  # event-loop clock when the last beat arrived
     last_seen_unix: float | None = None
-    is_healthy: bool = False
+    is_beating: bool = False  # heard from within the heartbeat limit
+    is_from_heartbeats: bool = True  # registered by its heartbeats (in the store)
+    consul: ConsulEntry | None = None  # what Consul says, when it lists this node
+
+    @property
+    def sources(self) -> list[NodeSource]:
+        found: list[NodeSource] = ["heartbeat"] if self.is_from_heartbeats else []
+        return found + ["consul"] if self.consul is not None else found
+
+    @property
+    def is_healthy(self) -> bool:
+        """The merge rule in the module docstring."""
+        if self.consul is not None and self.consul.status == "critical":
+            return False
+        if self.is_from_heartbeats:
+            return self.is_beating
+        return self.consul is not None and self.consul.status in ("passing", "warning")
 
     @property
     def is_draining(self) -> bool:
@@ -69,24 +112,26 @@ class Fleet:
     unhealthy_after_s: float
     regions: dict[str, Region] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
+    # Consul's latest view by node id (empty without --consul), kept to merge late-coming nodes.
+    consul: dict[str, ConsulEntry] = field(default_factory=dict)
 
     def record_beat(self, node: Node, beat: Heartbeat, now_mono: float, now_unix: float) -> None:
         """Store a beat: the node is healthy from now until it misses too many."""
         node.last_beat = beat
         node.last_seen_mono = now_mono
         node.last_seen_unix = now_unix
-        if not node.is_healthy:
-            node.is_healthy = True
-            logger.info("node %s is healthy (region %s)", node.node_id, beat.region)
+        if not node.is_beating:
+            node.is_beating = True
+            logger.info("node %s is beating (region %s)", node.node_id, beat.region)
 
     def sweep(self, now_mono: float) -> list[Node]:
         """Mark nodes silent for longer than the limit unhealthy; returns the ones that changed."""
         changed: list[Node] = []
         for node in self.nodes.values():
-            if not node.is_healthy or node.last_seen_mono is None:
+            if not node.is_beating or node.last_seen_mono is None:
                 continue
             if now_mono - node.last_seen_mono > self.unhealthy_after_s:
-                node.is_healthy = False
+                node.is_beating = False
                 changed.append(node)
                 logger.warning(
                     "node %s is unhealthy: no heartbeat for %.1f s",
@@ -97,3 +142,33 @@ class Fleet:
 
     def nodes_in(self, region: str) -> list[Node]:
         return [node for node in self.nodes.values() if node.identity.region == region]
+
+    def apply_consul(self, entries: Mapping[str, ConsulEntry], now_unix: float) -> bool:
+        """Adopt Consul's view; returns True if any node came, went or changed routability."""
+        self.consul = dict(entries)
+        is_changed = False
+        for node_id, node in list(self.nodes.items()):
+            entry = entries.get(node_id)
+            if entry is None and not node.is_from_heartbeats:
+                del self.nodes[node_id]
+                logger.info("node %s left Consul; forgotten", node_id)
+                is_changed = True
+            elif entry != node.consul:
+                was_routable, old_identity = node.is_routable, node.identity
+                node.consul = entry
+                if entry is not None and not node.is_from_heartbeats:
+                    node.identity = entry.identity
+                is_changed |= node.is_routable != was_routable or node.identity != old_identity
+        for node_id, entry in entries.items():
+            if node_id not in self.nodes:
+                self.nodes[node_id] = Node(
+                    node_id=node_id,
+                    identity=entry.identity,
+                    drain_requested=False,
+                    registered_at=now_unix,
+                    is_from_heartbeats=False,
+                    consul=entry,
+                )
+                logger.info("node %s found in Consul (region %s)", node_id, entry.identity.region)
+                is_changed = True
+        return is_changed

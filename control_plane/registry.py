@@ -3,7 +3,8 @@
 Each change is one store transaction (with its audit entry); only after it commits does the
 in-memory `Fleet` change and `on_change` run (which recomputes the region summaries and wakes
 watchers). Changes are serialized by one lock so memory always follows the store's commit order.
-Heartbeats from known nodes with an unchanged identity touch memory only.
+Heartbeats from known nodes with an unchanged identity touch memory only. Consul's view (with
+`--consul`) is memory only too: it is merged into the fleet as it comes (see `control_plane.fleet`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.errors import ConflictError, NotFoundError
-from control_plane.fleet import Fleet, Node, NodeIdentity, Region
+from control_plane.fleet import ConsulEntry, Fleet, Node, NodeIdentity, Region
 from control_plane.schemas import RegionCreate, RegionPatch
 from control_plane.store import Store
 from wire.heartbeat import Heartbeat
@@ -162,7 +163,7 @@ class Registry:
     async def record_heartbeat(self, actor: Actor, beat: Heartbeat) -> Node:
         identity = NodeIdentity.of(beat)
         node = self.fleet.nodes.get(beat.node_id)
-        if node is None or node.identity != identity:
+        if node is None or node.identity != identity or not node.is_from_heartbeats:
             node = await self._register_node(actor, beat.node_id, identity)
         was_routable = node.is_routable
         self.fleet.record_beat(node, beat, time.monotonic(), time.time())
@@ -204,20 +205,37 @@ class Registry:
 
         async with self._lock:
             node = self.fleet.nodes.get(node_id)
-            if node is not None and node.identity == identity:
+            if node is not None and node.identity == identity and node.is_from_heartbeats:
                 return node  # registered by a concurrent beat
             await self._store.write(change)
+            node = self.fleet.nodes.get(node_id)  # Consul may have listed it meanwhile
             if node is None:
                 node = Node(
-                    node_id=node_id, identity=identity, drain_requested=False, registered_at=now
+                    node_id=node_id,
+                    identity=identity,
+                    drain_requested=False,
+                    registered_at=now,
+                    consul=self.fleet.consul.get(node_id),
                 )
                 self.fleet.nodes[node_id] = node
             else:
                 node.identity = identity
+                node.is_from_heartbeats = True
         self._on_change()
         return node
 
+    def _refuse_consul_only(self, node_id: str, action: str) -> None:
+        node = self.fleet.nodes.get(node_id)
+        if node is not None and not node.is_from_heartbeats:
+            raise ConflictError(
+                f"node {node_id!r} is known only from Consul; {action} it there (deregister the "
+                "service, or drain the node agent itself)",
+                "node_in_consul",
+            )
+
     async def set_drain(self, actor: Actor, node_id: str, drain: bool) -> Node:
+        self._refuse_consul_only(node_id, "drain" if drain else "undrain")
+
         def change(conn: sqlite3.Connection) -> None:
             cursor = conn.execute(
                 "UPDATE nodes SET drain_requested = ?, updated_at = ? WHERE node_id = ?",
@@ -235,7 +253,9 @@ class Registry:
         return node
 
     async def delete_node(self, actor: Actor, node_id: str) -> None:
-        """Forget a node. If it is still running, its next heartbeat registers it again."""
+        """Forget a node. If it is still running, its next heartbeat registers it again; if
+        Consul lists it, it stays as a Consul-only node."""
+        self._refuse_consul_only(node_id, "remove")
 
         def change(conn: sqlite3.Connection) -> None:
             if conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)).rowcount != 1:
@@ -245,4 +265,12 @@ class Registry:
         async with self._lock:
             await self._store.write(change)
             self.fleet.nodes.pop(node_id, None)
+            self.fleet.apply_consul(self.fleet.consul, time.time())
         self._on_change()
+
+    # --- Consul ---
+
+    def apply_consul(self, entries: dict[str, ConsulEntry]) -> None:
+        """Merge Consul's latest view (memory only; nothing to persist or audit)."""
+        if self.fleet.apply_consul(entries, time.time()):
+            self._on_change()

@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from control_plane.fleet import ConsulStatus, NodeSource
 from wire.heartbeat import Heartbeat, HttpUrlStr, Name
 from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
 from wire.routing_policy import RoutingPolicy
@@ -80,12 +81,14 @@ class NodeView(BaseModel):
     url: str
     model: str
     tp_size: int
-    is_healthy: bool
+    is_healthy: bool  # the merge of heartbeats and Consul (control_plane/fleet.py)
     is_draining: bool  # asked to drain, or draining on its own
     drain_requested: bool  # asked to drain by an operator
     registered_at: float
     last_heartbeat_at: float | None  # Unix seconds at the control plane; None since (re)start
     last_heartbeat: Heartbeat | None
+    sources: list[NodeSource]  # where we know it from: its heartbeats, Consul, or both
+    consul_status: ConsulStatus | None  # None when Consul does not list it
 
 
 class NodeList(BaseModel):

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from control_plane.dns.server import DnsServer
 from control_plane.keys import KeyRegistry
 from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry
@@ -14,6 +15,7 @@ from control_plane.settings import Settings
 from control_plane.store import Store
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet
+from control_plane.xds.server import XdsServer
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,8 @@ class ControlPlane:
     keys: KeyRegistry
     routing: PolicyRegistry
     summaries: SummaryPublisher
+    xds: XdsServer | None = None  # the ADS server for Envoy, started by the lifespan
+    dns: DnsServer | None = None  # the authoritative DNS, bound by the lifespan
 
 
 def get_services(request: Request) -> ControlPlane:

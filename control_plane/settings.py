@@ -6,8 +6,11 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from control_plane.consul_sync import parse_consul_addr
+from control_plane.dns.config import DnsConfig
 
 MIN_TOKEN_LEN = 16
 MEMORY_DB = ":memory:"
@@ -35,10 +38,13 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
-    # Accepted now so scripts can pass them; the xDS, DNS and Consul parts are not built yet.
-    xds_port: int = Field(default=18000, ge=0, le=65535)
-    dns_port: int = Field(default=8053, ge=0, le=65535)
+    xds_port: int = Field(default=18000, ge=0, le=65535)  # ADS for Envoy, on `host`; 0: any free
+    dns_port: int = Field(default=8053, ge=0, le=65535)  # UDP, on `host`; 0: any free
+    dns: DnsConfig = Field(default_factory=DnsConfig)  # zone, TTL, subnets, shedding
+    # Consul (optional): `HOST:PORT` or `http(s)://HOST:PORT`; node agents found there are merged
+    # with heartbeats. Its ACL token, if any, comes from CONSUL_HTTP_TOKEN (read by py-consul).
     consul_addr: str | None = None
+    consul_service_name: str = Field(default="meridian-node", min_length=1, max_length=128)
     db_path: str = "meridian-control-plane.db"
 
     # Bearer tokens, read from MERIDIAN_ADMIN_TOKEN / MERIDIAN_NODE_TOKEN / MERIDIAN_GATEWAY_TOKEN.
@@ -57,6 +63,13 @@ class Settings(BaseSettings):
     # Upper bound on a blocking query's `wait` (Consul caps at 10 minutes).
     max_wait_s: float = Field(default=300.0, gt=0.0, le=600.0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("consul_addr")
+    @classmethod
+    def _valid_consul_addr(cls, addr: str | None) -> str | None:
+        if addr is not None:
+            parse_consul_addr(addr)
+        return addr
 
     @model_validator(mode="after")
     def _tokens_required_off_loopback(self) -> Settings:

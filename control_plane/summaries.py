@@ -38,7 +38,9 @@ def expected_queue_delay_s(num_waiting_prefill_tokens: int, decode_tokens_per_s:
 
 
 def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
-    beats = [node.last_beat for node in nodes if node.is_routable and node.last_beat is not None]
+    routable = [node for node in nodes if node.is_routable]
+    # Nodes known only from Consul count as healthy but report no capacity.
+    beats = [node.last_beat for node in routable if node.last_beat is not None]
     num_waiting_prefill_tokens = sum(beat.num_waiting_prefill_tokens for beat in beats)
     decode_tokens_per_s = round(sum(beat.decode_tokens_per_s for beat in beats), 3)
     queue = QueueEstimate(
@@ -55,7 +57,7 @@ def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
         lon=region.lon,
         state=region.state,
         ingress_url=region.ingress_url,
-        healthy_nodes=len(beats),
+        healthy_nodes=len(routable),
         kv_blocks_free=sum(beat.kv_blocks_free for beat in beats),
         kv_blocks_total=sum(beat.kv_blocks_total for beat in beats),
         queue=queue,

@@ -27,6 +27,8 @@ def view_of(node: Node) -> NodeView:
         registered_at=node.registered_at,
         last_heartbeat_at=node.last_seen_unix,
         last_heartbeat=node.last_beat,
+        sources=node.sources,
+        consul_status=node.consul.status if node.consul is not None else None,
     )
 
 

@@ -51,6 +51,8 @@ def make_settings(db_path: Path, tokens: TokenSet, **overrides: Any) -> Settings
         "gateway_token": tokens.gateway,
         "heartbeat_interval_s": 0.2,
         "sweep_interval_s": 0.05,
+        "dns_port": 0,  # any free UDP port: tests never share the default 8053
+        "xds_port": 0,  # any free port for ADS: tests never share the default 18000
     }
     return Settings(**(values | overrides))
 
@@ -212,7 +214,8 @@ class ControlPlaneProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "control_plane", "--port", str(self.port), *args],
+            [sys.executable, "-m", "control_plane", "--port", str(self.port)]
+            + ["--dns-port", "0", "--xds-port", "0", *args],
             cwd=REPO_ROOT,
             env=env,
             stdout=self._log,

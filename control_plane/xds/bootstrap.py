@@ -1,0 +1,184 @@
+"""`python -m control_plane envoy-bootstrap`: a complete Envoy bootstrap for one ingress or edge.
+
+Like `consul connect envoy -bootstrap`: the output is all `envoy -c FILE` needs. The node metadata
+tells the ADS server which snapshot this Envoy gets (role, region, and the address its listener
+binds); everything else (listener, routes, cluster, endpoints) arrives over ADS from `--xds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from control_plane.xds.groups import EnvoyGroup, Role
+from control_plane.xds.resources import TYPE_PREFIX
+
+DEFAULT_ADMIN = "127.0.0.1:9901"
+MAX_DOWNSTREAM_CONNECTIONS = 100_000
+XDS_CLUSTER = "xds_cluster"
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapConfig:
+    group: EnvoyGroup
+    xds_host: str
+    xds_port: int
+    admin_host: str
+    admin_port: int
+    node_id: str
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _xds_cluster(config: BootstrapConfig) -> dict[str, Any]:
+    endpoint = {"endpoint": {"address": _socket(config.xds_host, config.xds_port)}}
+    return {
+        "name": XDS_CLUSTER,
+        "type": "STATIC" if _is_ip(config.xds_host) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            HTTP_OPTIONS: {
+                "@type": TYPE_PREFIX + HTTP_OPTIONS,
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        "connection_keepalive": {"interval": "30s", "timeout": "5s"}
+                    }
+                },
+            }
+        },
+        "load_assignment": {
+            "cluster_name": XDS_CLUSTER,
+            "endpoints": [{"lb_endpoints": [endpoint]}],
+        },
+    }
+
+
+def render(config: BootstrapConfig) -> dict[str, Any]:
+    """The bootstrap as a plain dict (YAML or JSON ready)."""
+    group = config.group
+    return {
+        "node": {
+            "id": config.node_id,
+            "cluster": f"meridian-{group.label.replace('/', '-')}",
+            "metadata": group.metadata(),
+        },
+        "admin": {"address": _socket(config.admin_host, config.admin_port)},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": True,
+                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+            },
+            "lds_config": {"ads": {}, "resource_api_version": "V3"},
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+        },
+        "static_resources": {"clusters": [_xds_cluster(config)]},
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": TYPE_PREFIX + "envoy.extensions.resource_monitors."
+                        "downstream_connections.v3.DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS,
+                    },
+                }
+            ]
+        },
+    }
+
+
+def dump(config: BootstrapConfig, output_format: str = "yaml") -> str:
+    document = render(config)
+    if output_format == "json":
+        return json.dumps(document, indent=2) + "\n"
+    return yaml.safe_dump(document, sort_keys=False)
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """`HOST:PORT` or `[V6]:PORT` → (host, port); argparse type."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m control_plane envoy-bootstrap",
+        description="Print a ready Envoy bootstrap that takes its configuration over ADS "
+        "from this control plane's xDS port.",
+    )
+    add = parser.add_argument
+    add("--role", choices=[r.value for r in Role], default=Role.INGRESS.value)
+    add("--region", help="the region an ingress Envoy fronts (not for the edge)")
+    add("--listen", type=host_port, required=True, metavar="IP:PORT", help="for traffic")
+    add("--xds", type=host_port, required=True, metavar="HOST:PORT", help="the control plane's ADS")
+    add("--node-id", help="unique per Envoy (default: role, region, host name, listen port)")
+    add(
+        "--admin",
+        type=host_port,
+        default=host_port(DEFAULT_ADMIN),
+        metavar="IP:PORT",
+        help=f"Envoy's admin listener, loopback only (default {DEFAULT_ADMIN})",
+    )
+    add("--format", choices=["yaml", "json"], default="yaml")
+    return parser.parse_args(argv)
+
+
+def config_of(args: argparse.Namespace) -> BootstrapConfig:
+    """Check the arguments; ValueError says what is wrong in one line."""
+    role = Role(args.role)
+    if role is Role.INGRESS and not args.region:
+        raise ValueError("an ingress Envoy needs --region")
+    if role is Role.EDGE and args.region:
+        raise ValueError("an edge Envoy serves every region: leave out --region")
+    admin_host, admin_port = args.admin
+    if admin_host == "localhost":
+        admin_host = "127.0.0.1"
+    if not (_is_ip(admin_host) and ipaddress.ip_address(admin_host).is_loopback):
+        raise ValueError(
+            f"--admin must be a loopback address (Envoy's admin has no auth), got {admin_host!r}"
+        )
+    listen_host, listen_port = args.listen
+    group = EnvoyGroup(role, args.region, listen_host, listen_port)
+    default_id = f"{group.label.replace('/', '-')}-{socket.gethostname()}-{listen_port}"
+    return BootstrapConfig(
+        group=group,
+        xds_host=args.xds[0],
+        xds_port=args.xds[1],
+        admin_host=admin_host,
+        admin_port=admin_port,
+        node_id=args.node_id or default_id,
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        config = config_of(args)
+    except ValueError as exc:  # EnvoyNodeError included
+        print(f"envoy-bootstrap: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(dump(config, args.format))
+    return 0

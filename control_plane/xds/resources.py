@@ -1,0 +1,230 @@
+"""A plan → Envoy's four resources: Listener, RouteConfiguration, Cluster, ClusterLoadAssignment.
+
+Pure functions. The choices that matter for LLM traffic:
+- Streams: no request timeout and no route timeout (a completion may stream for minutes); a long
+  stream idle timeout, so a request that waits in a node's queue before its first token survives.
+- Retries only before the response starts: a connection that failed or was refused, or a stream
+  reset before the request went out, on another host. Nothing that could have reached the engine
+  is retried, and Envoy never retries once response bytes have gone downstream.
+- Circuit breakers far above Envoy's defaults of 1,024 (long streams would hit them), outlier
+  detection on consecutive 5xx, HTTP/1.1 to the node agents, and no update merge window, so a
+  weight change applies as soon as it is accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, protocol_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
+from google.protobuf.message import Message
+
+from control_plane.xds.plan import EnvoyPlan
+
+TYPE_PREFIX: Final = "type.googleapis.com/"
+LISTENER_TYPE: Final = TYPE_PREFIX + listener_pb2.Listener.DESCRIPTOR.full_name
+ROUTE_TYPE: Final = TYPE_PREFIX + route_pb2.RouteConfiguration.DESCRIPTOR.full_name
+CLUSTER_TYPE: Final = TYPE_PREFIX + cluster_pb2.Cluster.DESCRIPTOR.full_name
+ENDPOINT_TYPE: Final = TYPE_PREFIX + endpoint_pb2.ClusterLoadAssignment.DESCRIPTOR.full_name
+# Envoy's order: clusters before their endpoints, listeners before their routes.
+TYPE_ORDER: Final = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+SHORT_NAMES: Final = {
+    CLUSTER_TYPE: "clusters",
+    ENDPOINT_TYPE: "endpoints",
+    LISTENER_TYPE: "listeners",
+    ROUTE_TYPE: "routes",
+}
+
+RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request"
+NUM_RETRIES: Final = 2
+STREAM_IDLE_TIMEOUT_S: Final = 600
+REQUEST_HEADERS_TIMEOUT_S: Final = 10
+CONNECT_TIMEOUT_S: Final = 1
+UPSTREAM_IDLE_TIMEOUT_S: Final = 60
+MAX_CONNECTIONS: Final = 100_000  # Envoy's default is 1,024 for each of these
+MAX_REQUESTS: Final = 100_000
+MAX_RETRIES: Final = 1_000
+HTTP_OPTIONS_KEY: Final = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message, deterministic=True)
+    return packed
+
+
+def resource_name(message: Message) -> str:
+    if isinstance(message, endpoint_pb2.ClusterLoadAssignment):
+        return message.cluster_name
+    name = getattr(message, "name", None)
+    assert isinstance(name, str), f"{type(message).__name__} has no name"
+    return name
+
+
+def _seconds(seconds: int) -> duration_pb2.Duration:
+    return duration_pb2.Duration(seconds=seconds)
+
+
+def _u32(value: int) -> wrappers_pb2.UInt32Value:
+    return wrappers_pb2.UInt32Value(value=value)
+
+
+def ads_source() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(),
+        resource_api_version=config_source_pb2.ApiVersion.V3,
+    )
+
+
+def listener_name(plan: EnvoyPlan) -> str:
+    return f"meridian_{plan.group.role}"
+
+
+def route_name(plan: EnvoyPlan) -> str:
+    return f"meridian_{plan.group.role}_routes"
+
+
+def listener(plan: EnvoyPlan) -> listener_pb2.Listener:
+    manager = hcm_pb2.HttpConnectionManager(
+        stat_prefix=listener_name(plan),
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        rds=hcm_pb2.Rds(config_source=ads_source(), route_config_name=route_name(plan)),
+        http_filters=[
+            hcm_pb2.HttpFilter(
+                name="envoy.filters.http.router", typed_config=pack(router_pb2.Router())
+            )
+        ],
+        request_timeout=_seconds(0),  # 0 disables: streams may last as long as they need
+        stream_idle_timeout=_seconds(STREAM_IDLE_TIMEOUT_S),
+        request_headers_timeout=_seconds(REQUEST_HEADERS_TIMEOUT_S),
+    )
+    address = address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(
+            address=plan.group.listen_host, port_value=plan.group.listen_port
+        )
+    )
+    chain = listener_components_pb2.FilterChain(
+        filters=[
+            listener_components_pb2.Filter(
+                name="envoy.filters.network.http_connection_manager", typed_config=pack(manager)
+            )
+        ]
+    )
+    return listener_pb2.Listener(name=listener_name(plan), address=address, filter_chains=[chain])
+
+
+def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
+    retry = route_components_pb2.RetryPolicy(
+        retry_on=RETRY_ON,
+        num_retries=_u32(NUM_RETRIES),
+        retry_host_predicate=[
+            route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=5,
+    )
+    action = route_components_pb2.RouteAction(
+        cluster=plan.cluster_name, timeout=_seconds(0), retry_policy=retry
+    )
+    route = route_components_pb2.Route(
+        name="all", match=route_components_pb2.RouteMatch(prefix="/"), route=action
+    )
+    host = route_components_pb2.VirtualHost(name="meridian", domains=["*"], routes=[route])
+    return route_pb2.RouteConfiguration(name=route_name(plan), virtual_hosts=[host])
+
+
+def _circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:
+    Thresholds = circuit_breaker_pb2.CircuitBreakers.Thresholds
+    return circuit_breaker_pb2.CircuitBreakers(
+        thresholds=[
+            Thresholds(
+                priority=priority,
+                max_connections=_u32(MAX_CONNECTIONS),
+                max_pending_requests=_u32(MAX_REQUESTS),
+                max_requests=_u32(MAX_REQUESTS),
+                max_retries=_u32(MAX_RETRIES),
+            )
+            for priority in (base_pb2.RoutingPriority.DEFAULT, base_pb2.RoutingPriority.HIGH)
+        ]
+    )
+
+
+def _http1_upstream() -> http_protocol_options_pb2.HttpProtocolOptions:
+    Options = http_protocol_options_pb2.HttpProtocolOptions
+    return Options(
+        common_http_protocol_options=protocol_pb2.HttpProtocolOptions(
+            idle_timeout=_seconds(UPSTREAM_IDLE_TIMEOUT_S)
+        ),
+        explicit_http_config=Options.ExplicitHttpConfig(
+            http_protocol_options=protocol_pb2.Http1ProtocolOptions()
+        ),
+    )
+
+
+def cluster(plan: EnvoyPlan) -> cluster_pb2.Cluster:
+    lb_config = cluster_pb2.Cluster.CommonLbConfig(update_merge_window=_seconds(0))
+    if plan.is_locality_weighted:
+        lb_config.locality_weighted_lb_config.SetInParent()
+    return cluster_pb2.Cluster(
+        name=plan.cluster_name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
+            eds_config=ads_source(), service_name=plan.cluster_name
+        ),
+        connect_timeout=_seconds(CONNECT_TIMEOUT_S),
+        lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
+        circuit_breakers=_circuit_breakers(),
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_5xx=_u32(5),
+            interval=_seconds(5),
+            base_ejection_time=_seconds(15),
+            max_ejection_percent=_u32(50),
+        ),
+        common_lb_config=lb_config,
+        typed_extension_protocol_options={HTTP_OPTIONS_KEY: pack(_http1_upstream())},
+    )
+
+
+def load_assignment(plan: EnvoyPlan) -> endpoint_pb2.ClusterLoadAssignment:
+    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=plan.cluster_name)
+    for locality in plan.localities:
+        group = assignment.endpoints.add(locality=base_pb2.Locality(region=locality.region))
+        if plan.is_locality_weighted:
+            group.load_balancing_weight.value = locality.weight
+        for endpoint in locality.endpoints:
+            address = address_pb2.Address(
+                socket_address=address_pb2.SocketAddress(
+                    address=endpoint.host, port_value=endpoint.port
+                )
+            )
+            group.lb_endpoints.append(
+                endpoint_components_pb2.LbEndpoint(
+                    endpoint=endpoint_components_pb2.Endpoint(
+                        address=address, hostname=endpoint.node_id
+                    ),
+                    load_balancing_weight=_u32(endpoint.weight),
+                )
+            )
+    return assignment
+
+
+def resources_of(plan: EnvoyPlan) -> dict[str, list[Message]]:
+    """All four resource types for one plan, by type URL."""
+    return {
+        LISTENER_TYPE: [listener(plan)],
+        ROUTE_TYPE: [route_configuration(plan)],
+        CLUSTER_TYPE: [cluster(plan)],
+        ENDPOINT_TYPE: [load_assignment(plan)],
+    }

