@@ -1,0 +1,230 @@
+"""`python -m control_plane.admin_cli`: a small admin-API client for scripts and Terraform.
+
+    python -m control_plane.admin_cli region put NAME --lat 39.04 --lon -77.49 \\
+        [--ingress-url URL] [--weight 1.0]
+    python -m control_plane.admin_cli region delete NAME [--wait-s 120]
+
+The control plane's URL comes from `MERIDIAN_CONTROL_PLANE_URL` (or `--control-plane`), the
+operator token from `MERIDIAN_ADMIN_TOKEN` only, so that the token never appears in a command line,
+a process listing or Terraform state of the command.
+
+`region put` makes the region's location, ingress URL and weight exactly what it is given (an
+ingress URL left out is cleared, a weight left out is 1.0): it creates the region, updates it in
+place, or does nothing if it already matches. Its state (active, draining, disabled) belongs to
+operators and is never touched; a region being deleted is refused. `region delete` succeeds if
+the region is already gone; a region with nodes is deleted only after they drain (the control
+plane answers 202), and `--wait-s` waits that long for it to be gone.
+
+Exit status: 0 done, 1 the control plane refused or could not be reached, 2 bad usage. Errors are
+one line on stderr; the token is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from wire.heartbeat import NAME_PATTERN
+
+PROG = "admin_cli"
+URL_ENV = "MERIDIAN_CONTROL_PLANE_URL"
+TOKEN_ENV = "MERIDIAN_ADMIN_TOKEN"
+TIMEOUT_S = 10.0
+POLL_INTERVAL_S = 0.5
+_HTTP_URL = re.compile(r"^https?://[^\s/?#@]+/?$")
+
+
+class AdminCliError(Exception):
+    """A failure to report as one line; `status` is the exit status."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    """What `region put` makes the region look like (its `state` is left alone)."""
+
+    name: str
+    lat: float
+    lon: float
+    ingress_url: str | None
+    weight: float
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "lat": self.lat,
+            "lon": self.lon,
+            "ingress_url": self.ingress_url,
+            "weight": self.weight,
+        }
+
+    def matches(self, view: dict[str, Any]) -> bool:
+        return all(view.get(key) == value for key, value in self.fields().items())
+
+
+def region_name(value: str) -> str:
+    """argparse type: a region name as the control plane accepts it (also safe in a URL path)."""
+    if not re.match(NAME_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a region name ({NAME_PATTERN})")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m control_plane.admin_cli",
+        description=f"Admin API client. URL from {URL_ENV}, operator token from {TOKEN_ENV}.",
+    )
+    parser.add_argument("--control-plane", help=f"control plane URL (default: ${URL_ENV})")
+    resources = parser.add_subparsers(dest="resource", required=True)
+    region = resources.add_parser("region", help="register, update or remove a region")
+    actions = region.add_subparsers(dest="action", required=True)
+    put = actions.add_parser("put", help="create or update a region to match these values")
+    put.add_argument("name", type=region_name)
+    put.add_argument("--lat", type=float, required=True, help="latitude, degrees")
+    put.add_argument("--lon", type=float, required=True, help="longitude, degrees")
+    put.add_argument("--ingress-url", help="the region's ingress (cleared when left out)")
+    put.add_argument("--weight", type=float, default=1.0, help="routing weight (default 1.0)")
+    delete = actions.add_parser("delete", help="deregister a region (no error if absent)")
+    delete.add_argument("name", type=region_name)
+    delete.add_argument(
+        "--wait-s",
+        type=float,
+        default=0.0,
+        help="if its nodes must drain first, wait up to this long for it to be gone (default 0)",
+    )
+    return parser.parse_args(argv)
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The control plane's own error message (OpenAI error shape), else the raw status."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.reason_phrase or "error"
+    return f"{response.status_code} {message}"
+
+
+class AdminClient:
+    """The few admin-API calls this CLI makes, each failing with a one-line `AdminCliError`."""
+
+    def __init__(self, base_url: str, token: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=TIMEOUT_S,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise AdminCliError(
+                f"cannot reach the control plane at {self.base_url}: {exc}"
+            ) from exc
+        if response.status_code in (401, 403):
+            raise AdminCliError(
+                f"the control plane at {self.base_url} refused the admin token "
+                f"({_error_message(response)}); check {TOKEN_ENV} (Terraform: admin_token)"
+            )
+        return response
+
+
+def _expect(response: httpx.Response, what: str, *ok: int) -> httpx.Response:
+    if response.status_code not in ok:
+        raise AdminCliError(f"{what}: {_error_message(response)}")
+    return response
+
+
+def put_region(client: AdminClient, spec: RegionSpec) -> str:
+    """Create or update the region; returns what happened: created, updated or unchanged."""
+    path = f"/v1/regions/{spec.name}"
+    what = f"region put {spec.name}"
+    current = _expect(client.call("GET", path), what, 200, 404)
+    if current.status_code == 200:
+        view = current.json()
+        if view.get("is_deleting"):
+            raise AdminCliError(
+                f"{what}: the region is being deleted (its nodes are draining); "
+                "wait until it is gone, or cancel the delete by setting its state to active"
+            )
+        if spec.matches(view):
+            return "unchanged"
+    else:
+        created = client.call("POST", "/v1/regions", {"name": spec.name, **spec.fields()})
+        if created.status_code == 201:
+            return "created"
+        _expect(created, what, 409)  # registered meanwhile by someone else: update it
+    _expect(client.call("PATCH", path, spec.fields()), what, 200)
+    return "updated"
+
+
+def delete_region(client: AdminClient, name: str, wait_s: float) -> str:
+    """Delete the region; returns deleted, already absent, or deleting (its nodes drain first,
+    and it was not gone within `wait_s`, which is then an error unless `wait_s` is 0)."""
+    path = f"/v1/regions/{name}"
+    what = f"region delete {name}"
+    response = _expect(client.call("DELETE", path), what, 202, 204, 404)
+    if response.status_code != 202:
+        return "deleted" if response.status_code == 204 else "already absent"
+    if wait_s <= 0:
+        return "deleting (its nodes drain first)"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(POLL_INTERVAL_S)
+        if _expect(client.call("GET", path), what, 200, 404).status_code == 404:
+            return "deleted (after its nodes drained)"
+    raise AdminCliError(
+        f"{what}: still deleting after {wait_s:g} s while its nodes drain; "
+        "run it again to keep waiting"
+    )
+
+
+def _connection(args: argparse.Namespace) -> tuple[str, str]:
+    url = args.control_plane or os.environ.get(URL_ENV, "")
+    if not url:
+        raise AdminCliError(f"set {URL_ENV} (or --control-plane) to the control plane's URL", 2)
+    if not _HTTP_URL.match(url):
+        raise AdminCliError(f"control plane URL must be http(s)://HOST[:PORT], not {url!r}", 2)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise AdminCliError(f"set {TOKEN_ENV} to the control plane's admin token", 2)
+    return url, token
+
+
+def run(args: argparse.Namespace) -> str:
+    url, token = _connection(args)
+    client = AdminClient(url, token)
+    try:
+        if args.action == "put":
+            spec = RegionSpec(args.name, args.lat, args.lon, args.ingress_url, args.weight)
+            return f"region {spec.name}: {put_region(client, spec)}"
+        return f"region {args.name}: {delete_region(client, args.name, args.wait_s)}"
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        print(run(args))
+    except AdminCliError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.status
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

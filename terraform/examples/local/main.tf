@@ -1,0 +1,76 @@
+# The three local regions, registered with a control plane that is already running:
+#
+#   export TF_VAR_control_plane_url=http://127.0.0.1:8080
+#   export TF_VAR_admin_token=...   # e.g. from `set -a; . meridian-control-plane.db.tokens; set +a`
+#   terraform init && terraform apply
+#
+# Locations match wire/geo.py's REGIONS table. Each region gets one CPU node agent with its own
+# port (all on 127.0.0.1), so that the rendered commands can run side by side on one machine.
+
+terraform {
+  required_version = ">= 1.9"
+}
+
+variable "control_plane_url" {
+  description = "The control plane's admin API, e.g. http://127.0.0.1:8080."
+  type        = string
+}
+
+variable "admin_token" {
+  description = "The control plane's operator token (MERIDIAN_ADMIN_TOKEN)."
+  type        = string
+  sensitive   = true
+}
+
+variable "admin_cli" {
+  description = "How to run Meridian's admin CLI (the default needs Meridian's virtualenv active)."
+  type        = list(string)
+  default     = ["python", "-m", "control_plane.admin_cli"]
+}
+
+variable "regions" {
+  description = "The regions to provision (the default: the three local ones, located as in wire/geo.py). Each gets one CPU node agent on 127.0.0.1, from base_port."
+  type = map(object({
+    lat       = number
+    lon       = number
+    base_port = number
+    weight    = optional(number, 1)
+  }))
+  default = {
+    "us-east"      = { lat = 39.04, lon = -77.49, base_port = 9001 } # Ashburn, Virginia
+    "eu-west"      = { lat = 53.35, lon = -6.26, base_port = 9101 }  # Dublin
+    "ap-southeast" = { lat = 1.35, lon = 103.82, base_port = 9201 }  # Singapore
+  }
+}
+
+module "region" {
+  source   = "../../modules/region"
+  for_each = var.regions
+
+  name                 = each.key
+  location             = { lat = each.value.lat, lon = each.value.lon }
+  node_count           = 1
+  gpus_per_node        = 1
+  tensor_parallel_size = 1
+  model                = "smollm2-135m-instruct"
+  base_port            = each.value.base_port
+  weight               = each.value.weight
+  control_plane_url    = var.control_plane_url
+  admin_token          = var.admin_token
+  admin_cli            = var.admin_cli
+}
+
+output "regions" {
+  description = "The registered regions, by name."
+  value       = { for name, region in module.region : name => region.region }
+}
+
+output "nodes" {
+  description = "Every node agent's config, across the regions (see the module's `nodes` output)."
+  value       = flatten([for name in sort(keys(module.region)) : module.region[name].nodes])
+}
+
+output "node_commands" {
+  description = "Ready-to-run node agent command lines (each needs MERIDIAN_NODE_TOKEN set)."
+  value       = flatten([for name in sort(keys(module.region)) : module.region[name].nodes[*].command])
+}

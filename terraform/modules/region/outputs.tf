@@ -1,0 +1,79 @@
+locals {
+  agents_per_node = floor(var.gpus_per_node / var.tensor_parallel_size)
+  num_agents      = var.node_count * local.agents_per_node
+
+  nodes = [
+    for i in range(local.num_agents) : {
+      node_id              = format("%s-%02d", var.name, i)
+      region               = var.name
+      model                = var.model
+      tensor_parallel_size = var.tensor_parallel_size
+      machine              = floor(i / local.agents_per_node)
+      # The machine's GPUs this agent uses (its CUDA_VISIBLE_DEVICES).
+      gpu_ids = join(",", [
+        for g in range(var.tensor_parallel_size) :
+        tostring((i % local.agents_per_node) * var.tensor_parallel_size + g)
+      ])
+      host = var.node_host
+      port = var.base_port + i
+    }
+  ]
+
+  # The node agent's command line (ARCHITECTURE.md, "Entry points"), without the program.
+  node_args = [
+    for node in local.nodes : [
+      "--model", node.model,
+      "--host", node.host,
+      "--port", tostring(node.port),
+      "--region", node.region,
+      "--node-id", node.node_id,
+      "--control-plane", var.control_plane_url,
+      "--tensor-parallel-size", tostring(node.tensor_parallel_size),
+    ]
+  ]
+
+  node_configs = [
+    for i, node in local.nodes : merge(node, {
+      url         = strcontains(node.host, ":") ? "http://[${node.host}]:${node.port}" : "http://${node.host}:${node.port}"
+      environment = { CUDA_VISIBLE_DEVICES = node.gpu_ids }
+      args        = local.node_args[i]
+      command     = join(" ", concat(["python", "-m", "node_agent"], local.node_args[i]))
+      config_yaml = yamlencode({
+        model                = node.model
+        host                 = node.host
+        port                 = node.port
+        region               = node.region
+        node_id              = node.node_id
+        control_plane        = var.control_plane_url
+        tensor_parallel_size = node.tensor_parallel_size
+      })
+    })
+  ]
+}
+
+output "region" {
+  description = "The region as registered with the control plane."
+  value = {
+    name              = var.name
+    lat               = var.location.lat
+    lon               = var.location.lon
+    ingress_url       = var.ingress_url
+    weight            = var.weight
+    control_plane_url = var.control_plane_url
+    # Known after apply: the registration's id (changes when the region is re-registered).
+    registration_id = terraform_data.registration.id
+  }
+}
+
+output "nodes" {
+  description = "One entry per node agent: who it is, where it listens, and how to start it (`command`, or `config_yaml` for `python -m node_agent --config FILE`). Each agent also needs MERIDIAN_NODE_TOKEN in its environment."
+  value       = local.node_configs
+}
+
+output "nodes_by_machine" {
+  description = "The same entries grouped by machine: element m lists what machine m runs (gpus_per_node / tensor_parallel_size agents each)."
+  value = [
+    for machine in range(var.node_count) :
+    [for node in local.node_configs : node if node.machine == machine]
+  ]
+}

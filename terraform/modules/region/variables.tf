@@ -1,0 +1,175 @@
+variable "name" {
+  description = "Region name, as the control plane knows it (lower-case DNS-label style)."
+  type        = string
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[a-z0-9]([a-z0-9._-]{0,54}[a-z0-9])?$", var.name)) && var.name != "summary"
+    error_message = "name must be lower-case letters, digits, '.', '_' or '-', 1-56 characters, starting and ending with a letter or digit, and not \"summary\"."
+  }
+}
+
+variable "location" {
+  description = "Where the region's datacenter is, in degrees (used for latency-based routing)."
+  type = object({
+    lat = number
+    lon = number
+  })
+  nullable = false
+
+  validation {
+    condition     = var.location.lat >= -90 && var.location.lat <= 90 && var.location.lon >= -180 && var.location.lon <= 180
+    error_message = "location.lat must be within [-90, 90] and location.lon within [-180, 180]."
+  }
+}
+
+variable "node_count" {
+  description = "Machines in the region."
+  type        = number
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.node_count >= 0 && var.node_count <= 1000 && floor(var.node_count) == var.node_count
+    error_message = "node_count must be a whole number from 0 to 1000."
+  }
+}
+
+variable "gpus_per_node" {
+  description = "GPUs on each machine. Each machine runs gpus_per_node / tensor_parallel_size node agents (on a CPU-only machine, 1)."
+  type        = number
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.gpus_per_node >= 1 && var.gpus_per_node <= 64 && floor(var.gpus_per_node) == var.gpus_per_node
+    error_message = "gpus_per_node must be a whole number from 1 to 64."
+  }
+}
+
+variable "tensor_parallel_size" {
+  description = "GPUs per model replica (one node agent each); must divide gpus_per_node."
+  type        = number
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.tensor_parallel_size >= 1 && floor(var.tensor_parallel_size) == var.tensor_parallel_size
+    error_message = "tensor_parallel_size must be a whole number of at least 1."
+  }
+  validation {
+    condition     = var.gpus_per_node % var.tensor_parallel_size == 0
+    error_message = "tensor_parallel_size must divide gpus_per_node (each node agent takes tensor_parallel_size of the machine's GPUs, and none may be left idle)."
+  }
+}
+
+variable "model" {
+  description = "Model the node agents serve: a name from `python -m engine pull` or a path."
+  type        = string
+  default     = "smollm2-135m-instruct"
+  nullable    = false
+
+  validation {
+    # No spaces or shell metacharacters: the rendered command line needs no quoting.
+    condition     = can(regex("^[A-Za-z0-9._/:@+-]{1,256}$", var.model))
+    error_message = "model must be 1-256 characters of letters, digits and . _ / : @ + -."
+  }
+}
+
+variable "control_plane_url" {
+  description = "The control plane's admin API, e.g. http://127.0.0.1:8080 (no path)."
+  type        = string
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^https?://[^\\s/?#@]+/?$", var.control_plane_url))
+    error_message = "control_plane_url must be http(s)://HOST[:PORT] with no path."
+  }
+}
+
+variable "admin_token" {
+  description = "The control plane's operator (admin) token. Passed to the registration commands through their environment only; kept in state so that `terraform destroy` can deregister the region (see the module README)."
+  type        = string
+  sensitive   = true
+  nullable    = false
+
+  validation {
+    condition     = length(var.admin_token) >= 16
+    error_message = "admin_token must be at least 16 characters (the control plane refuses shorter tokens)."
+  }
+}
+
+variable "ingress_url" {
+  description = "The region's ingress (its Envoy, or a node agent), if it has one."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.ingress_url == null || can(regex("^https?://[^\\s/?#@]+([/?#]\\S*)?$", var.ingress_url))
+    error_message = "ingress_url must be an http(s):// URL."
+  }
+}
+
+variable "weight" {
+  description = "Routing weight of the region (0 takes it out of routing)."
+  type        = number
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.weight >= 0 && var.weight <= 1000000
+    error_message = "weight must be within [0, 1000000]."
+  }
+}
+
+variable "node_host" {
+  description = "Address the node agents listen on."
+  type        = string
+  default     = "127.0.0.1"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9.:_-]{1,253}$", var.node_host))
+    error_message = "node_host must be a host name or an IP address."
+  }
+}
+
+variable "base_port" {
+  description = "Port of the region's first node agent; the others count up from it."
+  type        = number
+  default     = 9001
+  nullable    = false
+
+  validation {
+    condition     = var.base_port >= 1 && floor(var.base_port) == var.base_port
+    error_message = "base_port must be a whole number of at least 1."
+  }
+  validation {
+    condition     = var.base_port + var.node_count * floor(var.gpus_per_node / var.tensor_parallel_size) - 1 <= 65535
+    error_message = "The region's node agents need ports base_port .. base_port + agents - 1, which must stay within 65535."
+  }
+}
+
+variable "deregister_timeout_s" {
+  description = "How long `terraform destroy` waits for the region to be gone when the control plane drains its nodes first (it answers 202); past it, destroy fails and can be re-run."
+  type        = number
+  default     = 300
+  nullable    = false
+
+  validation {
+    condition     = var.deregister_timeout_s >= 0
+    error_message = "deregister_timeout_s must not be negative."
+  }
+}
+
+variable "admin_cli" {
+  description = "The command (argv list) that runs Meridian's admin CLI; `python` must be the interpreter Meridian is installed in."
+  type        = list(string)
+  default     = ["python", "-m", "control_plane.admin_cli"]
+  nullable    = false
+
+  validation {
+    condition     = length(var.admin_cli) >= 1
+    error_message = "admin_cli must name at least the program to run."
+  }
+}
