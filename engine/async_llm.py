@@ -78,11 +78,12 @@ class AsyncLLM:
         self._thread.start()
 
     async def shutdown(self) -> None:
-        if self._thread is None:
-            return
-        self._inbox.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
+        """Stop the loop (pending requests end as aborted), then the engine's workers."""
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        self.engine.shutdown()
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str

@@ -38,6 +38,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         cpu_kv_cache_gib: float = 2.0,
         gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
     ):
         self.engine = LLMEngine(
             EngineConfig(
@@ -52,9 +53,14 @@ class LLM:
                 num_kv_blocks=num_kv_blocks,
                 cpu_kv_cache_gib=cpu_kv_cache_gib,
                 gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
             )
         )
         self._request_ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers now rather than at exit."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -12,10 +12,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.executor import ModelExecutor
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import RunnerShape
 from engine.model_store import resolve_model
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
@@ -60,11 +61,12 @@ class LLMEngine:
             config.max_model_len or self.model_config.max_position_embeddings,
         )
         started = time.monotonic()
-        self.runner = ModelRunner(
-            self.model_config, checkpoint.tensors(), device, dtype, config.block_size, context_len
+        shape = RunnerShape(device, dtype, config.block_size, context_len)
+        self.executor = ModelExecutor(
+            checkpoint, shape, config.tensor_parallel_size, config.tp_step_timeout_s
         )
         num_blocks = self._num_kv_blocks(device)
-        self.runner.allocate_kv_cache(num_blocks)
+        self.executor.allocate_kv_cache(num_blocks)
         # A request alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(context_len, num_blocks * config.block_size)
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -92,7 +94,7 @@ class LLMEngine:
             budget = free_bytes - (1 - self.config.gpu_memory_utilization) * total_bytes
         else:
             budget = self.config.cpu_kv_cache_gib * 2**30
-        num_blocks = int(budget // self.runner.kv_bytes_per_block)
+        num_blocks = int(budget // self.executor.kv_bytes_per_block)
         if num_blocks < 1:
             raise InvalidRequestError("no memory is left for the KV cache")
         return num_blocks
@@ -161,7 +163,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        result = self.runner.execute(batch)
+        result = self.executor.execute(batch)
         self.scheduler.update_after_step(batch)
         now = time.monotonic()
         self._prompt_tokens_total += batch.num_tokens - len(result.seqs)
@@ -182,6 +184,10 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        self.executor.shutdown()
 
     def _count_generated(self, now: float, num_tokens: int) -> None:
         self._generation_tokens_total += num_tokens

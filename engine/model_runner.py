@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, samples."""
+"""Turns a scheduled batch into tensors and runs this rank's shard of the model over its
+share of the paged KV cache. The driver prepares the inputs; every rank runs them."""
 
 from __future__ import annotations
 
@@ -8,32 +9,45 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.distributed import TPGroup
 from engine.kernels import cpu_paged_attention
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.model_config import ModelConfig
-from engine.sampler import SamplerOutput, SamplingRequest, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class RunnerShape:
+    """What every rank must agree on to run the same steps."""
+
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+
+
 @dataclass(slots=True)
-class StepOutput:
-    """The sequences that reached the end of their tokens this step, each with its new token."""
+class StepInputs:
+    """One step's tensors: what the driver sends to every other rank."""
 
-    seqs: list[Sequence]
-    sampled: SamplerOutput
-
-
-@dataclass(slots=True)
-class _StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: torch.Tensor
-    sampling_seqs: list[Sequence]
+    logits_rows: torch.Tensor  # rows whose logits are sampled: the last token of finished chunks
+
+    def to(self, device: torch.device) -> StepInputs:
+        if self.input_ids.device == device:
+            return self
+        return StepInputs(
+            self.input_ids.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
+            self.meta.to(device),
+            self.logits_rows.to(device, non_blocking=True),
+        )
 
 
 class ModelRunner:
@@ -43,21 +57,21 @@ class ModelRunner:
         self,
         config: ModelConfig,
         tensors: Iterable[tuple[str, torch.Tensor]],
-        device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
-        max_model_len: int,
+        shape: RunnerShape,
+        tp: TPGroup | None = None,
     ):
         self.config = config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
+        self.device = device = shape.device
+        self.dtype = shape.dtype
+        self.block_size = shape.block_size
+        self.tp = tp or TPGroup()
+        self.num_kv_heads = max(config.num_kv_heads // self.tp.size, 1)
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        self.model = model.to(dtype).to_empty(device=device)
+            model = LlamaForCausalLM(config, self.tp)
+        self.model = model.to(shape.dtype).to_empty(device=device)
         self.model.load_weights(tensors)
         self.model.eval()
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, max_model_len, device)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, shape.max_model_len, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Decodes read the paged cache in place where the native kernel exists (CPU).
         self.use_decode_kernel = device.type == "cpu" and cpu_paged_attention() is not None
@@ -65,12 +79,12 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.config
-        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        per_token = 2 * c.num_layers * self.num_kv_heads * c.head_dim * self.dtype.itemsize
         return per_token * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
-        shape = (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (2, c.num_layers, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(c.num_layers)]
         logger.info(
@@ -81,19 +95,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        inputs = self._prepare(batch)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Run the step on this rank; fp32 logits (sampled rows, vocab), the same on every rank."""
+        inputs = inputs.to(self.device)
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.rope, self.kv_caches, inputs.meta
         )
-        if not inputs.sampling_seqs:
-            return StepOutput([], SamplerOutput([], []))
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        requests = [SamplingRequest(s.params, s.num_output_tokens) for s in inputs.sampling_seqs]
-        return StepOutput(inputs.sampling_seqs, sample(logits, requests))
+        return self.model.compute_logits(hidden[inputs.logits_rows])
 
-    def _prepare(self, batch: ScheduledBatch) -> _StepInputs:
-        """Flatten the step's tokens: single-token queries first, then multi-token chunks."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+        """Flatten the step's tokens (single-token queries first, then multi-token chunks);
+        also return the sequences owed a sampled token, in logits-row order."""
         bs = self.block_size
         entries = sorted(
             zip(batch.seqs, batch.num_scheduled_tokens, strict=True), key=lambda e: e[1] > 1
@@ -132,32 +144,31 @@ class ModelRunner:
             decode_mask=None if self.use_decode_kernel else self._decode_mask(context_lens),
             prefills=prefills,
         )
-        return _StepInputs(
-            self._tensor(input_ids),
-            self._tensor(positions),
-            meta,
-            self._tensor(logits_rows),
-            sampling_seqs,
+        inputs = StepInputs(
+            self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
         )
+        return inputs, sampling_seqs
 
     def _prefill_chunk(
         self, row: int, num_tokens: int, num_context: int, block_ids: list[int]
     ) -> PrefillChunk:
         mask = None
         if num_context:
-            query_pos = torch.arange(num_context, num_context + num_tokens, device=self.device)
-            key_pos = torch.arange(num_context + num_tokens, device=self.device)
+            query_pos = torch.arange(num_context, num_context + num_tokens)
+            key_pos = torch.arange(num_context + num_tokens)
             mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
         return PrefillChunk(row, num_tokens, num_context, self._tensor(block_ids), mask)
 
     def _decode_mask(self, context_lens: torch.Tensor) -> torch.Tensor:
         max_blocks = -(-int(context_lens.max()) // self.block_size) if len(context_lens) else 0
-        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+        key_pos = torch.arange(max_blocks * self.block_size)
         valid = key_pos.unsqueeze(0) < context_lens.unsqueeze(1)
         return valid[:, None, None, :]
 
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    @staticmethod
+    def _tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        # Built on the CPU: `run` moves them, on whichever rank runs them.
+        return torch.tensor(values, dtype=torch.long)
 
 
 def _pad(tables: list[list[int]]) -> list[list[int]]:

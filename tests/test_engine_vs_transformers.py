@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from tiny_checkpoints import save_tiny_transformers_model
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import ScheduledBatch
@@ -37,14 +39,11 @@ def prompt_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     kv = engine.scheduler.kv_cache
     seq = Sequence("probe", token_ids, Params(), max_tokens=1)
     assert kv.allocate_slots(seq, len(token_ids))
-    runner = engine.runner
+    runner = engine.executor.runner
     try:
-        inputs = runner._prepare(ScheduledBatch([seq], [len(token_ids)]))
-        with torch.inference_mode():
-            hidden = runner.model(
-                inputs.input_ids, inputs.positions, runner.rope, runner.kv_caches, inputs.meta
-            )
-            return runner.model.compute_logits(hidden)
+        inputs, _ = runner.prepare(ScheduledBatch([seq], [len(token_ids)]))
+        inputs.logits_rows = torch.arange(len(token_ids))
+        return runner.run(inputs)
     finally:
         kv.free(seq)
 
@@ -167,3 +166,14 @@ def test_special_tokens_in_text_match_the_reference_tokenizer(
     ours = llm.get_tokenizer().encode(text)
     assert ours == hf_smollm2_tokenizer.encode(text, add_special_tokens=True)
     assert ours[0] == 1, "no extra BOS: the prompt's own <|im_start|> comes first"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_random_checkpoint_logits_equal_transformers(tmp_path: Path, family: str) -> None:
+    reference = save_tiny_transformers_model(tmp_path, family)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32))
+    ids = torch.randint(3, 94, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = prompt_logits(engine, ids)
+    with torch.inference_mode():
+        theirs = reference(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

@@ -6,7 +6,7 @@ import dataclasses
 import inspect
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
@@ -14,8 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tiny_checkpoints import save_tiny_transformers_model, write_tiny_tokenizer
 
 from engine.errors import ModelNotFoundError, UnsupportedModelError
 from engine.loader import Checkpoint, expected_shapes, load_checkpoint
@@ -245,28 +244,6 @@ LLAMA_JSON: dict[str, object] = {
 }  # fmt: skip
 
 
-def write_tiny_tokenizer(folder: Path, *, bos_by_post_processor: bool = False) -> None:
-    """A byte-level BPE tokenizer.json plus tokenizer_config.json, without transformers."""
-    vocab = {chr(c): i for i, c in enumerate(range(33, 127))}
-    backend = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<s>", "</s>"])
-    if bos_by_post_processor:
-        backend.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", 94)]
-        )
-    backend.save(str(folder / "tokenizer.json"))
-    config: dict[str, object] = {
-        "bos_token": "<s>",
-        "eos_token": {"content": "</s>", "special": True},
-        "chat_template": "{% for m in messages %}{{ bos_token }}{{ m.content }}{% endfor %}",
-    }
-    if not bos_by_post_processor:
-        config["add_bos_token"] = False
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-
-
 def write_hf_folder(
     folder: Path, raw: dict[str, object], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -369,23 +346,8 @@ def test_hf_config_refuses_what_the_engine_does_not_implement(
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_transformers_checkpoints_round_trip(tmp_path: Path, family: str) -> None:
-    import transformers
-
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[family]
-    extra: dict[str, dict[str, Any]] = {
-        "qwen2": {"tie_word_embeddings": True}, "mistral": {"sliding_window": None}
-    }
-    torch.manual_seed(0)
-    model = model_class(config_class(**common, **extra.get(family, {})))
     # A small shard size makes transformers write several files and an index.
-    model.save_pretrained(tmp_path, max_shard_size="100KB")
-    write_tiny_tokenizer(tmp_path)
+    model = save_tiny_transformers_model(tmp_path, family, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     checkpoint = load_checkpoint(tmp_path)
     hf = model.config

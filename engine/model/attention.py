@@ -8,7 +8,7 @@ multi-token chunk (prefills, one call each, causal with the chunk's offset into 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,10 @@ class PrefillChunk:
     # (num_tokens, num_context_tokens + num_tokens), True where a query may attend.
     mask: torch.Tensor | None  # None when there is no context: plain causal attention
 
+    def to(self, device: torch.device) -> PrefillChunk:
+        mask = None if self.mask is None else self.mask.to(device, non_blocking=True)
+        return replace(self, block_ids=self.block_ids.to(device, non_blocking=True), mask=mask)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -38,6 +42,21 @@ class AttentionMetadata:
     # when the native kernel reads the block tables itself.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same metadata on `device` (itself where it already is)."""
+        if self.slot_mapping.device == device:
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            move(self.slot_mapping), self.num_decode_tokens, move(self.decode_block_tables),
+            move(self.decode_context_lens),
+            None if self.decode_mask is None else move(self.decode_mask),
+            [chunk.to(device) for chunk in self.prefills],
+        )
 
 
 def write_kv(

@@ -1,7 +1,7 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) whose attention reads and writes the paged
-KV cache. Q, K and V are one matmul, gate and up another: fewer, larger matmuls are what the
-hardware is fast at. Parameter names follow the fused layout; `load_weights` maps Hugging Face
-names onto it."""
+KV cache, split across tensor-parallel ranks (one rank: no communication at all). Q, K and V
+are one matmul, gate and up another: fewer, larger matmuls are what the hardware is fast at.
+`load_weights` routes each Hugging Face tensor to the layer that cuts out this rank's shard."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import TPGroup
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.parallel_layers import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.model_config import ModelConfig
 
 
@@ -56,17 +63,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = max(config.num_kv_heads // tp.size, 1)
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.attention_bias,
+            tp,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, tp)
 
     def forward(
         self,
@@ -87,11 +99,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = config.intermediate_size // tp.size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size,
+            {"gate": config.intermediate_size, "up": config.intermediate_size},
+            bias=False,
+            tp=tp,
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -99,10 +116,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,27 +135,18 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# Hugging Face name suffix -> (our parameter suffix, which slice of the fused rows it fills).
-_FUSED_SHARDS = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
-    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
-    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
-    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
-}
-
-
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
 
     def forward(
@@ -156,60 +164,65 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> fp32 logits (N, vocab)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """(N, hidden) -> fp32 logits (N, vocab), on every rank."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        """Copy this rank's shard of every checkpoint tensor; fail on a missing or extra one."""
+        expected = self._expected_tensors()
         for hf_name, tensor in tensors:
-            name, kind = self._our_name(hf_name)
-            if name not in params:
-                if name == "lm_head.weight" and self.lm_head is None:
-                    continue  # a checkpoint may carry a copy of the tied embedding
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # a checkpoint may carry a copy of the tied embedding
+            if hf_name not in expected:
                 raise KeyError(f"checkpoint tensor {hf_name} has no place in the model")
-            param = params[name]
-            rows = self._shard_rows(kind)
-            target = param.data if rows is None else param.data[rows[0] : rows[1]]
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            loaded.add(f"{name}:{kind}")
-        self._check_all_loaded(params, loaded)
-
-    @staticmethod
-    def _our_name(hf_name: str) -> tuple[str, str | None]:
-        name = hf_name.removeprefix("model.")
-        for hf_part, (our_part, kind) in _FUSED_SHARDS.items():
-            if f".{hf_part}." in name:
-                return name.replace(hf_part, our_part), kind
-        return name, None
-
-    def _shard_rows(self, kind: str | None) -> tuple[int, int] | None:
-        cfg = self.config
-        q = cfg.num_heads * cfg.head_dim
-        kv = cfg.num_kv_heads * cfg.head_dim
-        inter = cfg.intermediate_size
-        return {
-            None: None,
-            "q": (0, q),
-            "k": (q, q + kv),
-            "v": (q + kv, q + 2 * kv),
-            "gate": (0, inter),
-            "up": (inter, 2 * inter),
-        }[kind]
-
-    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        missing = []
-        for name in params:
-            kinds: tuple[str | None, ...] = (None,)
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                kinds = ("q", "k", "v")
-            elif name.endswith("gate_up_proj.weight"):
-                kinds = ("gate", "up")
-            missing += [f"{name}:{k}" for k in kinds if f"{name}:{k}" not in loaded]
-        if missing:
+            self._load_one(hf_name.removeprefix("model."), tensor)
+            expected.remove(hf_name)
+        if expected:
+            missing = sorted(expected)
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            getattr(self, name.split(".")[0]).load(tensor)
+            return
+        if name == "norm.weight":
+            self.norm.weight.data.copy_(tensor)
+            return
+        parts = name.split(".")
+        layer = self.layers[int(parts[1])]
+        assert isinstance(layer, LlamaDecoderLayer)
+        if len(parts) == 4:  # layers.3.input_layernorm.weight: replicated on every rank
+            getattr(layer, parts[2]).weight.data.copy_(tensor)
+            return
+        _, _, block, proj, param = parts  # layers.3.self_attn.q_proj.weight
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            layer.self_attn.qkv_proj.load(proj[0], param, tensor)
+        elif proj in ("gate_proj", "up_proj"):
+            layer.mlp.gate_up_proj.load(proj.removesuffix("_proj"), param, tensor)
+        else:  # o_proj, down_proj
+            getattr(getattr(layer, block), proj).load(tensor)
+
+    def _expected_tensors(self) -> set[str]:
+        c = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        projections = [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ]
+        for i in range(c.num_layers):
+            names |= {f"model.layers.{i}.{p}.weight" for p in projections}
+            names |= {
+                f"model.layers.{i}.input_layernorm.weight",
+                f"model.layers.{i}.post_attention_layernorm.weight",
+            }
+            if c.attention_bias:
+                names |= {f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"}
+        return names

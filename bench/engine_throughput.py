@@ -1,0 +1,317 @@
+"""Engine throughput on the real model against Hugging Face transformers, in one run.
+
+    python -m bench.engine_throughput [--num-requests 64] [--concurrency 32] [--json PATH]
+
+Replays the seeded workload (chat prompts of 32-512 tokens, outputs of 16-256, ignore_eos) with
+transformers sequentially (batch 1) and in static padded batches of 8 (fp32: its best setting
+here), then with our engine at the given concurrency. Each request's TTFT counts from when the
+driver submits it, under each system's own concurrency. Also samples the KV-cache use each step
+and measures TTFT on a shared-system-prompt workload with and without prefix caching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.loadgen import percentile
+from bench.workload import WorkloadRequest, make_workload
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_checkpoint
+from engine.model_store import DEFAULT_MODEL, pull
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(slots=True)
+class RunResult:
+    name: str
+    duration_s: float
+    num_output_tokens: int
+    ttfts_s: list[float] = field(default_factory=list, repr=False)
+    itls_s: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.duration_s
+
+    def summary(self) -> dict[str, float | str | None]:
+        return {
+            "name": self.name,
+            "duration_s": round(self.duration_s, 2),
+            "output_tokens": self.num_output_tokens,
+            "output_tokens_per_s": round(self.tokens_per_s, 1),
+            "ttft_p50_s": _round(percentile(self.ttfts_s, 50)),
+            "ttft_p99_s": _round(percentile(self.ttfts_s, 99)),
+            "itl_p50_s": _round(percentile(self.itls_s, 50)),
+            "itl_p99_s": _round(percentile(self.itls_s, 99)),
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def progress(label: str, done: int, total: int) -> None:
+    print(
+        f"\r{label}: {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True
+    )
+
+
+class _TokenClock:
+    """A transformers streamer that notes when each generated step arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(gguf: Path, workload: list[WorkloadRequest], batch_size: int) -> RunResult:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    name = (
+        "transformers sequential" if batch_size == 1 else f"transformers static batch {batch_size}"
+    )
+    result = RunResult(name, 0.0, 0)
+    started = time.perf_counter()
+    for first in range(0, len(workload), batch_size):
+        batch = workload[first : first + batch_size]
+        longest_prompt = max(r.num_prompt_tokens for r in batch)
+        ids = torch.full((len(batch), longest_prompt), 2, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(batch):  # left padding, as decoder-only batching needs
+            ids[row, longest_prompt - request.num_prompt_tokens :] = torch.tensor(
+                request.prompt_token_ids
+            )
+            mask[row, longest_prompt - request.num_prompt_tokens :] = 1
+        max_new = max(r.max_tokens for r in batch)
+        clock = _TokenClock()
+        submitted = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=2,
+                streamer=clock,
+            )
+        # Only each request's own max_tokens are useful; the rest pads the static batch.
+        for request in batch:
+            times = clock.times[: request.max_tokens]
+            result.ttfts_s.append(times[0] - submitted)
+            result.itls_s += [b - a for a, b in itertools.pairwise(times)]
+            result.num_output_tokens += request.max_tokens
+        progress(name, first + len(batch), len(workload))
+    result.duration_s = time.perf_counter() - started
+    return result
+
+
+@dataclass(slots=True)
+class KvUse:
+    samples: list[float] = field(default_factory=list)
+
+    def sample(self, engine: LLMEngine) -> None:
+        running = engine.scheduler.running
+        held = sum(seq.num_computed_tokens for seq in running)
+        kv = engine.scheduler.kv_cache
+        allocated = sum(1 for b in kv.blocks if b.ref_count > 0) * kv.block_size
+        if allocated:
+            self.samples.append(held / allocated)
+
+
+def run_engine(
+    engine: LLMEngine,
+    workload: list[WorkloadRequest],
+    concurrency: int,
+    name: str,
+    on_step: Callable[[LLMEngine], None] | None = None,
+) -> RunResult:
+    """Keep `concurrency` requests in flight; note when each request's tokens arrive."""
+    result = RunResult(name, 0.0, 0)
+    submitted: dict[str, float] = {}
+    last_token: dict[str, float] = {}
+    pending = list(enumerate(workload))[::-1]
+    done = 0
+    started = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and len(submitted) < concurrency:
+            index, request = pending.pop()
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=request.max_tokens,
+                ignore_eos=True,
+                output_kind=RequestOutputKind.DELTA,
+            )
+            request_id = f"{name}-{index}"
+            engine.add_request(request_id, list(request.prompt_token_ids), params)
+            submitted[request_id] = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if on_step is not None:
+            on_step(engine)
+        for output in outputs:
+            rid = output.request_id
+            num_new = len(output.outputs[0].token_ids)
+            result.num_output_tokens += num_new
+            if rid not in last_token:
+                result.ttfts_s.append(now - submitted[rid])
+            else:
+                result.itls_s.append(now - last_token[rid])
+            last_token[rid] = now
+            if output.finished:
+                del submitted[rid]
+                done += 1
+                progress(name, done, len(workload))
+    result.duration_s = time.perf_counter() - started
+    return result
+
+
+def shared_prefix_ttfts(
+    engine: LLMEngine, tokenizer_source: LLMEngine, num_requests: int, name: str
+) -> list[float]:
+    """TTFT of requests that share a long system prompt, sent one after another."""
+    tokenizer = tokenizer_source.tokenizer
+    system = (
+        "You are the support assistant of a large online bookshop. Answer briefly, "
+        "politely and only about orders, deliveries, returns and payments. "
+    ) * 12
+    ttfts = []
+    for i in range(num_requests):
+        prompt = tokenizer.render_chat(
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Where is my order #{1000 + i}?"},
+            ]
+        )
+        started = time.perf_counter()
+        engine.add_request(f"{name}-{i}", prompt, SamplingParams(temperature=0, max_tokens=4))
+        first = None
+        while engine.has_unfinished_requests():
+            if engine.step() and first is None:
+                first = time.perf_counter() - started
+        assert first is not None
+        ttfts.append(first)
+        progress(name, i + 1, num_requests)
+    return ttfts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", help="our engine's dtype")
+    parser.add_argument(
+        "--skip-transformers", action="store_true", help="ours only (no ratios): for profiling"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    gguf = pull(DEFAULT_MODEL)
+    workload = make_workload(args.num_requests, args.seed, load_checkpoint(gguf).tokenizer)
+    print(
+        f"workload: {len(workload)} requests, "
+        f"{sum(r.num_prompt_tokens for r in workload)} prompt tokens, "
+        f"{sum(r.max_tokens for r in workload)} output tokens",
+        file=sys.stderr,
+    )
+    runs: list[RunResult] = []
+    if not args.skip_transformers:
+        runs.append(run_transformers(gguf, workload, batch_size=1))
+        runs.append(run_transformers(gguf, workload, batch_size=8))
+
+    config = EngineConfig(model=str(gguf), dtype=args.dtype, max_num_seqs=args.concurrency)
+    engine = LLMEngine(config)
+    kv_use = KvUse()
+    ours = run_engine(
+        engine,
+        workload,
+        args.concurrency,
+        f"meridian c={args.concurrency} ({engine.runner.dtype})",
+        kv_use.sample,
+    )
+    runs.append(ours)
+
+    cached = shared_prefix_ttfts(engine, engine, 16, "shared prefix, cache on")
+    uncached_engine = LLMEngine(
+        EngineConfig(model=str(gguf), dtype=args.dtype, enable_prefix_caching=False)
+    )
+    uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
+
+    report = {
+        "command": "python -m bench.engine_throughput " + " ".join(argv or sys.argv[1:]),
+        "torch_threads": torch.get_num_threads(),
+        "runs": [r.summary() for r in runs],
+        "kv_cache_use": {
+            "mean": round(statistics.fmean(kv_use.samples), 4),
+            "min": round(min(kv_use.samples), 4),
+        },
+        "prefix_cache_ttft_p50_s": {
+            "on": round(statistics.median(cached), 4),
+            "off": round(statistics.median(uncached), 4),
+        },
+    }
+    if not args.skip_transformers:
+        report["ratios"] = {
+            f"vs {r.name}": round(ours.tokens_per_s / r.tokens_per_s, 2) for r in runs[:-1]
+        }
+    report["prefix_cache_ttft_speedup"] = round(
+        statistics.median(uncached) / statistics.median(cached), 2
+    )
+    print(format_report(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{'system':<34} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}"]
+    for run in report["runs"]:
+        lines.append(
+            f"{run['name']:<34} {run['output_tokens_per_s']:>7} {_ms(run['ttft_p50_s']):>9} "
+            f"{_ms(run['ttft_p99_s']):>7} {_ms(run['itl_p50_s']):>8} {_ms(run['itl_p99_s']):>7}"
+        )
+    for name, ratio in report.get("ratios", {}).items():
+        lines.append(f"throughput ratio, ours {name}: {ratio}x")
+    kv = report["kv_cache_use"]
+    lines.append(
+        f"KV-cache use (held tokens / allocated slots): mean {kv['mean']:.1%}, min {kv['min']:.1%}"
+    )
+    ttft = report["prefix_cache_ttft_p50_s"]
+    lines.append(
+        f"shared-prefix TTFT p50: cache off {_ms(ttft['off'])} ms, on {_ms(ttft['on'])} ms"
+        f" -> {report['prefix_cache_ttft_speedup']}x"
+    )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Linear and embedding layers split across tensor-parallel ranks, nano-vllm style.
+
+Column-parallel layers keep a slice of the output rows (no communication); row-parallel
+layers keep a slice of the input columns and sum their partial results with one all-reduce.
+Each layer knows how to cut its own slice out of a full checkpoint tensor, so a rank only
+ever keeps its shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows split across ranks. `part_sizes` names the logical parts fused
+    into one matmul (Q, K, V or gate, up); each part is split on its own."""
+
+    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.part_rows: dict[str, tuple[int, int]] = {}  # local rows of each part
+        self.part_shards: dict[str, tuple[int, int]] = {}  # rows of the full part this rank keeps
+        offset = 0
+        for name, size in part_sizes.items():
+            start, stop = self._shard_of(name, size)
+            self.part_rows[name] = (offset, offset + stop - start)
+            self.part_shards[name] = (start, stop)
+            offset += stop - start
+        self.weight = nn.Parameter(torch.empty(offset, in_features))
+        self.bias = nn.Parameter(torch.empty(offset)) if bias else None
+
+    def _shard_of(self, name: str, size: int) -> tuple[int, int]:
+        shard = size // self.tp.size
+        return self.tp.rank * shard, (self.tp.rank + 1) * shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, part: str, param_name: str, full: torch.Tensor) -> None:
+        start, stop = self.part_shards[part]
+        rows = self.part_rows[part]
+        target = getattr(self, param_name).data[rows[0] : rows[1]]
+        _copy_checked(target, full[start:stop], f"{part}.{param_name}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused and split by heads. When there are fewer KV heads than
+    ranks, each KV head is replicated on the ranks whose query heads use it."""
+
+    def __init__(
+        self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, tp: TPGroup
+    ):
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        sizes = {
+            "q": num_heads * head_dim,
+            "k": num_kv_heads * head_dim,
+            "v": num_kv_heads * head_dim,
+        }
+        super().__init__(hidden, sizes, bias, tp)
+
+    def _shard_of(self, name: str, size: int) -> tuple[int, int]:
+        if name == "q" or self.num_kv_heads >= self.tp.size:
+            return super()._shard_of(name, size)
+        kv_head = self.tp.rank * self.num_kv_heads // self.tp.size
+        return kv_head * self.head_dim, (kv_head + 1) * self.head_dim
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's columns split across ranks: partial sums, then one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.in_shard = in_features // tp.size
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+    def load(self, full: torch.Tensor) -> None:
+        start = self.tp.rank * self.in_shard
+        _copy_checked(self.weight.data, full[:, start : start + self.in_shard], "weight")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a slice of the vocabulary; ids outside it look up zeros, and the
+    all-reduce assembles every token's row. The same slice serves as the tied LM head."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.shard = -(-vocab_size // tp.size)  # the last shard is padded
+        self.vocab_size = vocab_size
+        self.start = tp.rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+    def load(self, full: torch.Tensor) -> None:
+        rows = full[self.start : self.start + self.shard]
+        target = self.weight.data
+        target[rows.shape[0] :].zero_()
+        _copy_checked(target[: rows.shape[0]], rows, "weight")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> fp32 logits over the whole vocabulary (N, vocab)."""
+        local = F.linear(hidden, self.weight).float()
+        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    if target.shape != source.shape:
+        raise ValueError(f"{what}: checkpoint slice {tuple(source.shape)} != {tuple(target.shape)}")
+    target.copy_(source)

@@ -1,0 +1,155 @@
+"""Tensor-parallel worker processes: ranks 1..N-1, each running its shard of every step.
+
+The driver (rank 0, inside the engine) owns the scheduler and the block pool. Each step it
+sends the step's inputs down a pipe to every worker; every rank runs its shard, and the shards
+meet in the model's all-reduces. A pipe, unlike a collective, lets an idle worker wait for the
+next step as long as the engine idles, and tells it at once when the driver is gone. Workers
+are spawned, never forked, so CUDA and OpenMP start clean in each.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed import TPGroup, init_tp_group
+from engine.errors import EngineDeadError
+from engine.loader import load_checkpoint
+from engine.model_runner import ModelRunner, RunnerShape, StepInputs
+
+logger = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT_S = 10.0
+_READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class TPSpec:
+    """Everything a rank needs to build its shard."""
+
+    checkpoint: str
+    shape: RunnerShape
+    size: int
+    init_method: str
+    step_timeout_s: float
+
+
+def free_init_method() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def rank_device(shape: RunnerShape, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if shape.device.type == "cuda" else shape.device
+
+
+def share_cpu_threads(size: int) -> None:
+    # Ranks on one CPU split its cores; more threads than cores only makes them wait on each other.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
+def join_group(spec: TPSpec, rank: int) -> TPGroup:
+    device = rank_device(spec.shape, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        share_cpu_threads(spec.size)
+    return init_tp_group(rank, spec.size, spec.init_method, device, spec.step_timeout_s)
+
+
+class TPWorkers:
+    """The driver's handle on ranks 1..N-1."""
+
+    def __init__(self, spec: TPSpec):
+        self.spec = spec
+        context = mp.get_context("spawn")
+        self.processes: list[BaseProcess] = []
+        self.pipes: list[Connection] = []
+        for rank in range(1, spec.size):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=_worker_main, args=(spec, rank, theirs), name=f"tp-rank-{rank}", daemon=True
+            )
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(ours)
+        atexit.register(self.shutdown)
+
+    def send(self, message: StepInputs | int | None) -> None:
+        """To every worker: the KV block count once, then each step, then None to stop."""
+        self.raise_if_dead()
+        try:
+            for pipe in self.pipes:
+                pipe.send(message)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self.raise_if_dead()
+            raise EngineDeadError(f"lost a tensor-parallel worker: {exc}") from exc
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every worker has its weights and cache: the first step's collectives
+        then start together, and only a rank that dies or hangs can make them time out."""
+        deadline = time.monotonic() + timeout_s
+        for pipe in self.pipes:
+            while not pipe.poll(0.5):
+                self.raise_if_dead()
+                if time.monotonic() > deadline:
+                    raise EngineDeadError("tensor-parallel workers did not start in time")
+            if pipe.recv() != _READY:
+                raise EngineDeadError("a tensor-parallel worker failed to start")
+
+    def raise_if_dead(self) -> None:
+        dead = [p for p in self.processes if not p.is_alive()]
+        if dead:
+            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+            raise EngineDeadError(f"tensor-parallel worker died: {names}")
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, then make sure they have: no process outlives us."""
+        atexit.unregister(self.shutdown)
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):  # that worker may already be gone
+                pipe.send(None)
+            pipe.close()
+        self.pipes = []
+        for process in self.processes:
+            process.join(_JOIN_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker_main(spec: TPSpec, rank: int, pipe: Connection) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    tp = join_group(spec, rank)
+    checkpoint = load_checkpoint(Path(spec.checkpoint))
+    shape = spec.shape
+    device_shape = RunnerShape(
+        rank_device(shape, rank), shape.dtype, shape.block_size, shape.max_model_len
+    )
+    runner = ModelRunner(checkpoint.config, checkpoint.tensors(), device_shape, tp)
+    try:
+        num_blocks = pipe.recv()
+        assert isinstance(num_blocks, int), "the driver sends the KV block count first"
+        runner.allocate_kv_cache(num_blocks)
+        pipe.send(_READY)
+        while (message := pipe.recv()) is not None:
+            runner.run(message)
+    except EOFError:
+        return  # the driver is gone; so is the group
+    dist.destroy_process_group()
