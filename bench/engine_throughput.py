@@ -134,10 +134,11 @@ class KvUse:
     samples: list[float] = field(default_factory=list)
 
     def sample(self, engine: LLMEngine) -> None:
+        """Tokens whose K/V live requests hold, over the slots of the blocks they hold (a block
+        shared by two requests counts for each): what paging wastes is the tails of blocks."""
         running = engine.scheduler.running
         held = sum(seq.num_computed_tokens for seq in running)
-        kv = engine.scheduler.kv_cache
-        allocated = sum(1 for b in kv.blocks if b.ref_count > 0) * kv.block_size
+        allocated = sum(len(seq.block_table) for seq in running) * engine.config.block_size
         if allocated:
             self.samples.append(held / allocated)
 
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="our engine's dtype")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
         "--skip-transformers", action="store_true", help="ours only (no ratios): for profiling"
     )
@@ -243,14 +245,26 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_transformers(gguf, workload, batch_size=1))
         runs.append(run_transformers(gguf, workload, batch_size=8))
 
-    config = EngineConfig(model=str(gguf), dtype=args.dtype, max_num_seqs=args.concurrency)
+    config = EngineConfig(
+        model=str(gguf),
+        dtype=args.dtype,
+        max_num_seqs=args.concurrency,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     engine = LLMEngine(config)
+    kv = engine.scheduler.kv_cache
+    kv_gib = kv.num_blocks * engine.executor.kv_bytes_per_block * args.tensor_parallel_size / 2**30
+    print(
+        f"KV cache: {kv.num_blocks} blocks of {kv.block_size} tokens "
+        f"({kv.num_blocks * kv.block_size} tokens, {kv_gib:.2f} GiB)",
+        file=sys.stderr,
+    )
     kv_use = KvUse()
     ours = run_engine(
         engine,
         workload,
         args.concurrency,
-        f"meridian c={args.concurrency} ({engine.runner.dtype})",
+        f"meridian c={args.concurrency} ({engine.executor.runner.dtype})",
         kv_use.sample,
     )
     runs.append(ours)
@@ -260,10 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(model=str(gguf), dtype=args.dtype, enable_prefix_caching=False)
     )
     uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
+    engine.shutdown()
 
     report = {
         "command": "python -m bench.engine_throughput " + " ".join(argv or sys.argv[1:]),
         "torch_threads": torch.get_num_threads(),
+        "kv_cache_gib": round(kv_gib, 2),
         "runs": [r.summary() for r in runs],
         "kv_cache_use": {
             "mean": round(statistics.fmean(kv_use.samples), 4),
