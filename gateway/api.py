@@ -1,0 +1,281 @@
+"""The gateway's HTTP handlers: the OpenAI routes, `/health` and `/metrics`.
+
+A completion request goes: request id → API key → body checks → rate-limit admission (one
+request and the whole token reservation) → route plan → upstream with failover → the answer,
+whole or streamed → settle the reservation from the usage → metrics and one access-log line.
+aiohttp.web handlers: this is the hot path (see docs/gateway.md for why not FastAPI here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+
+from aiohttp import web
+
+from gateway.errors import (
+    BodyTooLargeError,
+    GatewayError,
+    NotReadyError,
+    RateLimitError,
+    error_response,
+)
+from gateway.keys import ApiKey, KeyTable
+from gateway.limits import Admission, Limiter
+from gateway.metrics import NO_REGION, GatewayMetrics
+from gateway.openai_request import Endpoint, ParsedRequest, parse_request
+from gateway.proxy import Opened, Proxy
+from gateway.relay import StreamRelay
+from gateway.request_ids import HEADER, current_request_id, request_id_from
+from gateway.routing import Router
+from gateway.settings import GatewaySettings
+from gateway.sse import StreamReader, usage_of
+
+logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("gateway.access")
+
+REGION_HEADER = "x-meridian-region"
+NO_KEY = "-"
+
+
+def _rate_limit_error(admission: Admission, num_tokens: int) -> RateLimitError:
+    if admission.is_too_large:
+        message = (
+            f"Request too large for tokens per min (TPM): Limit {admission.tpm}, Requested "
+            f"{num_tokens}. Lower max_tokens or the prompt."
+        )
+    elif admission.limited_by == "requests":
+        message = (
+            f"Rate limit reached for requests per min (RPM): Limit {admission.rpm}. Please try "
+            f"again in {admission.retry_after_s:.1f}s."
+        )
+    else:
+        message = (
+            f"Rate limit reached for tokens per min (TPM): Limit {admission.tpm}, Requested "
+            f"{num_tokens}. Please try again in {admission.retry_after_s:.1f}s."
+        )
+    return RateLimitError(message, "rate_limit_exceeded", headers=admission.headers())
+
+
+@dataclass(slots=True)
+class Handlers:
+    settings: GatewaySettings
+    keys: KeyTable
+    router: Router
+    metrics: GatewayMetrics
+    proxy: Proxy | None = None  # set by the lifespan
+    limiter: Limiter | None = None
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat", "/v1/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "completions", "/v1/completions")
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        started_s = time.monotonic()
+        request_id = request_id_from(request.headers.get(HEADER))
+        current_request_id.set(request_id)
+        key: ApiKey | None = None
+        try:
+            key = self.keys.authenticate(request.headers.get("authorization"))
+            proxy = self._proxy()
+            plan = self.router.plan(0)
+            deadline_s = started_s + self.settings.request_deadline_s
+            opened = await proxy.open(
+                "GET", "/v1/models", None, request_id, plan, deadline_s, False
+            )
+        except GatewayError as exc:
+            return self._refuse(request, exc, key, request_id, started_s)
+        opened.finish()
+        region = opened.candidate.region
+        headers = {HEADER: request_id, REGION_HEADER: region, **opened.passed_headers()}
+        self._count_and_log(request, opened.status, region, key, started_s, opened.num_retries)
+        return web.Response(body=opened.body, status=opened.status, headers=headers)
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        is_ready = self.keys.is_loaded and self.router.is_loaded
+        body = {
+            "status": "ok" if is_ready else "starting",
+            "pop": self.settings.pop,
+            "keys_loaded": self.keys.is_loaded,
+            "num_keys": len(self.keys),
+            "regions_loaded": self.router.is_loaded,
+            "regions": {
+                name: {
+                    "state": state.summary.state,
+                    "healthy_nodes": state.summary.healthy_nodes,
+                    "rtt_ms": round(state.rtt_ms, 2),
+                    "breaker": state.breaker.state.value,
+                    "in_flight": state.num_in_flight,
+                }
+                for name, state in sorted(self.router.regions.items())
+            },
+        }
+        return web.json_response(body, status=200 if is_ready else 503)
+
+    async def render_metrics(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=self.metrics.render(), headers={"content-type": "text/plain; version=0.0.4"}
+        )
+
+    # The completion flow.
+
+    async def _complete(
+        self, request: web.Request, endpoint: Endpoint, path: str
+    ) -> web.StreamResponse:
+        started_s = time.monotonic()
+        request_id = request_id_from(request.headers.get(HEADER))
+        current_request_id.set(request_id)
+        key: ApiKey | None = None
+        try:
+            key = self.keys.authenticate(request.headers.get("authorization"))
+            raw = await self._read_body(request)
+            parsed = parse_request(raw, endpoint, self.settings.default_max_tokens)
+            proxy, limiter = self._proxy(), self._limiter()
+            admission = await limiter.admit(key, parsed.reserved_tokens)
+            if not admission.is_allowed:
+                self.metrics.count_rate_limited(key.id, admission.limited_by or "tokens")
+                raise _rate_limit_error(admission, parsed.reserved_tokens)
+            try:
+                plan = self.router.plan(parsed.prompt_tokens, parsed.affinity_key)
+                deadline_s = started_s + self.settings.request_deadline_s
+                opened = await proxy.open(
+                    "POST",
+                    path,
+                    parsed.upstream_body,
+                    request_id,
+                    plan,
+                    deadline_s,
+                    parsed.is_stream,
+                )
+            except BaseException:
+                await limiter.settle(key, parsed.reserved_tokens)
+                raise
+        except GatewayError as exc:
+            return self._refuse(request, exc, key, request_id, started_s)
+        region = opened.candidate.region
+        headers = {HEADER: request_id, REGION_HEADER: region, **admission.headers()}
+        if parsed.is_stream and opened.status == 200:
+            reader = StreamReader(strip_usage=not parsed.wants_usage)
+            on_end = partial(self._end_stream, request, key, parsed, started_s)
+            return await StreamRelay(opened, reader, on_end).run(request, headers)
+        return await self._answer_whole(request, opened, key, parsed, headers, started_s)
+
+    async def _answer_whole(
+        self,
+        request: web.Request,
+        opened: Opened,
+        key: ApiKey,
+        parsed: ParsedRequest,
+        headers: dict[str, str],
+        started_s: float,
+    ) -> web.StreamResponse:
+        opened.finish()
+        region, status = opened.candidate.region, opened.status
+        self.metrics.observe_ttft(region, "whole", time.monotonic() - opened.sent_at_s)
+        num_used = 0  # a refused request used nothing
+        if status == 200:
+            try:
+                usage = usage_of(json.loads(opened.body))
+            except ValueError:
+                usage = None
+            num_used = usage.total_tokens if usage else parsed.reserved_tokens
+        await self._limiter().settle(key, parsed.reserved_tokens - num_used)
+        self._count_and_log(request, status, region, key, started_s, opened.num_retries, num_used)
+        return web.Response(
+            body=opened.body, status=status, headers={**headers, **opened.passed_headers()}
+        )
+
+    async def _end_stream(
+        self,
+        request: web.Request,
+        key: ApiKey,
+        parsed: ParsedRequest,
+        started_s: float,
+        relay: StreamRelay,
+    ) -> None:
+        candidate = relay.opened.candidate
+        if relay.ttft_s is not None:
+            self.metrics.observe_ttft(candidate.region, "stream", relay.ttft_s)
+            self.router.observe_ttft(candidate.region, relay.ttft_s, candidate.predicted_ttft_s)
+        usage = relay.reader.usage
+        if usage is not None:
+            num_used = usage.total_tokens
+        else:  # cut short: about one token per event so far
+            num_used = min(parsed.reserved_tokens, parsed.prompt_tokens + relay.reader.num_events)
+        await self._limiter().settle(key, parsed.reserved_tokens - num_used)
+        if relay.error is not None:
+            self.metrics.count_stream_error(candidate.region)
+            state = self.router.state_of(candidate.region)
+            if state is not None:
+                state.breaker.on_failure(time.monotonic())
+        status = 499 if relay.is_client_gone else 200
+        self._count_and_log(
+            request, status, candidate.region, key, started_s, relay.opened.num_retries, num_used
+        )
+
+    # Helpers.
+
+    def _proxy(self) -> Proxy:
+        if self.proxy is None:
+            raise NotReadyError("the gateway is starting", "not_ready")
+        if not self.router.is_loaded:
+            raise NotReadyError("the gateway has not loaded region summaries yet", "not_ready")
+        return self.proxy
+
+    def _limiter(self) -> Limiter:
+        if self.limiter is None:
+            raise NotReadyError("the gateway is starting", "not_ready")
+        return self.limiter
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        max_bytes = self.settings.max_body_bytes
+        length = request.content_length
+        if length is not None and length > max_bytes:
+            raise BodyTooLargeError(f"request body over {max_bytes} bytes", "body_too_large")
+        try:  # the application's client_max_size bounds bodies sent without a length
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BodyTooLargeError(
+                f"request body over {max_bytes} bytes", "body_too_large"
+            ) from None
+
+    def _refuse(
+        self,
+        request: web.Request,
+        exc: GatewayError,
+        key: ApiKey | None,
+        request_id: str,
+        started_s: float,
+    ) -> web.StreamResponse:
+        self._count_and_log(request, exc.status_code, NO_REGION, key, started_s, 0)
+        return error_response(exc, {HEADER: request_id})
+
+    def _count_and_log(
+        self,
+        request: web.Request,
+        status: int,
+        region: str,
+        key: ApiKey | None,
+        started_s: float,
+        num_retries: int,
+        num_tokens: int = 0,
+    ) -> None:
+        key_id = key.id if key is not None else NO_KEY
+        self.metrics.count_request(region, status, key_id)
+        if self.settings.access_log:
+            access_logger.info(
+                "%s %s %d region=%s key=%s retries=%d tokens=%d %.1fms",
+                request.method,
+                request.path,
+                status,
+                region,
+                key_id,
+                num_retries,
+                num_tokens,
+                (time.monotonic() - started_s) * 1000,
+            )

@@ -1,0 +1,64 @@
+"""API keys: the cached snapshot of active keys, and checking a request's bearer key against it.
+
+Only SHA-256 hashes travel from the control plane; a presented key is hashed and looked up in a
+dictionary. Secrets are 256 random bits, so the lookup's timing reveals nothing worth having. A
+key missing from the latest snapshot is revoked: the watch loop replaces the whole table as soon
+as the control plane publishes a change (within about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from gateway.errors import AuthenticationError, NotReadyError
+from wire.key_snapshot import KeySnapshot
+
+MAX_KEY_LEN = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    id: str
+    rpm: int
+    tpm: int
+
+
+class KeyTable:
+    def __init__(self) -> None:
+        self._by_hash: dict[str, ApiKey] | None = None
+        self.index = 0
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._by_hash is not None
+
+    def __len__(self) -> int:
+        return len(self._by_hash or {})
+
+    def replace(self, snapshot: KeySnapshot) -> None:
+        self._by_hash = {
+            grant.secret_sha256: ApiKey(grant.id, grant.rpm, grant.tpm) for grant in snapshot.keys
+        }
+        self.index = snapshot.index
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        """The key of a request's `Authorization` header, or AuthenticationError (401)."""
+        by_hash = self._by_hash
+        if by_hash is None:
+            raise NotReadyError("the gateway has not loaded API keys yet", "not_ready")
+        if not authorization:
+            raise AuthenticationError(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                "missing_api_key",
+            )
+        scheme, _, secret = authorization.partition(" ")
+        secret = secret.strip()
+        if scheme.lower() != "bearer" or not secret or len(secret) > MAX_KEY_LEN:
+            raise AuthenticationError(
+                "Malformed Authorization header: expected 'Bearer <key>'.", "invalid_api_key"
+            )
+        key = by_hash.get(hashlib.sha256(secret.encode("utf-8", "replace")).hexdigest())
+        if key is None:
+            raise AuthenticationError("Incorrect API key provided.", "invalid_api_key")
+        return key

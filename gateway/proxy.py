@@ -1,0 +1,182 @@
+"""Sending a request upstream: one region after another until one answers (failover).
+
+An attempt fails over to the next region in the plan when, before the client has seen a byte,
+the connection fails, the region does not answer in time, or it answers 5xx or 429. A non-stream
+is read whole before anything is sent to the client, so any failure while reading it still fails
+over; a stream is committed once its first chunk arrives. Other statuses (400, 404, ...) are the
+node's judgement of the request and go back to the client as they are. Every attempt feeds the
+region's circuit breaker; all of them together stay within the request's deadline and
+`max_attempts`. When every region failed with a status, the last such answer goes back to the
+client (a 429 keeps its Retry-After); when none answered at all, 502 (504 if the deadline
+passed first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
+from gateway.metrics import GatewayMetrics
+from gateway.request_ids import HEADER as REQUEST_ID_HEADER
+from gateway.routing import Candidate, RegionState, RoutePlan, Router
+from gateway.settings import GatewaySettings
+
+logger = logging.getLogger(__name__)
+
+# Headers from the node worth passing on to the client (hop-by-hop ones are not).
+PASSED_HEADERS = ("content-type", "retry-after", "retry-after-ms")
+
+
+@dataclass(slots=True)
+class Opened:
+    """An upstream answer the gateway has committed to."""
+
+    candidate: Candidate
+    state: RegionState | None
+    response: aiohttp.ClientResponse
+    # The whole body (non-streams, errors), or the first chunk of a 200 stream.
+    body: bytes
+    sent_at_s: float  # when the attempt that answered started
+    num_retries: int
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    def passed_headers(self) -> dict[str, str]:
+        headers = self.response.headers
+        return {name: headers[name] for name in PASSED_HEADERS if name in headers}
+
+    def finish(self) -> None:
+        """Release the connection (to the pool if the body was read, else closed)."""
+        if self.state is not None:
+            self.state.num_in_flight -= 1
+        self.response.release()
+
+
+def _cause_of(exc: BaseException) -> str:
+    return "timeout" if isinstance(exc, TimeoutError) else "connect"
+
+
+class Proxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        router: Router,
+        metrics: GatewayMetrics,
+        settings: GatewaySettings,
+    ) -> None:
+        self._session = session
+        self._router = router
+        self._metrics = metrics
+        self._max_attempts = settings.max_attempts
+        self._first_byte_timeout_s = settings.first_byte_timeout_s
+        self._whole_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout_s
+        )
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=settings.connect_timeout_s,
+            sock_read=settings.stream_idle_timeout_s,
+        )
+
+    async def open(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        request_id: str,
+        plan: RoutePlan,
+        deadline_s: float,
+        is_stream: bool,
+    ) -> Opened:
+        if not plan.candidates:
+            raise NoCapacityError(
+                "no region can take requests now", "no_capacity", headers={"retry-after": "1"}
+            )
+        headers = {REQUEST_ID_HEADER: request_id}
+        if body is not None:
+            headers["content-type"] = "application/json"
+        self._metrics.count_decision(plan.candidates[0].region, plan.reason)
+        last_answer: Opened | None = None
+        num_retries = 0
+        for candidate in plan.candidates[: self._max_attempts]:
+            now_s = time.monotonic()
+            if now_s >= deadline_s:
+                break
+            state = self._router.state_of(candidate.region)
+            if state is not None:
+                state.breaker.on_attempt(now_s)
+                state.num_in_flight += 1
+            try:
+                opened = await self._attempt(
+                    method, candidate, path, body, headers, deadline_s - now_s, is_stream
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self._on_failure(candidate, state, _cause_of(exc), repr(exc))
+                num_retries += 1
+                continue
+            except BaseException:  # cancelled: the client went away
+                if state is not None:
+                    state.num_in_flight -= 1
+                    state.breaker.on_abandon()
+                raise
+            opened.state, opened.sent_at_s, opened.num_retries = state, now_s, num_retries
+            if opened.status >= 500 or opened.status == 429:
+                opened.response.release()
+                self._on_failure(candidate, state, str(opened.status), f"HTTP {opened.status}")
+                opened.state = None  # counted out already
+                num_retries += 1
+                last_answer = opened
+                continue
+            if state is not None:
+                state.breaker.on_success()
+            return opened
+        if last_answer is not None:
+            return last_answer
+        if time.monotonic() >= deadline_s:
+            raise DeadlineError("no region answered within the request's deadline", "timeout")
+        raise UpstreamError("no region could be reached", "upstream_unreachable")
+
+    async def _attempt(
+        self,
+        method: str,
+        candidate: Candidate,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        remaining_s: float,
+        is_stream: bool,
+    ) -> Opened:
+        timeout = self._stream_timeout if is_stream else self._whole_timeout
+        if is_stream:
+            remaining_s = min(remaining_s, self._first_byte_timeout_s)
+        async with asyncio.timeout(remaining_s):
+            response = await self._session.request(
+                method, candidate.url + path, data=body, headers=headers, timeout=timeout
+            )
+            try:
+                if is_stream and response.status == 200:
+                    first = await response.content.readany()
+                    if not first:
+                        raise aiohttp.ServerDisconnectedError("stream ended before a byte")
+                else:
+                    first = await response.read()
+            except BaseException:
+                response.close()
+                raise
+        return Opened(candidate, None, response, first, 0.0, 0)
+
+    def _on_failure(
+        self, candidate: Candidate, state: RegionState | None, cause: str, detail: str
+    ) -> None:
+        if state is not None:
+            state.num_in_flight -= 1
+            state.breaker.on_failure(time.monotonic())
+        self._metrics.count_retry(candidate.region, cause)
+        logger.warning("region %s failed before the first byte (%s)", candidate.region, detail)

@@ -1,0 +1,32 @@
+"""Request ids: the client's `X-Request-Id` (if sane) or a new one; in every log line.
+
+The id is set in a context variable for the request's task, and a logging filter copies it into
+each record (`%(request_id)s`), so every line logged while handling a request names it, and "-"
+outside requests. It goes upstream in the same header and back to the client in the response.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import secrets
+
+HEADER = "x-request-id"
+_VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, bounded
+
+current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+def request_id_from(given: str | None) -> str:
+    if given and _VALID.match(given):
+        return given
+    return secrets.token_hex(16)
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every record that passes through the handler it is attached to."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = current_request_id.get()
+        return True

@@ -1,0 +1,207 @@
+"""Choosing the region that will answer a request soonest, and the order to fail over in.
+
+A region's cost is its expected time to first token from this PoP, in seconds:
+
+    cost = rtt_weight * rtt_ms / 1000                  network round trip (wire/geo.py)
+         + queue_weight * expected_queue_delay_s       waiting work / throughput (region summary)
+         + prompt_tokens / prefill_tokens_per_s        this request's own prefill
+         + ttft_correction_s                           EWMA of (observed - predicted) TTFT here
+
+never less than the RTT term. The correction learns what the summaries miss (a slow network
+path, a slower node type) from the TTFT this gateway measures on streams, and decays with a
+half-life so a region it once judged slow is tried again.
+
+Eligible regions are active, with healthy nodes, an ingress URL and a weight above 0. Among
+those, saturated ones (KV cache fuller than the policy's threshold) and ones whose circuit is
+open go last. The first choice is made among the near-best (cost within `p2c_tolerance` of the
+best, plus a small absolute slack): with affinity on and a system prompt, by rendezvous hashing
+of its hash (the same prompt lands on the same region while that region stays near-best, so its
+prefix cache is warm); otherwise by the power of two choices, picking the one of two random
+near-best regions that has fewer requests in flight from this gateway, so that gateways do not
+all stampede onto the single best region. The rest follow by cost, for failover.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.breaker import CircuitBreaker
+from wire.geo import Place, rtt_ms
+from wire.region_summary import RegionSummary, RegionSummaryIndex
+from wire.routing_policy import RoutingPolicy
+
+Reason = Literal["only", "p2c", "affinity", "fallback"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    prefill_tokens_per_s: float
+    ttft_ewma_alpha: float
+    ttft_correction_half_life_s: float
+    near_best_slack_s: float
+    breaker_failures: int
+    breaker_open_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    region: str
+    url: str  # the region's ingress, without a trailing slash
+    cost_s: float
+    predicted_ttft_s: float  # before the correction: what the observed TTFT is compared with
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    candidates: list[Candidate]  # the choice first, then failover order
+    reason: Reason
+
+
+@dataclass(slots=True)
+class RegionState:
+    """What this gateway itself knows about a region, beyond its summary."""
+
+    summary: RegionSummary
+    rtt_ms: float
+    breaker: CircuitBreaker
+    num_in_flight: int = 0
+    ttft_residual_s: float = 0.0
+    residual_at_s: float = 0.0
+    num_ttft_samples: int = 0
+
+
+def _rendezvous_score(key: str, region: str, weight: float) -> float:
+    digest = hashlib.blake2b(f"{key}/{region}".encode(), digest_size=8).digest()
+    unit = (int.from_bytes(digest, "big") + 1) / (2**64 + 1)  # in (0, 1)
+    return -weight / math.log(unit)
+
+
+@dataclass(slots=True)
+class Router:
+    config: RouterConfig
+    pop: Place  # where this gateway stands
+    rng: random.Random = field(default_factory=random.Random)
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    regions: dict[str, RegionState] = field(default_factory=dict)
+    index: int = 0
+    is_loaded: bool = False
+
+    def update(self, document: RegionSummaryIndex) -> None:
+        """Adopt a new summary document, keeping what was learnt about known regions."""
+        regions: dict[str, RegionState] = {}
+        for summary in document.regions:
+            known = self.regions.get(summary.name)
+            if known is None:
+                breaker = CircuitBreaker(
+                    summary.name, self.config.breaker_failures, self.config.breaker_open_s
+                )
+                known = RegionState(summary, rtt_ms(self.pop, summary), breaker)
+            elif (known.summary.lat, known.summary.lon) != (summary.lat, summary.lon):
+                known.rtt_ms = rtt_ms(self.pop, summary)
+            known.summary = summary
+            regions[summary.name] = known
+        self.regions = regions
+        self.policy = document.routing
+        self.index = document.index
+        self.is_loaded = True
+
+    def correction_s(self, state: RegionState, now_s: float) -> float:
+        if state.num_ttft_samples == 0:
+            return 0.0
+        age_s = max(0.0, now_s - state.residual_at_s)
+        return state.ttft_residual_s * 0.5 ** (age_s / self.config.ttft_correction_half_life_s)
+
+    def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
+        summary, policy = state.summary, self.policy
+        rtt_s = state.rtt_ms / 1000.0
+        queue_s = summary.queue.expected_queue_delay_s
+        prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
+        weighted_rtt_s = policy.rtt_weight * rtt_s
+        cost_s = weighted_rtt_s + policy.queue_weight * queue_s + prefill_s
+        cost_s = max(weighted_rtt_s, cost_s + self.correction_s(state, now_s))
+        assert summary.ingress_url is not None
+        url = summary.ingress_url.rstrip("/")
+        return Candidate(summary.name, url, cost_s, rtt_s + queue_s + prefill_s)
+
+    def _is_eligible(self, summary: RegionSummary) -> bool:
+        return (
+            summary.state == "active"
+            and summary.healthy_nodes > 0
+            and summary.ingress_url is not None
+            and summary.weight > 0.0
+        )
+
+    def _is_preferred(self, state: RegionState, now_s: float) -> bool:
+        summary = state.summary
+        if summary.kv_blocks_total > 0:
+            used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
+            if used > self.policy.saturation_threshold:
+                return False
+        return state.breaker.is_available(now_s)
+
+    def plan(self, prompt_tokens: int, affinity_key: str | None = None) -> RoutePlan:
+        """Regions to try, best first; empty if no region may take new work."""
+        now_s = time.monotonic()
+        preferred: list[Candidate] = []
+        others: list[Candidate] = []
+        for state in self.regions.values():
+            if not self._is_eligible(state.summary):
+                continue
+            candidate = self.predict(state, prompt_tokens, now_s)
+            (preferred if self._is_preferred(state, now_s) else others).append(candidate)
+        preferred.sort(key=lambda c: c.cost_s)
+        others.sort(key=lambda c: c.cost_s)
+        if not preferred:
+            return RoutePlan(others, "fallback")
+        if len(preferred) == 1:
+            return RoutePlan(preferred + others, "only")
+        limit_s = preferred[0].cost_s * (1.0 + self.policy.p2c_tolerance)
+        near = [c for c in preferred if c.cost_s <= limit_s + self.config.near_best_slack_s]
+        reason: Reason
+        if len(near) == 1:
+            chosen, reason = near[0], "only"
+        elif affinity_key is not None and self.policy.affinity_enabled:
+            chosen, reason = self._by_affinity(near, affinity_key), "affinity"
+        else:
+            chosen, reason = self._by_two_choices(near), "p2c"
+        rest = [c for c in preferred if c is not chosen]
+        return RoutePlan([chosen, *rest, *others], reason)
+
+    def _weight(self, candidate: Candidate) -> float:
+        return self.regions[candidate.region].summary.weight
+
+    def _by_affinity(self, near: list[Candidate], key: str) -> Candidate:
+        return max(near, key=lambda c: _rendezvous_score(key, c.region, self._weight(c)))
+
+    def _by_two_choices(self, near: list[Candidate]) -> Candidate:
+        first, second = self.rng.sample(near, 2)
+
+        def load(candidate: Candidate) -> tuple[float, float]:
+            in_flight = self.regions[candidate.region].num_in_flight
+            return in_flight / self._weight(candidate), candidate.cost_s
+
+        return min(first, second, key=load)
+
+    # Feedback from the proxy.
+
+    def state_of(self, region: str) -> RegionState | None:
+        return self.regions.get(region)
+
+    def observe_ttft(self, region: str, ttft_s: float, predicted_s: float) -> None:
+        state = self.regions.get(region)
+        if state is None:
+            return
+        now_s = time.monotonic()
+        sample_s = ttft_s - predicted_s
+        if state.num_ttft_samples == 0:
+            state.ttft_residual_s = sample_s
+        else:
+            alpha = self.config.ttft_ewma_alpha
+            state.ttft_residual_s = (1 - alpha) * self.correction_s(state, now_s) + alpha * sample_s
+        state.residual_at_s = now_s
+        state.num_ttft_samples += 1

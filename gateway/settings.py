@@ -1,0 +1,111 @@
+"""Gateway settings: command-line flags > environment (`MERIDIAN_GATEWAY_*`) > defaults.
+
+The control-plane credential is `MERIDIAN_GATEWAY_TOKEN`, as for every service. Built once in
+`__main__` (or by a test) and passed down as `create_app(settings)`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from wire.geo import LOCATIONS
+from wire.heartbeat import NAME_PATTERN
+
+MIN_TOKEN_LEN = 16
+_HTTP_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_REDIS_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
+
+TlsMode = Literal["files", "self-signed", "plain"]
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MERIDIAN_GATEWAY_", validate_by_name=True, extra="forbid", frozen=True
+    )
+
+    # Who and where this gateway is: the PoP name is looked up in the shared location table.
+    pop: str = Field(pattern=NAME_PATTERN, max_length=63)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8443, ge=0, le=65535)
+
+    # TLS: a certificate and key by path, a self-signed one made at start, or plain HTTP.
+    tls_mode: TlsMode = "self-signed"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    control_plane: str
+    gateway_token: SecretStr = Field(
+        validation_alias=AliasChoices("MERIDIAN_GATEWAY_TOKEN", "gateway_token"),
+        min_length=MIN_TOKEN_LEN,
+    )
+    # Longest wait of one blocking query; the control plane answers sooner on any change.
+    watch_wait_s: float = Field(default=30.0, gt=0.0, le=300.0)
+    max_watch_backoff_s: float = Field(default=5.0, gt=0.0, le=60.0)
+
+    # Shared rate-limit counters for all gateway processes of this PoP (else in-process).
+    redis: str | None = None
+
+    # Tokens reserved for a request that gives no max_tokens (and injected upstream as its cap,
+    # so that the reservation always covers what the request may use).
+    default_max_tokens: int = Field(default=1024, ge=1, le=1_000_000)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+
+    # Upstream timeouts.
+    connect_timeout_s: float = Field(default=2.0, gt=0.0, le=60.0)
+    # A request's whole budget, failover included; the first byte must come within it.
+    request_deadline_s: float = Field(default=600.0, gt=0.0, le=3600.0)
+    # A stream's first chunk must come within this (else the next region is tried); a
+    # non-stream's first byte is its whole answer, so it may take the rest of the deadline.
+    first_byte_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
+    # Longest silence between two chunks of a stream before it is ended with an error event.
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
+    max_attempts: int = Field(default=3, ge=1, le=10)
+
+    # Circuit breaker per region.
+    breaker_failures: int = Field(default=5, ge=1, le=1000)
+    breaker_open_s: float = Field(default=5.0, gt=0.0, le=600.0)
+
+    # Routing: a fallback prefill rate (tokens/s at one node) until summaries carry one, and how
+    # fast the observed-TTFT correction forgets.
+    prefill_tokens_per_s: float = Field(default=4000.0, gt=0.0)
+    ttft_ewma_alpha: float = Field(default=0.2, gt=0.0, le=1.0)
+    ttft_correction_half_life_s: float = Field(default=30.0, gt=0.0)
+    # Absolute slack (on top of the policy's relative tolerance) for "near-best" regions.
+    near_best_slack_s: float = Field(default=0.002, ge=0.0, le=10.0)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    access_log: bool = True
+    # Move what start-up allocated out of the garbage collector's way (off in tests, which run
+    # many gateways in one process).
+    freeze_gc: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySettings:
+        if self.pop not in LOCATIONS:
+            raise ValueError(
+                f"pop {self.pop!r} is not in the location table; known: {', '.join(LOCATIONS)}"
+            )
+        if not _HTTP_URL.match(self.control_plane):
+            raise ValueError("control_plane must be an http(s):// URL")
+        if self.redis is not None and not _REDIS_URL.match(self.redis):
+            raise ValueError("redis must be a redis://, rediss:// or unix:// URL")
+        has_files = self.tls_cert is not None or self.tls_key is not None
+        if self.tls_mode == "files":
+            if self.tls_cert is None or self.tls_key is None:
+                raise ValueError("--tls-cert and --tls-key must be given together")
+        elif has_files:
+            raise ValueError(f"--tls-cert/--tls-key cannot be combined with {self.tls_mode}")
+        return self
+
+    @property
+    def control_plane_url(self) -> str:
+        return self.control_plane.rstrip("/")
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls_mode == "plain" else "https"

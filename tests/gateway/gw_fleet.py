@@ -1,0 +1,334 @@
+"""The gateway's test harness: a real control plane, fake regions (a fast OpenAI-speaking upstream
+behind a TCP forwarder that delays bytes by the simulated RTT from the PoP, registered through
+real heartbeats) and real gateways, all on 127.0.0.1.
+
+The control plane, the fakes and the forwarders share one background event loop; each gateway
+runs under uvicorn on its own thread and loop, as it would in its own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import httpx
+import uvicorn
+import uvloop
+from gw_fakes import DelayProxy, FakeUpstream
+
+from control_plane.app import create_app as create_control_plane
+from control_plane.settings import Settings as ControlPlaneSettings
+from gateway.api import Handlers
+from gateway.app import HANDLERS, create_app
+from gateway.server import GatewayServer, bind_socket
+from gateway.settings import GatewaySettings
+from gateway.tls import server_context
+from wire.geo import locate, rtt_ms
+
+T = TypeVar("T")
+POP = "new-york"
+MAX_START_S = 20.0
+# Fake nodes beat every 0.25 s (unhealthy after 0.75 s): fast for tests, with room for this
+# harness's loop to stall on a busy machine without regions flapping.
+HEARTBEAT_INTERVAL_S = 0.25
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> float:
+    """Poll until `predicate()` holds; returns the seconds it took."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+class BackgroundLoop:
+    """An asyncio loop on its own thread, for the harness's servers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gw-harness")
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout_s: float = 30.0) -> T:
+        async def wrapper() -> T:
+            return await coro
+
+        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+@dataclass
+class Tokens:
+    admin: str = field(default_factory=lambda: "adm-" + secrets.token_urlsafe(24))
+    node: str = field(default_factory=lambda: "nod-" + secrets.token_urlsafe(24))
+    gateway: str = field(default_factory=lambda: "gw-" + secrets.token_urlsafe(24))
+
+
+@dataclass
+class Load:
+    """What a fake region's heartbeats report."""
+
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = 0
+    decode_tokens_per_s: float = 1000.0
+    kv_blocks_free: int = 1000
+    draining: bool = False
+
+
+@dataclass
+class FakeRegion:
+    name: str
+    upstream: FakeUpstream
+    proxy: DelayProxy
+    rtt_ms: float
+    load: Load = field(default_factory=Load)
+    is_beating: bool = True
+
+
+class GatewayThread:
+    """A gateway (create_app + GatewayServer) on its own thread and event loop."""
+
+    def __init__(self, settings: GatewaySettings, cert: tuple[Path, Path] | None) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        sock = bind_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        context = server_context(*cert) if cert is not None else None
+        self.server = GatewayServer(self.app, sock, context)
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gateway")
+        scheme = "https" if cert is not None else "http"
+        self.base_url = f"{scheme}://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        self._loop.run_until_complete(self.server.serve())
+        self._loop.close()
+
+    @property
+    def handlers(self) -> Handlers:
+        return self.app[HANDLERS]
+
+    def start(self) -> None:
+        self._thread.start()
+        wait_until(lambda: self.server.is_started, MAX_START_S, "the gateway to start")
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self.server.stop)
+        self._thread.join(timeout=10)
+
+
+class Fleet:
+    """One control plane, fake regions, gateways; everything stopped by `close()`."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        cert: tuple[Path, Path] | None,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
+        self.tmp_path = tmp_path
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.proxies: list[DelayProxy] = []
+        self.cert = cert
+        self.tokens = Tokens()
+        self.loop = BackgroundLoop()
+        self.regions: dict[str, FakeRegion] = {}
+        self.gateways: list[GatewayThread] = []
+        self._cp_server: uvicorn.Server | None = None
+        self._cp_task: asyncio.Future[None] | None = None
+        self._beats: asyncio.Task[None] | None = None
+        self.cp_url = ""
+        self.admin: httpx.Client | None = None
+
+    # Control plane.
+
+    def start_control_plane(self) -> None:
+        settings = ControlPlaneSettings(
+            db_path=str(self.tmp_path / "cp.db"),
+            admin_token=self.tokens.admin,
+            node_token=self.tokens.node,
+            gateway_token=self.tokens.gateway,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            sweep_interval_s=0.05,
+            xds_port=0,
+            dns_port=0,
+        )
+        sock = bind_socket("127.0.0.1", 0)
+        self.cp_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            create_control_plane(settings),
+            log_level="warning",
+            log_config=None,
+            access_log=False,
+            # Gateways' long polls are left waiting at the end: do not wait for them.
+            timeout_graceful_shutdown=0.05,  # type: ignore[arg-type]
+        )
+        self._cp_server = uvicorn.Server(config)
+        server = self._cp_server
+        self._cp_task = asyncio.run_coroutine_threadsafe(  # type: ignore[assignment]
+            server.serve(sockets=[sock]), self.loop.loop
+        )
+        wait_until(lambda: server.started, MAX_START_S, "the control plane to start")
+        self.admin = httpx.Client(
+            base_url=self.cp_url,
+            headers={"Authorization": f"Bearer {self.tokens.admin}"},
+            timeout=10.0,
+        )
+        self._beats = self.loop.run(self._start_beats())
+
+    async def _start_beats(self) -> asyncio.Task[None]:
+        return asyncio.create_task(self._beat_forever())
+
+    async def _beat_forever(self) -> None:
+        headers = {"Authorization": f"Bearer {self.tokens.node}"}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            while True:
+                for region in list(self.regions.values()):
+                    if region.is_beating:
+                        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                            await self._beat(session, region)
+                await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _beat(self, session: aiohttp.ClientSession, region: FakeRegion) -> None:
+        load = region.load
+        body = {
+            "node_id": f"{region.name}-n1",
+            "region": region.name,
+            "url": region.upstream.url,
+            "model": "fake-model",
+            "kv_blocks_total": 1000,
+            "kv_blocks_free": load.kv_blocks_free,
+            "block_size": 16,
+            "num_running": 0,
+            "num_waiting": load.num_waiting,
+            "num_waiting_prefill_tokens": load.num_waiting_prefill_tokens,
+            "decode_tokens_per_s": load.decode_tokens_per_s,
+            "draining": load.draining,
+            "timestamp": time.time(),
+        }
+        async with session.post(self.cp_url + "/v1/nodes/heartbeat", json=body) as response:
+            await response.read()
+
+    def admin_call(self, method: str, path: str, **kwargs: Any) -> Any:
+        assert self.admin is not None
+        response = self.admin.request(method, path, **kwargs)
+        assert response.status_code < 300, response.text
+        return response.json() if response.content else None
+
+    # Regions.
+
+    def add_region(self, name: str, pop: str = POP, register: bool = True) -> FakeRegion:
+        """A fake region at the location table's place `name`, behind the simulated RTT."""
+        place = locate(name)
+        region_rtt_ms = rtt_ms(locate(pop), place)
+        upstream = FakeUpstream(name)
+        self.loop.run(upstream.start())
+        proxy = DelayProxy(upstream.port, region_rtt_ms / 2000.0)
+        self.loop.run(proxy.start())
+        region = FakeRegion(name, upstream, proxy, region_rtt_ms)
+        self.regions[name] = region
+        if register:
+            body = {"name": name, "lat": place.lat, "lon": place.lon, "ingress_url": proxy.url}
+            self.admin_call("POST", "/v1/regions", json=body)
+        return region
+
+    def add_region_in_front_of(self, name: str, port: int, pop: str = POP) -> DelayProxy:
+        """Register region `name` whose ingress is a delaying forwarder to 127.0.0.1:`port`
+        (a real node agent, which sends its own heartbeats)."""
+        place = locate(name)
+        proxy = DelayProxy(port, rtt_ms(locate(pop), place) / 2000.0)
+        self.loop.run(proxy.start())
+        self.proxies.append(proxy)
+        body = {"name": name, "lat": place.lat, "lon": place.lon, "ingress_url": proxy.url}
+        self.admin_call("POST", "/v1/regions", json=body)
+        return proxy
+
+    def set_region_state(self, name: str, state: str) -> None:
+        self.admin_call("PATCH", f"/v1/regions/{name}", json={"state": state})
+
+    def kill_region(self, name: str) -> None:
+        """The region's node dies: its connections drop, and its heartbeats stop."""
+        region = self.regions[name]
+        region.is_beating = False
+        self.loop.run(region.upstream.stop())
+
+    # Keys.
+
+    def create_key(self, rpm: int = 10_000, tpm: int = 10_000_000) -> tuple[str, str]:
+        created = self.admin_call("POST", "/v1/keys", json={"name": "k", "rpm": rpm, "tpm": tpm})
+        return created["id"], created["secret"]
+
+    def revoke_key(self, key_id: str) -> None:
+        self.admin_call("DELETE", f"/v1/keys/{key_id}")
+
+    # Gateways.
+
+    def start_gateway(self, pop: str = POP, **overrides: Any) -> GatewayThread:
+        values: dict[str, Any] = {
+            "pop": pop,
+            "control_plane": self.cp_url,
+            "gateway_token": self.tokens.gateway,
+            "tls_mode": "plain" if self.cert is None else "files",
+            "access_log": False,
+            "freeze_gc": False,
+            "breaker_open_s": 1.0,
+        }
+        if self.cert is not None:
+            values |= {"tls_cert": self.cert[0], "tls_key": self.cert[1]}
+        gateway = GatewayThread(GatewaySettings(**(values | overrides)), self.cert)
+        gateway.start()
+        self.gateways.append(gateway)
+        return gateway
+
+    def wait_for_gateway(
+        self, gateway: GatewayThread, num_regions: int | None = None, timeout_s: float = 5.0
+    ) -> None:
+        """Until the gateway has keys and sees `num_regions` (default: all) with healthy nodes."""
+        wanted = len(self.regions) if num_regions is None else num_regions
+        router = gateway.handlers.router
+
+        def is_ready() -> bool:
+            healthy = [s for s in router.regions.values() if s.summary.healthy_nodes > 0]
+            return gateway.handlers.keys.is_loaded and len(healthy) >= wanted
+
+        wait_until(is_ready, timeout_s, f"the gateway to see {wanted} healthy regions")
+
+    def close(self) -> None:
+        for gateway in self.gateways:
+            gateway.stop()
+        if self.admin is not None:
+            self.admin.close()
+        if self._beats is not None:
+            self.loop.loop.call_soon_threadsafe(self._beats.cancel)
+        for proxy in self.proxies:
+            self.loop.run(proxy.stop())
+        for region in self.regions.values():
+            self.loop.run(region.proxy.stop())
+            self.loop.run(region.upstream.stop())
+        if self._cp_server is not None and self._cp_task is not None:
+            self._cp_server.should_exit = True
+            with contextlib.suppress(Exception):
+                self._cp_task.result(timeout=10)
+        self.loop.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

@@ -1,0 +1,153 @@
+"""`python -m gateway`: configuration errors, TLS, and the real process serving."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from gw_fleet import Fleet, free_port
+
+from gateway.__main__ import main
+from gateway.tls import make_self_signed, server_context
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "gw-" + "x" * 30
+# SIGTERM: in-flight requests finish, then the process exits 0.
+CLEAN_EXIT = (0,)
+
+
+@pytest.fixture(autouse=True)
+def keep_logging() -> Iterator[None]:
+    """`main` configures the root logger; put it back so later tests' output is not lost."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    status = main(list(args))
+    return status, capsys.readouterr().err
+
+
+def test_bad_configuration_fails_with_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = ["--control-plane", "http://127.0.0.1:1"]
+    status, err = run_main(capsys, "--pop", "new-york", *base)
+    assert status == 2 and "MERIDIAN_GATEWAY_TOKEN" in err and err.count("\n") == 1
+    monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", TOKEN)
+    status, err = run_main(capsys, "--pop", "atlantis", *base)
+    assert status == 2 and "atlantis" in err and TOKEN not in err
+    status, err = run_main(capsys, "--pop", "new-york", "--tls-cert", "c.pem", *base)
+    assert status == 2 and "--tls-key" in err
+    status, err = run_main(capsys, "--pop", "new-york", "--control-plane", "ftp://x")
+    assert status == 2 and "control_plane" in err
+
+
+def test_missing_certificate_files_fail_at_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", TOKEN)
+    status, err = run_main(
+        capsys,
+        "--pop",
+        "new-york",
+        "--control-plane",
+        "http://127.0.0.1:1",
+        "--tls-cert",
+        str(tmp_path / "none.pem"),
+        "--tls-key",
+        str(tmp_path / "none.key"),
+    )
+    assert status == 1 and "TLS" in err
+
+
+def test_self_signed_certificate_names_loopback_and_needs_tls_1_2(tmp_path: Path) -> None:
+    cert_path, key_path = make_self_signed("127.0.0.1", tmp_path)
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in names.get_values_for_type(x509.DNSName)
+    assert {str(a) for a in names.get_values_for_type(x509.IPAddress)} >= {"127.0.0.1", "::1"}
+    assert oct(key_path.stat().st_mode & 0o777) == "0o600"
+    context = server_context(cert_path, key_path)
+    assert context.minimum_version == ssl.TLSVersion.TLSv1_2
+
+
+def test_the_gateway_process_serves_https_and_logs_request_ids(
+    two_regions: Fleet, tmp_path: Path
+) -> None:
+    port = free_port()
+    log_path = tmp_path / "gateway.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env["MERIDIAN_GATEWAY_TOKEN"] = two_regions.tokens.gateway
+    args = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "--pop",
+        "new-york",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--control-plane",
+        two_regions.cp_url,
+        "--self-signed",
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
+    try:
+        cert_path = _wait_for_certificate(log_path, process)
+        context = ssl.create_default_context(cafile=str(cert_path))
+        url = f"https://127.0.0.1:{port}"
+        health = _wait_for_health(url, context)
+        assert health["status"] == "ok" and set(health["regions"]) == {"us-east", "eu-west"}
+        response = httpx.get(url + "/v1/models", verify=context, headers={"X-Request-Id": "rid-42"})
+        assert response.status_code == 401
+        old = ssl.create_default_context(cafile=str(cert_path))
+        old.minimum_version = ssl.TLSVersion.TLSv1
+        old.maximum_version = ssl.TLSVersion.TLSv1_1
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", verify=old)
+    finally:
+        process.terminate()
+        assert process.wait(timeout=15) in CLEAN_EXIT
+    log_text = log_path.read_text()
+    assert re.search(r"\[rid-42\]: GET /v1/models 401 region=none", log_text), log_text
+
+
+def _wait_for_certificate(log_path: Path, process: subprocess.Popen[bytes]) -> Path:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        match = re.search(r"self-signed certificate in (\S+)", log_path.read_text())
+        if match:
+            return Path(match.group(1))
+        assert process.poll() is None, log_path.read_text()
+        time.sleep(0.05)
+    raise AssertionError("no certificate logged")
+
+
+def _wait_for_health(url: str, context: ssl.SSLContext) -> dict[str, object]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(url + "/health", verify=context)
+            if response.status_code == 200:
+                body: dict[str, object] = response.json()
+                return body
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the gateway never became healthy")

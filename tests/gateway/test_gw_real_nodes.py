@@ -1,0 +1,116 @@
+"""Through the gateway to real node agents (`python -m node_agent`, the real SmolLM2) in two
+regions, with the simulated RTTs, using the official openai client over verified HTTPS."""
+
+from __future__ import annotations
+
+import os
+import signal
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from gw_fleet import Fleet, free_port, wait_until
+
+from engine.model_store import DEFAULT_MODEL
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_LOAD_S = 120.0  # both models loading at once on a small CPU machine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def real_fleet(
+    tmp_path: Path, server_cert: tuple[Path, Path], smollm2_gguf: Path
+) -> Iterator[Fleet]:
+    # Real nodes beat every 0.5 s; give them 1.5 s of slack while they compute.
+    fleet = Fleet(tmp_path, server_cert, heartbeat_interval_s=0.5)
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        fleet.start_control_plane()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+        env["MERIDIAN_NODE_TOKEN"] = fleet.tokens.node
+        for region in ("us-east", "eu-west"):
+            port = free_port()
+            fleet.add_region_in_front_of(region, port)
+            args = [
+                sys.executable,
+                "-m",
+                "node_agent",
+                "--model",
+                DEFAULT_MODEL,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--region",
+                region,
+                "--control-plane",
+                fleet.cp_url,
+                "--heartbeat-interval",
+                "0.5",
+                "--num-kv-blocks",
+                "256",
+                "--max-model-len",
+                "1024",
+            ]
+            with (tmp_path / f"node-{region}.log").open("wb") as log:
+                process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
+            nodes.append(process)
+        yield fleet
+    finally:
+        for node in nodes:
+            node.send_signal(signal.SIGINT)
+        for node in nodes:
+            try:
+                node.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                node.wait(timeout=5)
+        fleet.close()
+
+
+def test_openai_client_through_the_gateway_to_real_nodes(
+    real_fleet: Fleet, client_ssl: ssl.SSLContext, tmp_path: Path
+) -> None:
+    gateway = real_fleet.start_gateway()
+    _, secret = real_fleet.create_key()
+    real_fleet.wait_for_gateway(gateway, num_regions=2, timeout_s=MAX_LOAD_S)
+    with openai.OpenAI(
+        base_url=gateway.base_url + "/v1",
+        api_key=secret,
+        max_retries=0,
+        http_client=httpx.Client(verify=client_ssl, timeout=60.0),
+    ) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=8,
+            extra_headers={"X-Request-Id": "real-node-1"},
+        )
+        completion = raw.parse()
+        assert raw.headers["x-meridian-region"] == "us-east"  # the nearer one
+        assert completion.choices[0].message.content
+        assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 8
+        assert "real-node-1" in (tmp_path / "node-us-east.log").read_text()
+
+        # Drain the near region: the far one's real node streams the next answer.
+        real_fleet.set_region_state("us-east", "draining")
+        router = gateway.handlers.router
+
+        wait_until(lambda: router.regions["us-east"].summary.state == "draining", 2.0)
+        with client.chat.completions.with_streaming_response.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "Count to three."}],
+            max_tokens=6,
+            stream=True,
+        ) as response:
+            assert response.headers["x-meridian-region"] == "eu-west"
+            chunks = list(response.parse())
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text and all(c.usage is None for c in chunks)

@@ -1,0 +1,179 @@
+"""Region scoring and choice (pure: summaries in, plans out) and the circuit breaker."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.routing import Router, RouterConfig
+from wire.geo import LOCATIONS, locate, rtt_ms
+from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
+from wire.routing_policy import RoutingPolicy
+
+CONFIG = RouterConfig(
+    prefill_tokens_per_s=4000.0,
+    ttft_ewma_alpha=0.5,
+    ttft_correction_half_life_s=30.0,
+    near_best_slack_s=0.002,
+    breaker_failures=2,
+    breaker_open_s=5.0,
+)
+
+
+def summary(name: str, **fields: Any) -> RegionSummary:
+    place = LOCATIONS[name]
+    queue = QueueEstimate(
+        num_waiting=0,
+        num_waiting_prefill_tokens=0,
+        decode_tokens_per_s=1000.0,
+        expected_queue_delay_s=fields.pop("queue_s", 0.0),
+    )
+    values: dict[str, Any] = {
+        "name": name,
+        "lat": place.lat,
+        "lon": place.lon,
+        "state": "active",
+        "ingress_url": f"http://{name}.test/",
+        "healthy_nodes": 1,
+        "kv_blocks_free": 1000,
+        "kv_blocks_total": 1000,
+        "queue": queue,
+        "weight": 1.0,
+    }
+    return RegionSummary(**(values | fields))
+
+
+def router(*summaries: RegionSummary, policy: RoutingPolicy | None = None) -> Router:
+    r = Router(CONFIG, locate("new-york"), rng=random.Random(7))
+    r.update(
+        RegionSummaryIndex(index=1, regions=list(summaries), routing=policy or RoutingPolicy())
+    )
+    return r
+
+
+def order(r: Router, prompt_tokens: int = 10, key: str | None = None) -> list[str]:
+    return [c.region for c in r.plan(prompt_tokens, key).candidates]
+
+
+def test_cost_is_rtt_plus_queue_plus_prefill() -> None:
+    r = router(summary("us-east", queue_s=0.5))
+    candidate = r.plan(400).candidates[0]
+    expected_s = rtt_ms(locate("new-york"), LOCATIONS["us-east"]) / 1000 + 0.5 + 0.1
+    assert candidate.cost_s == pytest.approx(expected_s)
+    assert candidate.url == "http://us-east.test"
+
+
+def test_nearest_idle_region_first_then_the_rest_by_cost() -> None:
+    r = router(summary("ap-northeast"), summary("eu-west"), summary("us-east"))
+    plan = r.plan(10)
+    assert [c.region for c in plan.candidates] == ["us-east", "eu-west", "ap-northeast"]
+    assert plan.reason == "only"
+
+
+def test_queueing_delay_outweighs_distance() -> None:
+    r = router(summary("us-east", queue_s=2.0), summary("eu-west"))
+    assert order(r) == ["eu-west", "us-east"]
+
+
+def test_long_prompts_weigh_prefill_equally_everywhere() -> None:
+    r = router(summary("us-east"), summary("eu-west"))
+    assert order(r, prompt_tokens=100_000) == ["us-east", "eu-west"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"state": "draining"},
+        {"state": "disabled"},
+        {"healthy_nodes": 0},
+        {"ingress_url": None},
+        {"weight": 0.0},
+    ],
+)
+def test_regions_that_cannot_take_new_work_get_none(fields: dict[str, Any]) -> None:
+    r = router(summary("us-east", **fields), summary("eu-west"))
+    assert order(r) == ["eu-west"]
+
+
+def test_no_region_means_an_empty_plan() -> None:
+    assert router(summary("us-east", state="draining")).plan(10).candidates == []
+
+
+def test_saturated_and_open_circuit_regions_go_last() -> None:
+    r = router(summary("us-east", kv_blocks_free=50), summary("eu-west"))
+    assert order(r) == ["eu-west", "us-east"]
+    r = router(summary("us-east"), summary("eu-west"))
+    state = r.regions["us-east"]
+    state.breaker.on_failure(now_s=1e12)
+    state.breaker.on_failure(now_s=1e12)
+    assert state.breaker.state is BreakerState.OPEN
+    assert order(r) == ["eu-west", "us-east"]
+    assert r.plan(10).reason == "only"
+
+
+def test_two_choices_spread_load_over_near_best_regions() -> None:
+    r = router(summary("us-east"), summary("toronto"), summary("eu-west"))
+    first = Counter()
+    for _ in range(200):
+        plan = r.plan(10)
+        assert plan.reason == "p2c"
+        first[plan.candidates[0].region] += 1
+        r.regions[plan.candidates[0].region].num_in_flight += 1
+    assert set(first) == {"us-east", "toronto"}  # eu-west is far from near-best
+    assert abs(first["us-east"] - first["toronto"]) <= 2
+
+
+def test_affinity_sticks_to_one_near_best_region_per_prompt() -> None:
+    r = router(summary("us-east"), summary("toronto"), summary("eu-west"))
+    chosen = {key: {order(r, key=key)[0] for _ in range(5)} for key in map(str, range(40))}
+    assert all(len(regions) == 1 for regions in chosen.values())
+    assert set().union(*chosen.values()) == {"us-east", "toronto"}
+    off = router(
+        summary("us-east"), summary("toronto"), policy=RoutingPolicy(affinity_enabled=False)
+    )
+    assert off.plan(10, "k").reason == "p2c"
+
+
+def test_observed_ttft_corrects_the_estimate_and_decays() -> None:
+    r = router(summary("us-east"), summary("toronto"))
+    east = r.regions["us-east"]
+    predicted = r.predict(east, 10, 0.0).predicted_ttft_s
+    r.observe_ttft("us-east", predicted + 0.2, predicted)  # 200 ms slower than expected
+    assert order(r)[0] == "toronto" and r.plan(10).reason == "only"
+    now = east.residual_at_s
+    assert r.correction_s(east, now + 30.0) == pytest.approx(0.1)  # one half-life
+    assert r.correction_s(east, now + 300.0) < 0.001
+
+
+def test_updates_keep_what_was_learnt_about_a_region() -> None:
+    r = router(summary("us-east"))
+    r.regions["us-east"].num_in_flight = 3
+    r.update(
+        RegionSummaryIndex(
+            index=2, regions=[summary("us-east", queue_s=1.0)], routing=RoutingPolicy()
+        )
+    )
+    assert r.regions["us-east"].num_in_flight == 3 and r.index == 2
+    r.update(RegionSummaryIndex(index=3, regions=[], routing=RoutingPolicy()))
+    assert r.regions == {}
+
+
+def test_breaker_opens_after_failures_then_lets_one_probe_through() -> None:
+    breaker = CircuitBreaker("r", max_failures=3, open_s=5.0)
+    for _ in range(2):
+        breaker.on_failure(0.0)
+    assert breaker.is_available(0.0)
+    breaker.on_failure(1.0)
+    assert breaker.state is BreakerState.OPEN and not breaker.is_available(5.9)
+    assert breaker.is_available(6.0)
+    breaker.on_attempt(6.0)
+    assert breaker.state is BreakerState.HALF_OPEN and not breaker.is_available(6.0)
+    breaker.on_failure(6.5)  # the probe failed: open again
+    assert breaker.state is BreakerState.OPEN and not breaker.is_available(11.0)
+    breaker.on_attempt(11.5)
+    breaker.on_success()
+    assert breaker.state is BreakerState.CLOSED and breaker.num_failures == 0

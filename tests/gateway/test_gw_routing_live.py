@@ -1,0 +1,231 @@
+"""Region choice and failover through a real gateway, with RTTs made real by delaying forwarders
+and load reported through real heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import ssl
+import time
+from collections import Counter
+
+import httpx
+from gw_fleet import Fleet, GatewayThread, wait_until
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
+MAX_LOAD_S = 10.0
+
+
+def served_by(http: httpx.Client, body: dict[str, object] = CHAT) -> str:
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.headers["x-meridian-region"]
+
+
+def test_nearer_region_serves_when_both_are_idle(two_regions: Fleet, http: httpx.Client) -> None:
+    assert two_regions.regions["us-east"].rtt_ms < 10 < two_regions.regions["eu-west"].rtt_ms
+    assert {served_by(http) for _ in range(10)} == {"us-east"}
+    assert two_regions.regions["eu-west"].upstream.num_requests == 0
+
+
+def test_farther_region_serves_once_the_nearer_is_loaded(
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
+) -> None:
+    assert served_by(http) == "us-east"
+    # 5,000 prompt tokens waiting at 1,000 tokens/s: about 5 s of queue, far more than 50 ms.
+    two_regions.regions["us-east"].load.num_waiting_prefill_tokens = 5000
+    router = gateway.handlers.router
+    wait_until(
+        lambda: router.regions["us-east"].summary.queue.expected_queue_delay_s > 1.0,
+        what="the load to reach the gateway",
+    )
+    assert {served_by(http) for _ in range(5)} == {"eu-west"}
+    two_regions.regions["us-east"].load.num_waiting_prefill_tokens = 0
+    wait_until(lambda: router.regions["us-east"].summary.queue.expected_queue_delay_s == 0.0)
+    assert served_by(http) == "us-east"
+
+
+def test_draining_a_region_moves_new_traffic_within_a_second(
+    two_regions: Fleet, http: httpx.Client
+) -> None:
+    assert served_by(http) == "us-east"
+    started = time.monotonic()
+    two_regions.set_region_state("us-east", "draining")
+    while served_by(http) != "eu-west":
+        assert time.monotonic() - started < 1.0, "traffic still goes to the draining region"
+    assert time.monotonic() - started < 1.0
+    assert {served_by(http) for _ in range(5)} == {"eu-west"}
+
+
+def test_a_node_draining_itself_gets_no_new_work(
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
+) -> None:
+    two_regions.regions["us-east"].load.draining = True
+    router = gateway.handlers.router
+    wait_until(lambda: router.regions["us-east"].summary.healthy_nodes == 0, 2.0)
+    assert served_by(http) == "eu-west"
+
+
+async def _load(
+    base_url: str,
+    headers: dict[str, str],
+    verify: ssl.SSLContext,
+    num_requests: int,
+    concurrency: int,
+    on_progress: asyncio.Event,
+) -> list[int]:
+    """`num_requests` non-streamed requests, `concurrency` at a time, bounded by MAX_LOAD_S."""
+    statuses: list[int] = []
+    queue = iter(range(num_requests))
+    deadline = time.monotonic() + MAX_LOAD_S
+
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, verify=verify, timeout=MAX_LOAD_S
+    ) as client:
+
+        async def worker() -> None:
+            for _ in queue:
+                if time.monotonic() > deadline:
+                    return
+                response = await client.post("/v1/chat/completions", json=CHAT)
+                statuses.append(response.status_code)
+                if len(statuses) >= num_requests // 4:
+                    on_progress.set()
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return statuses
+
+
+def test_killing_a_region_under_load_loses_no_request(
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client, client_ssl: ssl.SSLContext
+) -> None:
+    num_requests = 200
+    # Each request spends 100 ms at us-east, so several are in flight there when it dies.
+    two_regions.regions["us-east"].upstream.behavior.delay_s = 0.1
+
+    async def run() -> list[int]:
+        progress = asyncio.Event()
+        load = asyncio.create_task(
+            _load(gateway.base_url, dict(http.headers), client_ssl, num_requests, 8, progress)
+        )
+        await asyncio.wait_for(progress.wait(), MAX_LOAD_S)
+        await asyncio.to_thread(two_regions.kill_region, "us-east")
+        return await load
+
+    statuses = asyncio.run(run())
+    assert len(statuses) == num_requests
+    assert Counter(statuses) == {200: num_requests}
+    assert two_regions.regions["eu-west"].upstream.num_requests > 0
+    metrics = http.get("/metrics").text
+    retried = re.findall(
+        r'meridian_gateway_retries_total\{cause="\w+",region="us-east"\} (\d+)', metrics
+    )
+    assert sum(float(n) for n in retried) >= 1, "no request was in flight at the kill"
+
+
+def test_5xx_and_429_before_the_first_byte_fail_over(
+    two_regions: Fleet, http: httpx.Client
+) -> None:
+    upstream = two_regions.regions["us-east"].upstream
+    upstream.behavior.fail_status = 500
+    assert served_by(http) == "eu-west"
+    upstream.behavior.fail_status = 429
+    assert served_by(http) == "eu-west"
+    streamed = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert streamed.headers["x-meridian-region"] == "eu-west"
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    metrics = http.get("/metrics").text
+    assert 'meridian_gateway_retries_total{cause="500",region="us-east"} 1.0' in metrics
+
+
+def test_when_every_region_fails_the_last_answer_is_returned(
+    two_regions: Fleet, http: httpx.Client
+) -> None:
+    for region in two_regions.regions.values():
+        region.upstream.behavior.fail_status = 429
+    response = http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "fake"
+
+
+def test_a_slow_first_byte_fails_over_for_streams(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    gateway = two_regions.start_gateway(first_byte_timeout_s=0.3)
+    two_regions.wait_for_gateway(gateway)
+    _, secret = two_regions.create_key()
+    wait_until(lambda: len(gateway.handlers.keys) > 0)
+    two_regions.regions["us-east"].upstream.behavior.delay_s = 2.0
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
+        started = time.monotonic()
+        response = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert response.headers["x-meridian-region"] == "eu-west"
+        assert time.monotonic() - started < 1.5
+
+
+def test_circuit_breaker_stops_trying_a_failing_region_then_probes_it(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    gateway = two_regions.start_gateway(breaker_failures=2, breaker_open_s=0.5)
+    two_regions.wait_for_gateway(gateway)
+    _, secret = two_regions.create_key()
+    wait_until(lambda: len(gateway.handlers.keys) > 0)
+    upstream = two_regions.regions["us-east"].upstream
+    upstream.behavior.fail_status = 500
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
+        for _ in range(5):
+            assert served_by(http) == "eu-west"
+        assert upstream.num_requests == 2  # open after two failures
+        upstream.behavior.fail_status = None
+        time.sleep(0.6)
+        assert served_by(http) == "us-east"  # the half-open probe succeeds
+        assert gateway.handlers.router.regions["us-east"].breaker.state == "closed"
+
+
+def test_two_near_regions_share_concurrent_load(fleet: Fleet, client_ssl: ssl.SSLContext) -> None:
+    fleet.add_region("us-east")
+    fleet.add_region("toronto")  # about 7.5 ms from New York: within the tolerance of the best
+    for region in fleet.regions.values():
+        region.upstream.behavior.delay_s = 0.1
+    gateway = fleet.start_gateway()
+    fleet.wait_for_gateway(gateway)
+    _, secret = fleet.create_key()
+    wait_until(lambda: len(gateway.handlers.keys) > 0)
+
+    async def burst() -> Counter[str]:
+        headers = {"Authorization": f"Bearer {secret}"}
+        async with httpx.AsyncClient(
+            base_url=gateway.base_url, headers=headers, verify=client_ssl, timeout=10.0
+        ) as client:
+            responses = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=CHAT) for _ in range(16))
+            )
+        return Counter(r.headers["x-meridian-region"] for r in responses)
+
+    regions = asyncio.run(burst())
+    assert set(regions) == {"us-east", "toronto"}, regions
+
+
+def test_same_system_prompt_sticks_to_one_region(fleet: Fleet, client_ssl: ssl.SSLContext) -> None:
+    fleet.add_region("us-east")
+    fleet.add_region("toronto")
+    gateway = fleet.start_gateway()
+    fleet.wait_for_gateway(gateway)
+    _, secret = fleet.create_key()
+    wait_until(lambda: len(gateway.handlers.keys) > 0)
+    headers = {"Authorization": f"Bearer {secret}"}
+
+    def body(system: str) -> dict[str, object]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+        return {"model": "fake-model", "messages": messages}
+
+    with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
+        choices = {
+            f"prompt {i}": {served_by(http, body(f"prompt {i}")) for _ in range(3)}
+            for i in range(12)
+        }
+    assert all(len(regions) == 1 for regions in choices.values()), choices
+    assert set().union(*choices.values()) == {"us-east", "toronto"}
