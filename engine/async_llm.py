@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
@@ -87,7 +87,7 @@ class AsyncLLM:
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (deltas unless `params` asks otherwise) until it finishes.
 
         Raises InvalidRequestError before yielding anything if the request cannot run, and
@@ -129,9 +129,10 @@ class AsyncLLM:
             while True:
                 if not self._drain_inbox(block=not self.engine.has_unfinished_requests()):
                     break
-                if self.engine.has_unfinished_requests():
-                    self._deliver([(o.request_id, o) for o in self.engine.step()])
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                # Stats first: a consumer woken by its output must not see itself still running.
                 self._stats = self.engine.stats()
+                self._deliver([(o.request_id, o) for o in outputs])
         except Exception as exc:  # the loop must report any failure to every waiting request
             logger.exception("engine loop failed")
             self._error = exc

@@ -1,0 +1,1 @@
+"""Benchmarks: the seeded workload, the HTTP load generator."""

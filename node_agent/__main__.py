@@ -1,0 +1,115 @@
+"""`python -m node_agent`: arguments → settings → logging → serve.
+
+Exit status: 0 after a clean stop (SIGTERM drains first), 1 if the port is taken or the model
+fails to load, 2 for bad flags or configuration (one line on stderr saying what is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from engine.errors import EngineError
+from engine.model_store import resolve_model
+from node_agent.app import create_app
+from node_agent.consul import parse_consul_addr
+from node_agent.server import NodeServer, bind_socket
+from node_agent.settings import NodeAgentSettings, NodeConfigError
+
+PROG = "node_agent"
+logger = logging.getLogger(PROG)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m node_agent",
+        description="Meridian node agent: serves a model over the OpenAI API and reports its "
+        "capacity to the control plane (token from MERIDIAN_NODE_TOKEN).",
+        argument_default=argparse.SUPPRESS,
+    )
+    add = parser.add_argument
+    add("--config", dest="config_file", type=Path, help="YAML file of settings (lowest priority)")
+    add("--model", help="model name (see `python -m engine pull`) or path to a GGUF / HF folder")
+    add("--served-model-name", help="the name clients use (default: the model name)")
+    add("--host", help="address to listen on (default 127.0.0.1)")
+    add("--port", type=int, help="port to listen on (default 9001)")
+    add("--region", help="region this node serves in (default local)")
+    add("--node-id", help="this node's id (default: host name and port)")
+    add("--advertise-url", help="URL others reach this node at (default http://HOST:PORT)")
+    add("--control-plane", help="control plane URL for heartbeats, e.g. http://127.0.0.1:8080")
+    add("--tensor-parallel-size", type=int, help="GPUs per model replica (default 1)")
+    add("--consul", help="Consul agent address (HOST:PORT) to register this node with")
+    add("--heartbeat-interval", dest="heartbeat_interval_s", type=float, help="seconds (1)")
+    add("--max-num-waiting-requests", type=int, help="waiting-queue bound before 429 (256)")
+    add("--kv-cache-gib", type=float, help="KV cache size on CPU, in GiB (2)")
+    add("--num-kv-blocks", type=int, help="KV cache size in blocks (overrides the GiB)")
+    add("--max-model-len", type=int, help="context length cap, in tokens")
+    add("--max-num-seqs", type=int, help="most requests in one batch (64)")
+    add("--max-num-batched-tokens", type=int, help="most tokens in one step (512)")
+    add("--dtype", help="auto, float32, bfloat16 or float16")
+    add("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds to finish in flight")
+    add("--exit-on-control-plane-drain", action="store_true", default=argparse.SUPPRESS)
+    add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace) -> NodeAgentSettings:
+    return NodeAgentSettings(**vars(args))
+
+
+def _one_line(exc: ValidationError) -> str:
+    # Field names and messages only: input values may be tokens.
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
+        for err in exc.errors()
+    )
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = load_settings(args)
+        settings.engine_config()
+        if settings.consul:
+            parse_consul_addr(settings.consul)
+        resolve_model(settings.model)
+    except ValidationError as exc:
+        return _fail(f"bad configuration: {_one_line(exc)}", 2)
+    except (NodeConfigError, EngineError, ValueError) as exc:
+        return _fail(str(exc), 2)
+    except yaml.YAMLError as exc:
+        return _fail(f"--config: not valid YAML: {exc}", 2)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}", 1)
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    server = NodeServer(app, settings.log_level)
+    logger.info(
+        "node %s (region %s) listening on %s; loading %s",
+        app.state.runtime.node_id,
+        settings.region,
+        settings.url,
+        settings.model,
+    )
+    server.run(sockets=[sock])
+    if app.state.runtime.load_error is not None:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

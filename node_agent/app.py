@@ -1,0 +1,78 @@
+"""`create_app(settings, llm=...)`: the node agent's ASGI app.
+
+The lifespan owns the engine (loaded in a thread after the server starts listening, so `/health`
+answers while `/ready` says the model is loading), the one `httpx.AsyncClient`, the heartbeat
+loop and the Consul registration. An engine passed in is used as is and left running at the end
+(tests share one loaded model between apps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI
+
+from engine.async_llm import AsyncLLM
+from node_agent.api import router
+from node_agent.consul import ConsulRegistration
+from node_agent.errors import install_error_handlers
+from node_agent.heartbeat import HeartbeatLoop
+from node_agent.request_ids import RequestIdMiddleware
+from node_agent.runtime import NodeRuntime
+from node_agent.settings import NodeAgentSettings
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: NodeAgentSettings, llm: AsyncLLM | None = None) -> FastAPI:
+    runtime = NodeRuntime(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader: asyncio.Task[None] | None = None
+        if llm is None:
+            loader = asyncio.create_task(runtime.load(), name="engine-load")
+        else:
+            if not llm.is_running:
+                llm.start()
+            runtime.attach(llm)
+        consul = (
+            ConsulRegistration(settings, runtime.node_id, runtime.model_name)
+            if settings.consul
+            else None
+        )
+        async with httpx.AsyncClient(timeout=settings.heartbeat_timeout_s) as client:
+            heartbeat = HeartbeatLoop(runtime, client, consul)
+            app.state.heartbeat = heartbeat
+            beats = None
+            if settings.control_plane or consul is not None:
+                beats = asyncio.create_task(heartbeat.run(), name="heartbeat")
+            try:
+                yield
+            finally:
+                await _stop(beats, loader)
+                if runtime.drain.is_draining:
+                    await heartbeat.beat()  # tell the control plane at once that we are going
+                if consul is not None:
+                    await consul.deregister()
+                if llm is None and runtime.llm is not None:
+                    await runtime.llm.shutdown()
+
+    app = FastAPI(title="Meridian node agent", lifespan=lifespan)
+    app.state.runtime = runtime
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+    app.include_router(router)
+    return app
+
+
+async def _stop(*tasks: asyncio.Task[None] | None) -> None:
+    for task in tasks:
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,126 @@
+"""Capacity heartbeats to the control plane (`POST {control_plane}/v1/nodes/heartbeat`).
+
+The loop ticks every heartbeat interval. Each tick keeps the Consul TTL check current (if Consul
+is configured) and sends a beat unless it is backing off. While the control plane is away the
+node keeps serving; beats back off exponentially with jitter (capped), and the first beat that
+gets through registers the node again (a beat is the registration). The reply can start or end
+a drain, and a control plane that judges health by a shorter interval shortens ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import httpx
+from pydantic import ValidationError
+
+from node_agent.consul import ConsulRegistration
+from node_agent.runtime import NodeRuntime
+from wire.heartbeat import HeartbeatReply
+
+logger = logging.getLogger(__name__)
+
+PATH = "/v1/nodes/heartbeat"
+MIN_INTERVAL_S = 0.05
+
+
+class HeartbeatRejectedError(Exception):
+    """The control plane answered, but not with a reply we can use."""
+
+
+class HeartbeatLoop:
+    def __init__(
+        self,
+        runtime: NodeRuntime,
+        client: httpx.AsyncClient,
+        consul: ConsulRegistration | None = None,
+        rng: random.Random | None = None,
+    ):
+        settings = runtime.settings
+        self._runtime = runtime
+        self._client = client
+        self._consul = consul
+        self._rng = rng or random.Random()
+        self._url = settings.control_plane.rstrip("/") + PATH if settings.control_plane else None
+        token = settings.node_token.get_secret_value() if settings.node_token else ""
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self._timeout_s = settings.heartbeat_timeout_s
+        self._max_backoff_s = settings.max_heartbeat_backoff_s
+        self.interval_s = settings.heartbeat_interval_s
+        self.num_sent = 0
+        self.num_failures = 0  # consecutive
+        self.last_reply: HeartbeatReply | None = None
+        self._next_beat_at = 0.0
+
+    async def run(self) -> None:
+        next_tick = time.monotonic()
+        while True:
+            await self.tick()
+            next_tick = max(next_tick + self.interval_s, time.monotonic())
+            await asyncio.sleep(next_tick - time.monotonic())
+
+    async def tick(self) -> None:
+        if self._consul is not None:
+            reason = self._runtime.not_ready_reason()
+            await self._consul.report(reason is None, reason or "ready")
+        if self._url is not None and time.monotonic() >= self._next_beat_at:
+            await self.beat()
+
+    async def beat(self) -> bool:
+        """Send one beat now; True if the control plane took it."""
+        beat = self._runtime.heartbeat()
+        if beat is None or self._url is None:
+            return False
+        try:
+            response = await self._client.post(
+                self._url,
+                content=beat.model_dump_json(),
+                headers=self._headers,
+                timeout=self._timeout_s,
+            )
+            if response.status_code != 200:
+                raise HeartbeatRejectedError(
+                    f"HTTP {response.status_code}: {response.text[:200]}"
+                )
+            reply = HeartbeatReply.model_validate_json(response.content)
+        except (httpx.HTTPError, HeartbeatRejectedError, ValidationError) as exc:
+            self._on_failure(exc)
+            return False
+        self._on_success(reply)
+        return True
+
+    def _on_success(self, reply: HeartbeatReply) -> None:
+        if self.num_failures:
+            logger.info(
+                "control plane %s is back after %d failed heartbeats", self._url, self.num_failures
+            )
+        self.num_sent += 1
+        self.num_failures = 0
+        self._next_beat_at = 0.0
+        self.last_reply = reply
+        if not reply.region_registered and self.num_sent == 1:
+            logger.warning(
+                "region %r is not registered at the control plane: no traffic will be routed "
+                "here until it is",
+                self._runtime.settings.region,
+            )
+        wanted = min(self._runtime.settings.heartbeat_interval_s, reply.heartbeat_interval_s)
+        self.interval_s = max(wanted, MIN_INTERVAL_S)
+        self._runtime.on_heartbeat_reply(reply)
+
+    def _on_failure(self, exc: Exception) -> None:
+        self.num_failures += 1
+        ceiling_s = min(self._max_backoff_s, self.interval_s * 2**self.num_failures)
+        delay_s = ceiling_s * self._rng.uniform(0.5, 1.0)
+        self._next_beat_at = time.monotonic() + delay_s
+        log = logger.warning if self.num_failures == 1 else logger.debug
+        log(
+            "heartbeat to %s failed (%s: %s); still serving, next try in %.1f s",
+            self._url,
+            type(exc).__name__,
+            exc,
+            delay_s,
+        )

@@ -1,0 +1,202 @@
+"""OpenAI request bodies at the HTTP boundary (chat and completions), validated before the engine.
+
+Unknown fields are tolerated, as OpenAI's own servers tolerate them. Fields OpenAI defines that
+this node cannot honour (n > 1, tools, penalties, logit_bias, echo, suffix, best_of > 1, a
+non-text response_format, non-text message parts) are rejected with 400 rather than ignored.
+`ignore_eos` and `top_k` are accepted as vLLM accepts them, for benchmarks.
+Responses are plain dicts built in `responses.py`: no pydantic in the token loop.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import MAX_TOP_LOGPROBS
+
+MAX_STOP_STRINGS = 16
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+PromptInput = str | Annotated[list[int], Field(min_length=1)] | list[str] | list[list[int]]
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SamplingRequest(_Lenient):
+    """Fields both endpoints share."""
+
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    max_tokens: MaxTokens | None = None
+    stop: Stop | None = None
+    seed: int | None = None
+    n: int = 1
+    user: str | None = None
+    ignore_eos: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("penalties are not supported by this server (use 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[dict[str, object]] | None = None
+    functions: list[dict[str, object]] | None = None
+    response_format: dict[str, object] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
+        if value:
+            raise ValueError("tool calling is not supported by this server")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, object] | None) -> dict[str, object] | None:
+        if value and value.get("type", "text") != "text":
+            raise ValueError("only response_format type 'text' is supported")
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """The engine's `logprobs`: None for none, else how many top candidates to return."""
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: PromptInput) -> PromptInput:
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError("only one prompt per request is supported")
+            if isinstance(value[0], list) and not value[0]:
+                raise ValueError("the prompt is empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported by this server")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        first = prompt[0]
+        if isinstance(first, int):
+            return [p for p in prompt if isinstance(p, int)]
+        return first

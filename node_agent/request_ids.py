@@ -1,0 +1,45 @@
+"""Request ids: take the caller's `X-Request-Id` (the gateway sends one) or make one; echo it.
+
+A pure ASGI middleware, so that streaming bodies and disconnect detection pass through untouched.
+The id is in `request.state.request_id` for handlers and logs.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+HEADER = "x-request-id"
+_VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, bounded
+
+
+def request_id_of(scope: Scope) -> str:
+    state = scope.get("state") or {}
+    return str(state.get("request_id", ""))
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = ""
+        for name, value in scope["headers"]:
+            if name == HEADER.encode():
+                given = value.decode("latin-1")
+                break
+        request_id = given if _VALID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (HEADER.encode(), request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

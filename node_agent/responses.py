@@ -1,0 +1,198 @@
+"""OpenAI response bodies and SSE chunks, built as plain dicts (cheap enough for every token).
+
+Chat streams follow OpenAI's chunk sequence: a first chunk with `{"role": "assistant",
+"content": ""}`, content chunks, a chunk with an empty delta and the `finish_reason`, then (with
+`stream_options.include_usage`) a chunk with no choices and the usage; every other chunk then
+carries `"usage": null`. Completion streams have the same shape with `text` instead of `delta`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+
+from engine.sequence import TokenLogprobs
+from engine.tokenizer import Tokenizer
+
+JSON = dict[str, object]
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: JSON) -> bytes:
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE spells each byte with a printable character; this maps them back."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+class TokenTexts:
+    """Each token's text and UTF-8 bytes, as logprobs report them (cached per token id)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._lookup(token_id)
+            self._cache[token_id] = hit
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        spelled = self._tokenizer.id_to_token(token_id) or ""
+        decoder = _byte_decoder()
+        if spelled and all(ch in decoder for ch in spelled):
+            data = bytes(decoder[ch] for ch in spelled)
+            return data.decode("utf-8", errors="replace"), list(data)
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text, list(text.encode())
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_json(self) -> JSON:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprobs], num_top: int) -> JSON:
+    content = []
+    for lp in logprobs:
+        token, data = texts.get(lp.token_id)
+        top = []
+        for token_id, value in lp.top[:num_top]:
+            top_token, top_data = texts.get(token_id)
+            top.append({"token": top_token, "logprob": value, "bytes": top_data})
+        content.append({"token": token, "logprob": lp.logprob, "bytes": data, "top_logprobs": top})
+    return {"content": content}
+
+
+@dataclass(slots=True)
+class CompletionLogprobs:
+    """Legacy completions logprobs; `text_offset` counts characters of the generated text."""
+
+    texts: TokenTexts
+    num_top: int
+    offset: int = 0
+
+    def next(self, logprobs: list[TokenLogprobs]) -> JSON:
+        tokens: list[str] = []
+        values: list[float] = []
+        tops: list[dict[str, float]] = []
+        offsets: list[int] = []
+        for lp in logprobs:
+            token, _ = self.texts.get(lp.token_id)
+            tokens.append(token)
+            values.append(lp.logprob)
+            top = {self.texts.get(t)[0]: v for t, v in lp.top[: self.num_top]}
+            tops.append(top or {token: lp.logprob})
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+@dataclass(slots=True)
+class ResponseHeader:
+    """What every body and chunk of one response repeats."""
+
+    response_id: str
+    created: int
+    model: str
+    include_usage: bool = False
+    _chat_chunk: JSON = field(init=False)
+    _text_chunk: JSON = field(init=False)
+
+    def __post_init__(self) -> None:
+        base: JSON = {"id": self.response_id, "created": self.created, "model": self.model}
+        self._chat_chunk = {**base, "object": "chat.completion.chunk"}
+        self._text_chunk = {**base, "object": "text_completion"}
+
+    # --- chat ---
+
+    def chat_completion(
+        self, text: str, finish_reason: str | None, logprobs: JSON | None, usage: Usage
+    ) -> JSON:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        return {
+            "id": self.response_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage.to_json(),
+        }
+
+    def chat_chunk(
+        self, delta: JSON, finish_reason: str | None = None, logprobs: JSON | None = None
+    ) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._chunk(self._chat_chunk, [choice])
+
+    def chat_usage_chunk(self, usage: Usage) -> bytes:
+        return sse({**self._chat_chunk, "choices": [], "usage": usage.to_json()})
+
+    # --- completions ---
+
+    def completion(
+        self, text: str, finish_reason: str | None, logprobs: JSON | None, usage: Usage
+    ) -> JSON:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {
+            "id": self.response_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage.to_json(),
+        }
+
+    def completion_chunk(
+        self, text: str, finish_reason: str | None = None, logprobs: JSON | None = None
+    ) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._chunk(self._text_chunk, [choice])
+
+    def completion_usage_chunk(self, usage: Usage) -> bytes:
+        return sse({**self._text_chunk, "choices": [], "usage": usage.to_json()})
+
+    def _chunk(self, base: JSON, choices: list[JSON]) -> bytes:
+        payload: JSON = {**base, "choices": choices}
+        if self.include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+
+def error_event(message: str, error_type: str, code: str | None) -> bytes:
+    """An error after a stream has started: one event in OpenAI's error shape."""
+    return sse({"error": {"message": message, "type": error_type, "param": None, "code": code}})

@@ -1,0 +1,151 @@
+"""What one node agent holds while it runs: settings, engine, admission, drain, metrics.
+
+Built in `create_app` (so a server can hook into it before start-up); the app's lifespan loads
+the engine into it and starts the background loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from engine.async_llm import AsyncLLM
+from engine.llm_engine import EngineStats
+from node_agent.admission import Admission, Ticket
+from node_agent.drain import Drain
+from node_agent.errors import ModelNotFoundError, UnavailableError
+from node_agent.metrics import NodeMetrics
+from node_agent.serving import Serving
+from node_agent.settings import NodeAgentSettings
+from wire.heartbeat import Heartbeat, HeartbeatReply
+
+logger = logging.getLogger(__name__)
+
+CONTROL_PLANE_DRAIN = "the control plane asked"
+
+
+class NodeRuntime:
+    def __init__(self, settings: NodeAgentSettings):
+        self.settings = settings
+        self.model_name = settings.model_name
+        self.node_id = settings.resolved_node_id
+        self.started_at = int(time.time())
+        self.llm: AsyncLLM | None = None
+        self.serving: Serving | None = None
+        self.load_error: BaseException | None = None
+        self.admission = Admission(settings.max_num_waiting_requests, settings.retry_after_s)
+        self.drain = Drain(self.admission, settings.drain_timeout_s)
+        self.metrics = NodeMetrics(self.model_name, self.stats)
+        # Set by whoever runs the server: ends the process (after a drain, or a failed load).
+        self.stop_server: Callable[[], None] | None = None
+        self.drain.on_drained = self._request_stop
+
+    # --- engine ---
+
+    async def load(self) -> None:
+        """Load the engine in a thread (seconds); on failure, record it and stop the server."""
+        try:
+            llm = await asyncio.to_thread(AsyncLLM.from_config, self.settings.engine_config())
+        except Exception as exc:  # any load failure ends the node; it is reported, not raised
+            logger.error("could not load %s: %s", self.settings.model, exc)
+            self.load_error = exc
+            self._request_stop()
+            return
+        llm.start()
+        self.attach(llm)
+
+    def attach(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+        self.serving = Serving(llm, self.model_name)
+        stats = llm.stats()
+        logger.info(
+            "serving %s as %r: %d KV blocks of %d tokens, context %d tokens",
+            self.settings.model,
+            self.model_name,
+            stats.kv_blocks_total,
+            stats.block_size,
+            llm.engine.max_model_len,
+        )
+
+    def stats(self) -> EngineStats | None:
+        return self.llm.stats() if self.llm is not None else None
+
+    @property
+    def is_engine_dead(self) -> bool:
+        return self.llm is not None and not self.llm.is_running
+
+    @property
+    def is_ready(self) -> bool:
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        if self.load_error is not None:
+            return "the model failed to load"
+        if self.llm is None:
+            return "the model is loading"
+        if self.is_engine_dead:
+            return "the engine has stopped"
+        if self.drain.is_draining:
+            return "the node is draining"
+        return None
+
+    # --- admission ---
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.settings.model):
+            raise ModelNotFoundError(
+                f"The model {name!r} does not exist on this node; it serves {self.model_name!r}",
+                param="model",
+            )
+
+    def admit(self) -> tuple[Serving, Ticket]:
+        """A place for a new request, or the error that refuses it (503 or 429)."""
+        reason = self.not_ready_reason()
+        if reason is not None or self.serving is None:
+            self.metrics.count_rejected(503)
+            code = "draining" if self.drain.is_draining else "not_ready"
+            raise UnavailableError(f"{reason or 'not ready'}; try another node", code=code)
+        stats = self.stats()
+        try:
+            ticket = self.admission.admit(stats.num_waiting if stats is not None else 0)
+        except Exception:
+            self.metrics.count_rejected(429)
+            raise
+        return self.serving, ticket
+
+    # --- control plane ---
+
+    def heartbeat(self) -> Heartbeat | None:
+        """This node's capacity report; None until the model is loaded."""
+        stats = self.stats()
+        if stats is None:
+            return None
+        return Heartbeat(
+            node_id=self.node_id,
+            region=self.settings.region,
+            url=self.settings.url,
+            model=self.model_name,
+            tp_size=self.settings.tensor_parallel_size,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_free=min(stats.kv_blocks_free, stats.kv_blocks_total),
+            block_size=stats.block_size,
+            num_running=stats.num_running,
+            num_waiting=self.admission.queue_depth(stats.num_waiting),
+            num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
+            decode_tokens_per_s=max(stats.decode_tokens_per_s, 0.0),
+            draining=self.drain.is_draining or self.is_engine_dead,
+            timestamp=time.time(),
+        )
+
+    def on_heartbeat_reply(self, reply: HeartbeatReply) -> None:
+        if reply.drain and not self.drain.is_draining:
+            self.drain.begin(CONTROL_PLANE_DRAIN, self.settings.exit_on_control_plane_drain)
+        elif not reply.drain and self.drain.reason == CONTROL_PLANE_DRAIN:
+            self.drain.cancel()
+
+    def _request_stop(self) -> None:
+        if self.stop_server is not None:
+            self.stop_server()
+

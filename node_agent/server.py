@@ -1,0 +1,70 @@
+"""Running the app under uvicorn, with SIGTERM meaning "drain, then exit 0".
+
+uvicorn's own SIGTERM handling closes the listening socket at once and re-raises the signal when
+it is done (so the process dies of it). Here the first SIGTERM starts a drain instead: the node
+keeps answering (503 for new requests, `/ready` 503, heartbeats say draining) until in-flight
+requests finish, then the server stops and the process exits 0. A second SIGTERM, or SIGINT,
+stops at once, as uvicorn would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from node_agent.runtime import NodeRuntime
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the model loads, so a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class NodeServer(uvicorn.Server):
+    def __init__(self, app: FastAPI, log_level: str = "info"):
+        super().__init__(
+            uvicorn.Config(
+                app,
+                log_level=log_level.lower(),
+                access_log=False,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                lifespan="on",
+            )
+        )
+        self.runtime: NodeRuntime = app.state.runtime
+        self.runtime.stop_server = self.stop
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def stop(self) -> None:
+        self.should_exit = True
+
+    def drain_and_exit(self, reason: str) -> None:
+        """Start a drain that ends the server; callable from any thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.runtime.drain.begin, reason, True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.runtime.drain.will_exit and not self.should_exit:
+            self.drain_and_exit("SIGTERM")
+            return
+        super().handle_exit(sig, frame)

@@ -1,0 +1,148 @@
+"""From a validated OpenAI request to engine outputs: prompt, checks, sampling, the output stream.
+
+Everything that can make a request fail with 400 happens in `prepare_*`, before any response
+starts, so a stream never begins for a request the engine would refuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from engine.async_llm import AsyncLLM
+from engine.chat_template import ChatMessage
+from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from node_agent.admission import Ticket
+from node_agent.errors import BadRequestError, ContextLengthExceededError
+from node_agent.metrics import RequestTimer
+from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from node_agent.responses import ResponseHeader, TokenTexts
+
+# OpenAI's name for the system role in newer models; chat templates know only "system".
+_ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    request_id: str  # the response's id, and the engine's request id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    header: ResponseHeader
+    num_top_logprobs: int | None  # None: no logprobs asked for
+
+
+class Serving:
+    """Serves one loaded model."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.llm = llm
+        self.model_name = model_name
+        self.max_model_len = llm.engine.max_model_len
+        self.texts = TokenTexts(llm.tokenizer)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
+        messages: list[ChatMessage] = []
+        for message in body.messages:
+            entry: dict[str, str] = {
+                "role": _ROLE_ALIASES.get(message.role, message.role),
+                "content": message.text,
+            }
+            if message.name:
+                entry["name"] = message.name
+            messages.append(entry)
+        token_ids = await asyncio.to_thread(self._render_and_encode, messages)
+        self._check_length(token_ids, body.max_output_tokens, "messages")
+        params = self._params(body, body.max_output_tokens, body.engine_logprobs)
+        return self._prepared("chatcmpl", token_ids, params, body, body.engine_logprobs)
+
+    async def prepare_completion(self, body: CompletionRequest) -> PreparedRequest:
+        prompt = body.single_prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequestError("the prompt is empty", param="prompt")
+            token_ids = await asyncio.to_thread(self.llm.tokenizer.encode, prompt)
+        else:
+            token_ids = prompt
+        self._check_length(token_ids, body.max_tokens, "prompt")
+        params = self._params(body, body.max_tokens, body.logprobs)
+        return self._prepared("cmpl", token_ids, params, body, body.logprobs)
+
+    async def outputs(
+        self, prepared: PreparedRequest, ticket: Ticket, timer: RequestTimer
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's delta outputs; closing this iterator early aborts the request."""
+        stream = self.llm.generate(prepared.prompt_token_ids, prepared.params, prepared.request_id)
+        async with aclosing(stream) as outputs:
+            async for output in outputs:
+                if output.outputs[0].token_ids:
+                    ticket.mark_started()
+                timer.on_output(output)
+                yield output
+
+    def _render_and_encode(self, messages: Sequence[ChatMessage]) -> list[int]:
+        tokenizer = self.llm.tokenizer
+        try:
+            prompt = tokenizer.render_chat(messages, add_generation_prompt=True)
+        except UnsupportedModelError as exc:
+            raise BadRequestError(str(exc), param="messages") from exc
+        except InvalidRequestError as exc:
+            raise BadRequestError(f"the chat template refused the messages: {exc}",
+                                  param="messages") from exc
+        return tokenizer.encode(prompt)
+
+    def _check_length(self, token_ids: list[int], max_tokens: int | None, param: str) -> None:
+        limit = self.max_model_len
+        num_prompt = len(token_ids)
+        if num_prompt >= limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt has {num_prompt} tokens, and at least one must be left to generate.",
+                param=param,
+            )
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
+                "the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+
+    def _params(
+        self, body: SamplingRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                stop=body.stop_strings,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc)) from exc
+
+    def _prepared(
+        self,
+        prefix: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        body: SamplingRequest,
+        num_top_logprobs: int | None,
+    ) -> PreparedRequest:
+        try:
+            self.llm.engine.check_request(token_ids, params)
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc), param="prompt") from exc
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        header = ResponseHeader(request_id, int(time.time()), body.model, body.include_usage)
+        return PreparedRequest(request_id, token_ids, params, header, num_top_logprobs)

@@ -1,0 +1,160 @@
+"""Node agent settings: command-line flags > environment > YAML (`--config FILE`) > defaults.
+
+Environment variables take the prefix `MERIDIAN_NODE_AGENT_` (`MERIDIAN_NODE_AGENT_PORT=9002`),
+except the control-plane credential, which is `MERIDIAN_NODE_TOKEN` as for every service, and the
+Consul token, `CONSUL_HTTP_TOKEN` as Consul's own tools read it. YAML keys are the field names.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from engine.config import EngineConfig
+from engine.model_store import DEFAULT_MODEL
+from wire.heartbeat import NAME_PATTERN
+
+MIN_TOKEN_LEN = 16
+_HTTP_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+
+
+class NodeConfigError(ValueError):
+    """A setting the node cannot run with; its message is one line for the operator."""
+
+
+class NodeAgentSettings(BaseSettings):
+    """Everything a node agent is told at start; built once in `__main__`, passed down."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MERIDIAN_NODE_AGENT_", validate_by_name=True, extra="forbid", frozen=True
+    )
+
+    config_file: Path | None = None
+
+    # What to serve.
+    model: str = DEFAULT_MODEL
+    # The name clients put in `model` (default: the model name, or a path's file stem).
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
+    dtype: str = "auto"
+    block_size: int = Field(default=16, ge=1, le=1024)
+    kv_cache_gib: float = Field(default=2.0, gt=0.0)
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=2)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+
+    # Where to listen, and who this node is.
+    host: str = "127.0.0.1"
+    port: int = Field(default=9001, ge=0, le=65535)
+    region: str = Field(default="local", pattern=NAME_PATTERN, max_length=63)
+    node_id: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=63)
+    # The URL the control plane and Consul hand out for this node (default http://host:port).
+    advertise_url: str | None = None
+
+    # Admission control: requests queued or in prefill before new ones get 429.
+    max_num_waiting_requests: int = Field(default=256, ge=0)
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    # How long a drain waits for in-flight requests before giving up on them.
+    drain_timeout_s: float = Field(default=600.0, gt=0.0)
+    # Exit once drained when the control plane (not SIGTERM) asked for the drain. Off by
+    # default: the node stays up, reports itself draining, and resumes if it is undrained.
+    exit_on_control_plane_drain: bool = False
+
+    # Control plane.
+    control_plane: str | None = None
+    node_token: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("MERIDIAN_NODE_TOKEN"),
+        min_length=MIN_TOKEN_LEN,
+    )
+    heartbeat_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
+    heartbeat_timeout_s: float = Field(default=2.0, gt=0.0, le=60.0)
+    max_heartbeat_backoff_s: float = Field(default=30.0, gt=0.0, le=600.0)
+
+    # Consul (optional): `HOST:PORT` or `http(s)://HOST:PORT`.
+    consul: str | None = None
+    consul_token: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("CONSUL_HTTP_TOKEN")
+    )
+    consul_service_name: str = "meridian-node"
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = getattr(init_settings, "init_kwargs", {}).get("config_file")
+        if config_file is not None:
+            path = Path(config_file)
+            if not path.is_file():
+                raise NodeConfigError(f"--config {path}: no such file")
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    @model_validator(mode="after")
+    def _check(self) -> NodeAgentSettings:
+        if self.control_plane is not None:
+            if not _HTTP_URL.match(self.control_plane):
+                raise ValueError("control_plane must be an http(s):// URL")
+            if self.node_token is None:
+                raise ValueError("MERIDIAN_NODE_TOKEN must be set to report to a control plane")
+        if self.advertise_url is not None and not _HTTP_URL.match(self.advertise_url):
+            raise ValueError("advertise_url must be an http(s):// URL")
+        if self.heartbeat_timeout_s > self.max_heartbeat_backoff_s:
+            raise ValueError("heartbeat_timeout_s must not exceed max_heartbeat_backoff_s")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name this node serves its model under."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.model)
+        return path.stem if path.suffix == ".gguf" else self.model
+
+    @property
+    def resolved_node_id(self) -> str:
+        if self.node_id is not None:
+            return self.node_id
+        host = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-") or "node"
+        return f"{host[:50]}-{self.port}"
+
+    @property
+    def url(self) -> str:
+        if self.advertise_url is not None:
+            return self.advertise_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings."""
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            cpu_kv_cache_gib=self.kv_cache_gib,
+            num_kv_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )

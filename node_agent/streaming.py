@@ -1,0 +1,205 @@
+"""Turning a request's engine outputs into an OpenAI response: SSE events or one JSON body.
+
+A `RequestRun` follows one admitted request to its end, however it ends (finished, failed, or the
+client gone): it releases the admission ticket, records the latency metrics and logs one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.errors import EngineError
+from engine.outputs import RequestOutput
+from engine.sequence import TokenLogprobs
+from node_agent.admission import Ticket
+from node_agent.errors import NodeAgentError, UnavailableError, from_engine
+from node_agent.metrics import RequestTimer
+from node_agent.responses import (
+    DONE,
+    JSON,
+    CompletionLogprobs,
+    TokenTexts,
+    Usage,
+    chat_logprobs,
+    error_event,
+)
+from node_agent.serving import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+Outputs = AsyncGenerator[RequestOutput, None]
+
+
+@dataclass(slots=True)
+class RequestRun:
+    prepared: PreparedRequest
+    ticket: Ticket
+    timer: RequestTimer
+    client_request_id: str
+    usage: Usage = field(init=False)
+    finish_reason: str | None = None
+    last_output: RequestOutput | None = None
+    is_closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.usage = Usage(len(self.prepared.prompt_token_ids))
+
+    def record(self, output: RequestOutput) -> None:
+        completion = output.outputs[0]
+        self.usage.completion_tokens += len(completion.token_ids)
+        self.usage.cached_tokens = output.num_cached_tokens
+        if output.finished:
+            self.finish_reason = completion.finish_reason
+            self.last_output = output
+
+    def close(self) -> None:
+        """The request is over (idempotent): free its place, record and log it."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        reason = self.finish_reason or "abort"
+        elapsed_s = self.timer.finish(self.last_output, reason)
+        self.ticket.release()
+        logger.info(
+            "%s x-request-id=%s finish=%s prompt=%d completion=%d cached=%d e2e=%.3fs",
+            self.prepared.request_id,
+            self.client_request_id,
+            reason,
+            self.usage.prompt_tokens,
+            self.usage.completion_tokens,
+            self.usage.cached_tokens,
+            elapsed_s,
+        )
+
+
+def _aborted() -> UnavailableError:
+    return UnavailableError("the request was aborted: the node is shutting down", code="aborted")
+
+
+async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> AsyncIterator[bytes]:
+    header = run.prepared.header
+    num_top = run.prepared.num_top_logprobs
+    async with aclosing(_guarded(run, outputs)) as stream:
+        yield header.chat_chunk({"role": "assistant", "content": ""})
+        async for item in stream:
+            if isinstance(item, bytes):
+                yield item
+                return
+            completion = item.outputs[0]
+            logprobs = _chat_logprobs(texts, completion.logprobs, num_top)
+            if completion.text or logprobs is not None:
+                yield header.chat_chunk({"content": completion.text}, logprobs=logprobs)
+            if item.finished:
+                yield header.chat_chunk({}, finish_reason=completion.finish_reason)
+    if header.include_usage:
+        yield header.chat_usage_chunk(run.usage)
+    yield DONE
+
+
+async def completion_events(
+    run: RequestRun, outputs: Outputs, texts: TokenTexts
+) -> AsyncIterator[bytes]:
+    header = run.prepared.header
+    num_top = run.prepared.num_top_logprobs
+    logprobs = CompletionLogprobs(texts, num_top) if num_top is not None else None
+    async with aclosing(_guarded(run, outputs)) as stream:
+        async for item in stream:
+            if isinstance(item, bytes):
+                yield item
+                return
+            completion = item.outputs[0]
+            lp = logprobs.next(completion.logprobs) if logprobs and completion.logprobs else None
+            finish_reason = completion.finish_reason if item.finished else None
+            if completion.text or lp is not None or finish_reason is not None:
+                yield header.completion_chunk(completion.text, finish_reason, lp)
+    if header.include_usage:
+        yield header.completion_usage_chunk(run.usage)
+    yield DONE
+
+
+async def _guarded(
+    run: RequestRun, outputs: Outputs
+) -> AsyncGenerator[RequestOutput | bytes, None]:
+    """Outputs as they come, recorded in `run`; a failure ends them with one bytes item, the
+    error event and `[DONE]`, which the caller sends as the stream's last words."""
+    try:
+        async with aclosing(outputs) as stream:
+            async for output in stream:
+                run.record(output)
+                if output.finished and run.finish_reason == "abort":
+                    raise _aborted()
+                yield output
+    except (EngineError, NodeAgentError) as exc:
+        error = exc if isinstance(exc, NodeAgentError) else from_engine(exc)
+        logger.warning("%s failed mid-stream: %s", run.prepared.request_id, error.message)
+        yield error_event(error.message, error.error_type, error.code) + DONE
+
+
+async def collect_chat(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:
+    text, logprobs = await _collect(run, outputs)
+    num_top = run.prepared.num_top_logprobs
+    return run.prepared.header.chat_completion(
+        text, run.finish_reason, _chat_logprobs(texts, logprobs, num_top), run.usage
+    )
+
+
+async def collect_completion(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:
+    text, logprobs = await _collect(run, outputs)
+    num_top = run.prepared.num_top_logprobs
+    lp = CompletionLogprobs(texts, num_top).next(logprobs) if num_top is not None else None
+    return run.prepared.header.completion(text, run.finish_reason, lp, run.usage)
+
+
+async def _collect(run: RequestRun, outputs: Outputs) -> tuple[str, list[TokenLogprobs]]:
+    parts: list[str] = []
+    logprobs: list[TokenLogprobs] = []
+    async with aclosing(outputs) as stream:
+        async for output in stream:
+            run.record(output)
+            completion = output.outputs[0]
+            parts.append(completion.text)
+            if completion.logprobs:
+                logprobs.extend(completion.logprobs)
+    if run.finish_reason in (None, "abort"):
+        raise _aborted()
+    return "".join(parts), logprobs
+
+
+def _chat_logprobs(
+    texts: TokenTexts, logprobs: list[TokenLogprobs] | None, num_top: int | None
+) -> JSON | None:
+    if num_top is None or not logprobs:
+        return None
+    return chat_logprobs(texts, logprobs, num_top)
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that always runs `on_close` and closes its body, even if the client left
+    before the first byte (Starlette then never starts the body iterator)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(content, headers={"Cache-Control": "no-cache", **(headers or {})})
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._content, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            self._on_close()

@@ -1,0 +1,153 @@
+"""Helpers for the node agent tests: a background event loop the servers run on, and node
+agents started on loopback over a shared engine (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from engine.async_llm import AsyncLLM
+from engine.llm_engine import EngineStats
+from node_agent.app import create_app
+from node_agent.runtime import NodeRuntime
+from node_agent.server import NodeServer, bind_socket
+from node_agent.settings import NodeAgentSettings
+
+T = TypeVar("T")
+MODEL_NAME = "smollm2-135m-instruct"
+# A small pool, so "all blocks free again" is quick to check and a too-long prompt is cheap.
+NUM_KV_BLOCKS = 512
+MAX_MODEL_LEN = 1024
+START_TIMEOUT_S = 30.0
+
+
+class BackgroundLoop:
+    """An asyncio loop on its own thread: servers run here while tests block on the main one."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-servers")
+        self._thread.start()
+
+    def submit(self, coro: Awaitable[T]) -> Future[T]:
+        async def wrapper() -> T:
+            return await coro
+
+        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop)
+
+    def run(self, coro: Awaitable[T], timeout_s: float = 30.0) -> T:
+        return self.submit(coro).result(timeout_s)
+
+    def call(self, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
+        async def invoke() -> T:
+            return fn()
+
+        return self.run(invoke(), timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class NodeHandle:
+    """One node agent (create_app + NodeServer) serving on 127.0.0.1 from the servers' loop."""
+
+    settings: NodeAgentSettings
+    server: NodeServer
+    done: Future[None]
+    loop: BackgroundLoop
+    base_url: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.base_url = self.settings.url
+
+    @property
+    def runtime(self) -> NodeRuntime:
+        return self.server.runtime
+
+    def stats(self) -> EngineStats:
+        stats = self.runtime.stats()
+        assert stats is not None
+        return stats
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=30.0, **kwargs)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.client() as http:
+            while time.monotonic() < deadline:
+                if self.done.done():
+                    self.done.result()
+                    raise RuntimeError("the node agent stopped before it was ready")
+                try:
+                    if http.get("/ready").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.02)
+        raise TimeoutError("the node agent did not become ready")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.done.result(timeout_s)
+
+
+def start_node(
+    loop: BackgroundLoop, llm: AsyncLLM | None, wait_ready: bool = True, **overrides: Any
+) -> NodeHandle:
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    values: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "port": port,
+        "region": "us-east",
+        "node_id": f"node-{port}",
+        "log_level": "WARNING",
+    }
+    settings = NodeAgentSettings(**(values | overrides))
+    app = create_app(settings, llm=llm)
+    server = NodeServer(app, settings.log_level)
+    done = loop.submit(server.serve(sockets=[sock]))
+    node = NodeHandle(settings, server, done, loop)
+    if wait_ready:
+        node.wait_ready()
+    return node
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout_s: float = 5.0, step_s: float = 0.02
+) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()
+
+
+def engine_idle(node: NodeHandle) -> bool:
+    """No request runs or waits, and every KV block is free again."""
+    stats = node.stats()
+    return (
+        stats.num_running == 0
+        and stats.num_waiting == 0
+        and stats.kv_blocks_free == stats.kv_blocks_total
+    )

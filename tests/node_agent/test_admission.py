@@ -1,0 +1,65 @@
+"""Admission tickets and the drain state machine (no engine, no server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from node_agent.admission import Admission
+from node_agent.drain import Drain
+from node_agent.errors import OverloadedError
+
+
+def test_queue_depth_counts_requests_without_a_first_token() -> None:
+    admission = Admission(max_num_waiting_requests=2, retry_after_s=3)
+    first, second = admission.admit(0), admission.admit(0)
+    with pytest.raises(OverloadedError) as refused:
+        admission.admit(0)
+    assert refused.value.headers() == {"Retry-After": "3"}
+    first.mark_started()  # it produced a token: it no longer waits
+    third = admission.admit(0)
+    assert admission.num_in_flight == 3 and admission.num_not_started == 2
+    # The engine's own count wins when it is larger (preempted requests wait again).
+    with pytest.raises(OverloadedError):
+        admission.admit(engine_num_waiting=5)
+    for ticket in (first, second, third, third):  # releasing twice is harmless
+        ticket.release()
+    assert admission.num_in_flight == 0 and admission.num_not_started == 0
+    assert admission.num_rejected == 2
+
+
+def test_drain_waits_for_in_flight_then_calls_back_only_when_exiting() -> None:
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        admission = Admission(10, 1)
+        drain = Drain(admission, timeout_s=5)
+        drain.on_drained = lambda: events.append("drained")
+        ticket = admission.admit(0)
+        drain.begin("control plane", exit_when_drained=False)
+        assert drain.is_draining
+        await asyncio.sleep(0.01)
+        assert drain.cancel()  # undrain before it finishes
+        assert not drain.is_draining
+        drain.begin("SIGTERM", exit_when_drained=True)
+        assert not drain.cancel()  # an exit cannot be undone
+        await asyncio.sleep(0.01)
+        assert events == []
+        ticket.release()
+        await asyncio.sleep(0.01)
+        return events
+
+    assert asyncio.run(scenario()) == ["drained"]
+
+
+def test_drain_upgraded_to_exit_after_it_finished_still_exits() -> None:
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        drain = Drain(Admission(10, 1), timeout_s=5)
+        drain.on_drained = lambda: events.append("drained")
+        drain.begin("control plane", exit_when_drained=False)
+        await asyncio.sleep(0.01)
+        drain.begin("SIGTERM", exit_when_drained=True)
+        return events
+
+    assert asyncio.run(scenario()) == ["drained"]

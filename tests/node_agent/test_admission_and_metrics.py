@@ -1,0 +1,122 @@
+"""Admission control under overload (429 with Retry-After) and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from node_helpers import (
+    MODEL_NAME,
+    BackgroundLoop,
+    NodeHandle,
+    engine_idle,
+    start_node,
+    wait_until,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.async_llm import AsyncLLM
+
+pytestmark = pytest.mark.slow
+
+GAUGES = {
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info",
+    "kv_cache_free_blocks", "num_waiting_prefill_tokens", "decode_tokens_per_second",
+}
+COUNTERS = {
+    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+    "request_success", "num_preemptions",
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+}
+
+
+@pytest.fixture(scope="module")
+def tight_node(server_loop: BackgroundLoop, shared_llm: AsyncLLM) -> Iterator[NodeHandle]:
+    """A node that lets at most one request wait."""
+    handle = start_node(server_loop, shared_llm, max_num_waiting_requests=1, retry_after_s=2)
+    yield handle
+    handle.stop()
+
+
+async def _burst(base_url: str, num_requests: int) -> list[httpx.Response]:
+    words = " ".join(["river", "stone", "light", "garden"] * 60)  # a few hundred tokens
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": f"Summarise: {words}"}],
+        "max_tokens": 4,
+    }
+    async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as http:
+        return await asyncio.gather(
+            *(http.post("/v1/chat/completions", json=body) for _ in range(num_requests))
+        )
+
+
+def test_overload_gets_429_with_retry_after(tight_node: NodeHandle) -> None:
+    assert wait_until(lambda: engine_idle(tight_node))
+    responses = asyncio.run(_burst(tight_node.base_url, 6))
+    statuses = [r.status_code for r in responses]
+    assert 200 in statuses and 429 in statuses, statuses
+    assert set(statuses) <= {200, 429}
+    for response in responses:
+        if response.status_code == 429:
+            assert response.headers["retry-after"] == "2"
+            error = response.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "overloaded"
+    assert wait_until(lambda: engine_idle(tight_node))
+    assert tight_node.runtime.admission.num_in_flight == 0
+    # Once the queue is empty again, requests are admitted.
+    assert [r.status_code for r in asyncio.run(_burst(tight_node.base_url, 1))] == [200]
+
+
+def _scrape(node: NodeHandle) -> dict[str, float]:
+    """Every sample as `name{labels}` → value, after checking each family's type."""
+    text = httpx.get(node.base_url + "/metrics").text
+    samples: dict[str, float] = {}
+    types: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    prefix = "meridian:"
+    assert {name for name, kind in types.items() if kind == "gauge"} == {prefix + g for g in GAUGES}
+    assert {n for n, k in types.items() if k == "counter"} >= {prefix + c for c in COUNTERS}
+    assert {n for n, k in types.items() if k == "histogram"} == {prefix + h for h in HISTOGRAMS}
+    return samples
+
+
+def test_metrics_parse_and_move_with_traffic(node: NodeHandle) -> None:
+    model = f"model_name={MODEL_NAME}"
+    before = _scrape(node)
+    info = [k for k in before if k.startswith("meridian:cache_config_info")]
+    assert info == [
+        f"meridian:cache_config_info{{block_size=16,{model},num_gpu_blocks={node.stats().kv_blocks_total}}}"
+    ]
+    with node.client() as http:
+        response = http.post(
+            "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 5,
+                  "ignore_eos": True},
+        )
+        assert response.status_code == 200
+    after = _scrape(node)
+
+    def delta(name: str, labels: str = model) -> float:
+        key = f"meridian:{name}{{{labels}}}"
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("generation_tokens_total") == 5
+    assert delta("prompt_tokens_total") >= 1
+    assert delta("prefix_cache_queries_total") >= 1
+    assert delta("request_success_total", f"finished_reason=length,{model}") == 1
+    assert delta("time_to_first_token_seconds_count") == 1
+    assert delta("inter_token_latency_seconds_count") == 4
+    assert delta("e2e_request_latency_seconds_count") == 1
+    assert delta("request_queue_time_seconds_count") == 1
+    assert after[f"meridian:num_requests_running{{{model}}}"] == 0
+    assert 0.0 <= after[f"meridian:kv_cache_usage_perc{{{model}}}"] <= 1.0

@@ -1,0 +1,137 @@
+"""Bad requests get OpenAI's error JSON with the right status, and never reach the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from node_helpers import MAX_MODEL_LEN, MODEL_NAME, NodeHandle
+from openai.types.chat import ChatCompletionMessageParam
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture
+def http(node: NodeHandle) -> Iterator[httpx.Client]:
+    with node.client() as client:
+        yield client
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> Any:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"model": "smollm2-135m-instruct"}', "messages"),
+        (b'{"model": "smollm2-135m-instruct", "messages": []}', "messages"),
+        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "robot", "content": "x"}]}',
+         "messages"),
+        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+         b'"temperature": 3}', "temperature"),
+        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+         b'"max_tokens": 0}', "max_tokens"),
+        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+         b'"stop": [1, 2]}', "stop"),
+        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+         b'"top_logprobs": 2}', None),
+    ],
+)
+def test_malformed_bodies_get_400_and_never_reach_the_engine(
+    node: NodeHandle, http: httpx.Client, body: bytes, param: str | None
+) -> None:
+    before = node.stats().prompt_tokens_total, node.stats().prefix_cache_queried_tokens
+    response = http.post(CHAT, content=body, headers={"Content-Type": "application/json"})
+    error = assert_openai_error(response, 400, param)
+    assert error["type"] == "invalid_request_error"
+    assert (node.stats().prompt_tokens_total, node.stats().prefix_cache_queried_tokens) == before
+
+
+def test_unknown_model_is_404(http: httpx.Client) -> None:
+    response = http.post(CHAT, json={"model": "gpt-17", "messages": MESSAGES})
+    error = assert_openai_error(response, 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+def test_n_other_than_one_is_400(http: httpx.Client) -> None:
+    response = http.post(CHAT, json={"model": MODEL_NAME, "messages": MESSAGES, "n": 2})
+    assert_openai_error(response, 400, "n")
+
+
+def test_prompt_longer_than_the_context_is_400_context_length_exceeded(
+    http: httpx.Client,
+) -> None:
+    long_prompt = "hello " * (MAX_MODEL_LEN + 10)
+    response = http.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 1}
+    )
+    error = assert_openai_error(response, 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    # Prompt plus max_tokens over the context is refused the same way, naming max_tokens.
+    response = http.post(
+        CHAT, json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN}
+    )
+    error = assert_openai_error(response, 400, "max_tokens")
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_unsupported_features_are_refused_not_ignored(http: httpx.Client) -> None:
+    extras: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]
+    for extra, param in extras:
+        body = {"model": MODEL_NAME, "messages": MESSAGES, **extra}
+        assert_openai_error(http.post(CHAT, json=body), 400, param)
+    response = http.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": ["a", "b"], "max_tokens": 1}
+    )
+    assert_openai_error(response, 400, "prompt")
+
+
+def test_unknown_fields_are_tolerated(http: httpx.Client) -> None:
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "a_future_field": {"x": 1},
+            "user": "u-1", "metadata": {"k": "v"}}
+    assert http.post(CHAT, json=body).status_code == 200
+
+
+def test_unknown_route_is_404_in_openai_shape(http: httpx.Client) -> None:
+    assert_openai_error(http.get("/v1/engines"), 404)
+
+
+def test_request_id_is_echoed_or_made(http: httpx.Client) -> None:
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1}
+    response = http.post(CHAT, json=body, headers={"X-Request-Id": "gw-42"})
+    assert response.headers["x-request-id"] == "gw-42"
+    made = http.post(CHAT, json=body).headers["x-request-id"]
+    assert made and made != "gw-42"
+    # Errors carry it too.
+    assert http.post(CHAT, content=b"{", headers={"X-Request-Id": "gw-43"}).headers[
+        "x-request-id"
+    ] == "gw-43"
+
+
+def test_openai_client_raises_typed_errors(node: NodeHandle) -> None:
+    with openai.OpenAI(base_url=node.base_url + "/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as not_found:
+            client.chat.completions.create(model="nope", messages=MESSAGES)
+        assert not_found.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2)
+        assert bad.value.param == "n"

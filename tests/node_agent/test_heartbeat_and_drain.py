@@ -1,0 +1,147 @@
+"""Heartbeats to a fake control plane: schema, backoff while it is away, resumption when it is
+back; draining on the control plane's word."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fake_control_plane import TOKEN, FakeControlPlane
+from node_helpers import MODEL_NAME, BackgroundLoop, NodeHandle, free_port, start_node, wait_until
+
+from engine.async_llm import AsyncLLM
+from wire.heartbeat import Heartbeat
+
+pytestmark = pytest.mark.slow
+
+INTERVAL_S = 0.1
+MAX_BACKOFF_S = 0.8
+
+
+@pytest.fixture
+def control_plane(server_loop: BackgroundLoop) -> Iterator[FakeControlPlane]:
+    cp = FakeControlPlane(free_port(), interval_s=INTERVAL_S)
+    server_loop.run(cp.start())
+    yield cp
+    server_loop.run(cp.stop())
+
+
+def start_reporting_node(
+    loop: BackgroundLoop, llm: AsyncLLM, cp: FakeControlPlane, **overrides: Any
+) -> NodeHandle:
+    return start_node(
+        loop,
+        llm,
+        control_plane=cp.url,
+        node_token=TOKEN,
+        heartbeat_interval_s=INTERVAL_S,
+        max_heartbeat_backoff_s=MAX_BACKOFF_S,
+        heartbeat_timeout_s=0.5,
+        **overrides,
+    )
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def test_heartbeats_match_the_schema_back_off_and_resume(
+    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+) -> None:
+    node = start_reporting_node(server_loop, shared_llm, control_plane)
+    try:
+        assert wait_until(lambda: len(control_plane.beats) >= 5)
+        for body in control_plane.beats:
+            beat = Heartbeat.model_validate(body)
+            assert (beat.node_id, beat.region, beat.url) == (
+                node.settings.node_id, "us-east", node.base_url
+            )
+            assert beat.model == MODEL_NAME and beat.tp_size == 1
+            assert beat.kv_blocks_total == node.stats().kv_blocks_total
+            assert beat.block_size == 16 and not beat.draining
+        assert control_plane.bad_auth == 0
+        assert max(_gaps(control_plane.attempts)) < 5 * INTERVAL_S  # slack for a busy machine
+
+        # The control plane fails: beats back off (with jitter) up to the cap; serving goes on.
+        control_plane.status = 503
+        failing_from = len(control_plane.attempts)
+        with node.client() as http:
+            reply = http.post("/v1/completions",
+                              json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+            assert reply.status_code == 200
+        time.sleep(2.5)
+        attempts = control_plane.attempts[failing_from:]
+        assert len(attempts) <= 10, "a 0.1 s interval would have made ~25 attempts"
+        gaps = _gaps(attempts)
+        assert max(gaps) > 3 * INTERVAL_S and max(gaps) <= MAX_BACKOFF_S + 0.5
+
+        # It goes away entirely, then comes back on the same port: beats resume promptly.
+        server_loop.run(control_plane.stop())
+        time.sleep(1.0)
+        control_plane.status = 200
+        num_beats = len(control_plane.beats)
+        server_loop.run(control_plane.start())
+        assert wait_until(lambda: len(control_plane.beats) >= num_beats + 3,
+                          timeout_s=MAX_BACKOFF_S + 1.5)
+        assert node.server.runtime is node.runtime
+    finally:
+        node.stop()
+
+
+def _stream_lines(response: httpx.Response) -> Iterator[str]:
+    return (line for line in response.iter_lines() if line)
+
+
+def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
+    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+) -> None:
+    node = start_reporting_node(server_loop, shared_llm, control_plane)
+    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 30,
+            "ignore_eos": True, "stream": True}
+    try:
+        with node.client() as http, http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = _stream_lines(stream)
+            assert next(lines).startswith("data: {")
+            control_plane.drain = True
+            assert wait_until(lambda: node.runtime.drain.is_draining, timeout_s=2.0)
+            with node.client() as other:
+                assert other.get("/ready").status_code == 503
+                assert other.get("/health").status_code == 200
+                refused = other.post("/v1/completions",
+                                     json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1})
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "draining"
+            assert wait_until(lambda: control_plane.beats[-1]["draining"] is True)
+            rest = list(lines)  # the request admitted before the drain runs to its end
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in rest[-2]
+
+        control_plane.drain = False
+        assert wait_until(lambda: not node.runtime.drain.is_draining, timeout_s=2.0)
+        assert wait_until(lambda: control_plane.beats[-1]["draining"] is False)
+        with node.client() as http:
+            assert http.get("/ready").status_code == 200
+    finally:
+        node.stop()
+
+
+def test_control_plane_drain_can_end_the_node_once_idle(
+    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+) -> None:
+    node = start_reporting_node(
+        server_loop, shared_llm, control_plane, exit_on_control_plane_drain=True
+    )
+    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 20,
+            "ignore_eos": True, "stream": True}
+    with node.client() as http, http.stream("POST", "/v1/completions", json=body) as stream:
+        lines = _stream_lines(stream)
+        assert next(lines).startswith("data: {")
+        control_plane.drain = True
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    node.done.result(timeout=10)  # the server stopped by itself
+    assert control_plane.beats[-1]["draining"] is True

@@ -1,0 +1,145 @@
+"""`python -m node_agent`: settings precedence, one-line start-up errors, and SIGTERM draining a
+real process to exit 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from node_helpers import MODEL_NAME, free_port
+
+from node_agent.__main__ import load_settings, main, parse_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "node-token-for-tests-0123456789"
+
+
+def test_flags_beat_env_beat_yaml_beat_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "node.yaml"
+    config.write_text("port: 9100\nregion: eu-west\nmax_num_waiting_requests: 7\nmodel: m1\n")
+    monkeypatch.setenv("MERIDIAN_NODE_AGENT_PORT", "9200")
+    monkeypatch.setenv("MERIDIAN_NODE_AGENT_MODEL", "m2")
+    monkeypatch.setenv("MERIDIAN_NODE_TOKEN", TOKEN)
+    args = parse_args(["--config", str(config), "--model", "m3", "--control-plane",
+                       "http://127.0.0.1:8080"])
+    settings = load_settings(args)
+    assert settings.model == "m3"  # flag over env and YAML
+    assert settings.port == 9200  # env over YAML
+    assert settings.region == "eu-west"  # YAML over the default
+    assert settings.max_num_waiting_requests == 7
+    assert settings.heartbeat_interval_s == 1.0  # default
+    assert settings.node_token is not None and settings.node_token.get_secret_value() == TOKEN
+    assert settings.url == "http://127.0.0.1:9200"
+
+
+def test_tensor_parallel_size_reaches_the_engine() -> None:
+    settings = load_settings(parse_args(["--tensor-parallel-size", "3"]))
+    assert settings.engine_config().tensor_parallel_size == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "needle"),
+    [
+        (["--tensor-parallel-size", "0"], 2, "tensor"),
+        (["--model", "no-such-model"], 2, "no-such-model"),
+        (["--port", "70000"], 2, "port"),
+        (["--region", "Not A Region"], 2, "region"),
+        (["--control-plane", "http://127.0.0.1:8080"], 2, "MERIDIAN_NODE_TOKEN"),
+        (["--config", "/nonexistent/node.yaml"], 2, "no such file"),
+        (["--consul", "ftp://x"], 2, "--consul"),
+    ],
+)
+def test_bad_configuration_fails_with_one_line(
+    argv: list[str], status: int, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == status
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("node_agent: error:")
+    assert needle in err
+
+
+def test_unknown_yaml_key_fails_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "node.yaml"
+    config.write_text("prot: 9100\n")
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "prot" in err
+
+
+def test_port_in_use_fails_before_loading_the_model(
+    smollm2_gguf: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["--model", str(smollm2_gguf), "--port", str(port)]) == 1
+        assert time.monotonic() - started < 2.0
+    err = capsys.readouterr().err.strip()
+    assert err == f"node_agent: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    command = [
+        sys.executable, "-m", "node_agent", "--model", str(smollm2_gguf),
+        "--served-model-name", MODEL_NAME, "--port", str(port), "--region", "us-east",
+        "--num-kv-blocks", "256", "--max-model-len", "1024",
+    ]
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, proc.communicate()[0]
+                try:
+                    if http.get("/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "the node agent did not become ready"
+                time.sleep(0.1)
+
+            body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 60,
+                    "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as stream:
+                lines = (line for line in stream.iter_lines() if line)
+                assert next(lines).startswith("data: {")
+                proc.send_signal(signal.SIGTERM)
+                with httpx.Client(base_url=base, timeout=5) as other:
+                    deadline = time.monotonic() + 5
+                    while other.get("/ready").status_code != 503:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.02)
+                    refused = other.post("/v1/completions",
+                                         json={"model": MODEL_NAME, "prompt": "x"})
+                    assert refused.status_code == 503
+                    assert refused.json()["error"]["code"] == "draining"
+                rest = list(lines)
+            assert rest[-1] == "data: [DONE]"
+            assert '"finish_reason":"length"' in rest[-2]
+        assert proc.wait(timeout=20) == 0
+        output = proc.communicate()[0]
+        assert "draining (SIGTERM)" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

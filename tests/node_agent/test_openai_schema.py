@@ -1,0 +1,74 @@
+"""Request validation at the HTTP boundary (no engine involved)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_defaults_and_derived_values() -> None:
+    body = ChatCompletionRequest.model_validate(
+        BASE | {"max_completion_tokens": 5, "max_tokens": 9, "stop": "x"}
+    )
+    assert body.max_output_tokens == 5  # the newer name wins
+    assert body.stop_strings == ["x"]
+    assert body.engine_logprobs is None
+    assert not body.include_usage
+    with_logprobs = ChatCompletionRequest.model_validate(
+        BASE | {"logprobs": True, "top_logprobs": 3}
+    )
+    assert with_logprobs.engine_logprobs == 3
+    assert ChatCompletionRequest.model_validate(BASE | {"logprobs": True}).engine_logprobs == 0
+
+
+def test_text_parts_are_joined_and_unknown_fields_kept() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "future": 1, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]}
+        ]}
+    )
+    assert body.messages[0].text == "ab"
+    assert body.model_extra == {"future": 1}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"max_tokens": 0},
+        {"top_logprobs": 2},
+        {"top_logprobs": 21, "logprobs": True},
+        {"stream_options": {"include_usage": True}},
+        {"frequency_penalty": 1.0},
+        {"logit_bias": {"1": 5}},
+        {"tools": [{"type": "function"}]},
+        {"response_format": {"type": "json_schema"}},
+        {"stop": ["a"] * 17},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    ],
+)
+def test_chat_refuses(extra: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(BASE | extra)
+
+
+def test_completion_prompt_forms() -> None:
+    assert CompletionRequest(model="m", prompt="a").single_prompt == "a"
+    assert CompletionRequest(model="m", prompt=["a"]).single_prompt == "a"
+    assert CompletionRequest(model="m", prompt=[1, 2]).single_prompt == [1, 2]
+    assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt == [1, 2]
+    assert CompletionRequest(model="m", prompt="a").max_tokens == 16  # OpenAI's default
+    bad_prompts: list[object] = [["a", "b"], [[1], [2]], [[]], []]
+    for bad in bad_prompts:
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"model": "m", "prompt": bad})
+    for extra in ({"echo": True}, {"suffix": "x"}, {"best_of": 2}, {"logprobs": 21}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"model": "m", "prompt": "a"} | extra)
