@@ -1,11 +1,12 @@
-# The two commands a new user needs: `make chat` (set up, pull the model, chat) and `make test`.
+# The two commands a new user needs: `make up` (set up, then the whole local fleet: `meridian up`)
+# and `make test`. `make chat` chats with the model through the engine alone.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build on CPU-only machines; a CUDA machine may set TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup chat test lint bench
+.PHONY: setup up chat test lint bench
 
 setup: $(VENV)/.installed
 
@@ -14,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
+
+up: setup
+	$(BIN)/meridian up
 
 chat: setup
 	$(BIN)/python -m engine pull smollm2-135m-instruct

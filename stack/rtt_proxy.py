@@ -1,0 +1,200 @@
+"""`python -m stack.rtt_proxy`: a TCP proxy that delays traffic by a simulated round-trip time.
+
+    python -m stack.rtt_proxy --route 127.0.0.1:10201=127.0.0.1:10001@76.5 [--route ...]
+
+Each `--route LISTEN=UPSTREAM[,UPSTREAM...]@RTT_MS` listens on LISTEN and forwards every
+connection to one upstream (round robin over the list), holding each chunk of bytes for half
+the RTT in each direction, so a request and its answer together take one RTT longer, as over a
+real path of that length. Chunks keep their order and their spacing (a stream's tokens arrive
+as far apart as they were sent), and a full queue pushes back on the sender. The gateway computes
+the same RTT from wire/geo.py for its routing; this makes it real. One process serves every
+region's route. SIGTERM or SIGINT stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+logger = logging.getLogger("stack.rtt_proxy")
+
+CHUNK_BYTES = 64 * 1024
+MAX_QUEUED_CHUNKS = 256
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    listen: tuple[str, int]
+    upstreams: tuple[tuple[str, int], ...]
+    rtt_ms: float
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def parse_route(text: str) -> Route:
+    """`LISTEN=UP[,UP...]@RTT_MS` → Route (argparse type)."""
+    try:
+        listen, rest = text.split("=", 1)
+        upstreams, rtt = rest.rsplit("@", 1)
+        rtt_ms = float(rtt)
+        if not 0.0 <= rtt_ms <= 10_000.0:
+            raise ValueError("RTT must be 0-10000 ms")
+        return Route(
+            _host_port(listen),
+            tuple(_host_port(up) for up in upstreams.split(",")),
+            rtt_ms,
+        )
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--route {text!r}: {exc} (expected LISTEN=UPSTREAM[,UPSTREAM...]@RTT_MS)"
+        ) from exc
+
+
+async def _delayed_pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float
+) -> None:
+    """Copy reader → writer, each chunk `delay_s` after it was read; EOF is passed on late too."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(MAX_QUEUED_CHUNKS)
+
+    async def read() -> None:
+        try:
+            while chunk := await reader.read(CHUNK_BYTES):
+                await queue.put((loop.time() + delay_s, chunk))
+        except ConnectionError:
+            pass
+        finally:
+            await queue.put((loop.time() + delay_s, b""))
+
+    reading = asyncio.create_task(read())
+    try:
+        while True:
+            due, chunk = await queue.get()
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            if not chunk:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(chunk)
+            await writer.drain()
+    except ConnectionError:
+        return
+    finally:
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+
+
+class RttProxy:
+    def __init__(self, routes: list[Route]) -> None:
+        self.routes = routes
+        self._servers: list[asyncio.Server] = []
+        self._relays: set[asyncio.Task[None]] = set()  # one per open connection
+
+    async def start(self) -> None:
+        for route in self.routes:
+            upstreams = itertools.cycle(route.upstreams)
+
+            async def handle(
+                reader: asyncio.StreamReader,
+                writer: asyncio.StreamWriter,
+                route: Route = route,
+                upstreams: itertools.cycle[tuple[str, int]] = upstreams,
+            ) -> None:
+                task = asyncio.current_task()
+                assert task is not None
+                self._relays.add(task)
+                try:
+                    await self._relay(reader, writer, next(upstreams), route.rtt_ms / 2000.0)
+                finally:
+                    self._relays.discard(task)
+
+            server = await asyncio.start_server(handle, *route.listen, reuse_address=True)
+            self._servers.append(server)
+            logger.info(
+                "%s:%d → %s, RTT +%.1f ms",
+                *route.listen,
+                ", ".join(f"{h}:{p}" for h, p in route.upstreams),
+                route.rtt_ms,
+            )
+
+    async def _relay(
+        self,
+        client_reader: asyncio.StreamReader,
+        client_writer: asyncio.StreamWriter,
+        upstream: tuple[str, int],
+        one_way_s: float,
+    ) -> None:
+        try:
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(*upstream), CONNECT_TIMEOUT_S
+            )
+        except (OSError, TimeoutError) as exc:
+            logger.warning("cannot reach %s:%d: %s", *upstream, exc)
+            client_writer.close()
+            with contextlib.suppress(ConnectionError):
+                await client_writer.wait_closed()
+            return
+        try:
+            await asyncio.gather(
+                _delayed_pipe(client_reader, up_writer, one_way_s),
+                _delayed_pipe(up_reader, client_writer, one_way_s),
+            )
+        finally:
+            for writer in (up_writer, client_writer):
+                writer.close()
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+
+    async def close(self) -> None:
+        """Stop listening and end every open connection."""
+        for server in self._servers:
+            server.close()
+        for task in list(self._relays):
+            task.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+        for server in self._servers:
+            await server.wait_closed()
+
+
+async def _serve(routes: list[Route]) -> None:
+    proxy = RttProxy(routes)
+    await proxy.start()
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopped.set)
+    await stopped.wait()
+    await proxy.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stack.rtt_proxy", description=__doc__)
+    parser.add_argument("--route", type=parse_route, action="append", required=True)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(_serve(args.route))
+    except OSError as exc:
+        print(f"rtt_proxy: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

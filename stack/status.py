@@ -1,0 +1,130 @@
+"""`meridian status`: the recorded processes (up or not), and the fleet as the control plane and
+the gateway see it (regions, nodes, load)."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from stack.commands import ADMIN_TOKEN
+from stack.state import StackState, StateDir
+from stack.summary import count
+from stack.supervisor import Say
+
+TIMEOUT_S: Final = 5.0
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def process_lines(state: StackState) -> list[str]:
+    rows = [["PROCESS", "PID", "STATE", "URL", "LOG"]]
+    supervisor = state.supervisor
+    if not state.detached:
+        alive = "up" if supervisor.is_running() else "exited"
+        rows.append(["meridian up", str(supervisor.pid), alive, "", ""])
+    for record in state.processes:
+        alive = "up" if record.is_running() else "DOWN"
+        rows.append([record.name, str(record.pid), alive, record.url or "", record.log])
+    return _table(rows)
+
+
+def _get_json(url: str, **kwargs: Any) -> dict[str, Any] | str:
+    """The JSON body, or a one-line reason it could not be had."""
+    try:
+        with httpx.Client(timeout=TIMEOUT_S, trust_env=False, **kwargs) as client:
+            response = client.get(url)
+    except httpx.HTTPError as exc:
+        return f"not reachable ({exc.__class__.__name__})"
+    try:
+        body: dict[str, Any] = response.json()
+    except ValueError:
+        return f"answered {response.status_code} without JSON"
+    return body
+
+
+def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[str]:
+    """Regions and nodes from the control plane's `GET /v1/status` (and the gateway's view)."""
+    seen = (gateway or {}).get("regions", {})
+    rows = [["REGION", "STATE", "HEALTHY", "KV FREE", "WAITING", "QUEUE S", "RTT MS", "BREAKER"]]
+    for region in status["regions"]:
+        view = seen.get(region["name"], {})
+        rows.append(
+            [
+                region["name"],
+                region["state"],
+                str(region["healthy_nodes"]),
+                f"{region['kv_blocks_free']}/{region['kv_blocks_total']}",
+                str(region["queue"]["num_waiting"]),
+                f"{region['queue']['expected_queue_delay_s']:.2f}",
+                str(view.get("rtt_ms", "-")),
+                str(view.get("breaker", "-")),
+            ]
+        )
+    lines = _table(rows)
+    rows = [["NODE", "REGION", "HEALTH", "RUNNING", "WAITING", "KV FREE", "TOK/S"]]
+    for node in status["nodes"]:
+        beat = node.get("last_heartbeat") or {}
+        health = "healthy" if node["is_healthy"] else "UNHEALTHY"
+        if node["is_draining"]:
+            health += ",draining"
+        rows.append(
+            [
+                node["node_id"],
+                node["region"],
+                health,
+                str(beat.get("num_running", "-")),
+                str(beat.get("num_waiting", "-")),
+                f"{beat.get('kv_blocks_free', '-')}/{beat.get('kv_blocks_total', '-')}",
+                f"{beat.get('decode_tokens_per_s', 0.0):.1f}",
+            ]
+        )
+    return [*lines, "", *_table(rows)]
+
+
+def status(state_root: Path, say: Say) -> int:
+    state_dir = StateDir(state_root)
+    state = state_dir.read()
+    if state is None:
+        say(f"no stack is running (nothing recorded in {state_root}); start one with `meridian up`")
+        return 1
+    mode = "detached" if state.detached else "foreground"
+    phase = "ready" if state.ready else "starting"
+    say(f"Meridian stack ({mode}, {phase}); state in {state_root}")
+    say(f"  gateway {state.gateway_url}/v1   CA {state.ca_cert}")
+    say("")
+    for line in process_lines(state):
+        say(line)
+    token = state_dir.read_tokens().get(ADMIN_TOKEN, "")
+    fleet = _get_json(
+        f"{state.control_plane_url}/v1/status", headers={"Authorization": f"Bearer {token}"}
+    )
+    gateway: dict[str, Any] | str | None = None
+    if state.ca_cert and Path(state.ca_cert).exists():
+        context = ssl.create_default_context(cafile=state.ca_cert)
+        gateway = _get_json(f"{state.gateway_url}/health", verify=context)
+    say("")
+    if isinstance(fleet, str) or "regions" not in fleet:
+        reason = fleet if isinstance(fleet, str) else f"unexpected answer {fleet}"
+        say(f"control plane {state.control_plane_url}: {reason}")
+    else:
+        say(
+            f"Fleet: {count(len(fleet['regions']), 'region')}, {fleet['num_healthy_nodes']}/"
+            f"{fleet['num_nodes']} nodes healthy, {fleet['num_draining_nodes']} draining"
+        )
+        for line in fleet_lines(fleet, gateway if isinstance(gateway, dict) else None):
+            say(line)
+    if isinstance(gateway, str):
+        say(f"gateway {state.gateway_url}: {gateway}")
+    elif isinstance(gateway, dict):
+        say(f"gateway {state.gateway_url}: {gateway.get('status', '?')}")
+    is_all_up = all(record.is_running() for record in state.processes)
+    return 0 if is_all_up else 1
