@@ -14,9 +14,12 @@ from fastapi import FastAPI
 
 from control_plane import keys as key_store
 from control_plane.api import keys, nodes, regions, routing, status
+from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from control_plane.changes import ChangeFeed
 from control_plane.consul_sync import follow_consul
 from control_plane.dns.server import DnsServer
+from control_plane.drain import ACTOR as DRAIN_ACTOR
+from control_plane.drain import Drainer, DrainSequence, DrainTimes, load_drains
 from control_plane.errors import install_error_handlers
 from control_plane.fleet import Fleet
 from control_plane.keys import KeyRegistry
@@ -35,11 +38,12 @@ logger = logging.getLogger(__name__)
 
 API_VERSION = "1"
 
-_Loaded = tuple[Fleet, RoutingPolicy, int]  # what the lifespan reads from the store at start
+# What the lifespan reads from the store at start.
+_Loaded = tuple[Fleet, RoutingPolicy, int, list[DrainSequence]]
 
 
 def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) -> ControlPlane:
-    fleet, policy, keys_index = loaded
+    fleet, policy, keys_index, drains = loaded
     # Summary indexes start from the wall clock in milliseconds, so they keep growing across
     # restarts (changes come far slower than 1,000 a second) and gateways see no index go back.
     summary_feed = ChangeFeed(int(time.time() * 1000))
@@ -47,9 +51,25 @@ def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) 
     def publish_now() -> None:
         publisher.refresh()
 
+    def publish_region(name: str) -> None:
+        publisher.refresh_region(name)
+
+    async def finish_region_delete(name: str) -> None:
+        await registry.finish_region_delete(DRAIN_ACTOR, name)
+
     policies = PolicyRegistry(store, policy, on_change=publish_now)
     publisher = SummaryPublisher(fleet, lambda: policies.policy, summary_feed)
-    registry = Registry(store, fleet, on_change=publish_now, on_capacity=publisher.mark_dirty)
+    xds = XdsServer(fleet, summary_feed, refresh_interval_s=settings.sweep_interval_s)
+    drainer = Drainer(fleet, store, publisher, xds, DrainTimes.of(settings), finish_region_delete)
+    drainer.restore(drains)
+    registry = Registry(
+        store,
+        fleet,
+        on_change=publish_now,
+        on_capacity=publisher.mark_dirty,
+        note_drain=drainer.note,
+        on_region_change=publish_region,
+    )
     return ControlPlane(
         settings=settings,
         tokens=tokens,
@@ -58,7 +78,8 @@ def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) 
         keys=KeyRegistry(store, ChangeFeed(keys_index)),
         routing=policies,
         summaries=publisher,
-        xds=XdsServer(fleet, summary_feed, refresh_interval_s=settings.sweep_interval_s),
+        drains=drainer,
+        xds=xds,
         dns=DnsServer(settings.dns, publisher),
     )
 
@@ -73,7 +94,8 @@ def create_app(settings: Settings) -> FastAPI:
 
             def load(conn: sqlite3.Connection) -> _Loaded:
                 fleet = load_fleet(conn, settings.unhealthy_after_s)
-                return fleet, load_policy(conn), key_store.read_index(conn)
+                policy, keys_index = load_policy(conn), key_store.read_index(conn)
+                return fleet, policy, keys_index, load_drains(conn)
 
             services = _build(settings, tokens, store, await store.read(load))
             app.state.services = services
@@ -84,6 +106,7 @@ def create_app(settings: Settings) -> FastAPI:
             assert dns is not None
             await dns.start(settings.host, settings.dns_port)
             sweep = asyncio.create_task(services.summaries.run(settings.sweep_interval_s))
+            draining = asyncio.create_task(services.drains.run(settings.sweep_interval_s))
             logger.info(
                 "control plane ready: %d regions, %d nodes known",
                 len(services.registry.fleet.regions),
@@ -93,12 +116,14 @@ def create_app(settings: Settings) -> FastAPI:
                 consul = follow_consul(
                     settings.consul_addr, settings.consul_service_name, services.registry
                 )
-                async with consul:
+                async with consul as sync:
+                    services.drains.consul = sync
                     yield
             finally:
-                sweep.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sweep
+                for task in (sweep, draining):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 await xds.stop()
                 dns.stop()
                 services.summaries.feed.close()
@@ -116,6 +141,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app)
+    app.add_middleware(HeartbeatFastPath)
     for router in (
         regions.router,
         nodes.router,

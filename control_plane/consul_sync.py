@@ -71,6 +71,10 @@ def aggregate_status(checks: list[dict[str, Any]]) -> ConsulStatus:
     return "warning" if "warning" in statuses else "passing"
 
 
+def service_id_of(item: dict[str, Any]) -> str:
+    return str((item.get("Service") or {}).get("ID"))
+
+
 def entry_of(item: dict[str, Any]) -> tuple[str, ConsulEntry]:
     """One `/v1/health/service` item as (node id, entry); ValueError if it is not a node agent."""
     service = item.get("Service") or {}
@@ -109,6 +113,7 @@ class ConsulSync:
         self._stale_after_s = stale_after_s
         self._entries: dict[str, ConsulEntry] = {}
         self._rejected: set[str] = set()  # service ids already warned about
+        self.service_ids: dict[str, str] = {}  # node id → its Consul service id, as last read
 
     def _client(self) -> consul.aio.Consul:
         with warnings.catch_warnings():  # py-consul passes aiohttp a deprecated argument
@@ -154,19 +159,43 @@ class ConsulSync:
         # restarted) is adopted as it is: we hold the data read at it, so nothing is missed.
         self.index = max(index, 0)
         entries: dict[str, ConsulEntry] = {}
+        service_ids: dict[str, str] = {}
         for item in items:
             try:
                 node_id, entry = entry_of(item)
             except ValueError as exc:
-                service_id = str((item.get("Service") or {}).get("ID"))
+                service_id = service_id_of(item)
                 if service_id not in self._rejected:
                     self._rejected.add(service_id)
                     logger.warning("Consul: ignoring %s", exc)
                 continue
             entries[node_id] = entry
+            service_ids[node_id] = service_id_of(item)
+        self.service_ids = service_ids
         if entries != self._entries:
             self._entries = entries
             self._apply(entries)
+
+    async def deregister(self, node_id: str) -> bool:
+        """Deregister a node's service through the Consul agent API (the drain sequence does this
+        for a node that cannot, or did not, deregister itself). True if Consul accepted it.
+
+        The agent API acts on the agent the service was registered with: fine for one agent (the
+        stand-in, a dev agent, or a control plane beside the nodes' agent); with many agents the
+        node must deregister itself (the heartbeat reply's `consul_deregister`)."""
+        service_id = self.service_ids.get(node_id, node_id)
+        client = self._client()
+        try:
+            is_done = bool(await client.agent.service.deregister(service_id))
+        except _FAILURES as exc:
+            logger.warning(
+                "Consul: could not deregister %s: %s: %s", service_id, type(exc).__name__, exc
+            )
+            return False
+        finally:
+            await client.close()
+        logger.info("Consul: deregistered service %s (node %s) for its drain", service_id, node_id)
+        return is_done
 
     def _on_failure(self, exc: BaseException, is_first: bool, failing_for_s: float) -> None:
         log = logger.warning if is_first else logger.debug

@@ -16,6 +16,9 @@ rule, one place in `Node.is_healthy`:
   capacity numbers. When Consul is unreachable its opinion is "unknown": no veto, and Consul-only
   nodes are unhealthy until Consul answers again.
 - Deregistered from Consul: a Consul-only node is forgotten; a heartbeat node just loses the veto.
+
+A draining node leaves routing step by step, as its drain sequence (`control_plane.drain`) moves:
+first out of EDS (`is_routable`), later out of the region summaries (`is_in_summaries`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Region:
     state: RegionState
     created_at: float
     updated_at: float
+    is_deleting: bool = False  # DELETE asked: its nodes drain, then the region goes
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,14 @@ class Node:
     is_beating: bool = False  # heard from within the heartbeat limit
     is_from_heartbeats: bool = True  # registered by its heartbeats (in the store)
     consul: ConsulEntry | None = None  # what Consul says, when it lists this node
+    num_beats: int = 0  # heartbeats received since this control plane started
+    # Beats up to this one were made before the node heard its drain was cancelled: their
+    # `draining` echoes the cancelled drain and is ignored.
+    drain_echo_until: int = 0
+    # Set by the node's drain sequence (control_plane.drain) as it moves.
+    drain_phase: str | None = None
+    is_out_of_eds: bool = False
+    is_out_of_summaries: bool = False
 
     @property
     def sources(self) -> list[NodeSource]:
@@ -98,13 +110,30 @@ class Node:
         return self.consul is not None and self.consul.status in ("passing", "warning")
 
     @property
+    def reports_draining(self) -> bool:
+        """Its latest beat says it is draining (on its own, or because it was told to)."""
+        beat = self.last_beat
+        return beat is not None and beat.draining and self.num_beats > self.drain_echo_until
+
+    @property
     def is_draining(self) -> bool:
-        """Asked to drain by an operator, or draining on its own (e.g. SIGTERM at the node)."""
-        return self.drain_requested or (self.last_beat is not None and self.last_beat.draining)
+        """Asked to drain (by an operator or its region), or draining on its own (SIGTERM)."""
+        return self.drain_requested or self.drain_phase is not None or self.reports_draining
+
+    def _has_left(self, is_out: bool) -> bool:
+        # In a drain sequence, the sequence says; draining without one (a bare Fleet, as in unit
+        # tests: the running control plane starts a sequence at once) means out of everything.
+        return is_out if self.drain_phase is not None else self.is_draining
 
     @property
     def is_routable(self) -> bool:
-        return self.is_healthy and not self.is_draining
+        """Envoy routes to it: healthy, and no drain has taken it out of EDS."""
+        return self.is_healthy and not self._has_left(self.is_out_of_eds)
+
+    @property
+    def is_in_summaries(self) -> bool:
+        """Counted in its region's summary (gateways, DNS): a drain takes it out after EDS."""
+        return self.is_healthy and not self._has_left(self.is_out_of_summaries)
 
 
 @dataclass(slots=True)
@@ -114,10 +143,16 @@ class Fleet:
     nodes: dict[str, Node] = field(default_factory=dict)
     # Consul's latest view by node id (empty without --consul), kept to merge late-coming nodes.
     consul: dict[str, ConsulEntry] = field(default_factory=dict)
+    # Bumped whenever a known node moves to another region (adding or removing nodes changes
+    # `len(nodes)`): together they say when the by-region index must be rebuilt.
+    membership_version: int = 0
+    _by_region: dict[str, list[Node]] = field(default_factory=dict, repr=False)
+    _by_region_key: tuple[int, int] = (-1, -1)
 
     def record_beat(self, node: Node, beat: Heartbeat, now_mono: float, now_unix: float) -> None:
         """Store a beat: the node is healthy from now until it misses too many."""
         node.last_beat = beat
+        node.num_beats += 1
         node.last_seen_mono = now_mono
         node.last_seen_unix = now_unix
         if not node.is_beating:
@@ -141,7 +176,21 @@ class Fleet:
         return changed
 
     def nodes_in(self, region: str) -> list[Node]:
-        return [node for node in self.nodes.values() if node.identity.region == region]
+        """The nodes of `region`, from an index rebuilt only when membership changed, so that
+        per-region work (a summary, an ingress plan) costs the region's size, not the fleet's."""
+        key = (len(self.nodes), self.membership_version)
+        if key != self._by_region_key:
+            by_region: dict[str, list[Node]] = {}
+            for node in self.nodes.values():
+                by_region.setdefault(node.identity.region, []).append(node)
+            self._by_region, self._by_region_key = by_region, key
+        return list(self._by_region.get(region, ()))
+
+    def move(self, node: Node, identity: NodeIdentity) -> None:
+        """Give a known node a new identity (its region may change)."""
+        if identity.region != node.identity.region:
+            self.membership_version += 1
+        node.identity = identity
 
     def apply_consul(self, entries: Mapping[str, ConsulEntry], now_unix: float) -> bool:
         """Adopt Consul's view; returns True if any node came, went or changed routability."""
@@ -151,13 +200,14 @@ class Fleet:
             entry = entries.get(node_id)
             if entry is None and not node.is_from_heartbeats:
                 del self.nodes[node_id]
+                self.membership_version += 1
                 logger.info("node %s left Consul; forgotten", node_id)
                 is_changed = True
             elif entry != node.consul:
                 was_routable, old_identity = node.is_routable, node.identity
                 node.consul = entry
                 if entry is not None and not node.is_from_heartbeats:
-                    node.identity = entry.identity
+                    self.move(node, entry.identity)
                 is_changed |= node.is_routable != was_routable or node.identity != old_identity
         for node_id, entry in entries.items():
             if node_id not in self.nodes:
@@ -169,6 +219,7 @@ class Fleet:
                     is_from_heartbeats=False,
                     consul=entry,
                 )
+                self.membership_version += 1
                 logger.info("node %s found in Consul (region %s)", node_id, entry.identity.region)
                 is_changed = True
         return is_changed

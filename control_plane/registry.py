@@ -5,15 +5,19 @@ in-memory `Fleet` change and `on_change` run (which recomputes the region summar
 watchers). Changes are serialized by one lock so memory always follows the store's commit order.
 Heartbeats from known nodes with an unchanged identity touch memory only. Consul's view (with
 `--consul`) is memory only too: it is merged into the fleet as it comes (see `control_plane.fleet`).
+Whatever may start or end a drain (a drain request, a region's state, a node's own report) is passed
+to `note_drain`, which starts or cancels that node's drain sequence (`control_plane.drain`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sqlite3
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from control_plane import audit
 from control_plane.audit import Actor
@@ -34,6 +38,7 @@ def _region_of(row: sqlite3.Row) -> Region:
         state=row["state"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        is_deleting=bool(row["is_deleting"]),
     )
 
 
@@ -58,6 +63,46 @@ def load_fleet(conn: sqlite3.Connection, unhealthy_after_s: float) -> Fleet:
     return fleet
 
 
+@dataclass(slots=True)
+class _Registration:
+    actor: Actor
+    identity: NodeIdentity
+    done: asyncio.Future[Node]
+
+
+def _settle(future: asyncio.Future[Node], like: asyncio.Future[Node]) -> None:
+    """Give `future` the outcome of `like` (a done callback)."""
+    if future.done():
+        return
+    if like.cancelled():
+        future.cancel()
+    elif (error := like.exception()) is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(like.result())
+
+
+def _write_registration(
+    conn: sqlite3.Connection, actor: Actor, node_id: str, identity: NodeIdentity, now: float
+) -> None:
+    existed = conn.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+    conn.execute(
+        "INSERT INTO nodes (node_id, region, url, model, tp_size, drain_requested, "
+        "registered_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?) "
+        "ON CONFLICT (node_id) DO UPDATE SET region = excluded.region, "
+        "url = excluded.url, model = excluded.model, tp_size = excluded.tp_size, "
+        "updated_at = excluded.updated_at",
+        (node_id, identity.region, identity.url, identity.model, identity.tp_size, now, now),
+    )
+    detail: audit.AuditDetail = {
+        "region": identity.region,
+        "url": identity.url,
+        "model": identity.model,
+        "tp_size": identity.tp_size,
+    }
+    audit.record(conn, actor, "node.update" if existed else "node.register", node_id, detail)
+
+
 class Registry:
     def __init__(
         self,
@@ -65,12 +110,18 @@ class Registry:
         fleet: Fleet,
         on_change: Callable[[], None],
         on_capacity: Callable[[], None],
+        note_drain: Callable[[Node], None] = lambda node: None,
+        on_region_change: Callable[[str], None] | None = None,
     ) -> None:
         self.fleet = fleet
         self._store = store
         self._on_change = on_change  # something routing-relevant changed: publish now
+        # ... in one region only (a node registered or back to health): publish that region now
+        self._on_region_change = on_region_change or (lambda region: on_change())
         self._on_capacity = on_capacity  # only live capacity changed: publish at the next sweep
+        self._note_drain = note_drain  # a node's drain may start or end (control_plane.drain)
         self._lock = asyncio.Lock()
+        self._pending: dict[str, _Registration] = {}  # registrations waiting for the next write
 
     # --- regions ---
 
@@ -115,41 +166,98 @@ class Registry:
         async with self._lock:
             old = self.get_region(name)
             region = dataclasses.replace(old, **fields, updated_at=time.time())
-
-            def change(conn: sqlite3.Connection) -> None:
-                cursor = conn.execute(
-                    "UPDATE regions SET lat = ?, lon = ?, ingress_url = ?, weight = ?, state = ?, "
-                    "updated_at = ? WHERE name = ?",
-                    (
-                        region.lat,
-                        region.lon,
-                        region.ingress_url,
-                        region.weight,
-                        region.state,
-                        region.updated_at,
-                        name,
-                    ),
-                )
-                if cursor.rowcount != 1:
-                    raise NotFoundError(f"region {name!r} not found", "region_not_found")
-                audit.record(conn, actor, "region.update", name, fields)
-
-            await self._store.write(change)
+            # A pending delete ends when the operator sets the region to anything but draining.
+            region = dataclasses.replace(
+                region, is_deleting=old.is_deleting and region.state == "draining"
+            )
+            await self._store.write(self._region_update(actor, region, "region.update", fields))
             self.fleet.regions[name] = region
+            self._note_region(name)
         self._on_change()
         return region
 
-    async def delete_region(self, actor: Actor, name: str) -> None:
-        """Deregister a region; its nodes stay known but take no traffic until it returns."""
+    @staticmethod
+    def _region_update(
+        actor: Actor, region: Region, action: str, detail: audit.AuditDetail
+    ) -> Callable[[sqlite3.Connection], None]:
+        def change(conn: sqlite3.Connection) -> None:
+            cursor = conn.execute(
+                "UPDATE regions SET lat = ?, lon = ?, ingress_url = ?, weight = ?, state = ?, "
+                "is_deleting = ?, updated_at = ? WHERE name = ?",
+                (
+                    region.lat,
+                    region.lon,
+                    region.ingress_url,
+                    region.weight,
+                    region.state,
+                    int(region.is_deleting),
+                    region.updated_at,
+                    region.name,
+                ),
+            )
+            if cursor.rowcount != 1:
+                raise NotFoundError(f"region {region.name!r} not found", "region_not_found")
+            audit.record(conn, actor, action, region.name, detail)
 
+        return change
+
+    def _note_region(self, name: str) -> None:
+        for node in self.fleet.nodes_in(name):
+            self._note_drain(node)
+
+    async def delete_region(self, actor: Actor, name: str) -> Region | None:
+        """Deregister a region: at once if no node is known in it (returns None); otherwise it is
+        set draining and returned, its nodes go through the drain sequence, and the drain sequence
+        calls `finish_region_delete` once every one of them has been told to exit. Idempotent."""
+        async with self._lock:
+            old = self.get_region(name)
+            if old.is_deleting:
+                return old
+            if self.fleet.nodes_in(name):
+                region = dataclasses.replace(
+                    old, state="draining", is_deleting=True, updated_at=time.time()
+                )
+                detail: audit.AuditDetail = {"drain_first": True}
+                await self._store.write(self._region_update(actor, region, "region.delete", detail))
+                self.fleet.regions[name] = region
+                self._note_region(name)
+            else:
+                await self._store.write(self._region_delete(actor, name, "region.delete"))
+                self.fleet.regions.pop(name, None)
+                region = None
+        self._on_change()
+        return region
+
+    @staticmethod
+    def _region_delete(
+        actor: Actor, name: str, action: str, node_ids: tuple[str, ...] = ()
+    ) -> Callable[[sqlite3.Connection], None]:
         def change(conn: sqlite3.Connection) -> None:
             if conn.execute("DELETE FROM regions WHERE name = ?", (name,)).rowcount != 1:
                 raise NotFoundError(f"region {name!r} not found", "region_not_found")
-            audit.record(conn, actor, "region.delete", name, {})
+            for node_id in node_ids:
+                conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
+                conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
+            detail: audit.AuditDetail = {"num_nodes_removed": len(node_ids)} if node_ids else {}
+            audit.record(conn, actor, action, name, detail)
 
+        return change
+
+    async def finish_region_delete(self, actor: Actor, name: str) -> None:
+        """The end of a region's DELETE: its nodes are drained; forget it and them."""
         async with self._lock:
-            await self._store.write(change)
+            region = self.fleet.regions.get(name)
+            if region is None or not region.is_deleting:
+                return  # cancelled meanwhile
+            node_ids = tuple(
+                node.node_id for node in self.fleet.nodes_in(name) if node.is_from_heartbeats
+            )
+            await self._store.write(self._region_delete(actor, name, "region.deleted", node_ids))
             self.fleet.regions.pop(name, None)
+            for node_id in node_ids:
+                self.fleet.nodes.pop(node_id, None)
+            self.fleet.membership_version += 1
+            self.fleet.apply_consul(self.fleet.consul, time.time())
         self._on_change()
 
     # --- nodes ---
@@ -165,64 +273,84 @@ class Registry:
         node = self.fleet.nodes.get(beat.node_id)
         if node is None or node.identity != identity or not node.is_from_heartbeats:
             node = await self._register_node(actor, beat.node_id, identity)
-        was_routable = node.is_routable
+        was_routed = (node.is_routable, node.is_in_summaries)
+        was_draining = node.reports_draining
         self.fleet.record_beat(node, beat, time.monotonic(), time.time())
-        if node.is_routable != was_routable:
-            self._on_change()  # back to health, or started / stopped draining on its own
+        if node.reports_draining != was_draining or node.num_beats == 1:
+            self._note_drain(node)  # it started or stopped draining on its own, or is back
+        if (node.is_routable, node.is_in_summaries) != was_routed:
+            self._on_region_change(beat.region)  # back to health
         else:
             self._on_capacity()
         return node
 
     async def _register_node(self, actor: Actor, node_id: str, identity: NodeIdentity) -> Node:
-        now = time.time()
-        detail: audit.AuditDetail = {
-            "region": identity.region,
-            "url": identity.url,
-            "model": identity.model,
-            "tp_size": identity.tp_size,
+        """Register a node (or its new identity). Registrations that arrive while another is
+        being written share the next transaction (group commit): a thousand nodes starting at
+        once cost a few store writes, not a thousand one after another."""
+        pending = self._pending.get(node_id)
+        if pending is None or pending.identity != identity:
+            # The latest identity wins; a beat that brought an older one gets the same node.
+            done = asyncio.get_running_loop().create_future()
+            if pending is not None:
+                done.add_done_callback(functools.partial(_settle, pending.done))
+            pending = _Registration(actor, identity, done)
+            self._pending[node_id] = pending
+        async with self._lock:
+            if not pending.done.done():
+                await self._register_pending()
+        return await pending.done
+
+    async def _register_pending(self) -> None:
+        """Write every pending registration in one transaction, then apply them (under the lock)."""
+        batch, self._pending = self._pending, {}
+        batch = {
+            node_id: reg
+            for node_id, reg in batch.items()
+            if not self._is_registered(node_id, reg.identity, reg)
         }
+        now = time.time()
 
         def change(conn: sqlite3.Connection) -> None:
-            existed = conn.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
-            conn.execute(
-                "INSERT INTO nodes (node_id, region, url, model, tp_size, drain_requested, "
-                "registered_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?) "
-                "ON CONFLICT (node_id) DO UPDATE SET region = excluded.region, "
-                "url = excluded.url, model = excluded.model, tp_size = excluded.tp_size, "
-                "updated_at = excluded.updated_at",
-                (
-                    node_id,
-                    identity.region,
-                    identity.url,
-                    identity.model,
-                    identity.tp_size,
-                    now,
-                    now,
-                ),
-            )
-            action = "node.update" if existed else "node.register"
-            audit.record(conn, actor, action, node_id, detail)
+            for node_id, reg in batch.items():
+                _write_registration(conn, reg.actor, node_id, reg.identity, now)
 
-        async with self._lock:
-            node = self.fleet.nodes.get(node_id)
-            if node is not None and node.identity == identity and node.is_from_heartbeats:
-                return node  # registered by a concurrent beat
+        try:
             await self._store.write(change)
+        except BaseException as exc:
+            for reg in batch.values():
+                if not reg.done.done():
+                    reg.done.set_exception(exc)
+            raise
+        regions: set[str] = set()
+        for node_id, reg in batch.items():
             node = self.fleet.nodes.get(node_id)  # Consul may have listed it meanwhile
+            regions.add(reg.identity.region)
             if node is None:
                 node = Node(
                     node_id=node_id,
-                    identity=identity,
+                    identity=reg.identity,
                     drain_requested=False,
                     registered_at=now,
                     consul=self.fleet.consul.get(node_id),
                 )
                 self.fleet.nodes[node_id] = node
             else:
-                node.identity = identity
+                regions.add(node.identity.region)
+                self.fleet.move(node, reg.identity)
                 node.is_from_heartbeats = True
-        self._on_change()
-        return node
+            reg.done.set_result(node)
+        for region in sorted(regions):
+            self._on_region_change(region)
+
+    def _is_registered(self, node_id: str, identity: NodeIdentity, reg: _Registration) -> bool:
+        """Already registered with this identity (by a concurrent beat): settle `reg` now."""
+        node = self.fleet.nodes.get(node_id)
+        if node is None or node.identity != identity or not node.is_from_heartbeats:
+            return False
+        if not reg.done.done():
+            reg.done.set_result(node)
+        return True
 
     def _refuse_consul_only(self, node_id: str, action: str) -> None:
         node = self.fleet.nodes.get(node_id)
@@ -249,6 +377,7 @@ class Registry:
             await self._store.write(change)
             node = self.get_node(node_id)
             node.drain_requested = drain
+            self._note_drain(node)
         self._on_change()
         return node
 
@@ -260,11 +389,13 @@ class Registry:
         def change(conn: sqlite3.Connection) -> None:
             if conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)).rowcount != 1:
                 raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
+            conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
             audit.record(conn, actor, "node.delete", node_id, {})
 
         async with self._lock:
             await self._store.write(change)
             self.fleet.nodes.pop(node_id, None)
+            self.fleet.membership_version += 1
             self.fleet.apply_consul(self.fleet.consul, time.time())
         self._on_change()
 
@@ -273,4 +404,7 @@ class Registry:
     def apply_consul(self, entries: dict[str, ConsulEntry]) -> None:
         """Merge Consul's latest view (memory only; nothing to persist or audit)."""
         if self.fleet.apply_consul(entries, time.time()):
+            for node in self.fleet.nodes.values():
+                if node.drain_phase is None and not node.is_from_heartbeats:
+                    self._note_drain(node)  # a Consul-only node in a draining region
             self._on_change()

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from control_plane.fleet import ConsulStatus, NodeSource
+from control_plane.xds.status import XdsStatus
 from wire.heartbeat import Heartbeat, HttpUrlStr, Name
 from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
 from wire.routing_policy import RoutingPolicy
@@ -69,10 +70,30 @@ class RegionView(BaseModel):
     state: RegionState
     created_at: float
     updated_at: float
+    is_deleting: bool = False  # DELETE asked: its nodes are draining, then it goes
 
 
 class RegionList(BaseModel):
     regions: list[RegionView]
+
+
+class DrainStepView(BaseModel):
+    name: str  # admissions, envoy, summaries, dns, consul, in_flight, exit (in this order)
+    started_at: float | None  # Unix seconds; None: not reached yet
+    completed_at: float | None
+    note: str  # how it ended, e.g. "out of EDS, ACKed by 2 Envoys", "timed out after 5.0 s: ..."
+
+
+class DrainView(BaseModel):
+    """A node's drain sequence (docs/control_plane.md, "The drain sequence")."""
+
+    node_id: str
+    region: str
+    reason: str  # operator, region, or node (it reported draining on its own)
+    phase: str  # the step under way, or "done"
+    started_at: float
+    may_exit: bool  # the node has been told it may exit
+    steps: list[DrainStepView]
 
 
 class NodeView(BaseModel):
@@ -89,6 +110,7 @@ class NodeView(BaseModel):
     last_heartbeat: Heartbeat | None
     sources: list[NodeSource]  # where we know it from: its heartbeats, Consul, or both
     consul_status: ConsulStatus | None  # None when Consul does not list it
+    drain: DrainView | None = None  # its drain sequence, while it has one
 
 
 class NodeList(BaseModel):
@@ -134,3 +156,5 @@ class StatusView(BaseModel):
     unregistered_regions: list[str]  # named by nodes' heartbeats but not registered
     nodes: list[NodeView]
     routing: RoutingPolicy
+    drains: list[DrainView]  # every drain sequence, oldest first
+    xds: XdsStatus | None  # what every connected Envoy was sent and accepted (as GET /v1/xds)

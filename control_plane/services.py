@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from control_plane.dns.server import DnsServer
+from control_plane.drain import Drainer
 from control_plane.keys import KeyRegistry
 from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry
@@ -27,11 +28,12 @@ class ControlPlane:
     keys: KeyRegistry
     routing: PolicyRegistry
     summaries: SummaryPublisher
+    drains: Drainer
     xds: XdsServer | None = None  # the ADS server for Envoy, started by the lifespan
     dns: DnsServer | None = None  # the authoritative DNS, bound by the lifespan
 
 
-def get_services(request: Request) -> ControlPlane:
+async def get_services(request: Request) -> ControlPlane:
     services = request.app.state.services
     assert isinstance(services, ControlPlane), "app lifespan has not started"
     return services

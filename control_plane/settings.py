@@ -6,7 +6,15 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.consul_sync import parse_consul_addr
@@ -29,6 +37,18 @@ def _token_field(env_name: str) -> SecretStr | None:
     return Field(None, validation_alias=AliasChoices(env_name), min_length=MIN_TOKEN_LEN)
 
 
+class DrainConfig(BaseModel):
+    """Bounds on the drain sequence's waits (control_plane/drain.py); a step that runs out of time
+    is recorded as timed out and the sequence goes on. The wait for the node to report draining
+    is bounded by `unhealthy_after_s`, the DNS wait is one DNS TTL."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    envoy_ack_timeout_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    consul_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    in_flight_timeout_s: float = Field(default=900.0, gt=0.0, le=86400.0)
+
+
 class Settings(BaseSettings):
     """One settings object for the control plane, built once in `__main__`."""
 
@@ -41,6 +61,7 @@ class Settings(BaseSettings):
     xds_port: int = Field(default=18000, ge=0, le=65535)  # ADS for Envoy, on `host`; 0: any free
     dns_port: int = Field(default=8053, ge=0, le=65535)  # UDP, on `host`; 0: any free
     dns: DnsConfig = Field(default_factory=DnsConfig)  # zone, TTL, subnets, shedding
+    drain: DrainConfig = Field(default_factory=DrainConfig)  # bounds on the drain sequence's waits
     # Consul (optional): `HOST:PORT` or `http(s)://HOST:PORT`; node agents found there are merged
     # with heartbeats. Its ACL token, if any, comes from CONSUL_HTTP_TOKEN (read by py-consul).
     consul_addr: str | None = None

@@ -65,6 +65,20 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             detail TEXT NOT NULL
         )""",
     ),
+    (
+        # The drain sequence of each draining node (control_plane/drain.py): survives restarts.
+        """CREATE TABLE drains (
+            node_id TEXT PRIMARY KEY,
+            region TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            phase TEXT NOT NULL,
+            started_at REAL NOT NULL,
+            steps TEXT NOT NULL,
+            updated_at REAL NOT NULL
+        )""",
+        # DELETE /v1/regions/{name} drains the region's nodes first.
+        "ALTER TABLE regions ADD COLUMN is_deleting INTEGER NOT NULL DEFAULT 0",
+    ),
 )
 
 

@@ -4,7 +4,9 @@ Summaries are recomputed from the in-memory fleet right after every routing-rele
 region edited, a node registered, drained or back to health) and on every sweep tick (default
 0.25 s), which also judges node health by time. The index moves only when the document actually
 differs, so a waiting gateway wakes at most once per tick and hears of any change within about
-`sweep_interval_s`.
+`sweep_interval_s`. A change to one node (registered, back to health) recomputes only its region
+(`refresh_region`), so that a thousand nodes registering in a second do not cost a thousand
+recomputations of the whole fleet.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def expected_queue_delay_s(num_waiting_prefill_tokens: int, decode_tokens_per_s:
 
 
 def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
-    routable = [node for node in nodes if node.is_routable]
+    routable = [node for node in nodes if node.is_in_summaries]
     # Nodes known only from Consul count as healthy but report no capacity.
     beats = [node.last_beat for node in routable if node.last_beat is not None]
     num_waiting_prefill_tokens = sum(beat.num_waiting_prefill_tokens for beat in beats)
@@ -112,6 +114,26 @@ class SummaryPublisher:
             return False
         self._current = RegionSummaryIndex(
             index=self.feed.advance(), regions=regions, routing=routing
+        )
+        self._body = self._current.model_dump_json().encode()
+        return True
+
+    def refresh_region(self, name: str) -> bool:
+        """Recompute one region's summary now (the others cannot have changed); returns True
+        (and moves the index) if it changed. Live capacity elsewhere waits for the next tick."""
+        region = self._fleet.regions.get(name)
+        if region is None:
+            return False  # unregistered regions are not in the document
+        summary = summarize_region(region, self._fleet.nodes_in(name))
+        regions = self._current.regions
+        position = next((i for i, r in enumerate(regions) if r.name == name), None)
+        if position is None:
+            return self.refresh()  # a region the document does not have yet
+        if regions[position] == summary:
+            return False
+        regions = [*regions[:position], summary, *regions[position + 1 :]]
+        self._current = RegionSummaryIndex(
+            index=self.feed.advance(), regions=regions, routing=self._current.routing
         )
         self._body = self._current.model_dump_json().encode()
         return True

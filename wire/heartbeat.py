@@ -32,6 +32,8 @@ HttpUrlStr = Annotated[
     ),
 ]
 Count = Annotated[int, Field(ge=0, le=2**40)]
+# A drain phase's name; a pattern rather than a fixed list, so new phases do not break old agents.
+DrainPhaseName = Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
 
 
 class Heartbeat(BaseModel):
@@ -53,6 +55,9 @@ class Heartbeat(BaseModel):
     num_waiting_prefill_tokens: Count = 0
     decode_tokens_per_s: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)] = 0.0
     draining: bool = False
+    # Requests admitted and not yet answered in full (streams included), as the node's HTTP layer
+    # counts them. Optional: without it the control plane uses num_running + num_waiting.
+    num_in_flight: Count | None = None
     # Unix seconds at the node when the report was made (informational: health is judged by the
     # control plane's own clock when the beat arrives, so node clock skew cannot keep a node alive).
     timestamp: Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False)]
@@ -76,3 +81,13 @@ class HeartbeatReply(BaseModel):
     heartbeat_interval_s: float
     # False when the node's region is not registered: the node is known but receives no traffic.
     region_registered: bool
+    # The drain sequence (docs/control_plane.md, control_plane/drain.py). Optional fields, so a node
+    # agent that does not know them keeps working. `drain_phase` is the step under way
+    # (admissions, envoy, summaries, dns, consul, in_flight, exit, done), for logs.
+    drain_phase: DrainPhaseName | None = None
+    # From the consul step on: deregister this node's Consul service now and do not register it
+    # again while draining (the control plane waits to see it gone from Consul).
+    consul_deregister: bool = False
+    # The node is out of every route and nothing it reported is in flight: exit (status 0) once
+    # the requests it still holds are finished.
+    may_exit: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
+from fastapi.responses import JSONResponse
 
 from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json
 from control_plane.auth import AdminAuth, GatewayAuth
@@ -26,6 +27,7 @@ def view_of(region: Region) -> RegionView:
         state=region.state,
         created_at=region.created_at,
         updated_at=region.updated_at,
+        is_deleting=region.is_deleting,
     )
 
 
@@ -68,6 +70,18 @@ async def update_region(
     return view_of(await services.registry.update_region(actor, name, patch))
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete_region(actor: AdminAuth, services: ServicesDep, name: str) -> None:
-    await services.registry.delete_region(actor, name)
+@router.delete(
+    "/{name}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses={
+        202: {"model": RegionView, "description": "Its nodes drain first; then it is deleted"}
+    },
+)
+async def delete_region(actor: AdminAuth, services: ServicesDep, name: str) -> Response:
+    """Deregister a region (`terraform destroy`). With no nodes known in it: deleted now (204).
+    Otherwise 202: it is set draining, each node runs the drain sequence, and once all have been
+    told to exit the region and its nodes are forgotten (then GET answers 404). Idempotent."""
+    region = await services.registry.delete_region(actor, name)
+    if region is None:
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return JSONResponse(view_of(region).model_dump(), status_code=status.HTTP_202_ACCEPTED)

@@ -9,12 +9,13 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
 from control_plane import audit
-from control_plane.api.nodes import view_of as node_view
+from control_plane.api.nodes import drain_view, node_view
 from control_plane.audit import AuditEntry
 from control_plane.auth import AdminAuth
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.schemas import StatusView
 from control_plane.services import ServicesDep
+from control_plane.xds.status import status_of
 
 router = APIRouter(prefix="/v1", tags=["status"], responses=ERROR_RESPONSES)
 
@@ -25,6 +26,7 @@ class AuditPage(BaseModel):
 
 @router.get("/status")
 async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
+    """The whole fleet: region summaries, nodes, every drain sequence, and xDS."""
     fleet = services.registry.fleet
     summaries = services.summaries.current
     nodes = sorted(fleet.nodes.values(), key=lambda n: n.node_id)
@@ -39,8 +41,13 @@ async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
         num_draining_nodes=sum(node.is_draining for node in nodes),
         regions=summaries.regions,
         unregistered_regions=sorted(known - set(fleet.regions)),
-        nodes=[node_view(node) for node in nodes],
+        nodes=[node_view(services, node) for node in nodes],
         routing=summaries.routing,
+        drains=[
+            drain_view(sequence)
+            for sequence in sorted(services.drains.sequences.values(), key=lambda s: s.started_at)
+        ],
+        xds=status_of(services.xds) if services.xds is not None else None,
     )
 
 

@@ -3,9 +3,12 @@
 Pure functions. The choices that matter for LLM traffic:
 - Streams: no request timeout and no route timeout (a completion may stream for minutes); a long
   stream idle timeout, so a request that waits in a node's queue before its first token survives.
-- Retries only before the response starts: a connection that failed or was refused, or a stream
-  reset before the request went out, on another host. Nothing that could have reached the engine
-  is retried, and Envoy never retries once response bytes have gone downstream.
+- Retries only before the response starts: a connection that failed or was refused, a stream
+  reset before the request went out, or a 503 (a node agent that is loading, draining or has lost
+  its engine answers 503 without running the request), on another host. Nothing that could have
+  run on the engine is retried, and Envoy never retries once response bytes have gone downstream.
+  The 503 retry is what keeps a drain free of failures: in step 1 the node stops admitting while
+  Envoy may still send it requests, until step 2 takes it out of EDS.
 - Circuit breakers far above Envoy's defaults of 1,024 (long streams would hit them), outlier
   detection on consecutive 5xx, HTTP/1.1 to the node agents, and no update merge window, so a
   weight change applies as soon as it is accepted.
@@ -45,7 +48,8 @@ SHORT_NAMES: Final = {
     ROUTE_TYPE: "routes",
 }
 
-RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request"
+RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request,retriable-status-codes"
+RETRIABLE_STATUS_CODES: Final = (503,)
 NUM_RETRIES: Final = 2
 STREAM_IDLE_TIMEOUT_S: Final = 600
 REQUEST_HEADERS_TIMEOUT_S: Final = 10
@@ -126,6 +130,7 @@ def listener(plan: EnvoyPlan) -> listener_pb2.Listener:
 def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
     retry = route_components_pb2.RetryPolicy(
         retry_on=RETRY_ON,
+        retriable_status_codes=RETRIABLE_STATUS_CODES,
         num_retries=_u32(NUM_RETRIES),
         retry_host_predicate=[
             route_components_pb2.RetryPolicy.RetryHostPredicate(

@@ -41,6 +41,9 @@ from control_plane.xds.stream import RequestKind, StreamState
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 0.2
+# At most one rebuild per this many seconds, however fast the summaries move (a thousand nodes
+# registering within a second move them a thousand times): bounds the cost, adds at most this.
+MIN_REFRESH_GAP_S = 0.05
 SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a port already taken must fail loudly, not be shared
     ("grpc.keepalive_time_ms", 30_000),  # find Envoys that vanished without closing
@@ -190,7 +193,12 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     async def _refresh_forever(self) -> None:
         index = self._feed.index
         while True:
+            started = time.monotonic()
             index = await self._feed.wait_past(index, self._refresh_interval_s)
+            gap_s = MIN_REFRESH_GAP_S - (time.monotonic() - started)
+            if gap_s > 0:
+                await asyncio.sleep(gap_s)  # changes coming in a burst share one rebuild
+                index = self._feed.index
             try:
                 self.refresh()
             except Exception:
@@ -297,6 +305,10 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             return state.acked.version == condition
         return condition(state.acked)
 
+    def num_envoys_for(self, region: str) -> int:
+        """Connected Envoys that route to `region`: its ingress Envoys and every edge Envoy."""
+        return sum(1 for c in self.connections if c.group is not None and c.group.covers(region))
+
     def lagging(
         self, region: str, condition: AckCondition, type_url: str = ENDPOINT_TYPE
     ) -> list[str]:
@@ -328,7 +340,7 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         while True:
             index = self._verdicts.index
             lagging = self.lagging(region, condition, type_url)
-            num_envoys = sum(1 for c in self.connections if c.group and c.group.covers(region))
+            num_envoys = self.num_envoys_for(region)
             if not lagging:
                 return AckWait(is_complete=True, num_envoys=num_envoys)
             remaining_s = deadline - time.monotonic()

@@ -11,6 +11,7 @@ checked first, in two passes:
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -36,6 +37,7 @@ from control_plane.xds.resources import (
 MAX_WEIGHT_SUM = 2**32 - 1
 
 
+@functools.lru_cache(maxsize=65536)  # the same endpoint addresses come back in every rebuild
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)

@@ -51,6 +51,7 @@ def settings(
         tmp_path / "cp.db",
         tokens,
         heartbeat_interval_s=5.0,
+        dns={"ttl_s": 1},  # the drain sequence waits one TTL
         consul_addr=consul_target.addr,
         consul_service_name=service_name,
     )
@@ -227,6 +228,75 @@ async def test_consul_only_node_that_starts_beating_becomes_a_heartbeat_node(
     assert view["url"] == heartbeat("n2")["url"] != "http://127.0.0.1:9101"  # its own URL wins
     # It is now in the store: an operator may drain it.
     assert (await cp.http.post("/v1/nodes/n2/drain", headers=cp.admin)).status_code == 200
+
+
+async def drain_of(cp: ControlPlaneClient, node_id: str) -> dict[str, Any] | None:
+    view = await node_view(cp, node_id)
+    return view["drain"] if view is not None else None
+
+
+@pytest.mark.asyncio
+async def test_drain_waits_for_the_node_to_leave_consul(
+    cp: ControlPlaneClient, agents: NodeAgents
+) -> None:
+    await cp.add_region("us-east")
+    await cp.beat("n4")
+    await agents.register("n4")
+
+    async def is_in_consul() -> bool:
+        return ((await node_view(cp, "n4")) or {}).get("sources") == ["heartbeat", "consul"]
+
+    await eventually(is_in_consul)
+    assert (await cp.http.post("/v1/nodes/n4/drain", headers=cp.admin)).status_code == 200
+    await cp.beat("n4", draining=True, num_running=0, num_waiting=0)
+
+    async def is_at_consul() -> bool:
+        return ((await drain_of(cp, "n4")) or {}).get("phase") == "consul"
+
+    await eventually(is_at_consul)
+    # The node agent's part: told to leave Consul, it deregisters itself (and is not told to exit).
+    reply = await cp.beat("n4", draining=True, num_running=0, num_waiting=0)
+    assert (reply["consul_deregister"], reply["may_exit"]) == (True, False)
+    await agents.deregister("n4")
+
+    async def may_exit() -> bool:
+        return ((await drain_of(cp, "n4")) or {}).get("phase") == "exit"
+
+    await eventually(may_exit)
+    drain = await drain_of(cp, "n4")
+    assert drain is not None and drain["steps"][4]["note"] == "out of Consul"
+    assert (await cp.beat("n4", draining=True, num_running=0, num_waiting=0))["may_exit"] is True
+
+
+@pytest.mark.asyncio
+async def test_region_drain_deregisters_consul_only_nodes_itself(
+    cp: ControlPlaneClient, agents: NodeAgents
+) -> None:
+    await cp.add_region("us-east")
+    await agents.register("c5")
+
+    async def is_listed() -> bool:
+        return await node_view(cp, "c5") is not None
+
+    await eventually(is_listed)
+    patched = await cp.http.patch(
+        "/v1/regions/us-east", json={"state": "draining"}, headers=cp.admin
+    )
+    assert patched.status_code == 200
+    # Nothing to tell a node known only from Consul: the control plane deregisters it there.
+
+    async def is_gone() -> bool:
+        return await node_view(cp, "c5") is None
+
+    await eventually(is_gone)
+    agents.registered.discard("c5")
+    _, items = await agents.client.health.service(agents.service_name)
+    assert items == []
+    await cp.services.drains.step()  # the sequence of a node that is gone is forgotten
+    entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
+    steps = [e["detail"].get("step") for e in entries if e["target"] == "c5"]
+    assert steps[:5] == [None, "admissions", "envoy", "summaries", "dns"]  # start, then steps
+    assert entries[-1]["action"] == "drain.forget" and entries[-1]["detail"] == {"phase": "consul"}
 
 
 @pytest.mark.asyncio

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 import pytest
 from conftest import ControlPlaneClient, heartbeat
 
+from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from wire.heartbeat import Heartbeat, HeartbeatReply
 from wire.region_summary import RegionSummaryIndex
 
@@ -93,18 +95,31 @@ async def test_drain_is_told_to_the_node_and_takes_it_out(cp: ControlPlaneClient
     await cp.beat("n2")
     drained = await cp.http.post("/v1/nodes/n1/drain", headers=cp.admin)
     assert drained.status_code == 200 and drained.json()["drain_requested"] is True
-    assert (await summary(cp)).regions[0].healthy_nodes == 1
-    assert (await cp.beat("n1"))["drain"] is True
+    assert drained.json()["drain"]["phase"] == "admissions"
+    # Step 1: the node is told, and stays in routing until it says it stopped admitting.
+    reply = await cp.beat("n1")
+    assert (reply["drain"], reply["drain_phase"], reply["may_exit"]) == (True, "admissions", False)
     assert (await cp.beat("n2"))["drain"] is False
+    assert (await summary(cp)).regions[0].healthy_nodes == 2
+    await cp.beat("n1", draining=True)
+    await cp.services.drains.step()  # no Envoy connected: EDS at once, then the summaries
+    assert (await summary(cp)).regions[0].healthy_nodes == 1
 
     undrained = await cp.http.post("/v1/nodes/n1/undrain", headers=cp.admin)
-    assert undrained.json()["is_draining"] is False
-    assert (await cp.beat("n1"))["drain"] is False
+    assert undrained.json()["drain_requested"] is False and undrained.json()["drain"] is None
+    assert (await cp.beat("n1", draining=True))["drain"] is False  # made before it heard
     assert (await summary(cp)).regions[0].healthy_nodes == 2
+    await cp.services.drains.step()
+    assert cp.services.drains.sequences == {}  # that `draining` echoed ours: not a new drain
+    await cp.beat("n1", draining=False)
+    node = (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()
+    assert node["is_draining"] is False
 
     # A node draining on its own (SIGTERM at the agent) leaves routing too.
     await cp.beat("n2", draining=True)
+    await cp.services.drains.step()
     assert (await summary(cp)).regions[0].healthy_nodes == 1
+    assert cp.services.drains.sequences["n2"].reason == "node"
     for path in ("/v1/nodes/zz/drain", "/v1/nodes/zz/undrain"):
         assert (await cp.http.post(path, headers=cp.admin)).status_code == 404
 
@@ -159,3 +174,65 @@ async def test_delete_node_and_moving_region_are_audited(cp: ControlPlaneClient)
         ("node.delete", "admin"),
     ]
     assert entries[1]["detail"]["region"] == "eu-west"
+
+
+@pytest.mark.asyncio
+async def test_known_nodes_take_the_fast_path_with_the_same_answers(
+    cp: ControlPlaneClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answered: list[bool] = []
+    original = HeartbeatFastPath._answer
+
+    async def spy(self: HeartbeatFastPath, scope: Any, body: bytes, send: Any) -> bool:
+        answered.append(await original(self, scope, body, send))
+        return answered[-1]
+
+    monkeypatch.setattr(HeartbeatFastPath, "_answer", spy)
+    await cp.add_region("us-east")
+    first = await cp.beat("n1")  # registers: the FastAPI route
+    again = await cp.beat("n1", kv_blocks_free=10, future_field=[1])
+    assert answered == [False, True] and again == first
+    assert cp.services.registry.fleet.nodes["n1"].last_beat.kv_blocks_free == 10  # type: ignore[union-attr]
+
+    # Anything unusual goes on to the route, body and all: the same errors as ever.
+    body = heartbeat("n1")
+    for headers, status in (
+        ({}, 401),
+        (cp.gateway, 403),
+        (cp.node | {"Content-Type": "text/plain"}, 422),  # as FastAPI answers it
+    ):
+        response = await cp.http.post(
+            "/v1/nodes/heartbeat", content=json.dumps(body), headers=headers
+        )
+        assert response.status_code == status, response.text
+    response = await cp.http.post(
+        "/v1/nodes/heartbeat", json=body | {"kv_blocks_free": -1}, headers=cp.node
+    )
+    assert response.status_code == 422 and "kv_blocks_free" in response.text
+    moved = await cp.beat("n1", url="http://127.0.0.1:9999")  # a new identity is a registration
+    assert moved["drain"] is False and answered[-1] is False
+    assert cp.services.registry.fleet.nodes["n1"].identity.url == "http://127.0.0.1:9999"
+
+
+@pytest.mark.asyncio
+async def test_nodes_starting_together_register_in_a_few_writes(
+    cp: ControlPlaneClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = cp.services.store
+    original = store.write
+    num_writes = 0
+
+    async def counting(change: Any) -> Any:
+        nonlocal num_writes
+        num_writes += 1
+        return await original(change)
+
+    monkeypatch.setattr(store, "write", counting)
+    await cp.add_region("us-east")
+    await asyncio.gather(*(cp.beat(f"n{i}") for i in range(40)))
+    assert len(cp.services.registry.fleet.nodes) == 40
+    assert num_writes <= 1 + 5  # the region, then a few group commits for 40 nodes
+    entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
+    assert sorted(e["target"] for e in entries if e["action"] == "node.register") == sorted(
+        f"n{i}" for i in range(40)
+    )

@@ -131,3 +131,21 @@ async def test_unknown_route_and_method_are_json_errors(cp: ControlPlaneClient) 
     wrong = await cp.http.put("/v1/regions", headers=cp.admin)
     assert wrong.status_code == 405
     assert wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.asyncio
+async def test_deleting_a_region_with_nodes_drains_them_first(cp: ControlPlaneClient) -> None:
+    await cp.add_region("eu-west", lat=53.3, lon=-6.3)
+    await cp.beat("n1", region="eu-west")
+    deleted = await cp.http.delete("/v1/regions/eu-west", headers=cp.admin)
+    assert deleted.status_code == 202, deleted.text
+    body = deleted.json()
+    assert (body["state"], body["is_deleting"]) == ("draining", True)
+    assert (await cp.http.delete("/v1/regions/eu-west", headers=cp.admin)).status_code == 202
+    node = (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()
+    assert node["drain"]["reason"] == "region"
+    assert (await cp.beat("n1", region="eu-west"))["drain"] is True
+    # Setting it active again cancels the delete and the drain.
+    patched = await cp.http.patch("/v1/regions/eu-west", json={"state": "active"}, headers=cp.admin)
+    assert patched.json()["is_deleting"] is False
+    assert (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()["drain"] is None

@@ -54,7 +54,18 @@ async def test_status_shows_the_whole_fleet(cp: ControlPlaneClient) -> None:
     await cp.beat("n1")
     await cp.beat("n2", region="eu-west")
     await cp.http.post("/v1/nodes/n2/drain", headers=cp.admin)
+    await cp.beat("n2", region="eu-west", draining=True)
+    await cp.services.drains.step()
     status = (await cp.http.get("/v1/status", headers=cp.admin)).json()
+    (drain,) = status["drains"]
+    assert (drain["node_id"], drain["reason"], drain["phase"]) == ("n2", "operator", "dns")
+    assert [step["name"] for step in drain["steps"] if step["completed_at"]] == [
+        "admissions",
+        "envoy",
+        "summaries",
+    ]
+    assert status["nodes"][1]["drain"] == drain
+    assert status["xds"]["num_envoys"] == 0
     assert (status["num_nodes"], status["num_healthy_nodes"], status["num_draining_nodes"]) == (
         2,
         2,

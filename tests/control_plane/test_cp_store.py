@@ -41,7 +41,8 @@ def test_failed_change_writes_nothing(tmp_path: Path) -> None:
 
     def change(conn: sqlite3.Connection) -> None:
         conn.execute(
-            "INSERT INTO regions VALUES ('r1', 0, 0, NULL, 1, 'active', 0, 0)",
+            "INSERT INTO regions (name, lat, lon, ingress_url, weight, state, created_at, "
+            "updated_at) VALUES ('r1', 0, 0, NULL, 1, 'active', 0, 0)",
         )
         audit.record(conn, ACTOR, "region.create", "r1", {})
         raise RuntimeError("crash after the audit row")

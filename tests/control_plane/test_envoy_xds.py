@@ -345,9 +345,10 @@ async def test_drained_stopped_and_removed_nodes_leave_traffic(
     envoy = await start_envoy(cp.xds_address, "--region", "us-east")
     assert set(await send(envoy.url, 60)) == {"a", "b", "c"}
 
-    # An operator drains b: out of EDS, ACKed by the region's Envoy within a second.
+    # An operator drains b, b says it stops admitting: out of EDS, ACKed within a second.
     started = time.monotonic()
     await cp.admin("POST", "/v1/nodes/b/drain")
+    await cp.beat("b", draining=True)
     waited = await cp.xds.wait_for_ack("us-east", lacks_endpoint(b.url), PUSH_BUDGET_S)
     assert waited.is_complete, waited
     assert time.monotonic() - started < PUSH_BUDGET_S
@@ -362,6 +363,7 @@ async def test_drained_stopped_and_removed_nodes_leave_traffic(
     await cp.admin("DELETE", "/v1/nodes/c")
 
     await cp.admin("POST", "/v1/nodes/b/undrain")
+    await cp.beat("b", draining=False)
     await cp.xds.wait_for_ack("us-east", weights_are({"a": 50, "b": 50}), PUSH_BUDGET_S)
     assert set(await send(envoy.url, 60)) == {"a", "b"}
 

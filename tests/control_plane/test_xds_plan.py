@@ -196,7 +196,9 @@ def test_resources_are_fit_for_streams_and_retry_only_before_the_response() -> N
         "connect-failure",
         "refused-stream",
         "reset-before-request",
+        "retriable-status-codes",
     }
+    assert list(action.retry_policy.retriable_status_codes) == [503]  # refused by a node agent
 
     (cluster,) = resources[CLUSTER_TYPE]
     assert isinstance(cluster, cluster_pb2.Cluster)
