@@ -53,7 +53,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-num-batched-tokens", type=int, help="most tokens in one step (512)")
     add("--dtype", help="auto, float32, bfloat16 or float16")
     add("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds to finish in flight")
-    add("--exit-on-control-plane-drain", action="store_true", default=argparse.SUPPRESS)
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
 

@@ -55,6 +55,7 @@ def create_app(settings: NodeAgentSettings, llm: AsyncLLM | None = None) -> Fast
                 yield
             finally:
                 await _stop(beats, loader)
+                await runtime.drain.close()
                 if runtime.drain.is_draining:
                     await heartbeat.beat()  # tell the control plane at once that we are going
                 if consul is not None:

@@ -3,7 +3,8 @@
 The service carries the region and model in its meta. The heartbeat loop reports on every
 tick: passing while the node is ready, critical (with the reason as the note) while it loads or
 drains. If the agent forgets us (it restarted) or is away, we register again on a later tick.
-The service is deregistered on shutdown.
+When the control plane's drain sequence says `consul_deregister`, the service is withdrawn (and
+not registered again until the drain is cancelled). It is deregistered on shutdown.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ConsulRegistration:
         self._model_name = model_name
         self._client: consul.aio.Consul | None = None
         self.is_registered = False
+        self.is_withdrawn = False
         self._num_failures = 0
 
     def _consul(self) -> consul.aio.Consul:
@@ -89,6 +91,7 @@ class ConsulRegistration:
             check=check,
         )
         self.is_registered = True
+        self.is_withdrawn = False
         logger.info("registered %s with Consul at %s:%d", self.service_id, self.host, self.port)
 
     async def report(self, is_ready: bool, note: str) -> None:
@@ -117,6 +120,21 @@ class ConsulRegistration:
         if is_ready:
             return bool(await checks.ttl_pass(self.check_id, notes=note))
         return bool(await checks.ttl_fail(self.check_id, notes=note))
+
+    async def withdraw(self) -> None:
+        """Deregister the service for a drain (once; retried on a later tick if Consul is away)."""
+        if self.is_withdrawn:
+            return
+        try:
+            await self._consul().agent.service.deregister(self.service_id)
+        except consul.NotFound:
+            pass  # already gone (never registered, or the agent forgot it)
+        except _FAILURES as exc:
+            logger.warning("could not deregister from Consul, will retry: %s", exc)
+            return
+        self.is_withdrawn = True
+        self.is_registered = False
+        logger.info("deregistered %s from Consul for the drain", self.service_id)
 
     async def deregister(self) -> None:
         try:

@@ -3,8 +3,10 @@
 The loop ticks every heartbeat interval. Each tick keeps the Consul TTL check current (if Consul
 is configured) and sends a beat unless it is backing off. While the control plane is away the
 node keeps serving; beats back off exponentially with jitter (capped), and the first beat that
-gets through registers the node again (a beat is the registration). The reply can start or end
-a drain, and a control plane that judges health by a shorter interval shortens ours.
+gets through registers the node again (a beat is the registration). The reply steers the drain
+sequence (`drain`, `consul_deregister`, `may_exit`; see node_agent/drain.py): once told to leave
+Consul, the tick deregisters the service instead of reporting it, until the drain is cancelled.
+A control plane that judges health by a shorter interval shortens ours.
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ class HeartbeatLoop:
 
     async def tick(self) -> None:
         if self._consul is not None:
-            reason = self._runtime.not_ready_reason()
-            await self._consul.report(reason is None, reason or "ready")
+            if self._runtime.consul_withdrawn:
+                await self._consul.withdraw()
+            else:
+                reason = self._runtime.not_ready_reason()
+                await self._consul.report(reason is None, reason or "ready")
         if self._url is not None and time.monotonic() >= self._next_beat_at:
             await self.beat()
 
@@ -90,6 +95,8 @@ class HeartbeatLoop:
             self._on_failure(exc)
             return False
         self._on_success(reply)
+        if self._consul is not None and self._runtime.consul_withdrawn:
+            await self._consul.withdraw()  # at once: the control plane waits to see it gone
         return True
 
     def _on_success(self, reply: HeartbeatReply) -> None:
@@ -99,6 +106,7 @@ class HeartbeatLoop:
             )
         self.num_sent += 1
         self.num_failures = 0
+        self._runtime.control_plane_reachable = True
         self._next_beat_at = 0.0
         self.last_reply = reply
         if not reply.region_registered and self.num_sent == 1:
@@ -113,6 +121,7 @@ class HeartbeatLoop:
 
     def _on_failure(self, exc: Exception) -> None:
         self.num_failures += 1
+        self._runtime.control_plane_reachable = False
         ceiling_s = min(self._max_backoff_s, self.interval_s * 2**self.num_failures)
         delay_s = ceiling_s * self._rng.uniform(0.5, 1.0)
         self._next_beat_at = time.monotonic() + delay_s

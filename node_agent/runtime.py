@@ -41,6 +41,11 @@ class NodeRuntime:
         # Set by whoever runs the server: ends the process (after a drain, or a failed load).
         self.stop_server: Callable[[], None] | None = None
         self.drain.on_drained = self._request_stop
+        # Whether the last heartbeat reached the control plane (the heartbeat loop keeps it).
+        self.control_plane_reachable = False
+        self.drain.control_plane_reachable = lambda: self.control_plane_reachable
+        # The control plane said `consul_deregister` during this drain: stay out of Consul.
+        self.consul_withdrawn = False
 
     # --- engine ---
 
@@ -136,14 +141,25 @@ class NodeRuntime:
             num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
             decode_tokens_per_s=max(stats.decode_tokens_per_s, 0.0),
             draining=self.drain.is_draining or self.is_engine_dead,
+            num_in_flight=self.admission.num_in_flight,
             timestamp=time.time(),
         )
 
     def on_heartbeat_reply(self, reply: HeartbeatReply) -> None:
-        if reply.drain and not self.drain.is_draining:
-            self.drain.begin(CONTROL_PLANE_DRAIN, self.settings.exit_on_control_plane_drain)
-        elif not reply.drain and self.drain.reason == CONTROL_PLANE_DRAIN:
+        """Follow the control plane's drain sequence: drain, consul_deregister, may_exit."""
+        wants_drain = reply.drain or reply.consul_deregister or reply.may_exit
+        if wants_drain and not self.drain.is_draining:
+            self.drain.begin(CONTROL_PLANE_DRAIN, exit_when_drained=False)
+        elif not wants_drain and self.drain.reason == CONTROL_PLANE_DRAIN:
             self.drain.cancel()
+        if reply.consul_deregister and self.drain.is_draining:
+            if not self.consul_withdrawn:
+                logger.info("the control plane asked to leave Consul")
+            self.consul_withdrawn = True
+        elif not self.drain.is_draining:
+            self.consul_withdrawn = False
+        if reply.may_exit:
+            self.drain.allow_exit()
 
     def _request_stop(self) -> None:
         if self.stop_server is not None:

@@ -3,7 +3,9 @@
 uvicorn's own SIGTERM handling closes the listening socket at once and re-raises the signal when
 it is done (so the process dies of it). Here the first SIGTERM starts a drain instead: the node
 keeps answering (503 for new requests, `/ready` 503, heartbeats say draining) until in-flight
-requests finish, then the server stops and the process exits 0. A second SIGTERM, or SIGINT,
+requests finish and, while a control plane is reachable, it has said `may_exit` (at most the
+drain timeout; see node_agent/drain.py), then the server stops and the process exits 0. The
+control plane's `may_exit` ends the server the same way. A second SIGTERM, or SIGINT,
 stops at once, as uvicorn would.
 """
 

@@ -65,11 +65,9 @@ class NodeAgentSettings(BaseSettings):
     # Admission control: requests queued or in prefill before new ones get 429.
     max_num_waiting_requests: int = Field(default=256, ge=0)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
-    # How long a drain waits for in-flight requests before giving up on them.
+    # How long a drain waits for in-flight requests before giving up on them, and how long an
+    # exit (SIGTERM) waits for the control plane's `may_exit`.
     drain_timeout_s: float = Field(default=600.0, gt=0.0)
-    # Exit once drained when the control plane (not SIGTERM) asked for the drain. Off by
-    # default: the node stays up, reports itself draining, and resumes if it is undrained.
-    exit_on_control_plane_drain: bool = False
 
     # Control plane.
     control_plane: str | None = None

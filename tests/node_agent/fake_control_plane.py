@@ -1,5 +1,6 @@
 """A fake control plane for heartbeat tests: a real aiohttp server on loopback that records every
-heartbeat it is sent and answers as the test tells it (status, drain, interval)."""
+heartbeat it is sent and answers as the test tells it (status, drain,
+consul_deregister, may_exit, interval)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ class FakeControlPlane:
     port: int
     status: int = 200
     drain: bool = False
+    consul_deregister: bool = False
+    may_exit: bool = False
     interval_s: float = 0.1
     beats: list[dict[str, Any]] = field(default_factory=list)
     attempts: list[float] = field(default_factory=list)  # monotonic times of every request
@@ -55,6 +58,8 @@ class FakeControlPlane:
                 "drain": self.drain,
                 "heartbeat_interval_s": self.interval_s,
                 "region_registered": True,
+                "consul_deregister": self.consul_deregister,
+                "may_exit": self.may_exit,
                 "a_field_from_the_future": 1,
             }
         )

@@ -1,15 +1,17 @@
 """Heartbeats to a fake control plane: schema, backoff while it is away, resumption when it is
-back; draining on the control plane's word."""
+back; the control plane's drain sequence (drain, consul_deregister, may_exit) and SIGTERM."""
 
 from __future__ import annotations
 
 import itertools
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from consul_standin import ConsulStandIn
 from fake_control_plane import TOKEN, FakeControlPlane
 from node_helpers import MODEL_NAME, BackgroundLoop, NodeHandle, free_port, start_node, wait_until
 
@@ -63,6 +65,7 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
             assert beat.model == MODEL_NAME and beat.tp_size == 1
             assert beat.kv_blocks_total == node.stats().kv_blocks_total
             assert beat.block_size == 16 and not beat.draining
+            assert beat.num_in_flight == 0
         assert control_plane.bad_auth == 0
         assert max(_gaps(control_plane.attempts)) < 5 * INTERVAL_S  # slack for a busy machine
 
@@ -116,6 +119,8 @@ def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "draining"
             assert wait_until(lambda: control_plane.beats[-1]["draining"] is True)
+            # The stream admitted before the drain is reported in flight.
+            assert wait_until(lambda: control_plane.beats[-1]["num_in_flight"] == 1)
             rest = list(lines)  # the request admitted before the drain runs to its end
         assert rest[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in rest[-2]
@@ -129,19 +134,116 @@ def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
         node.stop()
 
 
-def test_control_plane_drain_can_end_the_node_once_idle(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+@pytest.fixture
+def consul_standin(server_loop: BackgroundLoop) -> Iterator[ConsulStandIn]:
+    standin = ConsulStandIn(free_port())
+    server_loop.run(standin.start())
+    yield standin
+    server_loop.run(standin.stop())
+
+
+def _consul_services(standin: ConsulStandIn) -> dict[str, Any]:
+    services: dict[str, Any] = httpx.get(
+        f"http://{standin.addr}/v1/agent/services", timeout=5
+    ).json()
+    return services
+
+
+def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
+    server_loop: BackgroundLoop,
+    shared_llm: AsyncLLM,
+    control_plane: FakeControlPlane,
+    consul_standin: ConsulStandIn,
 ) -> None:
-    node = start_reporting_node(
-        server_loop, shared_llm, control_plane, exit_on_control_plane_drain=True
-    )
-    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 20,
+    node = start_reporting_node(server_loop, shared_llm, control_plane, consul=consul_standin.addr)
+    service_id = node.settings.node_id
+    assert wait_until(lambda: service_id in _consul_services(consul_standin))
+
+    # drain → consul_deregister → drain: false: out of Consul while drained, back after.
+    control_plane.drain = True
+    assert wait_until(lambda: node.runtime.drain.is_draining, timeout_s=2.0)
+    control_plane.consul_deregister = True
+    assert wait_until(lambda: service_id not in _consul_services(consul_standin))
+    time.sleep(5 * INTERVAL_S)  # several ticks: it is not registered again while draining
+    assert service_id not in _consul_services(consul_standin)
+    control_plane.drain = control_plane.consul_deregister = False
+    assert wait_until(lambda: service_id in _consul_services(consul_standin))
+    with node.client() as http:
+        assert wait_until(lambda: http.get("/ready").status_code == 200)
+
+    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 40,
             "ignore_eos": True, "stream": True}
     with node.client() as http, http.stream("POST", "/v1/completions", json=body) as stream:
         lines = _stream_lines(stream)
         assert next(lines).startswith("data: {")
         control_plane.drain = True
+        assert wait_until(lambda: node.runtime.drain.is_draining, timeout_s=2.0)
+        with node.client() as other:
+            refused = other.post("/v1/completions",
+                                 json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1})
+            assert refused.status_code == 503
+        control_plane.consul_deregister = True
+        assert wait_until(lambda: service_id not in _consul_services(consul_standin))
+        control_plane.may_exit = True
+        assert wait_until(lambda: node.runtime.drain.may_exit, timeout_s=2.0)
+        # Allowed to exit, but not before the stream it holds is done.
+        num_in_flight = node.runtime.admission.num_in_flight
+        assert num_in_flight == 0 or not node.done.done()
         rest = list(lines)
     assert rest[-1] == "data: [DONE]"
-    node.done.result(timeout=10)  # the server stopped by itself
+    assert '"finish_reason":"length"' in rest[-2]
+    node.done.result(timeout=10)  # the server stopped by itself (exit 0 under __main__)
     assert control_plane.beats[-1]["draining"] is True
+    assert control_plane.beats[-1]["num_in_flight"] == 0
+    assert service_id not in _consul_services(consul_standin)
+
+
+def _sigterm(loop: BackgroundLoop, node: NodeHandle) -> None:
+    loop.call(lambda: node.server.handle_exit(signal.SIGTERM, None))
+
+
+def test_sigterm_waits_for_may_exit_while_the_control_plane_is_reachable(
+    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+) -> None:
+    node = start_reporting_node(server_loop, shared_llm, control_plane)
+    try:
+        assert wait_until(lambda: len(control_plane.beats) >= 1)
+        _sigterm(server_loop, node)
+        assert wait_until(lambda: control_plane.beats[-1]["draining"] is True)
+        time.sleep(10 * INTERVAL_S)  # nothing in flight, but no may_exit yet: it stays up
+        assert not node.done.done()
+        control_plane.drain = True
+        control_plane.may_exit = True
+        node.done.result(timeout=5)
+    finally:
+        if not node.done.done():
+            node.stop()
+
+
+def test_sigterm_exits_once_idle_when_the_control_plane_is_away(
+    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+) -> None:
+    node = start_reporting_node(server_loop, shared_llm, control_plane)
+    try:
+        assert wait_until(lambda: len(control_plane.beats) >= 1)
+        server_loop.run(control_plane.stop())
+        assert wait_until(lambda: not node.runtime.control_plane_reachable)
+        _sigterm(server_loop, node)
+        node.done.result(timeout=5)
+    finally:
+        if not node.done.done():
+            node.stop()
+
+
+def test_sigterm_wait_for_may_exit_is_bounded_by_the_drain_timeout(
+    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+) -> None:
+    node = start_reporting_node(server_loop, shared_llm, control_plane, drain_timeout_s=0.5)
+    try:
+        assert wait_until(lambda: len(control_plane.beats) >= 1)
+        _sigterm(server_loop, node)
+        node.done.result(timeout=5)
+        assert control_plane.beats[-1]["draining"] is True
+    finally:
+        if not node.done.done():
+            node.stop()
