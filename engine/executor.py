@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from engine.distributed import valid_tp_sizes
@@ -13,8 +12,6 @@ from engine.sampler import SamplerOutput, SamplingRequest, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.tp_workers import TPSpec, TPWorkers, free_init_method, join_group
-
-logger = logging.getLogger(__name__)
 
 # Loading weights (and building the CPU kernel the first time) on every rank.
 _START_TIMEOUT_S = 600.0

@@ -29,8 +29,6 @@ from engine.errors import EngineDeadError
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner, RunnerShape, StepInputs
 
-logger = logging.getLogger(__name__)
-
 _JOIN_TIMEOUT_S = 10.0
 _READY = "ready"
 
