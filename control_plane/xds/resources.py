@@ -51,6 +51,9 @@ SHORT_NAMES: Final = {
 RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request,retriable-status-codes"
 RETRIABLE_STATUS_CODES: Final = (503,)
 NUM_RETRIES: Final = 2
+# A draining node refuses at once, so it has the fewest requests in flight and least-request
+# picks it for about 3 of 4 retries; each retry re-picks until it lands on another host.
+HOST_SELECTION_ATTEMPTS: Final = 20
 STREAM_IDLE_TIMEOUT_S: Final = 600
 REQUEST_HEADERS_TIMEOUT_S: Final = 10
 CONNECT_TIMEOUT_S: Final = 1
@@ -138,7 +141,7 @@ def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
                 typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
             )
         ],
-        host_selection_retry_max_attempts=5,
+        host_selection_retry_max_attempts=HOST_SELECTION_ATTEMPTS,
     )
     action = route_components_pb2.RouteAction(
         cluster=plan.cluster_name, timeout=_seconds(0), retry_policy=retry
