@@ -33,8 +33,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
-    # Once running, a rank that keeps the others waiting this long in a collective has died or hung.
-    tp_step_timeout_s: float = 10.0
+    pipeline_parallel_size: int = 1
+    # Once running, a rank that keeps the others waiting this long in a collective or a receive
+    # has died or hung.
+    parallel_step_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -45,8 +47,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 "block_size, max_num_seqs and max_num_batched_tokens must be >= 1"
             )
-        if self.tensor_parallel_size < 1:
-            raise InvalidRequestError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise InvalidRequestError(
+                "tensor_parallel_size and pipeline_parallel_size must be >= 1"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be >= 1")
 

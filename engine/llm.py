@@ -39,6 +39,7 @@ class LLM:
         cpu_kv_cache_gib: float = 2.0,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ):
         self.engine = LLMEngine(
             EngineConfig(
@@ -54,12 +55,13 @@ class LLM:
                 cpu_kv_cache_gib=cpu_kv_cache_gib,
                 gpu_memory_utilization=gpu_memory_utilization,
                 tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
             )
         )
         self._request_ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers now rather than at exit."""
+        """Stop the parallel workers now rather than at exit."""
         self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -63,7 +63,11 @@ class LLMEngine:
         started = time.monotonic()
         shape = RunnerShape(device, dtype, config.block_size, context_len)
         self.executor = ModelExecutor(
-            checkpoint, shape, config.tensor_parallel_size, config.tp_step_timeout_s
+            checkpoint,
+            shape,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.parallel_step_timeout_s,
         )
         num_blocks = self._num_kv_blocks(device)
         self.executor.allocate_kv_cache(num_blocks)
@@ -186,7 +190,7 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        """Stop the parallel workers, if any; the engine cannot step afterwards."""
         self.executor.shutdown()
 
     def _count_generated(self, now: float, num_tokens: int) -> None:

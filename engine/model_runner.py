@@ -1,19 +1,19 @@
-"""Turns a scheduled batch into tensors and runs this rank's shard of the model over its
-share of the paged KV cache. The driver prepares the inputs; every rank runs them."""
+"""Turns a scheduled batch into tensors and runs this rank's shard of the model (its TP share
+of its pipeline stage's layers) over its share of the paged KV cache. The driver prepares the
+inputs; every rank runs them."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from engine.distributed import TPGroup
 from engine.kernels import cpu_paged_attention
+from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
-from engine.model_config import ModelConfig
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -39,6 +39,10 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows whose logits are sampled: the last token of finished chunks
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
     def to(self, device: torch.device) -> StepInputs:
         if self.input_ids.device == device:
             return self
@@ -55,21 +59,21 @@ class ModelRunner:
 
     def __init__(
         self,
-        config: ModelConfig,
-        tensors: Iterable[tuple[str, torch.Tensor]],
+        checkpoint: Checkpoint,
         shape: RunnerShape,
         tp: TPGroup | None = None,
+        layers: range | None = None,
     ):
-        self.config = config
+        self.config = config = checkpoint.config
         self.device = device = shape.device
         self.dtype = shape.dtype
         self.block_size = shape.block_size
         self.tp = tp or TPGroup()
         self.num_kv_heads = max(config.num_kv_heads // self.tp.size, 1)
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, self.tp)
+            model = LlamaForCausalLM(config, self.tp, layers)
         self.model = model.to(shape.dtype).to_empty(device=device)
-        self.model.load_weights(tensors)
+        self.model.load_weights(checkpoint.tensors(model.wants))
         self.model.eval()
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, shape.max_model_len, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -77,16 +81,16 @@ class ModelRunner:
         self.use_decode_kernel = device.type == "cpu" and cpu_paged_attention() is not None
 
     @property
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block_per_layer(self) -> int:
         c = self.config
-        per_token = 2 * c.num_layers * self.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
+        return 2 * self.num_kv_heads * c.head_dim * self.dtype.itemsize * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
-        shape = (2, c.num_layers, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
+        num_layers = len(self.model.layers)
+        shape = (2, num_layers, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(c.num_layers)]
+        self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(num_layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,
@@ -95,13 +99,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the step on this rank; fp32 logits (sampled rows, vocab), the same on every rank."""
+    def run(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this rank's layers over the step, from the token ids on the first stage and from
+        the previous stage's `hidden` on the others. The last stage returns fp32 logits (sampled
+        rows, vocab), the same on each of its TP ranks; the others, what the next stage takes."""
         inputs = inputs.to(self.device)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.rope, self.kv_caches, inputs.meta
+        out = self.model(
+            inputs.input_ids, inputs.positions, self.rope, self.kv_caches, inputs.meta, hidden
         )
-        return self.model.compute_logits(hidden[inputs.logits_rows])
+        if not self.model.is_last:
+            return out
+        return self.model.compute_logits(out[inputs.logits_rows])
+
+    def hidden_buffer(self, inputs: StepInputs) -> torch.Tensor:
+        """Where a stage after the first receives the previous stage's output for `inputs`."""
+        shape = (inputs.num_tokens, self.config.hidden_size)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """Flatten the step's tokens (single-token queries first, then multi-token chunks);

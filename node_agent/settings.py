@@ -46,6 +46,7 @@ class NodeAgentSettings(BaseSettings):
     # The name clients put in `model` (default: the model name, or a path's file stem).
     served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=1024)
     dtype: str = "auto"
     block_size: int = Field(default=16, ge=1, le=1024)
     kv_cache_gib: float = Field(default=2.0, gt=0.0)
@@ -155,4 +156,5 @@ class NodeAgentSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )

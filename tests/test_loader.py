@@ -77,6 +77,19 @@ def test_every_tensor_equals_transformers(
     assert round(num_params / 1e6, 1) == 134.5
 
 
+@pytest.mark.parametrize("source", ["gguf", "safetensors"])
+def test_a_pipeline_stage_reads_only_the_tensors_it_wants(
+    smollm2_checkpoint: Checkpoint, tmp_path: Path, source: str
+) -> None:
+    checkpoint = smollm2_checkpoint
+    if source == "safetensors":
+        save_tiny_transformers_model(tmp_path, "llama")
+        checkpoint = load_checkpoint(tmp_path)
+    wanted = {"model.layers.1.mlp.up_proj.weight", "model.norm.weight"}
+    assert [name for name, _ in checkpoint.tensors(wanted.__contains__)] == sorted(
+        wanted, key=list(checkpoint.tensor_shapes).index
+    )
+
 # --- tiny GGUF files written here: quant types, Q/K permutation, errors ---
 
 TINY = ModelConfig(

@@ -24,13 +24,14 @@ class Checkpoint:
     tokenizer: Tokenizer
     # Hugging Face name -> torch shape of every tensor `tensors()` yields, checked at open time.
     tensor_shapes: Mapping[str, tuple[int, ...]]
-    read_tensors: Callable[[], NamedTensors] = field(repr=False)
+    read_tensors: Callable[[Callable[[str], bool]], NamedTensors] = field(repr=False)
 
-    def tensors(self) -> NamedTensors:
+    def tensors(self, wanted: Callable[[str], bool] = lambda _: True) -> NamedTensors:
         """Yield `(name, tensor)` one at a time (CPU; fp32 from GGUF, source dtype from
         safetensors), in Hugging Face Llama naming, so a caller can shard or move each tensor
-        and drop it before the next is read."""
-        return self.read_tensors()
+        and drop it before the next is read. Tensors not `wanted` (another pipeline stage's)
+        are never read."""
+        return self.read_tensors(wanted)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

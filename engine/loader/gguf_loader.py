@@ -6,6 +6,7 @@ The file is memory-mapped; each tensor is dequantized only when `tensors()` reac
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -139,9 +140,10 @@ def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def _read_tensors(plan: tuple[_PlannedTensor, ...]) -> NamedTensors:
+def _read_tensors(plan: tuple[_PlannedTensor, ...], wanted: Callable[[str], bool]) -> NamedTensors:
     for planned in plan:
-        yield planned.name, _dequantize(planned)
+        if wanted(planned.name):
+            yield planned.name, _dequantize(planned)
 
 
 def _dequantize(planned: _PlannedTensor) -> torch.Tensor:
@@ -168,4 +170,3 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         .reshape(rows, *rest)
         .contiguous()
     )
-

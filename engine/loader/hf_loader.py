@@ -6,7 +6,7 @@ Tensors are read lazily with `safe_open`, one at a time, in the dtype they are s
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -156,8 +156,11 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(names_by_file: tuple[tuple[Path, tuple[str, ...]], ...]) -> NamedTensors:
+def _read_tensors(
+    names_by_file: tuple[tuple[Path, tuple[str, ...]], ...], wanted: Callable[[str], bool]
+) -> NamedTensors:
     for file, names in names_by_file:
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
-                yield name, handle.get_tensor(name)
+                if wanted(name):
+                    yield name, handle.get_tensor(name)

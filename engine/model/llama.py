@@ -143,17 +143,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
+    """The whole decoder, or one pipeline stage of it: the decoder layers in `layers`, the
+    embedding on the first stage, the final norm and LM head on the last (a tied head is the
+    embedding, so the last stage holds it too)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layers: range | None = None):
         super().__init__()
         tp = tp or TPGroup()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layer_ids = range(config.num_layers) if layers is None else layers
+        self.is_first = self.layer_ids.start == 0
+        self.is_last = self.layer_ids.stop == config.num_layers
+        has_embedding = self.is_first or (self.is_last and config.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if has_embedding
+            else None
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in self.layer_ids)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if self.is_last and not config.tie_word_embeddings
+            else None
         )
 
     def forward(
@@ -163,21 +175,36 @@ class LlamaForCausalLM(nn.Module):
         rope: RotaryEmbedding,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions (T,) -> final hidden states (T, hidden)."""
-        x = self.embed_tokens(input_ids)
+        """positions (T,) and, on the first stage, input_ids (T,), on the others the previous
+        stage's `hidden` (T, hidden) -> (T, hidden): final hidden states on the last stage."""
+        if hidden is None:
+            assert self.embed_tokens is not None, "stages after the first start from `hidden`"
+            hidden = self.embed_tokens(input_ids)
+        x = hidden
         angles = rope.at(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, angles, kv_cache, meta)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> fp32 logits (N, vocab), on every rank."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        """(N, hidden) -> fp32 logits (N, vocab), on every TP rank of the last stage."""
+        head = self.lm_head or self.embed_tokens
+        assert head is not None and self.is_last, "only the last stage has the LM head"
         return head.logits(hidden)
 
+    def wants(self, hf_name: str) -> bool:
+        """Whether this stage holds (a shard of) the checkpoint tensor `hf_name`."""
+        if hf_name.startswith("model.layers."):
+            return int(hf_name.split(".")[2]) in self.layer_ids
+        if hf_name == "model.embed_tokens.weight":
+            return self.embed_tokens is not None
+        return self.is_last  # model.norm.weight, lm_head.weight
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy this rank's shard of every checkpoint tensor; fail on a missing or extra one."""
+        """Copy this rank's shard of every tensor this stage `wants`; fail on a missing or extra
+        one."""
         expected = self._expected_tensors()
         for hf_name, tensor in tensors:
             if hf_name == "lm_head.weight" and self.lm_head is None:
@@ -191,14 +218,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        if name in ("embed_tokens.weight", "lm_head.weight"):
-            getattr(self, name.split(".")[0]).load(tensor)
-            return
-        if name == "norm.weight":
-            self.norm.weight.data.copy_(tensor)
+        if name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
+            module = getattr(self, name.split(".")[0])
+            if isinstance(module, RMSNorm):
+                module.weight.data.copy_(tensor)
+            else:
+                module.load(tensor)
             return
         parts = name.split(".")
-        layer = self.layers[int(parts[1])]
+        layer = self.layers[int(parts[1]) - self.layer_ids.start]
         assert isinstance(layer, LlamaDecoderLayer)
         if len(parts) == 4:  # layers.3.input_layernorm.weight: replicated on every rank
             getattr(layer, parts[2]).weight.data.copy_(tensor)
@@ -214,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
     def _expected_tensors(self) -> set[str]:
         c = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if self.lm_head is not None:
+        if not c.tie_word_embeddings:
             names.add("lm_head.weight")
         projections = [
             "self_attn.q_proj",
@@ -225,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
             "mlp.up_proj",
             "mlp.down_proj",
         ]
-        for i in range(c.num_layers):
+        for i in self.layer_ids:
             names |= {f"model.layers.{i}.{p}.weight" for p in projections}
             names |= {
                 f"model.layers.{i}.input_layernorm.weight",
@@ -233,4 +261,4 @@ class LlamaForCausalLM(nn.Module):
             }
             if c.attention_bias:
                 names |= {f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"}
-        return names
+        return {n for n in names if self.wants(n)}

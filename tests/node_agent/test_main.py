@@ -41,15 +41,17 @@ def test_flags_beat_env_beat_yaml_beat_defaults(
     assert settings.url == "http://127.0.0.1:9200"
 
 
-def test_tensor_parallel_size_reaches_the_engine() -> None:
-    settings = load_settings(parse_args(["--tensor-parallel-size", "3"]))
-    assert settings.engine_config().tensor_parallel_size == 3
+def test_parallel_sizes_reach_the_engine() -> None:
+    argv = ["--tensor-parallel-size", "3", "--pipeline-parallel-size", "2"]
+    config = load_settings(parse_args(argv)).engine_config()
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (3, 2)
 
 
 @pytest.mark.parametrize(
     ("argv", "status", "needle"),
     [
         (["--tensor-parallel-size", "0"], 2, "tensor"),
+        (["--pipeline-parallel-size", "0"], 2, "pipeline"),
         (["--model", "no-such-model"], 2, "no-such-model"),
         (["--port", "70000"], 2, "port"),
         (["--region", "Not A Region"], 2, "region"),

@@ -1,10 +1,11 @@
-"""Tensor-parallel worker processes: ranks 1..N-1, each running its shard of every step.
+"""Parallel worker processes: ranks 1..TP*PP-1, each running its shard of every step.
 
 The driver (rank 0, inside the engine) owns the scheduler and the block pool. Each step it
-sends the step's inputs down a pipe to every worker; every rank runs its shard, and the shards
-meet in the model's all-reduces. A pipe, unlike a collective, lets an idle worker wait for the
-next step as long as the engine idles, and tells it at once when the driver is gone. Workers
-are spawned, never forked, so CUDA and OpenMP start clean in each.
+sends the step's micro-batch inputs down a pipe to every worker; every rank runs its shard of
+its stage, the TP shards of a stage meet in the model's all-reduces, and the stages pass
+activations on (engine/pipeline.py). A pipe, unlike a collective, lets an idle worker wait for
+the next step as long as the engine idles, and tells it at once when the driver is gone.
+Workers are spawned, never forked, so CUDA and OpenMP start clean in each.
 """
 
 from __future__ import annotations
@@ -24,24 +25,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.distributed import TPGroup, init_tp_group
+from engine.distributed import PPGroup, TPGroup, init_groups
 from engine.errors import EngineDeadError
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner, RunnerShape, StepInputs
+from engine.pipeline import PipelineStage, stage_layers
 
 _JOIN_TIMEOUT_S = 10.0
 _READY = "ready"
 
 
 @dataclass(frozen=True, slots=True)
-class TPSpec:
+class ParallelSpec:
     """Everything a rank needs to build its shard."""
 
     checkpoint: str
     shape: RunnerShape
-    size: int
+    tp_size: int
+    pp_size: int
     init_method: str
     step_timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
 
 
 def free_init_method() -> str:
@@ -54,32 +61,50 @@ def rank_device(shape: RunnerShape, rank: int) -> torch.device:
     return torch.device("cuda", rank) if shape.device.type == "cuda" else shape.device
 
 
+def rank_name(spec: ParallelSpec, rank: int) -> str:
+    stage, tp_rank = divmod(rank, spec.tp_size)
+    return f"rank {rank} (pipeline stage {stage}, TP rank {tp_rank})"
+
+
 def share_cpu_threads(size: int) -> None:
     # Ranks on one CPU split its cores; more threads than cores only makes them wait on each other.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
-def join_group(spec: TPSpec, rank: int) -> TPGroup:
+def join_groups(spec: ParallelSpec, rank: int) -> tuple[TPGroup, PPGroup]:
     device = rank_device(spec.shape, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        share_cpu_threads(spec.size)
-    return init_tp_group(rank, spec.size, spec.init_method, device, spec.step_timeout_s)
+        share_cpu_threads(spec.world_size)
+    return init_groups(
+        rank, spec.tp_size, spec.pp_size, spec.init_method, device, spec.step_timeout_s
+    )
 
 
-class TPWorkers:
-    """The driver's handle on ranks 1..N-1."""
+def build_stage(spec: ParallelSpec, rank: int, device_shape: RunnerShape) -> PipelineStage:
+    """Join the groups and load this rank's shard of its stage's layers."""
+    tp, pp = join_groups(spec, rank)
+    checkpoint = load_checkpoint(Path(spec.checkpoint))
+    layers = stage_layers(checkpoint.config, spec.pp_size, pp.stage)
+    return PipelineStage(ModelRunner(checkpoint, device_shape, tp, layers), pp)
 
-    def __init__(self, spec: TPSpec):
+
+class Workers:
+    """The driver's handle on ranks 1..TP*PP-1."""
+
+    def __init__(self, spec: ParallelSpec):
         self.spec = spec
         context = mp.get_context("spawn")
         self.processes: list[BaseProcess] = []
         self.pipes: list[Connection] = []
-        for rank in range(1, spec.size):
+        for rank in range(1, spec.world_size):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_worker_main, args=(spec, rank, theirs), name=f"tp-rank-{rank}", daemon=True
+                target=_worker_main,
+                args=(spec, rank, theirs),
+                name=rank_name(spec, rank),
+                daemon=True,
             )
             process.start()
             theirs.close()
@@ -87,15 +112,16 @@ class TPWorkers:
             self.pipes.append(ours)
         atexit.register(self.shutdown)
 
-    def send(self, message: StepInputs | int | None) -> None:
-        """To every worker: the KV block count once, then each step, then None to stop."""
+    def send(self, message: list[StepInputs] | int | None) -> None:
+        """To every worker: the KV block count once, then each step's micro-batches, then None
+        to stop."""
         self.raise_if_dead()
         try:
             for pipe in self.pipes:
                 pipe.send(message)
         except (BrokenPipeError, ConnectionResetError) as exc:
             self.raise_if_dead()
-            raise EngineDeadError(f"lost a tensor-parallel worker: {exc}") from exc
+            raise EngineDeadError(f"lost a parallel worker: {exc}") from exc
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until every worker has its weights and cache: the first step's collectives
@@ -105,15 +131,15 @@ class TPWorkers:
             while not pipe.poll(0.5):
                 self.raise_if_dead()
                 if time.monotonic() > deadline:
-                    raise EngineDeadError("tensor-parallel workers did not start in time")
+                    raise EngineDeadError("parallel workers did not start in time")
             if pipe.recv() != _READY:
-                raise EngineDeadError("a tensor-parallel worker failed to start")
+                raise EngineDeadError("a parallel worker failed to start")
 
     def raise_if_dead(self) -> None:
         dead = [p for p in self.processes if not p.is_alive()]
         if dead:
             names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
-            raise EngineDeadError(f"tensor-parallel worker died: {names}")
+            raise EngineDeadError(f"parallel worker died: {names}")
 
     def shutdown(self) -> None:
         """Tell the workers to stop, then make sure they have: no process outlives us."""
@@ -132,22 +158,20 @@ class TPWorkers:
             dist.destroy_process_group()
 
 
-def _worker_main(spec: TPSpec, rank: int, pipe: Connection) -> None:
+def _worker_main(spec: ParallelSpec, rank: int, pipe: Connection) -> None:
     logging.basicConfig(level=logging.WARNING)
-    tp = join_group(spec, rank)
-    checkpoint = load_checkpoint(Path(spec.checkpoint))
     shape = spec.shape
     device_shape = RunnerShape(
         rank_device(shape, rank), shape.dtype, shape.block_size, shape.max_model_len
     )
-    runner = ModelRunner(checkpoint.config, checkpoint.tensors(), device_shape, tp)
+    stage = build_stage(spec, rank, device_shape)
     try:
         num_blocks = pipe.recv()
         assert isinstance(num_blocks, int), "the driver sends the KV block count first"
-        runner.allocate_kv_cache(num_blocks)
+        stage.runner.allocate_kv_cache(num_blocks)
         pipe.send(_READY)
         while (message := pipe.recv()) is not None:
-            runner.run(message)
+            stage.run(message)
     except EOFError:
         return  # the driver is gone; so is the group
     dist.destroy_process_group()

@@ -1,0 +1,179 @@
+"""Tensor and pipeline parallelism on CPU with gloo: the same tokens as one process, loud
+failures, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from tiny_checkpoints import save_tiny_transformers_model
+
+from engine import LLM, SamplingParams
+from engine.errors import EngineDeadError, UnsupportedModelError
+from engine.loader import Checkpoint
+from engine.pipeline import split_micro_batches, stage_layers
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    workers = llm.engine.executor.workers
+    assert workers is not None
+    return [p.pid for p in workers.processes if p.pid is not None]
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+PROMPTS = [[5, 17, 40, 2, 9, 33, 61], [70, 12, 3, 3, 3, 44, 18, 90, 21, 8, 11, 30], [50, 51]]
+
+
+@pytest.mark.parametrize(
+    ("family", "tp_size", "overrides"),
+    [
+        ("llama", 2, {}),
+        ("llama", 4, {}),  # 2 KV heads on 4 ranks: each KV head replicated on two
+        ("qwen2", 2, {}),  # biases on Q, K, V are split with their rows
+        ("llama", 4, {"num_key_value_heads": 4, "vocab_size": 98}),  # a padded vocabulary shard
+    ],
+)
+def test_tp_greedy_equals_one_process(
+    tmp_path: Path, family: str, tp_size: int, overrides: dict[str, int]
+) -> None:
+    save_tiny_transformers_model(tmp_path, family, **overrides)
+    single = greedy_tokens(LLM(str(tmp_path), dtype="float32"), PROMPTS)
+    parallel = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=tp_size)
+    pids = worker_pids(parallel)
+    assert len(pids) == tp_size - 1
+    try:
+        assert greedy_tokens(parallel, PROMPTS) == single
+    finally:
+        parallel.shutdown()
+    assert_gone(pids)
+
+
+def test_tp3_on_the_real_model_equals_one_process(smollm2_gguf: Path) -> None:
+    single = LLM(str(smollm2_gguf), dtype="float32")
+    tokenizer = single.get_tokenizer()
+    prompts = [
+        tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]))
+        for q in ("What is the capital of France?", "Write a haiku about the sea.")
+    ]
+    expected = greedy_tokens(single, prompts)
+    parallel = LLM(str(smollm2_gguf), dtype="float32", tensor_parallel_size=3)
+    try:
+        assert greedy_tokens(parallel, prompts) == expected
+    finally:
+        parallel.shutdown()
+
+
+def test_a_size_that_does_not_split_the_heads_names_the_valid_ones(smollm2_gguf: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match=r"valid sizes: \[1, 3, 9\]"):
+        LLM(str(smollm2_gguf), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("family", "tp_size", "pp_size", "overrides"),
+    [
+        ("llama", 1, 2, {}),  # an untied LM head on the last stage
+        ("qwen2", 1, 2, {}),  # a tied head: the last stage holds the embedding too
+        ("llama", 1, 3, {"num_hidden_layers": 5}),  # a middle stage; stages of 1, 2 and 2 layers
+        ("llama", 2, 2, {}),  # composed: 2 stages of 2 TP ranks
+    ],
+)
+def test_pp_greedy_equals_one_process(
+    tmp_path: Path, family: str, tp_size: int, pp_size: int, overrides: dict[str, int]
+) -> None:
+    save_tiny_transformers_model(tmp_path, family, **overrides)
+    single = greedy_tokens(LLM(str(tmp_path), dtype="float32"), PROMPTS)
+    parallel = LLM(
+        str(tmp_path), dtype="float32", tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size
+    )
+    pids = worker_pids(parallel)
+    assert len(pids) == tp_size * pp_size - 1
+    try:
+        assert greedy_tokens(parallel, PROMPTS) == single
+    finally:
+        parallel.shutdown()
+    assert_gone(pids)
+
+
+def test_pp2_on_the_real_model_equals_one_process(smollm2_gguf: Path) -> None:
+    single = LLM(str(smollm2_gguf), dtype="float32")
+    tokenizer = single.get_tokenizer()
+    prompts = [
+        tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]))
+        for q in ("What is the capital of France?", "Write a haiku about the sea.", "Hi!")
+    ]
+    expected = greedy_tokens(single, prompts)
+    parallel = LLM(str(smollm2_gguf), dtype="float32", pipeline_parallel_size=2)
+    try:
+        runner = parallel.engine.executor.runner
+        assert len(runner.model.layers) == 19  # the first stage: no LM head, more layers
+        assert runner.model.norm is None
+        assert greedy_tokens(parallel, prompts) == expected
+    finally:
+        parallel.shutdown()
+
+
+def test_more_stages_than_layers_is_refused(smollm2_gguf: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match="between 1 and the model's 30 layers"):
+        LLM(str(smollm2_gguf), pipeline_parallel_size=31)
+
+
+@pytest.mark.parametrize(
+    ("pp_size", "sizes"), [(1, [30]), (2, [19, 11]), (4, [9, 9, 10, 2]), (30, [1] * 30)]
+)
+def test_stages_hold_contiguous_runs_balanced_with_the_lm_head(
+    smollm2_checkpoint: Checkpoint, pp_size: int, sizes: list[int]
+) -> None:
+    # SmolLM2's LM head (49152 x 576) weighs as much as 8 of its layers.
+    stages = [stage_layers(smollm2_checkpoint.config, pp_size, s) for s in range(pp_size)]
+    assert [len(s) for s in stages] == sizes
+    assert [i for s in stages for i in s] == list(range(30))
+
+
+def test_micro_batches_split_whole_sequences_evenly_in_tokens() -> None:
+    seqs = [Sequence(str(i), [1] * 600, SamplingParams(), 16) for i in range(6)]
+    batch = ScheduledBatch(seqs, [300, 1, 1, 1, 1, 200])
+    parts = split_micro_batches(batch, 2)
+    assert sorted(p.num_tokens for p in parts) == [204, 300]  # the long chunk alone
+    assert sorted(s.request_id for p in parts for s in p.seqs) == [s.request_id for s in seqs]
+    assert len(split_micro_batches(ScheduledBatch(seqs[:1], [5]), 4)) == 1  # no empty parts
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(2, 1), (1, 2)])
+def test_a_killed_worker_fails_the_pending_request_within_seconds(
+    tmp_path: Path, tp_size: int, pp_size: int
+) -> None:
+    save_tiny_transformers_model(tmp_path, "llama")
+    llm = LLM(
+        str(tmp_path), dtype="float32", tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size
+    )
+    pids = worker_pids(llm)
+    engine = llm.engine
+    engine.add_request("doomed", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    os.kill(pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="parallel worker died: rank 1"):
+        for _ in range(200):
+            engine.step()
+    assert time.monotonic() - started < 5
+    llm.shutdown()
+    assert_gone(pids)
