@@ -1,12 +1,13 @@
-"""Parallel communication cost: time rank 0 spends communicating over its step time.
+"""Parallel communication cost: the share of rank 0's time spent communicating.
 
     python -m bench.parallel_comm [--layouts 1x1 3x1 1x2] [--num-requests 16] [--max-tokens 64]
 
 A layout is TPxPP: `3x1` is tensor parallelism over 3 ranks, `1x2` a pipeline of 2 stages. For
 TP the driver's communication is the all-reduces (two per layer) and the logits all-gather;
 for PP it is the wait for the last stage's logits, which covers the activations' trip down the
-pipeline and the stages the driver does not run itself. On a CPU the ranks share the same
-cores, so neither can speed anything up here; this records the price of the communication.
+pipeline and whatever the later stages take longer than the driver's own. On a CPU the ranks
+share the same cores, so neither can speed anything up here; this records the price of the
+communication, and the decode throughput beside it.
 SmolLM2 has 9 attention heads and 3 KV heads, so its valid TP sizes are 1, 3 and 9.
 """
 
@@ -92,22 +93,21 @@ def measure(
                     list(request.prompt_token_ids),
                     SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                 )
-            steps, step_seconds = 0, 0.0
+            started = time.perf_counter()
             while engine.has_unfinished_requests():
-                started = time.perf_counter()
                 engine.step()
-                step_seconds += time.perf_counter() - started
-                steps += 1
+            seconds = time.perf_counter() - started
     finally:
         engine.shutdown()
+    num_tokens = num_requests * max_tokens
     return {
         "tp": tp_size,
         "pp": pp_size,
-        "steps": steps,
-        "step_ms": round(step_seconds / steps * 1000, 2),
-        "communication_ms_per_step": round(clock.seconds / steps * 1000, 2),
-        "communication_calls_per_step": round(clock.calls / steps, 1),
-        "communication_share": round(clock.seconds / step_seconds, 3),
+        "seconds": round(seconds, 2),
+        "output_tokens_per_s": round(num_tokens / seconds, 1),
+        "communication_s": round(clock.seconds, 2),
+        "communication_calls": clock.calls,
+        "communication_share": round(clock.seconds / seconds, 3),
     }
 
 
@@ -133,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'TP':>3} {'PP':>3} {'steps':>6} {'step ms':>8} {'communicating ms':>17} {'share':>6}")
+    header = f"{'TP':>3} {'PP':>3} {'seconds':>8} {'tokens/s':>9} {'communicating s':>16}"
+    print(f"{header} {'share':>6}")
     for r in rows:
         print(
-            f"{r['tp']:>3} {r['pp']:>3} {r['steps']:>6} {r['step_ms']:>8} "
-            f"{r['communication_ms_per_step']:>17} {r['communication_share']:>6.1%}"
+            f"{r['tp']:>3} {r['pp']:>3} {r['seconds']:>8} {r['output_tokens_per_s']:>9} "
+            f"{r['communication_s']:>16} {r['communication_share']:>6.1%}"
         )
     return 0
 

@@ -1,14 +1,25 @@
-"""Runs each step: on one rank, or as the driver (rank 0) of tensor- and pipeline-parallel ranks."""
+"""Runs batches: on one rank, or as the driver (rank 0) of tensor- and pipeline-parallel ranks.
+
+`submit` starts a batch and `collect` returns the oldest one's sampled tokens, so that with a
+pipeline several batches can be in flight at once; with one stage a batch is collected right
+after it is submitted.
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from engine.distributed import PPGroup, valid_tp_sizes
 from engine.errors import EngineDeadError, UnsupportedModelError
 from engine.loader import Checkpoint
 from engine.model_runner import ModelRunner, RunnerShape
-from engine.pipeline import PipelineStage, split_micro_batches, stage_layers
+from engine.pipeline import PipelineStage, StageWork, stage_layers
 from engine.sampler import SamplerOutput, SamplingRequest, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -24,6 +35,14 @@ class StepOutput:
 
     seqs: list[Sequence]
     sampled: SamplerOutput
+
+
+@dataclass(slots=True)
+class _InFlight:
+    batch: ScheduledBatch
+    work: StageWork
+    seqs: list[Sequence]  # owed a sampled token, in logits-row order
+    logits: torch.Tensor | None  # known at once where the driver is also the last stage
 
 
 class ModelExecutor:
@@ -48,6 +67,8 @@ class ModelExecutor:
                 f"{config.num_layers} layers"
             )
         self.pp_size = pp_size
+        self.in_flight: deque[_InFlight] = deque()
+        self._tags = itertools.count()
         # The largest stage sets the per-rank bytes of a block; every rank has as many blocks.
         self.max_stage_layers = max(len(stage_layers(config, pp_size, s)) for s in range(pp_size))
         self.workers: Workers | None = None
@@ -76,24 +97,38 @@ class ModelExecutor:
         if self.workers is not None:
             self.workers.wait_ready(_START_TIMEOUT_S)
 
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        micro_batches = [self.runner.prepare(b) for b in split_micro_batches(batch, self.pp_size)]
-        inputs = [i for i, _ in micro_batches]
-        seqs = [s for _, mb_seqs in micro_batches for s in mb_seqs]
-        try:
+    def submit(self, batch: ScheduledBatch) -> None:
+        """Start `batch` down the pipeline: send it to every worker and run the first stage."""
+        inputs, seqs = self.runner.prepare(batch)
+        work = StageWork(next(self._tags) % 2**31, inputs)
+        with self._failing_loudly():
             if self.workers is not None:
-                self.workers.send(inputs)
-            logits = self.stage.run(inputs)
-        except RuntimeError as exc:  # a collective or a receive failed: name the rank if one died
+                self.workers.send(work)
+            logits = self.stage.forward(work)
+        self.in_flight.append(_InFlight(batch, work, seqs, logits))
+
+    def collect(self) -> tuple[ScheduledBatch, StepOutput]:
+        """Wait for the oldest batch in flight; return it with its sampled tokens."""
+        done = self.in_flight.popleft()
+        logits = done.logits
+        if logits is None:
+            with self._failing_loudly():
+                logits = self.stage.receive_logits(done.work)
+        if not done.seqs:
+            return done.batch, StepOutput([], SamplerOutput([], []))
+        requests = [SamplingRequest(s.params, s.num_output_tokens) for s in done.seqs]
+        return done.batch, StepOutput(done.seqs, sample(logits, requests))
+
+    @contextmanager
+    def _failing_loudly(self) -> Iterator[None]:
+        """A collective or a receive that fails means a rank died or hung: say which."""
+        try:
+            yield
+        except RuntimeError as exc:
             if self.workers is None:
                 raise
             self.workers.raise_if_dead()
             raise EngineDeadError(f"a parallel step failed: {exc}") from exc
-        if not seqs:
-            return StepOutput([], SamplerOutput([], []))
-        assert logits is not None, "the driver always ends a step with the logits"
-        requests = [SamplingRequest(s.params, s.num_output_tokens) for s in seqs]
-        return StepOutput(seqs, sample(logits, requests))
 
     def shutdown(self) -> None:
         if self.workers is not None:

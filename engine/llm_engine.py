@@ -160,14 +160,25 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.executor.in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch and return the outputs it produced."""
-        batch = self.scheduler.schedule()
-        if not batch:
+        """Start a batch if the pipeline has room; collect the oldest batch in flight once the
+        pipeline is full or nothing more can start; return the outputs collected. With one
+        pipeline stage each step starts and collects one batch; with M stages up to M batches
+        of disjoint sequences are in flight, so a step may only start one and return []."""
+        depth = self.config.pipeline_parallel_size
+        in_flight = self.executor.in_flight
+        if len(in_flight) < depth:
+            # Even batches: each stage then takes about as long on each.
+            batch = self.scheduler.schedule(-(-self.scheduler.num_unfinished // depth))
+            if batch:
+                self.executor.submit(batch)
+                if len(in_flight) < depth:
+                    return []
+        if not in_flight:
             return []
-        result = self.executor.execute(batch)
+        batch, result = self.executor.collect()
         self.scheduler.update_after_step(batch)
         now = time.monotonic()
         self._prompt_tokens_total += batch.num_tokens - len(result.seqs)
@@ -177,6 +188,8 @@ class LLMEngine:
         for seq, token_id, logprobs in zip(
             result.seqs, sampled.token_ids, sampled.logprobs, strict=True
         ):
+            if seq.is_finished:  # aborted while its batch was in flight
+                continue
             state = self.requests[seq.request_id]
             finish = state.append_token(token_id, logprobs)
             if finish is not None:

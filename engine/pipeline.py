@@ -1,23 +1,25 @@
-"""One rank's part of a step: its pipeline stage run over each micro-batch in turn.
+"""One rank's part of a batch: its pipeline stage, between the stage before and the one after.
 
-With pipeline parallelism a step's batch is cut into micro-batches of whole sequences, one per
-stage, so that stages work at the same time: while stage 1 runs micro-batch 0, stage 0 already
-runs micro-batch 1 (GPipe's schedule, within one step: a fill and a drain bubble at its ends).
-Activations go to the next stage with asynchronous sends; the last stage sends the logits back
-to the driver, which samples. Every rank learns the step's inputs from the driver, so each
-knows the shape of everything it receives and no sizes travel with the tensors.
+With pipeline parallelism the engine keeps up to `pipeline_parallel_size` batches of disjoint
+sequences in flight: while stage 1 runs batch A, stage 0 already runs batch B, and once A's
+logits are back its sequences can go again in batch C. Every stage stays busy, each reads its
+weights once per batch, and no step waits for a fill or drain bubble. Activations go to the
+next stage with asynchronous sends; the last stage sends the logits back to the driver, which
+samples. Every rank learns each batch's inputs from the driver, so each knows the shape of
+everything it receives and no sizes travel with the tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from engine.distributed import PPGroup
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, StepInputs
-from engine.scheduler import ScheduledBatch
 
 
 def stage_layers(config: ModelConfig, pp_size: int, stage: int) -> range:
@@ -36,54 +38,40 @@ def stage_layers(config: ModelConfig, pp_size: int, stage: int) -> range:
     return range(rest * stage // others, rest * (stage + 1) // others)
 
 
-def split_micro_batches(batch: ScheduledBatch, n: int) -> list[ScheduledBatch]:
-    """At most `n` non-empty micro-batches of whole sequences, as even in tokens as can be."""
-    if n == 1:
-        return [batch]
-    parts = [ScheduledBatch() for _ in range(min(n, len(batch)))]
-    # Largest first, each to the lightest part so far: a long prefill chunk gets a part to
-    # itself while the decodes share the others.
-    entries = sorted(zip(batch.seqs, batch.num_scheduled_tokens, strict=True), key=lambda e: -e[1])
-    for seq, num_tokens in entries:
-        part = min(parts, key=lambda p: p.num_tokens)
-        part.seqs.append(seq)
-        part.num_scheduled_tokens.append(num_tokens)
-    return parts
+@dataclass(frozen=True, slots=True)
+class StageWork:
+    """One batch as the driver sends it to every worker; `tag` matches its sends and receives."""
+
+    tag: int
+    inputs: StepInputs
 
 
 @dataclass(slots=True)
 class PipelineStage:
     runner: ModelRunner
     pp: PPGroup
+    # Sends still travelling, with their tensors: a send must not be waited on at once (the
+    # next stage takes it when it is done with the batch before), nor its tensor freed.
+    sending: deque[tuple[dist.Work, torch.Tensor]] = field(default_factory=deque)
 
-    @property
-    def is_driver(self) -> bool:
-        return self.pp.is_first and self.pp.tp_rank == 0
+    def forward(self, work: StageWork) -> torch.Tensor | None:
+        """Run this rank's layers over one batch: receive from the stage before, run, send on.
+        Returns the logits (fp32, sampled rows) where this rank computed them: the last stage."""
+        hidden = None
+        if not self.pp.is_first:
+            hidden = self.pp.recv_prev(self.runner.hidden_buffer(work.inputs), work.tag)
+        out = self.runner.run(work.inputs, hidden)
+        if not self.pp.is_last:
+            self.sending.append((self.pp.send_next(out, work.tag), out))
+        elif self.pp.sends_logits and out.numel():
+            self.sending.append((self.pp.send_logits(out, work.tag), out))
+        # Only this many can be unreceived: the batches the later stages still have to take.
+        while len(self.sending) > self.pp.size:
+            self.sending.popleft()[0].wait()
+        return out if self.pp.is_last else None
 
-    def run(self, micro_batches: list[StepInputs]) -> torch.Tensor | None:
-        """Run every micro-batch through this rank's layers, in order. Returns the fp32 logits
-        of the sampled rows of all of them, in order, where this rank has them (the driver and
-        the last stage); None elsewhere."""
-        sends = []
-        logits = []
-        for tag, inputs in enumerate(micro_batches):
-            hidden = None
-            if not self.pp.is_first:
-                hidden = self.pp.recv_prev(self.runner.hidden_buffer(inputs), tag)
-            out = self.runner.run(inputs, hidden)
-            if not self.pp.is_last:
-                sends.append(self.pp.send_next(out, tag))
-                continue
-            logits.append(out)
-            if self.pp.sends_logits and out.numel():
-                sends.append(self.pp.send_logits(out, tag))
-        if self.is_driver and not self.pp.is_last:
-            logits = [self._recv_logits(inputs, tag) for tag, inputs in enumerate(micro_batches)]
-        for work in sends:
-            work.wait()
-        return torch.cat(logits) if logits else None
-
-    def _recv_logits(self, inputs: StepInputs, tag: int) -> torch.Tensor:
-        shape = (inputs.logits_rows.numel(), self.runner.config.vocab_size)
+    def receive_logits(self, work: StageWork) -> torch.Tensor:
+        """On the driver of a pipeline: the logits of `work` from the last stage."""
+        shape = (work.inputs.logits_rows.numel(), self.runner.config.vocab_size)
         buffer = torch.empty(shape, dtype=torch.float32, device=self.runner.device)
-        return self.pp.recv_logits(buffer, tag) if buffer.numel() else buffer
+        return self.pp.recv_logits(buffer, work.tag) if buffer.numel() else buffer

@@ -5,7 +5,8 @@ blocks, sequence slots and the step's token budget last. A request is scheduled 
 its uncomputed tokens as the budget allows, so a long prompt is prefilled in chunks beside the
 decodes instead of stalling them. When the pool runs dry, the newest running request is
 preempted: its blocks are freed and it is recomputed later from its tokens, which gives the
-same output.
+same output. A request whose previous batch is still in flight (in the pipeline) waits for it:
+it is neither scheduled again nor preempted until `update_after_step` has seen that batch.
 """
 
 from __future__ import annotations
@@ -69,35 +70,56 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_batch_seqs: int | None = None) -> ScheduledBatch:
+        """The next batch: at most `max_batch_seqs` sequences (default: no cap beyond
+        `max_num_seqs`), so that batches in flight together can be kept even."""
+        cap = max_batch_seqs or self.config.max_num_seqs
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        has_preempted = False
+        num_preemptions = self.stats.num_preemptions
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(batch) < cap:
             seq = self.running[index]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv_cache.allocate_slots(seq, num_tokens):
-                victim = self.running.pop()
-                self._preempt(victim)
-                has_preempted = True
-                if victim is seq:
-                    break
-            else:
-                batch.seqs.append(seq)
-                batch.num_scheduled_tokens.append(num_tokens)
-                budget -= num_tokens
+            if seq.in_flight:
                 index += 1
                 continue
-            break
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self._allocate_preempting(seq, num_tokens, index):
+                break
+            self._add_to_batch(batch, seq, num_tokens)
+            budget -= num_tokens
+            index += 1
         # Admitting while preempting would only thrash: the pool is already too small.
-        if not has_preempted:
-            budget = self._admit_waiting(batch, budget)
+        if self.stats.num_preemptions == num_preemptions:
+            self._admit_waiting(batch, budget, cap)
         return batch
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+    def _allocate_preempting(self, seq: Sequence, num_tokens: int, index: int) -> bool:
+        """Allocate `seq`'s slots (it is `running[index]`), preempting the newest running
+        sequences not yet in this batch nor in flight until they fit; False if `seq` itself
+        had to go."""
+        while not self.kv_cache.allocate_slots(seq, num_tokens):
+            victim = next(s for s in reversed(self.running[index:]) if not s.in_flight)
+            self.running.remove(victim)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> None:
+        seq.in_flight = True
+        batch.seqs.append(seq)
+        batch.num_scheduled_tokens.append(num_tokens)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, cap: int) -> None:
         block_size = self.kv_cache.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(batch) < cap
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             computed = self.kv_cache.get_computed_blocks(seq)
             num_cached = len(computed) * block_size
@@ -113,10 +135,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_scheduled_tokens.append(num_tokens)
+            self._add_to_batch(batch, seq, num_tokens)
             budget -= num_tokens
-        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
@@ -127,8 +147,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
-        """Advance each scheduled sequence past the tokens this step computed."""
+        """Advance each scheduled sequence past the tokens this batch computed (one finished,
+        aborted, while its batch was in flight has nothing left to advance)."""
         for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            seq.in_flight = False
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += num_tokens
             self.kv_cache.cache_full_blocks(seq)
 

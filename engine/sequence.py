@@ -42,6 +42,9 @@ class Sequence:
     # Hash chain of this sequence's full blocks, in order; grows as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
+    # Scheduled in a batch whose result has not come back yet (pipeline parallelism keeps
+    # several batches in flight); such a sequence is neither scheduled again nor preempted.
+    in_flight: bool = False
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None

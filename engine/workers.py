@@ -1,9 +1,9 @@
 """Parallel worker processes: ranks 1..TP*PP-1, each running its shard of every step.
 
 The driver (rank 0, inside the engine) owns the scheduler and the block pool. Each step it
-sends the step's micro-batch inputs down a pipe to every worker; every rank runs its shard of
-its stage, the TP shards of a stage meet in the model's all-reduces, and the stages pass
-activations on (engine/pipeline.py). A pipe, unlike a collective, lets an idle worker wait for
+sends each batch's inputs down a pipe to every worker; every rank runs its shard of its stage,
+the TP shards of a stage meet in the model's all-reduces, and the stages pass activations on
+(engine/pipeline.py). A pipe, unlike a collective, lets an idle worker wait for
 the next step as long as the engine idles, and tells it at once when the driver is gone.
 Workers are spawned, never forked, so CUDA and OpenMP start clean in each.
 """
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from engine.distributed import PPGroup, TPGroup, init_groups
 from engine.errors import EngineDeadError
 from engine.loader import load_checkpoint
-from engine.model_runner import ModelRunner, RunnerShape, StepInputs
-from engine.pipeline import PipelineStage, stage_layers
+from engine.model_runner import ModelRunner, RunnerShape
+from engine.pipeline import PipelineStage, StageWork, stage_layers
 
 _JOIN_TIMEOUT_S = 10.0
 _READY = "ready"
@@ -112,9 +112,8 @@ class Workers:
             self.pipes.append(ours)
         atexit.register(self.shutdown)
 
-    def send(self, message: list[StepInputs] | int | None) -> None:
-        """To every worker: the KV block count once, then each step's micro-batches, then None
-        to stop."""
+    def send(self, message: StageWork | int | None) -> None:
+        """To every worker: the KV block count once, then each batch, then None to stop."""
         self.raise_if_dead()
         try:
             for pipe in self.pipes:
@@ -171,7 +170,7 @@ def _worker_main(spec: ParallelSpec, rank: int, pipe: Connection) -> None:
         stage.runner.allocate_kv_cache(num_blocks)
         pipe.send(_READY)
         while (message := pipe.recv()) is not None:
-            stage.run(message)
+            stage.forward(message)
     except EOFError:
         return  # the driver is gone; so is the group
     dist.destroy_process_group()

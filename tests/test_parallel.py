@@ -14,9 +14,7 @@ from tiny_checkpoints import save_tiny_transformers_model
 from engine import LLM, SamplingParams
 from engine.errors import EngineDeadError, UnsupportedModelError
 from engine.loader import Checkpoint
-from engine.pipeline import split_micro_batches, stage_layers
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.pipeline import stage_layers
 
 pytestmark = pytest.mark.slow
 
@@ -148,13 +146,32 @@ def test_stages_hold_contiguous_runs_balanced_with_the_lm_head(
     assert [i for s in stages for i in s] == list(range(30))
 
 
-def test_micro_batches_split_whole_sequences_evenly_in_tokens() -> None:
-    seqs = [Sequence(str(i), [1] * 600, SamplingParams(), 16) for i in range(6)]
-    batch = ScheduledBatch(seqs, [300, 1, 1, 1, 1, 200])
-    parts = split_micro_batches(batch, 2)
-    assert sorted(p.num_tokens for p in parts) == [204, 300]  # the long chunk alone
-    assert sorted(s.request_id for p in parts for s in p.seqs) == [s.request_id for s in seqs]
-    assert len(split_micro_batches(ScheduledBatch(seqs[:1], [5]), 4)) == 1  # no empty parts
+def test_a_pipeline_keeps_one_batch_per_stage_in_flight(tmp_path: Path) -> None:
+    save_tiny_transformers_model(tmp_path, "llama", num_hidden_layers=3)
+    llm = LLM(str(tmp_path), dtype="float32", pipeline_parallel_size=3)
+    engine = llm.engine
+    try:
+        for i, prompt in enumerate([*PROMPTS, [7, 8, 9], [10, 11], [12]]):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert engine.step() == [] and engine.step() == []  # filling: nothing comes back yet
+        in_flight = [[s.request_id for s in b.batch.seqs] for b in engine.executor.in_flight]
+        assert len(in_flight) == 2
+        # Even batches of disjoint sequences: 6 requests over 3 stages.
+        assert [len(ids) for ids in in_flight] == [2, 2]
+        assert not set(in_flight[0]) & set(in_flight[1])
+        assert {o.request_id for o in engine.step()} == set(in_flight[0])  # full: collects
+        # Aborting a request whose batch is in flight drops its token and frees its blocks.
+        engine.abort_request([in_flight[1][0]])
+        finished: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+        assert in_flight[1][0] not in finished
+        assert all(len(tokens) == 8 for tokens in finished.values()) and len(finished) == 5
+        assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize(("tp_size", "pp_size"), [(2, 1), (1, 2)])

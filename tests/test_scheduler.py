@@ -96,3 +96,44 @@ def test_finish_returns_blocks_at_once() -> None:
     assert scheduler.kv_cache.num_free_blocks == 8 - 3
     scheduler.finish(a, "abort")
     assert scheduler.kv_cache.num_free_blocks == 8 and a.is_finished and not scheduler.running
+
+
+def test_a_batch_in_flight_keeps_its_sequences_out_of_the_next_batch() -> None:
+    # A pipeline's view: batch A is submitted, and the next batch is scheduled before A's
+    # result comes back. Capped at 2 sequences each, the batches are even and disjoint.
+    scheduler = make_scheduler(budget=100)
+    for i in range(4):
+        scheduler.add(seq(f"r{i}", 4, first_token=10 * i))
+    first = scheduler.schedule(max_batch_seqs=2)
+    second = scheduler.schedule(max_batch_seqs=2)
+    assert scheduled(first) == {"r0": 4, "r1": 4} and scheduled(second) == {"r2": 4, "r3": 4}
+    assert not scheduler.schedule(max_batch_seqs=2)  # all four are in flight
+    scheduler.update_after_step(first)
+    for s in first.seqs:
+        s.token_ids.append(7)
+    assert scheduled(scheduler.schedule(max_batch_seqs=2)) == {"r0": 1, "r1": 1}
+
+
+def test_a_sequence_in_flight_is_never_preempted() -> None:
+    # 4 blocks: "new" is in flight when "old" needs a third block; "new" cannot be preempted,
+    # so "old" gives way itself, and "new" keeps its blocks.
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=100)
+    scheduler.add(seq("old", 8))
+    scheduler.add(seq("new", 8, first_token=50))
+    run_step(scheduler)
+    old, new = scheduler.running
+    new.in_flight = True
+    assert not scheduler.schedule()
+    assert old.status is SequenceStatus.WAITING and old.num_preemptions == 1
+    assert new.status is SequenceStatus.RUNNING and len(new.block_table) == 2
+
+
+def test_a_sequence_aborted_in_flight_is_not_advanced() -> None:
+    scheduler = make_scheduler(num_blocks=8)
+    scheduler.add(seq("a", 10))
+    batch = scheduler.schedule()
+    a = batch.seqs[0]
+    scheduler.finish(a, "abort")
+    scheduler.update_after_step(batch)  # the batch's result arrives after the abort
+    assert a.num_computed_tokens == 0 and not a.in_flight
+    assert scheduler.kv_cache.num_free_blocks == 8
