@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from control_plane.app import create_app
 from control_plane.settings import Settings
 from control_plane.xds import bootstrap
+from wire.validation import one_line
 
 logger = logging.getLogger("control_plane")
 
@@ -44,14 +45,6 @@ def load_settings(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def _one_line(exc: ValidationError) -> str:
-    # Only field names and messages: the input values may be tokens.
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
-        for err in exc.errors()
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["envoy-bootstrap"]:
@@ -60,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(args)
     except ValidationError as exc:
-        print(f"control_plane: bad configuration: {_one_line(exc)}", file=sys.stderr)
+        print(f"control_plane: bad configuration: {one_line(exc)}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

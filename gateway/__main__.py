@@ -27,6 +27,7 @@ from gateway.server import (
 )
 from gateway.settings import GatewaySettings
 from gateway.tls import server_context
+from wire.validation import one_line
 
 PROG = "gateway"
 logger = logging.getLogger(PROG)
@@ -72,14 +73,6 @@ def load_settings(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(**values)
 
 
-def _one_line(exc: ValidationError) -> str:
-    # Field names and messages only: input values may be tokens.
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
-        for err in exc.errors()
-    )
-
-
 def _fail(message: str, status: int) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return status
@@ -90,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(args)
     except ValidationError as exc:
-        return _fail(f"bad configuration: {_one_line(exc)}", 2)
+        return _fail(f"bad configuration: {one_line(exc)}", 2)
     log_handler = configure_logging(settings.log_level)
     try:
         paths = certificate_paths(settings)

@@ -20,6 +20,7 @@ from node_agent.app import create_app
 from node_agent.consul import parse_consul_addr
 from node_agent.server import NodeServer, bind_socket
 from node_agent.settings import NodeAgentSettings, NodeConfigError
+from wire.validation import one_line
 
 PROG = "node_agent"
 logger = logging.getLogger(PROG)
@@ -62,14 +63,6 @@ def load_settings(args: argparse.Namespace) -> NodeAgentSettings:
     return NodeAgentSettings(**vars(args))
 
 
-def _one_line(exc: ValidationError) -> str:
-    # Field names and messages only: input values may be tokens.
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
-        for err in exc.errors()
-    )
-
-
 def _fail(message: str, status: int) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return status
@@ -84,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             parse_consul_addr(settings.consul)
         resolve_model(settings.model)
     except ValidationError as exc:
-        return _fail(f"bad configuration: {_one_line(exc)}", 2)
+        return _fail(f"bad configuration: {one_line(exc)}", 2)
     except (NodeConfigError, EngineError, ValueError) as exc:
         return _fail(str(exc), 2)
     except yaml.YAMLError as exc:

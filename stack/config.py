@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from stack.errors import StackConfigError
 from wire.geo import LOCATIONS, REGIONS
 from wire.heartbeat import NAME_PATTERN
+from wire.validation import one_line
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 DEFAULT_MODEL = "smollm2-135m-instruct"  # engine.model_store.DEFAULT_MODEL (not imported: torch)
@@ -137,13 +138,6 @@ class StackConfig(_Section):
         return sum(region.nodes for region in self.regions)
 
 
-def _one_line(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
-        for err in exc.errors()
-    )
-
-
 def parse_config(text: str, source: str = "<string>") -> StackConfig:
     """The stack config in `text` (YAML); StackConfigError says what is wrong in one line."""
     try:
@@ -157,7 +151,7 @@ def parse_config(text: str, source: str = "<string>") -> StackConfig:
     try:
         return StackConfig.model_validate(document)
     except ValidationError as exc:
-        raise StackConfigError(f"{source}: {_one_line(exc)}") from exc
+        raise StackConfigError(f"{source}: {one_line(exc)}") from exc
 
 
 def load_config(path: Path | None = None) -> StackConfig:

@@ -1,1 +1,2 @@
-"""Wire schemas shared by the services (node agent, control plane, gateway)."""
+"""Wire schemas shared by the services (node agent, control plane, gateway), and how they
+report a schema violation on a command line."""
