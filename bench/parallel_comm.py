@@ -1,6 +1,7 @@
 """Parallel communication cost: the share of rank 0's time spent communicating.
 
     python -m bench.parallel_comm [--layouts 1x1 3x1 1x2] [--num-requests 16] [--max-tokens 64]
+                                  [--model NAME_OR_PATH]
 
 A layout is TPxPP: `3x1` is tensor parallelism over 3 ranks, `1x2` a pipeline of 2 stages. For
 TP the driver's communication is the all-reduces (two per layer) and the logits all-gather;
@@ -8,7 +9,9 @@ for PP it is the wait for the last stage's logits, which covers the activations'
 pipeline and whatever the later stages take longer than the driver's own. On a CPU the ranks
 share the same cores, so neither can speed anything up here; this records the price of the
 communication, and the decode throughput beside it.
-SmolLM2 has 9 attention heads and 3 KV heads, so its valid TP sizes are 1, 3 and 9.
+SmolLM2 has 9 attention heads and 3 KV heads, so its valid TP sizes are 1, 3 and 9; `--model`
+takes another checkpoint of its vocabulary (say, a random one with 8 heads, for TP 2). The
+prompts are SmolLM2's chat template and tokens whatever the model.
 """
 
 from __future__ import annotations
@@ -66,12 +69,12 @@ class CommunicationClock:
 
 
 def measure(
-    tp_size: int, pp_size: int, num_requests: int, max_tokens: int, dtype: str
+    model: str, tp_size: int, pp_size: int, num_requests: int, max_tokens: int, dtype: str
 ) -> dict[str, Any]:
     gguf = pull(DEFAULT_MODEL)
     engine = LLMEngine(
         EngineConfig(
-            model=str(gguf),
+            model=model,
             dtype=dtype,
             tensor_parallel_size=tp_size,
             pipeline_parallel_size=pp_size,
@@ -124,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = []
     for tp, pp in args.layouts:
         print(f"TP {tp} x PP {pp}...", file=sys.stderr, flush=True)
-        rows.append(measure(tp, pp, args.num_requests, args.max_tokens, args.dtype))
+        rows.append(measure(args.model, tp, pp, args.num_requests, args.max_tokens, args.dtype))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -37,9 +37,10 @@ from wire.geo import locate, rtt_ms
 T = TypeVar("T")
 POP = "new-york"
 MAX_START_S = 20.0
-# Fake nodes beat every 0.25 s (unhealthy after 0.75 s): fast for tests, with room for this
-# harness's loop to stall on a busy machine without regions flapping.
-HEARTBEAT_INTERVAL_S = 0.25
+# Fake nodes beat every 0.5 s (unhealthy after 1.5 s): fast for tests, with room for this
+# harness's loop to stall on a busy 2-core machine without regions flapping (at 0.25 s, a
+# stall of 0.8 s during a full CI run once took both regions out of routing).
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> float:

@@ -62,7 +62,7 @@ def test_a_node_draining_itself_gets_no_new_work(
 ) -> None:
     two_regions.regions["us-east"].load.draining = True
     router = gateway.handlers.router
-    wait_until(lambda: router.regions["us-east"].summary.healthy_nodes == 0, 2.0)
+    wait_until(lambda: router.regions["us-east"].summary.healthy_nodes == 0, 3.0)
     assert served_by(http) == "eu-west"
 
 
