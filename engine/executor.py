@@ -66,7 +66,6 @@ class ModelExecutor:
                 f"pipeline_parallel_size {pp_size} must be between 1 and the model's "
                 f"{config.num_layers} layers"
             )
-        self.pp_size = pp_size
         self.in_flight: deque[_InFlight] = deque()
         self._tags = itertools.count()
         # The largest stage sets the per-rank bytes of a block; every rank has as many blocks.
