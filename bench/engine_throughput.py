@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="our engine's dtype")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument(
         "--baseline-requests",
         type=int,
@@ -258,10 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_num_seqs=args.concurrency,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     engine = LLMEngine(config)
     kv = engine.scheduler.kv_cache
-    kv_gib = kv.num_blocks * engine.executor.kv_bytes_per_block * args.tensor_parallel_size / 2**30
+    # Over all ranks: each TP rank holds its share of the KV heads of its stage's layers.
+    per_block = engine.executor.runner.kv_bytes_per_block_per_layer * engine.model_config.num_layers
+    kv_gib = kv.num_blocks * per_block * args.tensor_parallel_size / 2**30
     print(
         f"KV cache: {kv.num_blocks} blocks of {kv.block_size} tokens "
         f"({kv.num_blocks * kv.block_size} tokens, {kv_gib:.2f} GiB)",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (issue 3): on a CUDA machine, the engine throughput benchmark in bf16 with TP 1,
-# and TP 3 where three GPUs exist (SmolLM2's 9 heads split 1, 3 or 9 ways), printing output
-# tokens/s and the KV-cache size. Run from the repository root after `make setup` (with a CUDA
+# TP 3 where three GPUs exist (SmolLM2's 9 heads split 1, 3 or 9 ways) and PP 2 where two do,
+# printing output tokens/s and the KV-cache size. Run from the repository root after `make setup` (with a CUDA
 # build of torch: TORCH_SPEC=torch make setup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,10 +12,11 @@ if [ "$num_gpus" -lt 1 ]; then
   exit 1
 fi
 "$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(0), "x", torch.cuda.device_count())'
-for tp in 1 3; do
-  if [ "$tp" -le "$num_gpus" ]; then
-    echo "== bf16, tensor_parallel_size=$tp"
+for layout in "1 1" "3 1" "1 2"; do
+  read -r tp pp <<<"$layout"
+  if [ $((tp * pp)) -le "$num_gpus" ]; then
+    echo "== bf16, tensor_parallel_size=$tp, pipeline_parallel_size=$pp"
     PYTHONUNBUFFERED=1 "$PY" -m bench.engine_throughput --skip-transformers --dtype bfloat16 \
-      --tensor-parallel-size "$tp" 2>&1 | grep -v '^\r' | tail -6
+      --tensor-parallel-size "$tp" --pipeline-parallel-size "$pp" 2>&1 | grep -v '^\r' | tail -6
   fi
 done
