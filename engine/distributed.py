@@ -71,24 +71,26 @@ class PPGroup:
 
     def recv_prev(self, x: torch.Tensor, tag: int) -> torch.Tensor:
         """Fill `x` (allocated with the shape both stages know) from the previous stage."""
-        dist.recv(x, self._rank_of(self.stage - 1), group=self.group, tag=tag)
-        return x
+        return self._recv(x, self._rank_of(self.stage - 1), tag)
 
     def send_logits(self, logits: torch.Tensor, tag: int) -> dist.Work:
         return self._isend(logits, 0, tag)
 
     def recv_logits(self, x: torch.Tensor, tag: int) -> torch.Tensor:
-        dist.recv(x, self._rank_of(self.size - 1), group=self.group, tag=tag)
-        return x
+        return self._recv(x, self._rank_of(self.size - 1), tag)
 
     def _rank_of(self, stage: int) -> int:
         return stage * self.tp_size + self.tp_rank
 
     def _isend(self, x: torch.Tensor, dst: int, tag: int) -> dist.Work:
-        # Asynchronous: a stage goes on with its next micro-batch while this one travels.
+        # Asynchronous: a stage goes on with its next batch while this one travels.
         work = dist.isend(x.contiguous(), dst, group=self.group, tag=tag)
         assert work is not None, "this rank belongs to the group"
         return work
+
+    def _recv(self, x: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        dist.recv(x, src, group=self.group, tag=tag)
+        return x
 
 
 def init_groups(
