@@ -1,6 +1,7 @@
 """The control plane's exceptions, and the one place they become JSON error responses.
 
-Every error body has the shape `{"error": {"message", "type", "code"}}` (OpenAI's), whatever
+Every error body has the shape `{"error": {"message", "type", "param", "code"}}` (OpenAI's, built
+by `wire.errors`), whatever
 raised it: our own exceptions, request validation, unknown routes, or an unexpected bug (500).
 """
 
@@ -12,20 +13,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from wire.errors import ErrorBody, error_body, route_error_code, route_error_message
+
 logger = logging.getLogger(__name__)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    code: str
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
 
 
 # For OpenAPI: every route may answer with these, all in the `ErrorBody` shape.
@@ -44,7 +36,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 class ControlPlaneError(Exception):
     status_code = 400
-    error_type = "invalid_request_error"
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -54,29 +45,24 @@ class ControlPlaneError(Exception):
 
 class AuthenticationError(ControlPlaneError):
     status_code = 401
-    error_type = "authentication_error"
 
 
 class PermissionDeniedError(ControlPlaneError):
     status_code = 403
-    error_type = "permission_error"
 
 
 class NotFoundError(ControlPlaneError):
     status_code = 404
-    error_type = "not_found_error"
 
 
 class ConflictError(ControlPlaneError):
     status_code = 409
-    error_type = "conflict_error"
 
 
 def error_response(
-    status: int, message: str, error_type: str, code: str, headers: dict[str, str] | None = None
+    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    body = ErrorBody(error=ErrorDetail(message=message, type=error_type, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, bool]:
@@ -93,31 +79,33 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, bool]:
 async def _on_control_plane_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ControlPlaneError)
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-    return error_response(exc.status_code, exc.message, exc.error_type, exc.code, headers)
+    return error_response(exc.status_code, exc.message, exc.code, headers)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, is_bad_json = _describe_validation(exc)
     if is_bad_json:
-        return error_response(
-            400, "request body is not valid JSON", "invalid_request_error", "invalid_json"
-        )
-    return error_response(422, message, "invalid_request_error", "validation_error")
+        return error_response(400, "request body is not valid JSON", "invalid_json")
+    return error_response(422, message)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    # A route's own 404 (an unknown region, say) carries its detail; the router's does not.
+    message = (
+        route_error_message(exc.status_code, request.method, request.url.path, exc.detail)
+        if exc.detail in ("Not Found", "Method Not Allowed")
+        else str(exc.detail)
+    )
     return error_response(
-        exc.status_code, str(exc.detail), error_type, code, dict(exc.headers or {}) or None
+        exc.status_code, message, route_error_code(exc.status_code), dict(exc.headers or {}) or None
     )
 
 
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, "internal error", "server_error", "internal_error")
+    return error_response(500, "internal error")
 
 
 def install_error_handlers(app: FastAPI) -> None:

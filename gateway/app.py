@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api import Handlers
-from gateway.errors import GatewayError, error_json, error_response
+from gateway.errors import GatewayError, error_response
 from gateway.keys import KeyTable
 from gateway.limits import Limiter, LocalLimiter
 from gateway.metrics import GatewayMetrics
@@ -28,6 +28,7 @@ from gateway.redis_limits import RedisLimiter
 from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
 from gateway.watch import Watch
+from wire.errors import error_json, route_error_code, route_error_message
 from wire.geo import locate
 from wire.key_snapshot import KeySnapshot
 from wire.region_summary import RegionSummaryIndex
@@ -93,15 +94,14 @@ async def openai_errors(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        error_type = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        body = error_json(exc.reason, error_type, code)
+        message = route_error_message(exc.status, request.method, request.path, exc.reason)
+        body = error_json(exc.status, message, route_error_code(exc.status))
         return web.Response(body=body, status=exc.status, content_type="application/json")
     except GatewayError as exc:
         return error_response(exc)
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        body = error_json("internal error", "server_error", "internal_error")
+        body = error_json(500, "internal error")
         return web.Response(body=body, status=500, content_type="application/json")
 
 

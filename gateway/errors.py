@@ -7,14 +7,13 @@ status carries the meaning (400 bad input, 401 bad key, 413 too large, 429 rate 
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
+
+from wire.errors import error_json
 
 
 class GatewayError(Exception):
     status_code = 400
-    error_type = "invalid_request_error"
 
     def __init__(
         self,
@@ -40,43 +39,32 @@ class BodyTooLargeError(GatewayError):
 
 class AuthenticationError(GatewayError):
     status_code = 401
-    error_type = "authentication_error"
 
 
 class RateLimitError(GatewayError):
     status_code = 429
-    error_type = "rate_limit_error"
 
 
 class NotReadyError(GatewayError):
     """The gateway has not heard from the control plane yet (keys or regions unknown)."""
 
     status_code = 503
-    error_type = "service_unavailable"
 
 
 class NoCapacityError(GatewayError):
     """No region can take the request now."""
 
     status_code = 503
-    error_type = "service_unavailable"
 
 
 class UpstreamError(GatewayError):
     """Every region tried failed before answering."""
 
     status_code = 502
-    error_type = "upstream_error"
 
 
 class DeadlineError(GatewayError):
     status_code = 504
-    error_type = "timeout_error"
-
-
-def error_json(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return json.dumps(body).encode()
 
 
 def error_response(exc: GatewayError, headers: dict[str, str] | None = None) -> web.Response:
@@ -84,13 +72,13 @@ def error_response(exc: GatewayError, headers: dict[str, str] | None = None) -> 
     if exc.status_code == 401:
         all_headers.setdefault("www-authenticate", "Bearer")
     return web.Response(
-        body=error_json(exc.message, exc.error_type, exc.code, exc.param),
+        body=error_json(exc.status_code, exc.message, exc.code, exc.param),
         status=exc.status_code,
         content_type="application/json",
         headers=all_headers,
     )
 
 
-def sse_error_event(message: str, error_type: str, code: str) -> bytes:
+def sse_error_event(status: int, message: str, code: str) -> bytes:
     """The event that ends a stream that failed after bytes were sent (then `[DONE]`)."""
-    return b"data: " + error_json(message, error_type, code) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_json(status, message, code) + b"\n\ndata: [DONE]\n\n"

@@ -83,7 +83,7 @@ class StreamRelay:
                 "stream from %s ended early: %s", self.opened.candidate.region, self.error
             )
             message = f"{self.error}; the response is incomplete"
-            await response.write(sse_error_event(message, "upstream_error", "stream_interrupted"))
+            await response.write(sse_error_event(502, message, "stream_interrupted"))
         await response.write_eof()
 
     async def _forward(self, chunk: bytes, response: web.StreamResponse) -> None:

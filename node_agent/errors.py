@@ -16,15 +16,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, InvalidRequestError
+from wire.errors import error_body, route_error_code, route_error_message
 
 logger = logging.getLogger(__name__)
 
 
 class NodeAgentError(Exception):
-    """An error a client sees; subclasses fix the status, type and code."""
+    """An error a client sees; subclasses fix the status and code (the status fixes the type)."""
 
     status_code = 500
-    error_type = "server_error"
     code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
@@ -40,7 +40,6 @@ class NodeAgentError(Exception):
 
 class BadRequestError(NodeAgentError):
     status_code = 400
-    error_type = "invalid_request_error"
 
 
 class ContextLengthExceededError(BadRequestError):
@@ -49,13 +48,11 @@ class ContextLengthExceededError(BadRequestError):
 
 class ModelNotFoundError(NodeAgentError):
     status_code = 404
-    error_type = "invalid_request_error"
     code = "model_not_found"
 
 
 class OverloadedError(NodeAgentError):
     status_code = 429
-    error_type = "rate_limit_error"
     code = "overloaded"
 
     def __init__(self, message: str, *, retry_after_s: int):
@@ -70,7 +67,6 @@ class UnavailableError(NodeAgentError):
     """The node cannot take requests now: loading, draining, or its engine is dead."""
 
     status_code = 503
-    error_type = "server_error"
     code = "unavailable"
 
 
@@ -78,18 +74,11 @@ class ClientDisconnectedError(NodeAgentError):
     """The client left before its answer was ready (nobody reads this response)."""
 
     status_code = 499
-    error_type = "client_closed_request"
-
-
-def error_body(
-    message: str, error_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, dict[str, str | None]]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def to_response(exc: NodeAgentError) -> JSONResponse:
     return JSONResponse(
-        error_body(exc.message, exc.error_type, exc.param, exc.code),
+        error_body(exc.status_code, exc.message, exc.code, exc.param),
         status_code=exc.status_code,
         headers=exc.headers(),
     )
@@ -129,16 +118,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param, code = _validation_message(exc)
-        return JSONResponse(
-            error_body(message, "invalid_request_error", param, code), status_code=400
-        )
+        return JSONResponse(error_body(400, message, code, param), status_code=400)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = "not_found" if exc.status_code == 404 else None
+        message = route_error_message(
+            exc.status_code, request.method, request.url.path, str(exc.detail)
+        )
         return JSONResponse(
-            error_body(str(exc.detail), kind, None, code),
+            error_body(exc.status_code, message, route_error_code(exc.status_code)),
             status_code=exc.status_code,
             headers=exc.headers,
         )

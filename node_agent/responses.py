@@ -14,6 +14,7 @@ from functools import cache
 
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
+from wire.errors import error_body
 
 JSON = dict[str, object]
 DONE = b"data: [DONE]\n\n"
@@ -193,6 +194,6 @@ class ResponseHeader:
         return sse(payload)
 
 
-def error_event(message: str, error_type: str, code: str | None) -> bytes:
+def error_event(status: int, message: str, code: str | None) -> bytes:
     """An error after a stream has started: one event in OpenAI's error shape."""
-    return sse({"error": {"message": message, "type": error_type, "param": None, "code": code}})
+    return sse(error_body(status, message, code))

@@ -138,7 +138,7 @@ async def _guarded(
     except (EngineError, NodeAgentError) as exc:
         error = exc if isinstance(exc, NodeAgentError) else from_engine(exc)
         logger.warning("%s failed mid-stream: %s", run.prepared.request_id, error.message)
-        yield error_event(error.message, error.error_type, error.code) + DONE
+        yield error_event(error.status_code, error.message, error.code) + DONE
 
 
 async def collect_chat(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:

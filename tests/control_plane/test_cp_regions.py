@@ -38,6 +38,7 @@ async def test_region_lifecycle(cp: ControlPlaneClient) -> None:
     assert gone.json()["error"] == {
         "message": "region 'eu-west' not found",
         "type": "not_found_error",
+        "param": None,
         "code": "region_not_found",
     }
 

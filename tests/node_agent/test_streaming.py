@@ -60,7 +60,7 @@ def test_engine_death_mid_stream_ends_with_an_error_event_then_done(
     events, admission, metrics = run_events(EngineDeadError("boom"), True, tokenizer)
     assert events[-1].endswith(b"data: [DONE]\n\n")
     error = json.loads(events[-1].split(b"\n\n")[0][6:])["error"]
-    assert error["code"] == "engine_dead" and error["type"] == "server_error"
+    assert error["code"] == "engine_dead" and error["type"] == "service_unavailable"
     assert b'"content":"Hello"' in events[1]
     assert admission.num_in_flight == 0
     assert b'request_success_total{finished_reason="abort",model_name="m"} 1.0' in metrics.render()
