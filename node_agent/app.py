@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from engine.async_llm import AsyncLLM
 from node_agent.api import router
+from node_agent.auth import ServingAuthMiddleware
 from node_agent.consul import ConsulRegistration
 from node_agent.errors import install_error_handlers
 from node_agent.heartbeat import HeartbeatLoop
@@ -65,6 +66,11 @@ def create_app(settings: NodeAgentSettings, llm: AsyncLLM | None = None) -> Fast
 
     app = FastAPI(title="Meridian node agent", lifespan=lifespan)
     app.state.runtime = runtime
+    if settings.serving_token is not None:
+        # Added first, so it runs inside the request-id middleware: refusals carry an id too.
+        app.add_middleware(
+            ServingAuthMiddleware, token=settings.serving_token.get_secret_value()
+        )
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.include_router(router)

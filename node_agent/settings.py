@@ -1,12 +1,15 @@
 """Node agent settings: command-line flags > environment > YAML (`--config FILE`) > defaults.
 
 Environment variables take the prefix `MERIDIAN_NODE_AGENT_` (`MERIDIAN_NODE_AGENT_PORT=9002`),
-except the control-plane credential, which is `MERIDIAN_NODE_TOKEN` as for every service, and the
-Consul token, `CONSUL_HTTP_TOKEN` as Consul's own tools read it. YAML keys are the field names.
+except the control-plane credential, which is `MERIDIAN_NODE_TOKEN` as for every service, the
+token clients of the OpenAI API must present, `MERIDIAN_SERVING_TOKEN` (the gateways send the same
+one), and the Consul token, `CONSUL_HTTP_TOKEN` as Consul's own tools read it. YAML keys are the
+field names.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from pathlib import Path
@@ -26,6 +29,16 @@ from wire.heartbeat import NAME_PATTERN
 
 MIN_TOKEN_LEN = 16
 _HTTP_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (a name other than localhost counts as not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class NodeConfigError(ValueError):
@@ -62,6 +75,12 @@ class NodeAgentSettings(BaseSettings):
     node_id: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=63)
     # The URL the control plane and Consul hand out for this node (default http://host:port).
     advertise_url: str | None = None
+    # The bearer token every /v1 request must carry; required to listen beyond loopback.
+    serving_token: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("MERIDIAN_SERVING_TOKEN"),
+        min_length=MIN_TOKEN_LEN,
+    )
 
     # Admission control: requests queued or in prefill before new ones get 429.
     max_num_waiting_requests: int = Field(default=256, ge=0)
@@ -115,6 +134,11 @@ class NodeAgentSettings(BaseSettings):
                 raise ValueError("control_plane must be an http(s):// URL")
             if self.node_token is None:
                 raise ValueError("MERIDIAN_NODE_TOKEN must be set to report to a control plane")
+        if self.serving_token is None and not is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is reachable beyond this machine: set "
+                "MERIDIAN_SERVING_TOKEN so that only authenticated clients are served"
+            )
         if self.advertise_url is not None and not _HTTP_URL.match(self.advertise_url):
             raise ValueError("advertise_url must be an http(s):// URL")
         if self.heartbeat_timeout_s > self.max_heartbeat_backoff_s:

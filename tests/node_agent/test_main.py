@@ -58,6 +58,9 @@ def test_parallel_sizes_reach_the_engine() -> None:
         (["--control-plane", "http://127.0.0.1:8080"], 2, "MERIDIAN_NODE_TOKEN"),
         (["--config", "/nonexistent/node.yaml"], 2, "no such file"),
         (["--consul", "ftp://x"], 2, "--consul"),
+        (["--host", "0.0.0.0"], 2, "MERIDIAN_SERVING_TOKEN"),
+        (["--host", "::"], 2, "MERIDIAN_SERVING_TOKEN"),
+        (["--host", "10.1.2.3"], 2, "MERIDIAN_SERVING_TOKEN"),
     ],
 )
 def test_bad_configuration_fails_with_one_line(
@@ -67,6 +70,16 @@ def test_bad_configuration_fails_with_one_line(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("node_agent: error:")
     assert needle in err
+
+
+def test_a_serving_token_from_the_env_lets_the_node_listen_beyond_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MERIDIAN_SERVING_TOKEN", TOKEN)
+    settings = load_settings(parse_args(["--host", "0.0.0.0"]))
+    assert settings.serving_token is not None
+    assert settings.serving_token.get_secret_value() == TOKEN
+    assert TOKEN not in repr(settings)
 
 
 def test_unknown_yaml_key_fails_with_one_line(

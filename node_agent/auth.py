@@ -1,0 +1,62 @@
+"""The serving token: with one configured, every `/v1` route answers only `Authorization: Bearer
+<token>` (the gateway sends it upstream); `/health`, `/ready` and `/metrics` stay open for probes
+and scrapers.
+
+A pure ASGI middleware, so that a caller without the token is refused before its body is read
+or parsed, and so that unknown `/v1` paths are guarded as well as the routes.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from wire.errors import error_body
+
+_GUARDED_PREFIX = "/v1"
+_SCHEME = b"bearer "
+
+
+def is_guarded(path: str) -> bool:
+    return path == _GUARDED_PREFIX or path.startswith(_GUARDED_PREFIX + "/")
+
+
+def bearer_of(scope: Scope) -> bytes | None:
+    """The bearer credential of the request's `Authorization` header, if it has one."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            if value[: len(_SCHEME)].lower() != _SCHEME:
+                return None
+            return value[len(_SCHEME) :].strip()
+    return None
+
+
+class ServingAuthMiddleware:
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_guarded(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        given = bearer_of(scope)
+        # Constant time, so that the answer's timing says nothing about how much of a guess
+        # was right.
+        if given is not None and hmac.compare_digest(given, self._token):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "Missing bearer token: this node serves only requests with "
+            "`Authorization: Bearer <serving token>`"
+            if given is None
+            else "Invalid serving token"
+        )
+        response = JSONResponse(
+            error_body(401, message, "invalid_api_key"),
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
