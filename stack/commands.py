@@ -3,7 +3,7 @@ points), built from the layout; pure functions, so they can be checked without s
 
 Children run with this interpreter and import this tree (its root goes first on PYTHONPATH), so
 they are the same Meridian as the `meridian up` that starts them. Inherited MERIDIAN_* variables
-are dropped (they would override the services' settings); each service gets only its own token.
+are dropped (they would override the services' settings); each service gets only its own tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "MERIDIAN_ADMIN_TOKEN"
 NODE_TOKEN = "MERIDIAN_NODE_TOKEN"
 GATEWAY_TOKEN = "MERIDIAN_GATEWAY_TOKEN"
+# One per fleet: node agents require it on their OpenAI API, gateways send it upstream.
+SERVING_TOKEN = "MERIDIAN_SERVING_TOKEN"
 KEPT_MERIDIAN_VARS = frozenset({"MERIDIAN_HOME"})  # where the model store is
 
 
@@ -68,6 +70,7 @@ def node_agents(
     threads = config.node.num_threads or default_num_threads(config.num_nodes)
     env = base_env() | {
         NODE_TOKEN: tokens[NODE_TOKEN],
+        SERVING_TOKEN: tokens[SERVING_TOKEN],
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
     }
@@ -126,5 +129,5 @@ def gateway(layout: StackLayout, tls: GatewayTls, tokens: Mapping[str, str]) -> 
         *("--control-plane", layout.control_plane_url),
         *("--tls-cert", str(tls.cert), "--tls-key", str(tls.key)),
     )
-    env = base_env() | {GATEWAY_TOKEN: tokens[GATEWAY_TOKEN]}
+    env = base_env() | {name: tokens[name] for name in (GATEWAY_TOKEN, SERVING_TOKEN)}
     return Command("gateway", "gateway", argv, env, layout.gateway_url)

@@ -92,4 +92,5 @@ def fresh_tokens() -> dict[str, str]:
         commands.ADMIN_TOKEN: "adm-" + secrets.token_urlsafe(24),
         commands.NODE_TOKEN: "nod-" + secrets.token_urlsafe(24),
         commands.GATEWAY_TOKEN: "gw-" + secrets.token_urlsafe(24),
+        commands.SERVING_TOKEN: "srv-" + secrets.token_urlsafe(24),
     }

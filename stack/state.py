@@ -2,7 +2,7 @@
 
     $MERIDIAN_STACK_DIR, else $MERIDIAN_HOME/stack (default ~/.cache/meridian/stack)
       state.json       the running stack: its processes, URLs, CA path (removed by `down`)
-      tokens.env       the control plane's admin, node and gateway tokens (mode 0600)
+      tokens.env       the admin, node, gateway and serving tokens (mode 0600)
       control-plane.db the fleet registry (SQLite)
       tls/             the local CA and the gateway's certificate
       envoy/           each region Envoy's bootstrap

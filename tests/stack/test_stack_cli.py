@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stack import cli
+from stack import cli, commands
+from stack.certs import GatewayTls
 from stack.config import parse_config
 from stack.errors import StackError
 from stack.layout import check_ports_free, plan_layout
@@ -168,8 +169,21 @@ def test_a_child_that_exits_while_starting_is_reported_with_its_last_log_line(
 
 def test_tokens_are_fresh_distinct_and_long_enough() -> None:
     first, second = fresh_tokens(), fresh_tokens()
-    assert len(set(first.values())) == 3 and first != second
+    assert len(set(first.values())) == len(first) and first != second
     assert all(len(token) >= 16 for token in first.values())
+
+
+def test_every_node_agent_and_the_gateway_get_the_fleets_one_serving_token() -> None:
+    config = parse_config("regions: [{name: us-east}, {name: eu-west}]")
+    layout = plan_layout(config, use_envoy=False)
+    tokens = fresh_tokens()
+    serving = tokens[commands.SERVING_TOKEN]
+    nodes = commands.node_agents(config, layout, "smollm2-135m-instruct", tokens)
+    tls = GatewayTls(Path("/s/ca.pem"), Path("/s/cert.pem"), Path("/s/key.pem"))
+    gateway = commands.gateway(layout, tls, tokens)
+    assert len(nodes) == 2
+    assert all(c.env[commands.SERVING_TOKEN] == serving for c in [*nodes, gateway])
+    assert all(serving not in " ".join(c.argv) for c in [*nodes, gateway])
 
 
 def test_the_printed_examples_can_be_pasted() -> None:
