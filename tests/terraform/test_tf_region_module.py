@@ -56,10 +56,11 @@ output "user_data" {
   value = [
     for machine in module.region.nodes_by_machine :
     templatefile("../terraform/examples/cloud-gpu/user_data.sh.tftpl", {
-      agents              = machine
-      meridian_package    = "meridian"
-      node_token_ssm_name = "/meridian/node-token"
-      aws_region          = "us-east-1"
+      agents                 = machine
+      meridian_package       = "meridian"
+      node_token_ssm_name    = "/meridian/node-token"
+      serving_token_ssm_name = "/meridian/serving-token"
+      aws_region             = "us-east-1"
     })
   ]
 }
@@ -177,5 +178,7 @@ def test_cloud_user_data_starts_each_machines_agents(root: Terraform, tmp_path: 
     assert "--advertise-url http://$private_ip:9008" in second
     assert "us-east-00" not in second
     assert "MERIDIAN_NODE_TOKEN=%s" in second  # read from SSM at boot, not baked in
+    assert "MERIDIAN_SERVING_TOKEN=%s" in second  # the agents listen on 0.0.0.0
+    assert "--name '/meridian/serving-token'" in second
     syntax = subprocess.run(["bash", "-n"], input=second, text=True, capture_output=True)
     assert syntax.returncode == 0, syntax.stderr

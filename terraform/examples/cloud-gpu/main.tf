@@ -54,7 +54,7 @@ resource "aws_instance" "gpu_node" {
   instance_type          = var.instance_type
   subnet_id              = var.subnet_id
   vpc_security_group_ids = var.security_group_ids
-  iam_instance_profile   = var.instance_profile # must allow ssm:GetParameter on the node token
+  iam_instance_profile   = var.instance_profile # must allow ssm:GetParameter on both tokens
 
   root_block_device {
     volume_size = 200
@@ -66,10 +66,11 @@ resource "aws_instance" "gpu_node" {
   }
 
   user_data = templatefile("${path.module}/user_data.sh.tftpl", {
-    agents              = module.region.nodes_by_machine[count.index]
-    meridian_package    = var.meridian_package
-    node_token_ssm_name = var.node_token_ssm_parameter
-    aws_region          = var.aws_region
+    agents                 = module.region.nodes_by_machine[count.index]
+    meridian_package       = var.meridian_package
+    node_token_ssm_name    = var.node_token_ssm_parameter
+    serving_token_ssm_name = var.serving_token_ssm_parameter
+    aws_region             = var.aws_region
   })
   user_data_replace_on_change = true
 

@@ -36,6 +36,12 @@ variable "node_token_ssm_parameter" {
   default     = "/meridian/node-token"
 }
 
+variable "serving_token_ssm_parameter" {
+  description = "SSM SecureString parameter holding MERIDIAN_SERVING_TOKEN, the bearer the agents require on their OpenAI API (the fleet's gateways send the same one; read at boot, never in user data)."
+  type        = string
+  default     = "/meridian/serving-token"
+}
+
 variable "node_count" {
   description = "GPU instances in the region."
   type        = number
