@@ -4,18 +4,29 @@ Unknown fields are tolerated, as OpenAI's own servers tolerate them. Fields Open
 this node cannot honour (n > 1, tools, penalties, logit_bias, echo, suffix, best_of > 1, a
 non-text response_format, non-text message parts) are rejected with 400 rather than ignored.
 `ignore_eos` and `top_k` are accepted as vLLM accepts them, for benchmarks.
+Text with a lone surrogate (JSON's "\ud800" unpaired) is refused with 400: it is not Unicode, so
+no tokenizer or UTF-8 encoder downstream can take it.
 Responses are plain dicts built in `responses.py`: no pydantic in the token loop.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 16
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -51,6 +62,25 @@ class ChatMessageIn(_Lenient):
         return "".join(part.text for part in self.content)
 
 
+def lone_surrogate_at(value: object, path: str) -> str | None:
+    """Where in `value` (JSON data) a string holds a lone surrogate, or None.
+
+    Iterative: the parser allows nesting deeper than the room left on Python's stack here."""
+    pending: list[tuple[object, str]] = [(value, path)]
+    while pending:
+        item, where = pending.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                pending.append((key, where))
+                pending.append((child, f"{where}.{key}"))
+        elif isinstance(item, list):
+            pending.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+    return None
+
+
 class SamplingRequest(_Lenient):
     """Fields both endpoints share."""
 
@@ -69,6 +99,17 @@ class SamplingRequest(_Lenient):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _unicode_text(cls, value: object, info: ValidationInfo) -> object:
+        where = lone_surrogate_at(value, str(info.field_name))
+        if where is not None:
+            raise ValueError(
+                f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not valid Unicode text"
+            )
+        return value
 
     @field_validator("n")
     @classmethod

@@ -135,3 +135,74 @@ def test_openai_client_raises_typed_errors(node: NodeHandle) -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2)
         assert bad.value.param == "n"
+
+
+
+COMPLETIONS = "/v1/completions"
+DEEP = "[" * 100_000 + "]" * 100_000
+# Shallow enough for the JSON parser, deep for anything walking the parsed body recursively.
+SHALLOWER = "[" * 900 + "]" * 900
+
+
+def chat_json(content: str, *extra: str) -> bytes:
+    """A chat body, as raw JSON text: `content` is the message's content, as JSON."""
+    fields = [f'"model": "{MODEL_NAME}"', f'"messages": [{{"role": "user", "content": {content}}}]']
+    return ("{" + ", ".join([*fields, *extra]) + "}").encode()
+
+
+def completion_json(prompt: str) -> bytes:
+    return ("{" + f'"model": "{MODEL_NAME}", "prompt": {prompt}' + "}").encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "where"),
+    [
+        (CHAT, chat_json(r'"a\ud800b"'), "messages", "messages[0].content"),
+        (CHAT, chat_json(r'[{"type": "text", "text": "\udfff"}]'), "messages",
+         "messages[0].content[0].text"),
+        (CHAT, chat_json('"hi"', r'"stop": ["\ud800"]'), "stop", "stop[0]"),
+        (COMPLETIONS, completion_json(r'"x\ud800"'), "prompt", "prompt"),
+        (COMPLETIONS, completion_json(r'["\udbff"]'), "prompt", "prompt[0]"),
+    ],
+    ids=["chat-content", "chat-text-part", "stop", "prompt", "prompt-list"],
+)
+def test_a_lone_surrogate_in_the_text_is_400_and_the_node_keeps_serving(
+    node: NodeHandle, http: httpx.Client, path: str, body: bytes, param: str, where: str
+) -> None:
+    before = node.stats().prompt_tokens_total
+    response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    error = assert_openai_error(response, 400, param)
+    assert error["type"] == "invalid_request_error" and where in error["message"]
+    assert "surrogate" in error["message"]
+    assert node.stats().prompt_tokens_total == before
+    ok = http.post(CHAT, json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_surrogate_pair_is_one_character_and_served(http: httpx.Client) -> None:
+    body = chat_json(r'"smile \ud83d\ude00"', '"max_tokens": 1')
+    response = http.post(CHAT, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT, DEEP.encode()),
+        (CHAT, chat_json(DEEP)),
+        (COMPLETIONS, completion_json(DEEP)),
+        (COMPLETIONS, completion_json(SHALLOWER)),
+        (CHAT, chat_json(SHALLOWER)),
+    ],
+    ids=["bare-100k", "chat-100k", "prompt-100k", "prompt-900", "chat-900"],
+)
+def test_json_nested_too_deep_is_400_and_the_node_keeps_serving(
+    node: NodeHandle, http: httpx.Client, path: str, body: bytes
+) -> None:
+    before = node.stats().prompt_tokens_total
+    response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    error = assert_openai_error(response, 400)
+    assert error["type"] == "invalid_request_error"
+    assert node.stats().prompt_tokens_total == before
+    ok = http.post(CHAT, json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
