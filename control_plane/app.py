@@ -10,7 +10,8 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from control_plane import keys as key_store
 from control_plane.api import keys, nodes, regions, routing, status
@@ -20,14 +21,15 @@ from control_plane.consul_sync import follow_consul
 from control_plane.dns.server import DnsServer
 from control_plane.drain import ACTOR as DRAIN_ACTOR
 from control_plane.drain import Drainer, DrainSequence, DrainTimes, load_drains
-from control_plane.errors import install_error_handlers
+from control_plane.errors import error_response, install_error_handlers
 from control_plane.fleet import Fleet
 from control_plane.keys import KeyRegistry
+from control_plane.node_credentials import CredentialRegistry, NodeCredential, load_credentials
 from control_plane.registry import Registry, load_fleet
 from control_plane.routing import PolicyRegistry, load_policy
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
-from control_plane.store import Store
+from control_plane.store import Store, StoreBusyError
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet, resolve_tokens
 from control_plane.xds import api as xds_api
@@ -37,13 +39,14 @@ from wire.routing_policy import RoutingPolicy
 logger = logging.getLogger(__name__)
 
 API_VERSION = "1"
+RETRY_AFTER_BUSY_S = 1
 
 # What the lifespan reads from the store at start.
-_Loaded = tuple[Fleet, RoutingPolicy, int, list[DrainSequence]]
+_Loaded = tuple[Fleet, RoutingPolicy, int, list[DrainSequence], list[NodeCredential]]
 
 
 def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) -> ControlPlane:
-    fleet, policy, keys_index, drains = loaded
+    fleet, policy, keys_index, drains, credentials = loaded
     # Summary indexes start from the wall clock in milliseconds, so they keep growing across
     # restarts (changes come far slower than 1,000 a second) and gateways see no index go back.
     summary_feed = ChangeFeed(int(time.time() * 1000))
@@ -65,6 +68,7 @@ def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) 
     registry = Registry(
         store,
         fleet,
+        CredentialRegistry(store, credentials),
         on_change=publish_now,
         on_capacity=publisher.mark_dirty,
         note_drain=drainer.note,
@@ -84,18 +88,29 @@ def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) 
     )
 
 
+async def _on_store_busy(request: Request, exc: Exception) -> JSONResponse:
+    # Another connection holds the database lock (a long transaction, a backup): nothing is
+    # wrong with the request, and the same call shortly after will likely succeed.
+    return error_response(
+        503,
+        "the control plane's database is busy; retry shortly",
+        code="store_busy",
+        headers={"Retry-After": str(RETRY_AFTER_BUSY_S)},
+    )
+
+
 def create_app(settings: Settings) -> FastAPI:
     tokens = resolve_tokens(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await anyio.to_thread.run_sync(Store, settings.db_path)
+        store = await anyio.to_thread.run_sync(Store, settings.db_path, settings.db_busy_timeout_s)
         try:
 
             def load(conn: sqlite3.Connection) -> _Loaded:
                 fleet = load_fleet(conn, settings.unhealthy_after_s)
                 policy, keys_index = load_policy(conn), key_store.read_index(conn)
-                return fleet, policy, keys_index, load_drains(conn)
+                return fleet, policy, keys_index, load_drains(conn), load_credentials(conn)
 
             services = _build(settings, tokens, store, await store.read(load))
             app.state.services = services
@@ -141,6 +156,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app)
+    app.add_exception_handler(StoreBusyError, _on_store_busy)
     app.add_middleware(HeartbeatFastPath)
     for router in (
         regions.router,

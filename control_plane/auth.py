@@ -1,13 +1,15 @@
 """Bearer-token authentication: which kind of caller (admin, node, gateway) a request comes from.
 
 A missing or unknown token is 401; a valid token of another kind is 403. The presented token is
-compared with every known token in constant time (`hmac.compare_digest`), without stopping at the
-first match, so timing reveals neither the tokens nor which kind matched.
+compared with both shared tokens (admin, gateway) in constant time (`hmac.compare_digest`),
+without stopping at the first match, so timing reveals neither the tokens nor which kind matched.
+A node's own credential is found by its token's hash (`control_plane.node_credentials`).
 """
 
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -15,7 +17,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from control_plane.audit import Actor
 from control_plane.errors import AuthenticationError, PermissionDeniedError
-from control_plane.services import ServicesDep
+from control_plane.node_credentials import NodeCredential
+from control_plane.services import ControlPlane, ServicesDep
 from control_plane.tokens import ENV_NAMES, TokenKind, TokenSet
 
 MAX_AGENT_LEN = 120
@@ -51,12 +54,23 @@ _NODE_SCHEME = _scheme(TokenKind.NODE)
 _GATEWAY_SCHEME = _scheme(TokenKind.GATEWAY)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeCaller:
+    """A node agent, and the credential that says which node it may speak for."""
+
+    actor: Actor
+    credential: NodeCredential
+
+
 def authenticate(
-    kind: TokenKind, request: Request, tokens: TokenSet, credentials: Credentials
+    kind: TokenKind, request: Request, services: ControlPlane, credentials: Credentials
 ) -> Actor:
     if credentials is None:
         raise AuthenticationError("missing bearer token", "missing_token")
-    matched = match_token(tokens, credentials.credentials)
+    presented = credentials.credentials
+    matched = match_token(services.tokens, presented)
+    if matched is None and services.registry.credentials.find(presented) is not None:
+        matched = TokenKind.NODE
     if matched is None:
         raise AuthenticationError("invalid bearer token", "invalid_token")
     if matched is not kind:
@@ -72,15 +86,19 @@ async def require_admin(
     services: ServicesDep,
     credentials: Annotated[Credentials, Depends(_ADMIN_SCHEME)],
 ) -> Actor:
-    return authenticate(TokenKind.ADMIN, request, services.tokens, credentials)
+    return authenticate(TokenKind.ADMIN, request, services, credentials)
 
 
 async def require_node(
     request: Request,
     services: ServicesDep,
     credentials: Annotated[Credentials, Depends(_NODE_SCHEME)],
-) -> Actor:
-    return authenticate(TokenKind.NODE, request, services.tokens, credentials)
+) -> NodeCaller:
+    actor = authenticate(TokenKind.NODE, request, services, credentials)
+    assert credentials is not None
+    credential = services.registry.credentials.find(credentials.credentials)
+    assert credential is not None
+    return NodeCaller(actor, credential)
 
 
 async def require_gateway(
@@ -88,12 +106,12 @@ async def require_gateway(
     services: ServicesDep,
     credentials: Annotated[Credentials, Depends(_GATEWAY_SCHEME)],
 ) -> Actor:
-    return authenticate(TokenKind.GATEWAY, request, services.tokens, credentials)
+    return authenticate(TokenKind.GATEWAY, request, services, credentials)
 
 
 # The dependencies are `async def` (they never block) so FastAPI runs them on the event loop
 # rather than handing each one to its thread pool: at 1,000 heartbeats a second that hand-off
 # cost more than the heartbeat itself.
 AdminAuth = Annotated[Actor, Depends(require_admin)]
-NodeAuth = Annotated[Actor, Depends(require_node)]
+NodeAuth = Annotated[NodeCaller, Depends(require_node)]
 GatewayAuth = Annotated[Actor, Depends(require_gateway)]

@@ -23,7 +23,8 @@ from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.errors import ConflictError, NotFoundError
 from control_plane.fleet import ConsulEntry, Fleet, Node, NodeIdentity, Region
-from control_plane.schemas import RegionCreate, RegionPatch
+from control_plane.node_credentials import CredentialRegistry, write_binding
+from control_plane.schemas import NodePatch, RegionCreate, RegionPatch
 from control_plane.store import Store
 from wire.heartbeat import Heartbeat
 
@@ -108,12 +109,14 @@ class Registry:
         self,
         store: Store,
         fleet: Fleet,
+        credentials: CredentialRegistry,
         on_change: Callable[[], None],
         on_capacity: Callable[[], None],
         note_drain: Callable[[Node], None] = lambda node: None,
         on_region_change: Callable[[str], None] | None = None,
     ) -> None:
         self.fleet = fleet
+        self.credentials = credentials
         self._store = store
         self._on_change = on_change  # something routing-relevant changed: publish now
         # ... in one region only (a node registered or back to health): publish that region now
@@ -314,6 +317,8 @@ class Registry:
         def change(conn: sqlite3.Connection) -> None:
             for node_id, reg in batch.items():
                 _write_registration(conn, reg.actor, node_id, reg.identity, now)
+                # The beat matched its credential: this binds a URL that was left open.
+                write_binding(conn, node_id, reg.identity.region, reg.identity.url)
 
         try:
             await self._store.write(change)
@@ -324,6 +329,7 @@ class Registry:
             raise
         regions: set[str] = set()
         for node_id, reg in batch.items():
+            self.credentials.rebind(node_id, reg.identity.region, reg.identity.url)
             node = self.fleet.nodes.get(node_id)  # Consul may have listed it meanwhile
             regions.add(reg.identity.region)
             if node is None:
@@ -379,6 +385,35 @@ class Registry:
             node.drain_requested = drain
             self._note_drain(node)
         self._on_change()
+        return node
+
+    async def update_node(self, actor: Actor, node_id: str, patch: NodePatch) -> Node:
+        """An operator moves a node to another region or URL: its registration and credential
+        change in one transaction, and routing follows at once (beats from the old place are
+        refused from now on)."""
+        self._refuse_consul_only(node_id, "move")
+        node = self.get_node(node_id)
+        old_region = node.identity.region
+        identity = dataclasses.replace(
+            node.identity, region=patch.region or old_region, url=patch.url or node.identity.url
+        )
+
+        def change(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "UPDATE nodes SET region = ?, url = ?, updated_at = ? WHERE node_id = ?",
+                (identity.region, identity.url, time.time(), node_id),
+            )
+            write_binding(conn, node_id, identity.region, identity.url)
+            detail: audit.AuditDetail = {"region": identity.region, "url": identity.url}
+            audit.record(conn, actor, "node.move", node_id, detail)
+
+        async with self._lock:
+            await self._store.write(change)
+            self.credentials.rebind(node_id, identity.region, identity.url)
+            self.fleet.move(node, identity)
+            self._note_drain(node)
+        self._on_region_change(old_region)
+        self._on_region_change(identity.region)
         return node
 
     async def delete_node(self, actor: Actor, node_id: str) -> None:

@@ -117,6 +117,41 @@ class NodeList(BaseModel):
     nodes: list[NodeView]
 
 
+class NodeCredentialCreate(BaseModel):
+    """What a node's credential binds it to; a URL left out is bound by its first heartbeat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    region: Name
+    url: HttpUrlStr | None = None
+
+
+class NodeCredentialCreated(BaseModel):
+    node_id: str
+    region: str
+    url: str | None
+    created_at: float
+    token: str = Field(
+        description="the node's MERIDIAN_NODE_TOKEN; shown only in this response (minting "
+        "again replaces it)"
+    )
+
+
+class NodePatch(BaseModel):
+    """An operator's move of a node: to another region, or another URL. At least one field."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
+
+    region: Name | SkipJsonSchema[None] = None
+    url: HttpUrlStr | SkipJsonSchema[None] = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> NodePatch:
+        if self.region is None and self.url is None:
+            raise ValueError("give region, url or both (neither may be null)")
+        return self
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -67,10 +67,12 @@ class Settings(BaseSettings):
     consul_addr: str | None = None
     consul_service_name: str = Field(default="meridian-node", min_length=1, max_length=128)
     db_path: str = "meridian-control-plane.db"
+    # How long a write waits for a lock another connection holds before answering 503.
+    db_busy_timeout_s: float = Field(default=5.0, gt=0.0, le=60.0)
 
-    # Bearer tokens, read from MERIDIAN_ADMIN_TOKEN / MERIDIAN_NODE_TOKEN / MERIDIAN_GATEWAY_TOKEN.
+    # Bearer tokens, read from MERIDIAN_ADMIN_TOKEN / MERIDIAN_GATEWAY_TOKEN. Node agents have
+    # none in common: each has its own credential, minted through the admin API.
     admin_token: SecretStr | None = _token_field("MERIDIAN_ADMIN_TOKEN")
-    node_token: SecretStr | None = _token_field("MERIDIAN_NODE_TOKEN")
     gateway_token: SecretStr | None = _token_field("MERIDIAN_GATEWAY_TOKEN")
     # Where tokens generated on loopback are kept (default: next to the database, `<db>.tokens`).
     token_file: Path | None = None
@@ -96,7 +98,6 @@ class Settings(BaseSettings):
     def _tokens_required_off_loopback(self) -> Settings:
         tokens = {
             "MERIDIAN_ADMIN_TOKEN": self.admin_token,
-            "MERIDIAN_NODE_TOKEN": self.node_token,
             "MERIDIAN_GATEWAY_TOKEN": self.gateway_token,
         }
         missing = [name for name, value in tokens.items() if value is None]
@@ -106,7 +107,7 @@ class Settings(BaseSettings):
             )
         values = [v.get_secret_value() for v in tokens.values() if v is not None]
         if len(set(values)) != len(values):
-            raise ValueError("the admin, node and gateway tokens must all differ")
+            raise ValueError("the admin and gateway tokens must differ")
         return self
 
     @property

@@ -1,9 +1,11 @@
-"""The three bearer tokens, and generating them when serving on loopback without any set.
+"""The two shared bearer tokens (operator, gateways), and generating them on loopback.
 
-On a loopback-only control plane (a developer's laptop, a test), missing tokens are generated and
-kept in a token file next to the database (`<db>.tokens`, mode 0600, env-file syntax), so that
-`set -a; . meridian-control-plane.db.tokens; set +a` gives node agents and gateways on the same
-machine their tokens, and a restart with the same `--db` keeps them. Tokens are never logged.
+Node agents have no shared token: each has its own credential, minted through the admin API
+(`control_plane.node_credentials`). On a loopback-only control plane (a developer's laptop, a
+test), missing tokens are generated and kept in a token file next to the database (`<db>.tokens`,
+mode 0600, env-file syntax), so that `set -a; . meridian-control-plane.db.tokens; set +a` gives
+operators and gateways on the same machine their tokens, and a restart with the same `--db`
+keeps them. Tokens are never logged.
 """
 
 from __future__ import annotations
@@ -28,28 +30,24 @@ class TokenKind(StrEnum):
 
 ENV_NAMES: dict[TokenKind, str] = {
     TokenKind.ADMIN: "MERIDIAN_ADMIN_TOKEN",
-    TokenKind.NODE: "MERIDIAN_NODE_TOKEN",
+    TokenKind.NODE: "MERIDIAN_NODE_TOKEN",  # each node agent's own credential
     TokenKind.GATEWAY: "MERIDIAN_GATEWAY_TOKEN",
 }
+SHARED_KINDS = (TokenKind.ADMIN, TokenKind.GATEWAY)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenSet:
     admin: str
-    node: str
     gateway: str
 
     def items(self) -> list[tuple[TokenKind, str]]:
-        return [
-            (TokenKind.ADMIN, self.admin),
-            (TokenKind.NODE, self.node),
-            (TokenKind.GATEWAY, self.gateway),
-        ]
+        return [(TokenKind.ADMIN, self.admin), (TokenKind.GATEWAY, self.gateway)]
 
 
 def read_token_file(path: Path) -> dict[TokenKind, str]:
     """Parse `MERIDIAN_*_TOKEN=value` lines; other lines are ignored."""
-    by_env = {env: kind for kind, env in ENV_NAMES.items()}
+    by_env = {ENV_NAMES[kind]: kind for kind in SHARED_KINDS}
     found: dict[TokenKind, str] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         name, sep, value = line.strip().removeprefix("export ").partition("=")
@@ -72,19 +70,16 @@ def resolve_tokens(settings: Settings) -> TokenSet:
     given: dict[TokenKind, str] = {}
     for kind, secret in (
         (TokenKind.ADMIN, settings.admin_token),
-        (TokenKind.NODE, settings.node_token),
         (TokenKind.GATEWAY, settings.gateway_token),
     ):
         if secret is not None:
             given[kind] = secret.get_secret_value()
-    if len(given) < len(TokenKind):
+    if len(given) < len(SHARED_KINDS):
         # Settings validation already refused this off loopback.
         given.update(
-            _loopback_tokens(settings.resolved_token_file, missing=set(TokenKind) - set(given))
+            _loopback_tokens(settings.resolved_token_file, missing=set(SHARED_KINDS) - set(given))
         )
-    return TokenSet(
-        admin=given[TokenKind.ADMIN], node=given[TokenKind.NODE], gateway=given[TokenKind.GATEWAY]
-    )
+    return TokenSet(admin=given[TokenKind.ADMIN], gateway=given[TokenKind.GATEWAY])
 
 
 def _loopback_tokens(path: Path, missing: set[TokenKind]) -> dict[TokenKind, str]:

@@ -3,8 +3,9 @@
 At 1,000 heartbeats a second, FastAPI's per-request work (routing through every route, solving the
 dependency tree, validating the reply against its model) cost three times what the heartbeat
 itself does. This ASGI wrapper answers the common case directly: the node token, a JSON body that
-validates as a `Heartbeat`, from a node already registered with the same identity. Everything else
-(a first beat, a bad token, a bad body) goes on to the FastAPI route, with the body replayed, so
+validates as a `Heartbeat`, from a node already registered with the same identity, with that
+node's own credential. Everything else (a first beat, a bad token, a credential of another node,
+a bad body) goes on to the FastAPI route, with the body replayed, so
 errors, registration and the OpenAPI schema stay where they are and behave the same.
 """
 
@@ -18,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.api.nodes import heartbeat_reply
 from control_plane.audit import Actor
-from control_plane.auth import MAX_AGENT_LEN, match_token
+from control_plane.auth import MAX_AGENT_LEN
 from control_plane.fleet import NodeIdentity
 from control_plane.services import ControlPlane
 from control_plane.tokens import TokenKind
@@ -95,7 +96,8 @@ class HeartbeatFastPath:
             return False
         authorization = _header(scope, b"authorization") or b""
         scheme, _, token = authorization.decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or match_token(services.tokens, token) is not TokenKind.NODE:
+        credential = services.registry.credentials.find(token)
+        if scheme.lower() != "bearer" or credential is None:
             return False
         content_type = (_header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
         if content_type != b"application/json":
@@ -104,6 +106,8 @@ class HeartbeatFastPath:
             beat = Heartbeat.model_validate_json(body)
         except ValidationError:
             return False
+        if credential.refusal(beat) is not None:
+            return False  # the FastAPI route answers 403 with the reason
         node = services.registry.fleet.nodes.get(beat.node_id)
         if node is None or not node.is_from_heartbeats or node.identity != NodeIdentity.of(beat):
             return False  # registration writes to the store: the FastAPI route does it

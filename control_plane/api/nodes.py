@@ -1,4 +1,5 @@
-"""Nodes: heartbeats from node agents, and operators' drain / undrain / remove."""
+"""Nodes: heartbeats from node agents, and operators' credentials / move / drain / undrain /
+remove."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ from control_plane.auth import AdminAuth, NodeAuth
 from control_plane.drain import STEPS, DrainSequence, has_reached
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.fleet import Node
-from control_plane.schemas import DrainStepView, DrainView, NodeList, NodeView
+from control_plane.schemas import (
+    DrainStepView,
+    DrainView,
+    NodeCredentialCreate,
+    NodeCredentialCreated,
+    NodeList,
+    NodePatch,
+    NodeView,
+)
 from control_plane.services import ControlPlane, ServicesDep
-from wire.heartbeat import Heartbeat, HeartbeatReply
+from wire.heartbeat import Heartbeat, HeartbeatReply, Name
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=ERROR_RESPONSES)
 
@@ -65,11 +74,16 @@ def view_of(node: Node) -> NodeView:
 
 
 @router.post("/heartbeat")
-async def heartbeat(actor: NodeAuth, services: ServicesDep, beat: Heartbeat) -> HeartbeatReply:
-    """A node's capacity report. The reply carries the node's part of its drain sequence: stop
-    admitting (`drain`), deregister from Consul (`consul_deregister`), exit (`may_exit`).
-    (Beats from known nodes are answered by `fast_heartbeat` before they reach this route.)"""
-    node = await services.registry.record_heartbeat(actor, beat)
+async def heartbeat(caller: NodeAuth, services: ServicesDep, beat: Heartbeat) -> HeartbeatReply:
+    """A node's capacity report, with the node's own credential: only for the node id, region
+    and URL it is bound to (403 otherwise). The reply carries the node's part of its drain
+    sequence: stop admitting (`drain`), deregister from Consul (`consul_deregister`), exit
+    (`may_exit`). (Beats from known nodes are answered by `fast_heartbeat` before they reach this
+    route.)"""
+    refusal = caller.credential.refusal(beat)
+    if refusal is not None:
+        raise refusal
+    node = await services.registry.record_heartbeat(caller.actor, beat)
     return heartbeat_reply(services, node, beat)
 
 
@@ -95,6 +109,34 @@ async def list_nodes(actor: AdminAuth, services: ServicesDep) -> NodeList:
 async def get_node(actor: AdminAuth, services: ServicesDep, node_id: str) -> NodeView:
     """The node, with its drain sequence (phase, and when each step started and ended)."""
     return node_view(services, services.registry.get_node(node_id))
+
+
+@router.post("/{node_id}/credential", status_code=status.HTTP_201_CREATED)
+async def mint_credential(
+    actor: AdminAuth, services: ServicesDep, node_id: Name, body: NodeCredentialCreate
+) -> NodeCredentialCreated:
+    """A node agent's own token (its MERIDIAN_NODE_TOKEN), bound to this node id and region (and
+    URL, else its first heartbeat binds one). Shown only in this response; minting again
+    replaces it."""
+    credentials = services.registry.credentials
+    credential, token = await credentials.mint(actor, node_id, body.region, body.url)
+    return NodeCredentialCreated(
+        node_id=node_id,
+        region=credential.region,
+        url=credential.url,
+        created_at=credential.created_at,
+        token=token,
+    )
+
+
+@router.patch("/{node_id}")
+async def move_node(
+    actor: AdminAuth, services: ServicesDep, node_id: str, patch: NodePatch
+) -> NodeView:
+    """Move a node to another region or URL (its heartbeats cannot): its registration and its
+    credential change together, and routing follows at once. (A node that has not beaten yet:
+    mint its credential again.)"""
+    return node_view(services, await services.registry.update_node(actor, node_id, patch))
 
 
 @router.post("/{node_id}/drain")

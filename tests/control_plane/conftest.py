@@ -33,9 +33,7 @@ MAX_START_S = 20.0
 
 def new_tokens() -> TokenSet:
     return TokenSet(
-        admin="adm-" + secrets.token_urlsafe(24),
-        node="nod-" + secrets.token_urlsafe(24),
-        gateway="gw-" + secrets.token_urlsafe(24),
+        admin="adm-" + secrets.token_urlsafe(24), gateway="gw-" + secrets.token_urlsafe(24)
     )
 
 
@@ -47,7 +45,6 @@ def make_settings(db_path: Path, tokens: TokenSet, **overrides: Any) -> Settings
     values: dict[str, Any] = {
         "db_path": str(db_path),
         "admin_token": tokens.admin,
-        "node_token": tokens.node,
         "gateway_token": tokens.gateway,
         "heartbeat_interval_s": 0.2,
         "sweep_interval_s": 0.05,
@@ -89,6 +86,7 @@ class ControlPlaneClient:
     app: FastAPI | None = None
     base_url: str = ""
     headers: dict[str, dict[str, str]] = field(default_factory=dict)
+    node_tokens: dict[str, str] = field(default_factory=dict)  # minted on first use, by node id
 
     def __post_init__(self) -> None:
         self.headers = {kind.value: bearer(token) for kind, token in self.tokens.items()}
@@ -96,10 +94,6 @@ class ControlPlaneClient:
     @property
     def admin(self) -> dict[str, str]:
         return self.headers["admin"]
-
-    @property
-    def node(self) -> dict[str, str]:
-        return self.headers["node"]
 
     @property
     def gateway(self) -> dict[str, str]:
@@ -112,9 +106,25 @@ class ControlPlaneClient:
         assert isinstance(services, ControlPlane)
         return services
 
+    async def mint(self, node_id: str = "n1", region: str = "us-east", **fields: Any) -> str:
+        """A fresh credential for the node (as an operator mints one); returns its token."""
+        response = await self.http.post(
+            f"/v1/nodes/{node_id}/credential", json={"region": region} | fields, headers=self.admin
+        )
+        assert response.status_code == 201, response.text
+        self.node_tokens[node_id] = response.json()["token"]
+        return self.node_tokens[node_id]
+
+    async def node_headers(self, node_id: str = "n1", region: str = "us-east") -> dict[str, str]:
+        """The node's own bearer header, minting its credential (bound to `region`) if needed."""
+        token = self.node_tokens.get(node_id) or await self.mint(node_id, region)
+        return bearer(token)
+
     async def beat(self, node_id: str = "n1", region: str = "us-east", **fields: Any) -> Any:
         response = await self.http.post(
-            "/v1/nodes/heartbeat", json=heartbeat(node_id, region, **fields), headers=self.node
+            "/v1/nodes/heartbeat",
+            json=heartbeat(node_id, region, **fields),
+            headers=await self.node_headers(node_id, region),
         )
         assert response.status_code == 200, response.text
         return response.json()

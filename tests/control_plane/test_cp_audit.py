@@ -16,6 +16,8 @@ async def test_every_change_is_audited(cp: ControlPlaneClient) -> None:
     await cp.beat("n1")
     await cp.http.post("/v1/nodes/n1/drain", headers=cp.admin)
     await cp.http.post("/v1/nodes/n1/undrain", headers=cp.admin)
+    moved = {"url": "http://127.0.0.1:9999"}
+    assert (await cp.http.patch("/v1/nodes/n1", json=moved, headers=cp.admin)).is_success
     key = (
         await cp.http.post("/v1/keys", json={"name": "k", "rpm": 1, "tpm": 2}, headers=cp.admin)
     ).json()
@@ -24,6 +26,7 @@ async def test_every_change_is_audited(cp: ControlPlaneClient) -> None:
     await cp.http.delete("/v1/nodes/n1", headers=cp.admin)
     await cp.http.delete("/v1/regions/us-east", headers=cp.admin)
     # Reads and plain heartbeats are not changes.
+    await cp.mint("n2")
     await cp.beat("n2")
     await cp.beat("n2")
     await cp.http.get("/v1/status", headers=cp.admin)
@@ -40,14 +43,17 @@ async def test_every_change_is_audited(cp: ControlPlaneClient) -> None:
     assert [(e["action"], e["target"], e["actor"]) for e in entries] == [
         ("region.create", "us-east", "admin"),
         ("region.update", "us-east", "admin"),
+        ("node.credential", "n1", "admin"),
         ("node.register", "n1", "node"),
         ("node.drain", "n1", "admin"),
         ("node.undrain", "n1", "admin"),
+        ("node.move", "n1", "admin"),
         ("key.create", key["id"], "admin"),
         ("key.revoke", key["id"], "admin"),
         ("routing.replace", "routing", "admin"),
         ("node.delete", "n1", "admin"),
         ("region.delete", "us-east", "admin"),
+        ("node.credential", "n2", "admin"),
         ("node.register", "n2", "node"),
     ]
     assert entries[1]["detail"] == {"weight": 3.0}

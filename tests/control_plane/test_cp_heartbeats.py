@@ -45,7 +45,8 @@ async def test_heartbeat_registers_node_and_fills_the_summary(cp: ControlPlaneCl
 @pytest.mark.asyncio
 async def test_unknown_fields_are_ignored(cp: ControlPlaneClient) -> None:
     body = heartbeat("n1") | {"gpu_temperature_c": 71, "future": {"nested": [1, 2]}}
-    response = await cp.http.post("/v1/nodes/heartbeat", json=body, headers=cp.node)
+    headers = await cp.node_headers("n1")
+    response = await cp.http.post("/v1/nodes/heartbeat", json=body, headers=headers)
     assert response.status_code == 200, response.text
     node = (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()
     assert "gpu_temperature_c" not in node["last_heartbeat"]
@@ -74,7 +75,8 @@ async def test_bad_heartbeat_is_422(
     cp: ControlPlaneClient, change: dict[str, Any], fragment: str
 ) -> None:
     body = heartbeat("n1") | change
-    response = await cp.http.post("/v1/nodes/heartbeat", json=body, headers=cp.node)
+    headers = await cp.node_headers("n1")
+    response = await cp.http.post("/v1/nodes/heartbeat", json=body, headers=headers)
     assert response.status_code == 422, response.text
     assert fragment in response.json()["error"]["message"]
     assert (await cp.http.get("/v1/nodes", headers=cp.admin)).json()["nodes"] == []
@@ -160,20 +162,21 @@ async def test_node_of_unregistered_region_is_known_but_not_routed(cp: ControlPl
 
 
 @pytest.mark.asyncio
-async def test_delete_node_and_moving_region_are_audited(cp: ControlPlaneClient) -> None:
+async def test_delete_node_and_changing_identity_are_audited(cp: ControlPlaneClient) -> None:
     await cp.beat("n1", region="us-east")
     await cp.beat("n1", region="us-east")
-    await cp.beat("n1", region="eu-west")
+    await cp.beat("n1", region="us-east", model="other-model")  # a node may change its model
     assert (await cp.http.delete("/v1/nodes/n1", headers=cp.admin)).status_code == 204
     assert (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).status_code == 404
     assert (await cp.http.delete("/v1/nodes/n1", headers=cp.admin)).status_code == 404
     entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
     assert [(e["action"], e["actor"]) for e in entries] == [
+        ("node.credential", "admin"),
         ("node.register", "node"),
         ("node.update", "node"),
         ("node.delete", "admin"),
     ]
-    assert entries[1]["detail"]["region"] == "eu-west"
+    assert entries[2]["detail"]["model"] == "other-model"
 
 
 @pytest.mark.asyncio
@@ -196,22 +199,31 @@ async def test_known_nodes_take_the_fast_path_with_the_same_answers(
 
     # Anything unusual goes on to the route, body and all: the same errors as ever.
     body = heartbeat("n1")
+    node = await cp.node_headers("n1")
     for headers, status in (
         ({}, 401),
         (cp.gateway, 403),
-        (cp.node | {"Content-Type": "text/plain"}, 422),  # as FastAPI answers it
+        (node | {"Content-Type": "text/plain"}, 422),  # as FastAPI answers it
     ):
         response = await cp.http.post(
             "/v1/nodes/heartbeat", content=json.dumps(body), headers=headers
         )
         assert response.status_code == status, response.text
     response = await cp.http.post(
-        "/v1/nodes/heartbeat", json=body | {"kv_blocks_free": -1}, headers=cp.node
+        "/v1/nodes/heartbeat", json=body | {"kv_blocks_free": -1}, headers=await cp.node_headers()
     )
     assert response.status_code == 422 and "kv_blocks_free" in response.text
-    moved = await cp.beat("n1", url="http://127.0.0.1:9999")  # a new identity is a registration
-    assert moved["drain"] is False and answered[-1] is False
-    assert cp.services.registry.fleet.nodes["n1"].identity.url == "http://127.0.0.1:9999"
+    # A beat from another URL is refused by the route (only an operator moves a node).
+    response = await cp.http.post(
+        "/v1/nodes/heartbeat",
+        json=body | {"url": "http://127.0.0.1:9999"},
+        headers=await cp.node_headers(),
+    )
+    assert response.status_code == 403 and answered[-1] is False
+    assert cp.services.registry.fleet.nodes["n1"].identity.url == body["url"]
+    renamed = await cp.beat("n1", model="other-model")  # a new identity is a registration
+    assert renamed["drain"] is False and answered[-1] is False
+    assert cp.services.registry.fleet.nodes["n1"].identity.model == "other-model"
 
 
 @pytest.mark.asyncio
@@ -221,6 +233,8 @@ async def test_nodes_starting_together_register_in_a_few_writes(
     store = cp.services.store
     original = store.write
     num_writes = 0
+    for i in range(40):
+        await cp.mint(f"n{i}")  # an operator's writes, one by one, before the nodes start
 
     async def counting(change: Any) -> Any:
         nonlocal num_writes

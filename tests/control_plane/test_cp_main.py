@@ -26,7 +26,6 @@ CLEAN_EXIT = (0, -signal.SIGTERM)
 def token_env(tokens: Any) -> dict[str, str]:
     return {
         "MERIDIAN_ADMIN_TOKEN": tokens.admin,
-        "MERIDIAN_NODE_TOKEN": tokens.node,
         "MERIDIAN_GATEWAY_TOKEN": tokens.gateway,
     }
 
@@ -39,7 +38,7 @@ def changes_of(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_state_survives_a_restart(tmp_path: Path, start_process: Any) -> None:
     tokens = new_tokens()
     db = str(tmp_path / "fleet.db")
-    admin, node, gateway = bearer(tokens.admin), bearer(tokens.node), bearer(tokens.gateway)
+    admin, gateway = bearer(tokens.admin), bearer(tokens.gateway)
     first = start_process(["--db", db, "--heartbeat-interval", "0.5"], token_env(tokens))
     with httpx.Client(base_url=first.base_url, timeout=5) as http:
         region = {"name": "us-east", "lat": 40.7, "lon": -74.0, "ingress_url": "http://127.0.0.1:1"}
@@ -47,6 +46,8 @@ def test_state_survives_a_restart(tmp_path: Path, start_process: Any) -> None:
         kept = http.post("/v1/keys", json={"name": "a", "rpm": 1, "tpm": 2}, headers=admin).json()
         gone = http.post("/v1/keys", json={"name": "b", "rpm": 3, "tpm": 4}, headers=admin).json()
         assert http.delete(f"/v1/keys/{gone['id']}", headers=admin).status_code == 204
+        minted = http.post("/v1/nodes/n1/credential", json={"region": "us-east"}, headers=admin)
+        node = bearer(minted.json()["token"])
         assert http.post("/v1/nodes/heartbeat", json=heartbeat("n1"), headers=node).is_success
         assert http.post("/v1/nodes/n1/drain", headers=admin).is_success
         assert http.put("/v1/routing", json={"rtt_weight": 3.0}, headers=admin).is_success
@@ -89,7 +90,7 @@ def test_loopback_without_tokens_generates_and_keeps_them(
     first = start_process(["--db", str(db)])
     token_file = tmp_path / "cp.db.tokens"
     stored = read_token_file(token_file)
-    assert set(stored) == set(TokenKind)
+    assert set(stored) == {TokenKind.ADMIN, TokenKind.GATEWAY}
     admin = bearer(stored[TokenKind.ADMIN])
     with httpx.Client(base_url=first.base_url, timeout=5) as http:
         assert http.get("/v1/status", headers=admin).status_code == 200
@@ -116,6 +117,6 @@ def test_refuses_to_serve_off_loopback_without_tokens(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "MERIDIAN_NODE_TOKEN" in lines[0]
+    assert len(lines) == 1 and "MERIDIAN_GATEWAY_TOKEN" in lines[0]
     assert "secret-admin-token" not in result.stderr
     assert not (tmp_path / "x").exists()

@@ -28,6 +28,7 @@ from control_plane.drain import (
     load_drains,
 )
 from control_plane.fleet import Fleet, Node
+from control_plane.node_credentials import CredentialRegistry
 from control_plane.registry import Registry, load_fleet
 from control_plane.schemas import RegionCreate, RegionPatch
 from control_plane.store import Store
@@ -112,6 +113,7 @@ def build(path: Path, clock: Clock) -> Rig:
     registry = Registry(
         store,
         fleet,
+        CredentialRegistry(store, []),  # beats here skip auth: no credentials to check
         on_change=publish_now,
         on_capacity=publisher.mark_dirty,
         note_drain=drainer.note,

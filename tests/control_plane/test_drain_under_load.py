@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import bearer, heartbeat, make_settings
+from conftest import heartbeat, make_settings
 from test_envoy_xds import ENVOY, LiveControlPlane, cp, start_envoy  # noqa: F401 (fixtures)
 
 from control_plane.drain import DONE, PHASES, STEPS
@@ -98,9 +98,8 @@ class FakeNodeAgent:
                 draining=not self.is_admitting,
                 num_in_flight=self.num_in_flight,
             )
-            response = await self.cp.api.post(
-                "/v1/nodes/heartbeat", json=body, headers=bearer(self.cp.tokens.node)
-            )
+            headers = await self.cp.node_headers(self.name)
+            response = await self.cp.api.post("/v1/nodes/heartbeat", json=body, headers=headers)
             reply = response.json()
             self.is_admitting = not reply["drain"]
             if reply["may_exit"] and self.num_in_flight == 0:

@@ -91,6 +91,7 @@ class LiveControlPlane:
     tokens: TokenSet
     http: httpx.AsyncClient | None = None
     beats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    node_tokens: dict[str, str] = field(default_factory=dict)
 
     @property
     def services(self) -> ControlPlane:
@@ -117,13 +118,20 @@ class LiveControlPlane:
         assert response.is_success, response.text
         return response.json() if response.content else None
 
+    async def node_headers(self, node_id: str, region: str = "us-east") -> dict[str, str]:
+        """The node's own credential (minted by the operator on first use)."""
+        if node_id not in self.node_tokens:
+            body = {"region": region}
+            minted = await self.admin("POST", f"/v1/nodes/{node_id}/credential", json=body)
+            self.node_tokens[node_id] = minted["token"]
+        return bearer(self.node_tokens[node_id])
+
     async def beat(self, node_id: str, **fields: Any) -> None:
         """Beat now with `fields` (remembered: the background beats repeat them)."""
         self.beats[node_id] = self.beats.get(node_id, {}) | fields
         body = heartbeat(node_id, **self.beats[node_id])
-        response = await self.api.post(
-            "/v1/nodes/heartbeat", json=body, headers=bearer(self.tokens.node)
-        )
+        headers = await self.node_headers(node_id, body["region"])
+        response = await self.api.post("/v1/nodes/heartbeat", json=body, headers=headers)
         assert response.status_code == 200, response.text
 
     async def beat_forever(self) -> None:

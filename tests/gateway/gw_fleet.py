@@ -76,8 +76,8 @@ class BackgroundLoop:
 @dataclass
 class Tokens:
     admin: str = field(default_factory=lambda: "adm-" + secrets.token_urlsafe(24))
-    node: str = field(default_factory=lambda: "nod-" + secrets.token_urlsafe(24))
     gateway: str = field(default_factory=lambda: "gw-" + secrets.token_urlsafe(24))
+    node: dict[str, str] = field(default_factory=dict)  # each node's own, minted by node id
 
 
 @dataclass
@@ -162,7 +162,6 @@ class Fleet:
         settings = ControlPlaneSettings(
             db_path=str(self.tmp_path / "cp.db"),
             admin_token=self.tokens.admin,
-            node_token=self.tokens.node,
             gateway_token=self.tokens.gateway,
             heartbeat_interval_s=self.heartbeat_interval_s,
             sweep_interval_s=0.05,
@@ -196,8 +195,7 @@ class Fleet:
         return asyncio.create_task(self._beat_forever())
 
     async def _beat_forever(self) -> None:
-        headers = {"Authorization": f"Bearer {self.tokens.node}"}
-        async with aiohttp.ClientSession(headers=headers) as session:
+        async with aiohttp.ClientSession() as session:
             while True:
                 for region in list(self.regions.values()):
                     if region.is_beating:
@@ -206,9 +204,13 @@ class Fleet:
                 await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _beat(self, session: aiohttp.ClientSession, region: FakeRegion) -> None:
+        node_id = f"{region.name}-n1"
+        token = self.tokens.node.get(node_id)
+        if token is None:
+            token = await self._mint(session, node_id, region.name)
         load = region.load
         body = {
-            "node_id": f"{region.name}-n1",
+            "node_id": node_id,
             "region": region.name,
             "url": region.upstream.url,
             "model": "fake-model",
@@ -222,8 +224,27 @@ class Fleet:
             "draining": load.draining,
             "timestamp": time.time(),
         }
-        async with session.post(self.cp_url + "/v1/nodes/heartbeat", json=body) as response:
+        headers = {"Authorization": f"Bearer {token}"}
+        url = self.cp_url + "/v1/nodes/heartbeat"
+        async with session.post(url, json=body, headers=headers) as response:
             await response.read()
+
+    async def _mint(self, session: aiohttp.ClientSession, node_id: str, region: str) -> str:
+        url = f"{self.cp_url}/v1/nodes/{node_id}/credential"
+        headers = {"Authorization": f"Bearer {self.tokens.admin}"}
+        async with session.post(url, json={"region": region}, headers=headers) as response:
+            response.raise_for_status()
+            token: str = (await response.json())["token"]
+        self.tokens.node[node_id] = token
+        return token
+
+    def mint_node_token(self, node_id: str, region: str) -> str:
+        """A credential for a real node agent (its MERIDIAN_NODE_TOKEN)."""
+        created = self.admin_call(
+            "POST", f"/v1/nodes/{node_id}/credential", json={"region": region}
+        )
+        token: str = created["token"]
+        return token
 
     def admin_call(self, method: str, path: str, **kwargs: Any) -> Any:
         assert self.admin is not None

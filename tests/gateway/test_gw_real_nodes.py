@@ -33,9 +33,10 @@ def real_fleet(
     nodes: list[subprocess.Popen[bytes]] = []
     try:
         fleet.start_control_plane()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
-        env["MERIDIAN_NODE_TOKEN"] = fleet.tokens.node
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
         for region in ("us-east", "eu-west"):
+            node_id = f"{region}-n1"
+            env = base_env | {"MERIDIAN_NODE_TOKEN": fleet.mint_node_token(node_id, region)}
             port = free_port()
             fleet.add_region_in_front_of(region, port)
             args = [
@@ -50,6 +51,8 @@ def real_fleet(
                 str(port),
                 "--region",
                 region,
+                "--node-id",
+                node_id,
                 "--control-plane",
                 fleet.cp_url,
                 "--heartbeat-interval",
