@@ -1,6 +1,6 @@
 """Meridian's inference engine: paged KV cache, prefix caching, continuous batching."""
 
-from engine.llm import LLM, TokensPrompt
+from engine.llm import LLM, TextPrompt, TokensPrompt
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -10,5 +10,6 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "TextPrompt",
     "TokensPrompt",
 ]

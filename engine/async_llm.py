@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import EngineStats, LLMEngine, check_cache_salt
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -32,6 +32,7 @@ class _Add:
     token_ids: list[int]
     prompt: str | None
     params: SamplingParams
+    cache_salt: str | None
     sink: _Sink
 
 
@@ -86,12 +87,17 @@ class AsyncLLM:
         self.engine.shutdown()
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (deltas unless `params` asks otherwise) until it finishes.
 
         Raises InvalidRequestError before yielding anything if the request cannot run, and
         EngineDeadError if the engine fails. Closing the iterator early aborts the request.
+        A `cache_salt` confines its prefix-cache hits to requests of the same salt.
         """
         if self._error is not None or self._thread is None:
             raise EngineDeadError("the engine is not running") from self._error
@@ -102,12 +108,13 @@ class AsyncLLM:
         if params.output_kind is RequestOutputKind.CUMULATIVE:
             params = replace(params, output_kind=RequestOutputKind.DELTA)
         self.engine.check_request(token_ids, params)
+        check_cache_salt(cache_salt)
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         sink: _Sink = asyncio.Queue()
         self._sinks[request_id] = sink
-        self._inbox.put(_Add(request_id, token_ids, prompt if isinstance(prompt, str) else None,
-                             params, sink))
+        text = prompt if isinstance(prompt, str) else None
+        self._inbox.put(_Add(request_id, token_ids, text, params, cache_salt, sink))
         finished = False
         try:
             while not finished:
@@ -158,7 +165,7 @@ class AsyncLLM:
     def _add(self, item: _Add) -> None:
         try:
             self.engine.add_request(item.request_id, item.token_ids, item.params,
-                                    prompt_text=item.prompt)
+                                    prompt_text=item.prompt, cache_salt=item.cache_salt)
         except Exception as exc:  # reported to the caller, not fatal to the engine
             self._deliver([(item.request_id, exc)])
 

@@ -29,6 +29,15 @@ def hash_block(parent: bytes, token_ids: Seq[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def chain_root(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: nothing, or a digest of its salt, so that the
+    whole hash chain of a salted request differs from any other salt's."""
+    if cache_salt is None:
+        return b""
+    salt = cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(salt, digest_size=16, person=b"meridian-salt").digest()
+
+
 class KVCacheManager:
     """Owns the block pool. Only the scheduler calls it."""
 
@@ -141,6 +150,6 @@ class KVCacheManager:
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         bs = self.block_size
         for index in range(len(seq.block_hashes), num_full_blocks):
-            parent = seq.block_hashes[index - 1] if index else b""
+            parent = seq.block_hashes[index - 1] if index else chain_root(seq.cache_salt)
             tokens = seq.token_ids[index * bs : (index + 1) * bs]
             seq.block_hashes.append(hash_block(parent, tokens))

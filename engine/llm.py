@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
-from typing import TypedDict, cast
+from typing import NotRequired, TypedDict, cast
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -14,11 +14,17 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import ChatMessage, Tokenizer
 
 
+class TextPrompt(TypedDict):
+    prompt: str
+    cache_salt: NotRequired[str]  # prefix-cache hits only among prompts of the same salt
+
+
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
+    cache_salt: NotRequired[str]
 
 
-Prompt = str | TokensPrompt
+Prompt = str | TextPrompt | TokensPrompt
 
 
 class LLM:
@@ -81,7 +87,10 @@ class LLM:
             for request_id, prompt, params in zip(
                 request_ids, prompt_list, params_list, strict=True
             ):
-                self.engine.add_request(request_id, _prompt_input(prompt), params)
+                salt = None if isinstance(prompt, str) else prompt.get("cache_salt")
+                self.engine.add_request(
+                    request_id, _prompt_input(prompt), params, cache_salt=salt
+                )
             finished: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -111,7 +120,11 @@ class LLM:
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:
-    return prompt if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
+    if isinstance(prompt, str):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(cast(TokensPrompt, prompt)["prompt_token_ids"])
+    return cast(TextPrompt, prompt)["prompt"]
 
 
 def _params_per_prompt(

@@ -49,6 +49,11 @@ class EngineStats:
     decode_tokens_per_s: float
 
 
+def check_cache_salt(cache_salt: str | None) -> None:
+    if cache_salt is not None and not cache_salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string if given")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -109,11 +114,14 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         prompt_text: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot run.
 
-        `prompt_text` names the text that `prompt` token ids came from, for the outputs."""
+        `prompt_text` names the text that `prompt` token ids came from, for the outputs. A
+        `cache_salt` confines the request's prefix-cache hits to requests of the same salt."""
         params = params or SamplingParams()
+        check_cache_salt(cache_salt)
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -123,7 +131,7 @@ class LLMEngine:
         self.check_request(token_ids, params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        seq = Sequence(request_id, token_ids, params, max_tokens)
+        seq = Sequence(request_id, token_ids, params, max_tokens, cache_salt=cache_salt)
         self.requests[request_id] = RequestState.create(
             seq, prompt_text, self.tokenizer, self.max_model_len
         )

@@ -33,6 +33,10 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    # Mixed into the hash of the first block: requests share cached blocks only with requests
+    # of the same salt (vLLM's `cache_salt`; one per tenant closes the prefix cache's timing
+    # side channel between tenants).
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -16,8 +16,10 @@ from engine.sequence import Sequence
 BLOCK_SIZE = 4
 
 
-def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:
-    return Sequence(request_id, tokens, SamplingParams(), max_tokens=16)
+def make_seq(
+    tokens: list[int], request_id: str = "r", cache_salt: str | None = None
+) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(), max_tokens=16, cache_salt=cache_salt)
 
 
 def admit(kv: KVCacheManager, seq: Sequence, num_tokens: int | None = None) -> bool:
@@ -179,3 +181,19 @@ def test_without_prefix_caching_nothing_is_shared() -> None:
     first = make_seq(list(range(10)), "a")
     assert admit(kv, first)
     assert kv.get_computed_blocks(make_seq(list(range(10)), "b")) == []
+
+
+def test_a_salt_changes_every_block_hash_and_shares_only_with_the_same_salt() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    tokens = list(range(13))
+    salted = make_seq(tokens, "a", cache_salt="tenant-a")
+    assert admit(kv, salted)
+    plain = make_seq(tokens, "p")
+    assert kv.get_computed_blocks(plain) == []
+    assert admit(kv, plain)
+    assert not set(salted.block_hashes) & set(plain.block_hashes)
+    other = make_seq(tokens, "b", cache_salt="tenant-b")
+    assert kv.get_computed_blocks(other) == []
+    same = make_seq(tokens, "a2", cache_salt="tenant-a")
+    assert kv.get_computed_blocks(same) == salted.block_table[:3]
+    assert kv.get_computed_blocks(make_seq(tokens, "p2")) == plain.block_table[:3]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, TokensPrompt
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError
 
@@ -170,3 +170,42 @@ def test_a_failing_engine_fails_every_pending_request(
 
     asyncio.run(scenario())
     llm.engine.abort_request(list(llm.engine.requests))
+
+
+def cached_block_hashes(llm: LLM) -> set[bytes]:
+    return {b.block_hash for b in llm.engine.scheduler.kv_cache.blocks if b.block_hash}
+
+
+def test_cache_salts_never_share_cached_blocks_and_the_same_salt_does(llm: LLM) -> None:
+    llm.engine.scheduler.kv_cache.reset_prefix_cache()
+    text = "The tenant's secret system prompt says: " * 10
+    prompt_ids = llm.get_tokenizer().encode(text)
+    assert len(prompt_ids) > 64  # several full blocks of 16
+    num_full_tokens = (len(prompt_ids) - 1) // 16 * 16
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def run(salt: str | None) -> tuple[int, list[int], set[bytes]]:
+        before = cached_block_hashes(llm)
+        prompt: TokensPrompt = {"prompt_token_ids": prompt_ids}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        [out] = llm.generate(prompt, params)
+        return out.num_cached_tokens, out.outputs[0].token_ids, cached_block_hashes(llm) - before
+
+    hit_a, tokens_a, new_a = run("tenant-a")
+    hit_b, tokens_b, new_b = run("tenant-b")
+    hit_none, tokens_none, new_none = run(None)
+    assert (hit_a, hit_b, hit_none) == (0, 0, 0)
+    # Each published its own blocks for the same tokens: three disjoint sets of hashes.
+    assert len(new_a) == len(new_b) == len(new_none) >= num_full_tokens // 16
+    assert not new_a & new_b and not new_a & new_none and not new_b & new_none
+    assert tokens_a == tokens_b == tokens_none  # a salt changes what is cached, not the output
+    assert run("tenant-a")[:2] == (num_full_tokens, tokens_a)
+    assert run("tenant-b")[:2] == (num_full_tokens, tokens_a)
+    [text_hit] = llm.generate({"prompt": text, "cache_salt": "tenant-a"}, params)
+    assert text_hit.num_cached_tokens == num_full_tokens
+
+
+def test_an_empty_cache_salt_is_refused(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": [1, 2, 3], "cache_salt": ""})
