@@ -137,6 +137,11 @@ class Store:
         logger.info("store %s open (journal_mode=%s, schema v%d)", path, mode, self.schema_version)
 
     @property
+    def is_writing(self) -> bool:
+        """A change holds the write connection (running, or waiting for the database lock)."""
+        return self._lock.locked()
+
+    @property
     def schema_version(self) -> int:
         with self._read_lock:
             return int(self._read_conn.execute("PRAGMA user_version").fetchone()[0])
