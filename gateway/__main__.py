@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import signal
 import ssl
@@ -46,6 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--port", type=int, help="port to listen on (default 8443)")
     add("--control-plane", help="control plane URL, e.g. http://127.0.0.1:8080")
     add("--redis", help="redis:// URL to share rate limits with the PoP's other gateways")
+    add(
+        "--share-prefix-cache",
+        action="store_true",
+        help="let API keys share nodes' prefix caches (by default each key gets its own, so "
+        "that response times cannot reveal another tenant's prompts)",
+    )
     tls = parser.add_mutually_exclusive_group()
     tls.add_argument("--tls-cert", help="PEM certificate (chain) to serve; needs --tls-key")
     tls.add_argument(
@@ -84,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args)
     except ValidationError as exc:
         return _fail(f"bad configuration: {one_line(exc)}", 2)
+    if settings.redis is not None and importlib.util.find_spec("redis") is None:
+        return _fail("--redis needs the redis package: pip install 'meridian[redis]'", 2)
     log_handler = configure_logging(settings.log_level)
     try:
         paths = certificate_paths(settings)
@@ -95,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}", 1)
     logger.info(
-        "gateway %s on %s://%s:%d, control plane %s, limits %s",
+        "gateway %s on %s://%s:%d, control plane %s, limits %s, prefix caches %s",
         settings.pop,
         settings.scheme,
         settings.host,
         settings.port,
         settings.control_plane_url,
         "shared through redis" if settings.redis else "in this process",
+        "shared by all keys" if settings.share_prefix_cache else "per key",
     )
     uvloop.run(_serve(GatewayServer(create_app(settings), sock, context), log_handler))
     return 0

@@ -16,6 +16,7 @@ from functools import partial
 
 from aiohttp import web
 
+from gateway.cache_salt import CACHE_SALT_HEADER, cache_salt_of
 from gateway.errors import (
     BodyTooLargeError,
     GatewayError,
@@ -27,7 +28,7 @@ from gateway.keys import ApiKey, KeyTable
 from gateway.limits import Admission, Limiter
 from gateway.metrics import NO_REGION, GatewayMetrics
 from gateway.openai_request import Endpoint, ParsedRequest, parse_request
-from gateway.proxy import Opened, Proxy
+from gateway.proxy import Opened, Proxy, UpstreamRequest
 from gateway.relay import StreamRelay
 from gateway.request_ids import HEADER, current_request_id, request_id_from
 from gateway.routing import Router
@@ -85,9 +86,10 @@ class Handlers:
             proxy = self._proxy()
             plan = self.router.plan(0)
             deadline_s = started_s + self.settings.request_deadline_s
-            opened = await proxy.open(
-                "GET", "/v1/models", None, request_id, plan, deadline_s, False
+            upstream = UpstreamRequest(
+                "GET", "/v1/models", None, self._upstream_headers(key, request_id, False), False, 0
             )
+            opened = await proxy.open(upstream, plan, deadline_s)
         except GatewayError as exc:
             return self._refuse(request, exc, key, request_id, started_s)
         opened.finish()
@@ -143,17 +145,17 @@ class Handlers:
             try:
                 plan = self.router.plan(parsed.prompt_tokens, parsed.affinity_key)
                 deadline_s = started_s + self.settings.request_deadline_s
-                opened = await proxy.open(
+                upstream = UpstreamRequest(
                     "POST",
                     path,
                     parsed.upstream_body,
-                    request_id,
-                    plan,
-                    deadline_s,
+                    self._upstream_headers(key, request_id, True),
                     parsed.is_stream,
+                    parsed.max_tokens,
                 )
+                opened = await proxy.open(upstream, plan, deadline_s)
             except BaseException:
-                await limiter.settle(key, parsed.reserved_tokens)
+                await limiter.settle(key, admission, parsed.reserved_tokens)
                 raise
         except GatewayError as exc:
             return self._refuse(request, exc, key, request_id, started_s)
@@ -161,15 +163,16 @@ class Handlers:
         headers = {HEADER: request_id, REGION_HEADER: region, **admission.headers()}
         if parsed.is_stream and opened.status == 200:
             reader = StreamReader(strip_usage=not parsed.wants_usage)
-            on_end = partial(self._end_stream, request, key, parsed, started_s)
+            on_end = partial(self._end_stream, request, key, admission, parsed, started_s)
             return await StreamRelay(opened, reader, on_end).run(request, headers)
-        return await self._answer_whole(request, opened, key, parsed, headers, started_s)
+        return await self._answer_whole(request, opened, key, admission, parsed, headers, started_s)
 
     async def _answer_whole(
         self,
         request: web.Request,
         opened: Opened,
         key: ApiKey,
+        admission: Admission,
         parsed: ParsedRequest,
         headers: dict[str, str],
         started_s: float,
@@ -184,7 +187,7 @@ class Handlers:
             except ValueError:
                 usage = None
             num_used = usage.total_tokens if usage else parsed.reserved_tokens
-        await self._limiter().settle(key, parsed.reserved_tokens - num_used)
+        await self._limiter().settle(key, admission, parsed.reserved_tokens - num_used)
         self._count_and_log(request, status, region, key, started_s, opened.num_retries, num_used)
         return web.Response(
             body=opened.body, status=status, headers={**headers, **opened.passed_headers()}
@@ -194,6 +197,7 @@ class Handlers:
         self,
         request: web.Request,
         key: ApiKey,
+        admission: Admission,
         parsed: ParsedRequest,
         started_s: float,
         relay: StreamRelay,
@@ -207,7 +211,7 @@ class Handlers:
             num_used = usage.total_tokens
         else:  # cut short: about one token per event so far
             num_used = min(parsed.reserved_tokens, parsed.prompt_tokens + relay.reader.num_events)
-        await self._limiter().settle(key, parsed.reserved_tokens - num_used)
+        await self._limiter().settle(key, admission, parsed.reserved_tokens - num_used)
         if relay.error is not None:
             self.metrics.count_stream_error(candidate.region)
             state = self.router.state_of(candidate.region)
@@ -219,6 +223,18 @@ class Handlers:
         )
 
     # Helpers.
+
+    def _upstream_headers(self, key: ApiKey, request_id: str, has_body: bool) -> dict[str, str]:
+        """Built afresh: the client's headers (its API key above all) never reach a node."""
+        headers = {HEADER: request_id}
+        if has_body:
+            headers["content-type"] = "application/json"
+        authorization = self.settings.serving_authorization
+        if authorization is not None:
+            headers["authorization"] = authorization
+        if not self.settings.share_prefix_cache:
+            headers[CACHE_SALT_HEADER] = cache_salt_of(key.id)
+        return headers
 
     def _proxy(self) -> Proxy:
         if self.proxy is None:

@@ -24,7 +24,6 @@ from gateway.keys import KeyTable
 from gateway.limits import Limiter, LocalLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
-from gateway.redis_limits import RedisLimiter
 from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
 from gateway.watch import Watch
@@ -55,7 +54,12 @@ def router_config(settings: GatewaySettings) -> RouterConfig:
 
 
 def _new_limiter(settings: GatewaySettings) -> Limiter:
-    return RedisLimiter(settings.redis) if settings.redis else LocalLimiter()
+    if settings.redis is None:
+        return LocalLimiter()
+    # Imported here: `redis` is an optional dependency, needed only for shared limits.
+    from gateway.redis_limits import RedisLimiter
+
+    return RedisLimiter(settings.redis, settings.redis_cooldown_s)
 
 
 def _watches(

@@ -1,4 +1,4 @@
-"""A circuit breaker per region: stop sending work to a region that keeps failing.
+"""A circuit breaker: stop sending work to a backend that keeps failing (each region; Redis).
 
 Closed: requests flow; `max_failures` failures in a row open it. Open: the region gets no new
 work for `open_s` (its requests fail over to the next region at once instead of timing out
@@ -23,7 +23,7 @@ class BreakerState(StrEnum):
 
 @dataclass(slots=True)
 class CircuitBreaker:
-    region: str
+    name: str  # for the log: "region us-east", "redis"
     max_failures: int
     open_s: float
     state: BreakerState = BreakerState.CLOSED
@@ -47,7 +47,7 @@ class CircuitBreaker:
 
     def on_success(self) -> None:
         if self.state is not BreakerState.CLOSED:
-            logger.info("region %s: circuit closed", self.region)
+            logger.info("%s: circuit closed", self.name)
         self.state = BreakerState.CLOSED
         self.num_failures = 0
         self.is_probing = False
@@ -62,8 +62,8 @@ class CircuitBreaker:
         if self.state is BreakerState.HALF_OPEN or self.num_failures >= self.max_failures:
             if self.state is not BreakerState.OPEN:
                 logger.warning(
-                    "region %s: circuit open for %.1f s after %d failures",
-                    self.region,
+                    "%s: circuit open for %.1f s after %d failures",
+                    self.name,
                     self.open_s,
                     self.num_failures,
                 )

@@ -8,7 +8,8 @@ underestimated prompt is charged, possibly into debt). A stream therefore never 
 off for its budget: it was paid for before it started.
 
 Two backends share this math and the `Limiter` interface: `LocalLimiter` (one process) here, and
-`RedisLimiter` (every gateway process of a PoP, `gateway/redis_limits.py`).
+`RedisLimiter` (every gateway process of a PoP, `gateway/redis_limits.py`). An admission says
+which backend took it, so that it is settled where it was paid for.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Admission:
     request_level: float  # bucket levels after the decision
     token_level: float
     retry_after_s: float  # when this request would fit (0 if allowed)
+    is_shared: bool = False  # taken from the PoP's shared buckets (Redis), not this process's
 
     def headers(self) -> dict[str, str]:
         """OpenAI's `x-ratelimit-*` headers (and `retry-after` when refused)."""
@@ -56,8 +58,9 @@ class Limiter(Protocol):
         """Take one request and `num_tokens` from the key's buckets, or nothing."""
         ...
 
-    async def settle(self, key: ApiKey, num_unused_tokens: int) -> None:
-        """Give back what a finished request did not use (negative: charge the excess)."""
+    async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
+        """Give back what a finished request did not use (negative: charge the excess), to the
+        buckets that `admission` was taken from."""
         ...
 
     async def close(self) -> None: ...
@@ -164,7 +167,7 @@ class LocalLimiter:
     async def admit(self, key: ApiKey, num_tokens: int) -> Admission:
         return self.admit_now(key, num_tokens)
 
-    async def settle(self, key: ApiKey, num_unused_tokens: int) -> None:
+    async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
         self.settle_now(key, num_unused_tokens)
 
     async def close(self) -> None:

@@ -5,6 +5,11 @@ The gateway is a passthrough: it checks only what it relies on (the JSON shape, 
 to judge. Hand-written checks rather than pydantic: this runs on every request and must stay
 cheap. A malformed body is a 400 here, so it never costs an upstream round trip.
 
+The upstream body is always re-serialized from what was parsed, never the client's bytes: the
+node must see exactly the `max_tokens` the gateway reserved (a `null`, or a duplicate key that
+another JSON parser would read differently, would let it generate past the reservation), and
+re-encoding is also what finds lone surrogates, which are valid JSON escapes but not text.
+
 Prompt tokens are estimated from characters (about 4 per token for English with BPE tokenizers,
 plus a few per message for the chat template); the estimate only sizes the reservation, and the
 usage the node reports settles it.
@@ -36,7 +41,7 @@ class ParsedRequest:
     prompt_tokens: int  # estimated
     max_tokens: int  # the client's, or the gateway's default cap
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
-    upstream_body: bytes  # what goes to the node (usage requested, max_tokens capped)
+    upstream_body: bytes  # what goes to the node (usage requested, max_tokens = the reservation's)
 
     @property
     def reserved_tokens(self) -> int:
@@ -49,7 +54,7 @@ def _invalid(message: str, param: str | None = None) -> InvalidRequestError:
 
 def _int_field(body: dict[str, object], name: str) -> int | None:
     value = body.get(name)
-    if value is None:
+    if value is None:  # null means absent, as in OpenAI's API
         return None
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < MAX_INT_FIELD:
         raise _invalid(f"{name} must be a positive integer", name)
@@ -81,24 +86,54 @@ def _message_chars(messages: object) -> tuple[int, str | None]:
     return num_chars, system
 
 
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
 def _prompt_tokens(prompt: object) -> int:
+    """OpenAI's four prompt shapes: a string, token ids, or a non-empty array of either."""
     if isinstance(prompt, str):
         return len(prompt) // CHARS_PER_TOKEN + 1
+    if _is_token_ids(prompt):
+        assert isinstance(prompt, list)
+        return len(prompt)
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        return sum(_prompt_tokens(p) for p in prompt)
-    raise _invalid("prompt must be a string, an array of strings or of token ids", "prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return sum(len(p) // CHARS_PER_TOKEN + 1 for p in prompt)
+        if all(_is_token_ids(p) for p in prompt):
+            return sum(len(p) for p in prompt)
+    raise _invalid(
+        "prompt must be a string, token ids, or an array of strings or of token id arrays",
+        "prompt",
+    )
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _load(raw: bytes) -> dict[str, object]:
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError:  # UnicodeDecodeError included
         raise InvalidRequestError("request body is not valid JSON", "invalid_json") from None
+    except RecursionError:
+        raise InvalidRequestError("request body is nested too deeply", "invalid_json") from None
     if not isinstance(body, dict):
         raise _invalid("request body must be a JSON object")
     return body
+
+
+def _dump(body: dict[str, object]) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            "request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not text",
+            "invalid_unicode",
+        ) from None
+    except RecursionError:  # within json.loads's limit, but deeper in the stack here
+        raise InvalidRequestError("request body is nested too deeply", "invalid_json") from None
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> ParsedRequest:
@@ -119,26 +154,29 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         num_chars, system = _message_chars(body.get("messages"))
         prompt_tokens = num_chars // CHARS_PER_TOKEN + 1
         if system:
-            affinity_key = hashlib.blake2b(system.encode(), digest_size=8).hexdigest()
+            # surrogatepass: a lone surrogate is refused by `_dump` with a 400, not here.
+            encoded = system.encode("utf-8", "surrogatepass")
+            affinity_key = hashlib.blake2b(encoded, digest_size=8).hexdigest()
+        # The node reads max_completion_tokens first, as OpenAI does.
         given = _int_field(body, "max_completion_tokens") or _int_field(body, "max_tokens")
+        max_tokens = given or default_max_tokens
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = max_tokens
     else:
         prompt_tokens = _prompt_tokens(body.get("prompt"))
-        given = _int_field(body, "max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
-
-    is_changed = False
-    if given is None:
-        body["max_tokens"] = default_max_tokens
-        is_changed = True
+        max_tokens = _int_field(body, "max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
+    body["max_tokens"] = max_tokens
+    # The gateway alone decides whose prefix cache a request may share (see `cache_salt.py`).
+    body.pop("cache_salt", None)
     if is_stream and not wants_usage:
         body["stream_options"] = {**(options or {}), "include_usage": True}
-        is_changed = True
     return ParsedRequest(
         endpoint=endpoint,
         model=model,
         is_stream=is_stream,
         wants_usage=wants_usage,
         prompt_tokens=prompt_tokens,
-        max_tokens=given or default_max_tokens,
+        max_tokens=max_tokens,
         affinity_key=affinity_key,
-        upstream_body=json.dumps(body).encode() if is_changed else raw,
+        upstream_body=_dump(body),
     )

@@ -1,14 +1,17 @@
 """Sending a request upstream: one region after another until one answers (failover).
 
 An attempt fails over to the next region in the plan when, before the client has seen a byte,
-the connection fails, the region does not answer in time, or it answers 5xx or 429. A non-stream
-is read whole before anything is sent to the client, so any failure while reading it still fails
-over; a stream is committed once its first chunk arrives. Other statuses (400, 404, ...) are the
-node's judgement of the request and go back to the client as they are. Every attempt feeds the
-region's circuit breaker; all of them together stay within the request's deadline and
-`max_attempts`. When every region failed with a status, the last such answer goes back to the
-client (a 429 keeps its Retry-After); when none answered at all, 502 (504 if the deadline
-passed first).
+the connection fails, the region does not answer in time, or it answers 5xx or 429. "In time"
+is the first-byte timeout: a stream's first chunk, or a non-stream's whole answer (the timeout
+plus its max_tokens at the slowest decode rate expected). A non-stream is read whole before
+anything is sent to the client, so any failure while reading it still fails over; a stream is
+committed once its first chunk arrives. Other statuses (400, 404, 413, 422, ...) are the node's
+judgement of the request itself: they go back to the client as they are, are not retried
+elsewhere (every region would say the same) and count as the region's success, never towards
+opening its breaker. Every attempt feeds the region's circuit breaker; all of them together
+stay within the request's deadline and `max_attempts`. When every region failed with a status,
+the last such answer goes back to the client (a 429 keeps its Retry-After); when none answered
+at all, 502 (504 if the deadline passed first).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import aiohttp
 
 from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
 from gateway.metrics import GatewayMetrics
-from gateway.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.routing import Candidate, RegionState, RoutePlan, Router
 from gateway.settings import GatewaySettings
 
@@ -30,6 +32,16 @@ logger = logging.getLogger(__name__)
 
 # Headers from the node worth passing on to the client (hop-by-hop ones are not).
 PASSED_HEADERS = ("content-type", "retry-after", "retry-after-ms")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    method: str
+    path: str
+    body: bytes | None
+    headers: dict[str, str]  # all of them: nothing of the client's is forwarded
+    is_stream: bool
+    max_tokens: int  # sizes a non-stream's first-byte timeout
 
 
 @dataclass(slots=True)
@@ -76,6 +88,7 @@ class Proxy:
         self._metrics = metrics
         self._max_attempts = settings.max_attempts
         self._first_byte_timeout_s = settings.first_byte_timeout_s
+        self._min_decode_tokens_per_s = settings.min_decode_tokens_per_s
         self._whole_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s
         )
@@ -85,23 +98,16 @@ class Proxy:
             sock_read=settings.stream_idle_timeout_s,
         )
 
-    async def open(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None,
-        request_id: str,
-        plan: RoutePlan,
-        deadline_s: float,
-        is_stream: bool,
-    ) -> Opened:
+    def first_byte_timeout_s(self, request: UpstreamRequest) -> float:
+        if request.is_stream:
+            return self._first_byte_timeout_s
+        return self._first_byte_timeout_s + request.max_tokens / self._min_decode_tokens_per_s
+
+    async def open(self, request: UpstreamRequest, plan: RoutePlan, deadline_s: float) -> Opened:
         if not plan.candidates:
             raise NoCapacityError(
                 "no region can take requests now", "no_capacity", headers={"retry-after": "1"}
             )
-        headers = {REQUEST_ID_HEADER: request_id}
-        if body is not None:
-            headers["content-type"] = "application/json"
         self._metrics.count_decision(plan.candidates[0].region, plan.reason)
         last_answer: Opened | None = None
         num_retries = 0
@@ -114,9 +120,7 @@ class Proxy:
                 state.breaker.on_attempt(now_s)
                 state.num_in_flight += 1
             try:
-                opened = await self._attempt(
-                    method, candidate, path, body, headers, deadline_s - now_s, is_stream
-                )
+                opened = await self._attempt(request, candidate, deadline_s - now_s)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self._on_failure(candidate, state, _cause_of(exc), repr(exc))
                 num_retries += 1
@@ -144,21 +148,17 @@ class Proxy:
         raise UpstreamError("no region could be reached", "upstream_unreachable")
 
     async def _attempt(
-        self,
-        method: str,
-        candidate: Candidate,
-        path: str,
-        body: bytes | None,
-        headers: dict[str, str],
-        remaining_s: float,
-        is_stream: bool,
+        self, request: UpstreamRequest, candidate: Candidate, remaining_s: float
     ) -> Opened:
+        is_stream = request.is_stream
         timeout = self._stream_timeout if is_stream else self._whole_timeout
-        if is_stream:
-            remaining_s = min(remaining_s, self._first_byte_timeout_s)
-        async with asyncio.timeout(remaining_s):
+        async with asyncio.timeout(min(remaining_s, self.first_byte_timeout_s(request))):
             response = await self._session.request(
-                method, candidate.url + path, data=body, headers=headers, timeout=timeout
+                request.method,
+                candidate.url + request.path,
+                data=request.body,
+                headers=request.headers,
+                timeout=timeout,
             )
             try:
                 if is_stream and response.status == 200:

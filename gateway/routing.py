@@ -98,7 +98,9 @@ class Router:
             known = self.regions.get(summary.name)
             if known is None:
                 breaker = CircuitBreaker(
-                    summary.name, self.config.breaker_failures, self.config.breaker_open_s
+                    f"region {summary.name}",
+                    self.config.breaker_failures,
+                    self.config.breaker_open_s,
                 )
                 known = RegionState(summary, rtt_ms(self.pop, summary), breaker)
             elif (known.summary.lat, known.summary.lon) != (summary.lat, summary.lon):

@@ -1,14 +1,17 @@
 """Gateway settings: command-line flags > environment (`MERIDIAN_GATEWAY_*`) > defaults.
 
-The control-plane credential is `MERIDIAN_GATEWAY_TOKEN`, as for every service. Built once in
-`__main__` (or by a test) and passed down as `create_app(settings)`.
+The control-plane credential is `MERIDIAN_GATEWAY_TOKEN`, as for every service; the one nodes
+ask of the gateway is `MERIDIAN_SERVING_TOKEN`. Built once in `__main__` (or by a test) and
+passed down as `create_app(settings)`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,12 +46,25 @@ class GatewaySettings(BaseSettings):
         validation_alias=AliasChoices("MERIDIAN_GATEWAY_TOKEN", "gateway_token"),
         min_length=MIN_TOKEN_LEN,
     )
+    # Sent to nodes as `Authorization: Bearer ...` on every upstream request (none if unset).
+    serving_token: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("MERIDIAN_SERVING_TOKEN", "serving_token"),
+        min_length=1,
+    )
     # Longest wait of one blocking query; the control plane answers sooner on any change.
     watch_wait_s: float = Field(default=30.0, gt=0.0, le=300.0)
     max_watch_backoff_s: float = Field(default=5.0, gt=0.0, le=60.0)
 
     # Shared rate-limit counters for all gateway processes of this PoP (else in-process).
     redis: str | None = None
+    # After a Redis failure, limit in this process for this long before trying Redis again.
+    redis_cooldown_s: float = Field(default=5.0, gt=0.0, le=600.0)
+
+    # Tenants' prompts share nodes' prefix caches only if the operator says so: otherwise each
+    # key's requests carry their own cache salt, so that timing cannot tell one tenant whether
+    # another sent the same prefix.
+    share_prefix_cache: bool = False
 
     # Tokens reserved for a request that gives no max_tokens (and injected upstream as its cap,
     # so that the reservation always covers what the request may use).
@@ -59,9 +75,11 @@ class GatewaySettings(BaseSettings):
     connect_timeout_s: float = Field(default=2.0, gt=0.0, le=60.0)
     # A request's whole budget, failover included; the first byte must come within it.
     request_deadline_s: float = Field(default=600.0, gt=0.0, le=3600.0)
-    # A stream's first chunk must come within this (else the next region is tried); a
-    # non-stream's first byte is its whole answer, so it may take the rest of the deadline.
+    # A stream's first chunk must come within this (else the next region is tried). A
+    # non-stream's first byte is its whole answer: it gets this plus its max_tokens at
+    # `min_decode_tokens_per_s`, the slowest decoding a healthy node is expected to manage.
     first_byte_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
+    min_decode_tokens_per_s: float = Field(default=5.0, gt=0.0)
     # Longest silence between two chunks of a stream before it is ended with an error event.
     stream_idle_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_attempts: int = Field(default=3, ge=1, le=10)
@@ -92,6 +110,11 @@ class GatewaySettings(BaseSettings):
             )
         if not _HTTP_URL.match(self.control_plane):
             raise ValueError("control_plane must be an http(s):// URL")
+        if not _is_safe_control_plane(self.control_plane):
+            raise ValueError(
+                "control_plane must be https:// unless it is on loopback: the gateway's token "
+                "and every API key's hash would cross the network in the clear"
+            )
         if self.redis is not None and not _REDIS_URL.match(self.redis):
             raise ValueError("redis must be a redis://, rediss:// or unix:// URL")
         has_files = self.tls_cert is not None or self.tls_key is not None
@@ -103,9 +126,29 @@ class GatewaySettings(BaseSettings):
         return self
 
     @property
+    def serving_authorization(self) -> str | None:
+        """The `Authorization` header value for nodes, if they ask for a token."""
+        if self.serving_token is None:
+            return None
+        return "Bearer " + self.serving_token.get_secret_value()
+
+    @property
     def control_plane_url(self) -> str:
         return self.control_plane.rstrip("/")
 
     @property
     def scheme(self) -> str:
         return "http" if self.tls_mode == "plain" else "https"
+
+
+def _is_safe_control_plane(url: str) -> bool:
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        return True
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -60,11 +60,12 @@ def test_local_limiter_settles_unused_tokens_back() -> None:
     async def run() -> None:
         limiter = LocalLimiter()
         first = await limiter.admit(KEY, 900)
-        assert first.is_allowed
+        assert first.is_allowed and not first.is_shared
         assert not (await limiter.admit(KEY, 900)).is_allowed
-        await limiter.settle(KEY, 850)  # used 50 of the 900
-        assert (await limiter.admit(KEY, 900)).is_allowed
-        await limiter.settle(KEY, -500)  # the prompt was underestimated: charge, into debt
+        await limiter.settle(KEY, first, 850)  # used 50 of the 900
+        second = await limiter.admit(KEY, 900)
+        assert second.is_allowed
+        await limiter.settle(KEY, second, -500)  # the prompt was underestimated: into debt
         refused = await limiter.admit(KEY, 10)
         assert not refused.is_allowed and refused.token_level < 0
 

@@ -23,11 +23,43 @@ def test_chat_without_max_tokens_is_capped_upstream() -> None:
     assert parsed.reserved_tokens == parsed.prompt_tokens + 256
 
 
-def test_unchanged_bodies_go_upstream_byte_for_byte() -> None:
-    raw = chat(max_tokens=5)
-    assert parse_request(raw, "chat", 256).upstream_body is raw
-    raw = chat(max_completion_tokens=7)
-    assert parse_request(raw, "chat", 256).max_tokens == 7
+def test_other_fields_go_upstream_as_the_client_sent_them() -> None:
+    raw = chat(max_tokens=5, temperature=0.5, user="ü", tools=[{"type": "function"}])
+    assert json.loads(parse_request(raw, "chat", 256).upstream_body) == json.loads(raw)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "reserved"),
+    [
+        ("completions", {"max_tokens": None}, 16),
+        ("completions", {}, 16),
+        ("chat", {"max_tokens": None}, 256),
+        ("chat", {"max_completion_tokens": None, "max_tokens": None}, 256),
+        ("chat", {"max_completion_tokens": 7}, 7),
+        ("chat", {"max_completion_tokens": 7, "max_tokens": 900}, 7),
+        ("chat", {"max_completion_tokens": None, "max_tokens": 9}, 9),
+    ],
+)
+def test_the_node_is_sent_the_max_tokens_that_was_reserved(
+    endpoint: str, fields: dict[str, object], reserved: int
+) -> None:
+    body: dict[str, object] = {"model": "m", **fields}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": "x"}]
+    else:
+        body["prompt"] = "x"
+    parsed = parse_request(json.dumps(body).encode(), endpoint, 256)  # type: ignore[arg-type]
+    assert parsed.max_tokens == reserved
+    upstream = json.loads(parsed.upstream_body)
+    assert upstream["max_tokens"] == reserved
+    # The node reads max_completion_tokens first: it must not say more than was reserved.
+    assert upstream.get("max_completion_tokens", reserved) == reserved
+
+
+def test_a_duplicate_max_tokens_reaches_the_node_once() -> None:
+    raw = b'{"model": "m", "prompt": "x", "max_tokens": 5, "max_tokens": null}'
+    upstream = parse_request(raw, "completions", 256).upstream_body
+    assert upstream.count(b"max_tokens") == 1 and json.loads(upstream)["max_tokens"] == 16
 
 
 def test_streams_ask_upstream_for_usage_but_remember_the_client_did_not() -> None:
@@ -44,9 +76,11 @@ def test_completions_default_to_16_tokens_like_openai() -> None:
     raw = json.dumps({"model": "m", "prompt": "abcdefgh"}).encode()
     parsed = parse_request(raw, "completions", 256)
     assert parsed.max_tokens == 16 and parsed.prompt_tokens == 3
-    assert parsed.upstream_body is raw
+    assert json.loads(parsed.upstream_body)["max_tokens"] == 16
     ids = json.dumps({"model": "m", "prompt": [1, 2, 3, 4, 5]}).encode()
     assert parse_request(ids, "completions", 256).prompt_tokens == 5
+    batch = json.dumps({"model": "m", "prompt": [[1, 2], [3]]}).encode()
+    assert parse_request(batch, "completions", 256).prompt_tokens == 3
 
 
 def test_the_system_prompt_is_the_affinity_key() -> None:
@@ -74,8 +108,42 @@ def test_the_system_prompt_is_the_affinity_key() -> None:
         chat(max_tokens=0),
         chat(max_tokens=True),
         chat(stream_options={"include_usage": True}),
+        chat(max_tokens=None, max_completion_tokens="5"),
+        b'{"model": "m", "messages": [{"role": "user", "content": NaN}]}',
     ],
 )
 def test_malformed_chat_bodies_are_refused(raw: bytes) -> None:
     with pytest.raises(InvalidRequestError):
         parse_request(raw, "chat", 8)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"model": "m", "messages": [{"role": "system", "content": "a\\udfff"}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "\\ud800"}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
+    ],
+)
+def test_lone_surrogates_are_refused_as_bad_input(raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request(raw, "chat", 8)
+    assert caught.value.status_code == 400
+
+
+def nested(depth: int, inner: bytes = b"") -> bytes:
+    return b"[" * depth + inner + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "raw"),
+    [
+        ("chat", b'{"model": "m", "messages": [{"role": "user"}], "x": %s}' % nested(100_000)),
+        ("chat", b'{"model": "m", "messages": [{"role": "user", "content": %s}]}' % nested(990)),
+        ("completions", b'{"model": "m", "prompt": %s}' % nested(900, b"1")),
+    ],
+)
+def test_deeply_nested_bodies_are_refused_as_bad_input(endpoint: str, raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError):
+        parse_request(raw, endpoint, 8)  # type: ignore[arg-type]

@@ -14,6 +14,8 @@ import openai
 import pytest
 from gw_fleet import Fleet, GatewayThread, wait_until
 
+from gateway.cache_salt import CACHE_SALT_HEADER, cache_salt_of
+
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
 
 
@@ -140,14 +142,106 @@ def test_failure_mid_stream_ends_with_an_error_event(
     assert two_regions.regions["eu-west"].upstream.num_requests == 0
 
 
-def test_upstream_client_errors_pass_through_without_failover(
+@pytest.mark.parametrize("status", [400, 404, 413, 422])
+def test_errors_caused_by_the_request_neither_fail_over_nor_open_the_breaker(
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client, status: int
+) -> None:
+    upstream = two_regions.regions["us-east"].upstream
+    upstream.behavior.fail_status = status
+    num_requests = gateway.settings.breaker_failures + 2
+    for _ in range(num_requests):
+        response = http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == status
+        assert response.json()["error"]["code"] == "fake"
+    assert upstream.num_requests == num_requests  # never skipped for an open breaker
+    assert two_regions.regions["eu-west"].upstream.num_requests == 0
+    assert gateway.handlers.router.regions["us-east"].breaker.state == "closed"
+
+
+def new_key(fleet: Fleet, gateway: GatewayThread) -> tuple[str, str]:
+    key_id, secret = fleet.create_key()
+    keys = gateway.handlers.keys
+    wait_until(lambda: len(keys) >= len(fleet.admin_call("GET", "/v1/keys")), what="the key")
+    return key_id, secret
+
+
+def test_the_node_sees_the_max_tokens_the_gateway_reserved(
     two_regions: Fleet, http: httpx.Client
 ) -> None:
-    two_regions.regions["us-east"].upstream.behavior.fail_status = 404
-    response = http.post("/v1/chat/completions", json=CHAT)
-    assert response.status_code == 404
-    assert response.json()["error"]["code"] == "fake"
-    assert two_regions.regions["eu-west"].upstream.num_requests == 0
+    upstream = two_regions.regions["us-east"].upstream
+    completion = {"model": "fake-model", "prompt": "once", "max_tokens": None}
+    assert http.post("/v1/completions", json=completion).status_code == 200
+    assert upstream.seen[-1].body["max_tokens"] == 16  # OpenAI's default, as reserved
+    chat = {**CHAT, "max_tokens": None, "max_completion_tokens": 7}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    seen = upstream.seen[-1].body
+    assert seen["max_tokens"] == seen["max_completion_tokens"] == 7
+    streamed = http.post("/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": None})
+    assert streamed.status_code == 200 and upstream.seen[-1].body["max_tokens"] == 1024
+
+
+def test_nodes_get_the_serving_token_and_never_the_clients_key(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    serving_token = "srv-" + "s" * 30
+    gateway = two_regions.start_gateway(serving_token=serving_token)
+    two_regions.wait_for_gateway(gateway)
+    _, secret = new_key(two_regions, gateway)
+    upstream = two_regions.regions["us-east"].upstream
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
+        assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert http.get("/v1/models").status_code == 200
+        assert http.post("/v1/completions", json={"model": "m", "prompt": "a"}).status_code == 200
+    assert len(upstream.seen) == 3
+    for seen in upstream.seen:
+        assert seen.headers["authorization"] == f"Bearer {serving_token}"
+        assert secret not in str(seen.headers)
+
+
+def test_without_a_serving_token_no_authorization_goes_upstream(
+    two_regions: Fleet, http: httpx.Client, api_key: str
+) -> None:
+    assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert http.get("/v1/models").status_code == 200
+    for seen in two_regions.regions["us-east"].upstream.seen:
+        assert "authorization" not in seen.headers
+        assert api_key not in str(seen.headers)
+
+
+def test_each_key_gets_its_own_prefix_cache_salt_whatever_the_client_sends(
+    two_regions: Fleet, gateway: GatewayThread, client_ssl: ssl.SSLContext
+) -> None:
+    upstream = two_regions.regions["us-east"].upstream
+    salts: dict[str, set[str]] = {}
+    for _ in range(2):
+        key_id, secret = new_key(two_regions, gateway)
+        headers = {"Authorization": f"Bearer {secret}", CACHE_SALT_HEADER: "chosen-by-client"}
+        body = {**CHAT, "cache_salt": "also-chosen-by-client"}
+        with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
+            for _ in range(2):
+                assert http.post("/v1/chat/completions", json=body).status_code == 200
+            assert http.get("/v1/models").status_code == 200
+        seen = upstream.seen[-3:]
+        salts[key_id] = {s.headers[CACHE_SALT_HEADER] for s in seen}
+        assert all("cache_salt" not in s.body for s in seen)
+    assert [len(s) for s in salts.values()] == [1, 1]  # one salt per key ...
+    assert len(set.union(*salts.values())) == 2  # ... and keys apart
+    for key_id, salt in salts.items():
+        assert salt == {cache_salt_of(key_id)} and len(cache_salt_of(key_id)) == 32
+
+
+def test_an_operator_may_let_keys_share_prefix_caches(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    gateway = two_regions.start_gateway(share_prefix_cache=True)
+    two_regions.wait_for_gateway(gateway)
+    _, secret = new_key(two_regions, gateway)
+    headers = {"Authorization": f"Bearer {secret}", CACHE_SALT_HEADER: "chosen-by-client"}
+    with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
+        assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+    seen = two_regions.regions["us-east"].upstream.seen[-1]
+    assert CACHE_SALT_HEADER not in seen.headers
 
 
 def test_health_and_metrics(gateway: GatewayThread, http: httpx.Client) -> None:

@@ -7,6 +7,7 @@ free loopback port and skips with the reason if the binary is missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import ssl
@@ -17,22 +18,24 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from gw_fleet import Fleet, free_port, wait_until
 
 from gateway.keys import ApiKey
-from gateway.redis_limits import RedisLimiter
+from gateway.redis_limits import KEY_PREFIX, RedisLimiter
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
 )
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+COOLDOWN_S = 5.0
 
 
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
+@contextlib.contextmanager
+def redis_server(port: int, directory: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A real redis-server on 127.0.0.1:`port`, stopped at the end."""
     assert REDIS_SERVER is not None
-    port = free_port()
     args = [
         REDIS_SERVER,
         "--port",
@@ -44,7 +47,7 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         "--appendonly",
         "no",
         "--dir",
-        str(tmp_path),
+        str(directory),
     ]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -57,17 +60,24 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
                 if time.monotonic() > deadline or process.poll() is not None:
                     raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield process
     finally:
-        process.terminate()
+        process.kill()
         process.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    with redis_server(port, tmp_path):
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 def test_concurrent_admissions_never_overspend(redis_url: str) -> None:
     key = ApiKey("key_r", rpm=10, tpm=1_000_000)
 
     async def run() -> list[bool]:
-        limiters = [RedisLimiter(redis_url) for _ in range(3)]  # three gateway processes
+        limiters = [RedisLimiter(redis_url, COOLDOWN_S) for _ in range(3)]  # three processes
         try:
             admissions = await asyncio.gather(*(limiters[i % 3].admit(key, 1) for i in range(40)))
         finally:
@@ -82,14 +92,14 @@ def test_tokens_are_reserved_and_settled_in_redis(redis_url: str) -> None:
     key = ApiKey("key_t", rpm=1000, tpm=600)
 
     async def run() -> None:
-        limiter = RedisLimiter(redis_url)
+        limiter = RedisLimiter(redis_url, COOLDOWN_S)
         try:
             first = await limiter.admit(key, 500)
             assert first.is_allowed and 99 <= first.token_level <= 101
             refused = await limiter.admit(key, 500)
             assert not refused.is_allowed and refused.limited_by == "tokens"
             assert 1 <= int(refused.headers()["retry-after"]) <= 40
-            await limiter.settle(key, 450)
+            await limiter.settle(key, first, 450)
             assert (await limiter.admit(key, 500)).is_allowed
         finally:
             await limiter.close()
@@ -101,7 +111,7 @@ def test_redis_going_away_falls_back_to_local_limits() -> None:
     key = ApiKey("key_f", rpm=2, tpm=1000)
 
     async def run() -> list[bool]:
-        limiter = RedisLimiter(f"redis://127.0.0.1:{free_port()}/0")  # nobody listens
+        limiter = RedisLimiter(f"redis://127.0.0.1:{free_port()}/0", COOLDOWN_S)  # nobody listens
         try:
             return [(await limiter.admit(key, 1)).is_allowed for _ in range(3)]
         finally:
@@ -126,3 +136,107 @@ def test_two_gateways_of_a_pop_share_one_budget(
         with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
             statuses.append(http.post("/v1/chat/completions", json=CHAT).status_code)
     assert statuses == [200, 200, 200, 200, 429, 429]
+
+
+def test_debt_is_kept_until_it_is_repaid(redis_url: str) -> None:
+    key = ApiKey("key_d", rpm=1000, tpm=600)
+
+    async def run() -> tuple[int, int]:
+        limiter = RedisLimiter(redis_url, COOLDOWN_S)
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            admission = await limiter.admit(key, 100)
+            # The node used 6,100 tokens more than reserved: 5,600 in debt (refill: 10/s).
+            await limiter.settle(key, admission, -6100)
+            in_debt_ms = await client.pttl(KEY_PREFIX + key.id)
+            refused = await limiter.admit(key, 1)
+            assert not refused.is_allowed and refused.token_level < -5000
+            idle = ApiKey("key_i", rpm=1000, tpm=600)
+            await limiter.settle(idle, await limiter.admit(idle, 1), 1)
+            full_ms = await client.pttl(KEY_PREFIX + idle.id)
+            return in_debt_ms, full_ms
+        finally:
+            await client.aclose()
+            await limiter.close()
+
+    in_debt_ms, full_ms = asyncio.run(run())
+    # Full again after 6,200 tokens at 10/s, in 620 s: until then the hash must not expire.
+    assert 615_000 <= in_debt_ms <= 622_000
+    # Full buckets need not be stored for long (a missing hash reads as full).
+    assert 0 < full_ms <= 10_000
+
+
+def test_a_request_is_settled_where_it_was_admitted(tmp_path: Path) -> None:
+    port = free_port()
+    key = ApiKey("key_s", rpm=1000, tpm=1000)
+
+    async def run() -> None:
+        limiter = RedisLimiter(f"redis://127.0.0.1:{port}/0", cooldown_s=0.05)
+        try:
+            local = await limiter.admit(key, 900)  # nobody listens yet: this process's buckets
+            assert local.is_allowed and not local.is_shared
+            with redis_server(port, tmp_path):
+                await asyncio.sleep(0.1)  # past the cool-down: Redis is tried again
+                shared = await limiter.admit(key, 900)
+                assert shared.is_allowed and shared.is_shared
+                await limiter.settle(key, local, 900)  # gives back to this process only
+                assert not (await limiter.admit(key, 900)).is_allowed
+                await limiter.settle(key, shared, 900)
+                shared = await limiter.admit(key, 900)
+                assert shared.is_shared
+            # Redis died: a shared admission's refund must not credit this process's buckets.
+            assert (await limiter.admit(key, 900)).is_allowed  # local: 100 left
+            await limiter.settle(key, shared, 900)
+            assert not (await limiter.admit(key, 900)).is_allowed
+        finally:
+            await limiter.close()
+
+    asyncio.run(run())
+
+
+class SilentServer:
+    """Accepts connections and reads them, but never answers: a hung Redis."""
+
+    def __init__(self) -> None:
+        self.num_connections = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        while await reader.read(65536):
+            pass
+        writer.close()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+
+def test_a_hung_redis_is_tried_once_per_cool_down_not_per_request() -> None:
+    key = ApiKey("key_h", rpm=1000, tpm=100_000)
+
+    async def run() -> tuple[int, int]:
+        silent = SilentServer()
+        await silent.start()
+        limiter = RedisLimiter(f"redis://127.0.0.1:{silent.port}/0", cooldown_s=0.5)
+        try:
+            for _ in range(10):
+                admission = await limiter.admit(key, 10)
+                assert admission.is_allowed
+                await limiter.settle(key, admission, 5)
+            num_during_cooldown = silent.num_connections
+            await asyncio.sleep(0.6)
+            await limiter.admit(key, 10)  # the cool-down is over: one probe
+            return num_during_cooldown, silent.num_connections
+        finally:
+            await limiter.close()
+            await silent.stop()
+
+    num_during_cooldown, num_after = asyncio.run(run())
+    assert num_during_cooldown == 1  # without a breaker: 20 (an admit and a settle each)
+    assert num_after == 2
