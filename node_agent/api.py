@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive
 
+from node_agent.cache_salt import cache_salt_of
 from node_agent.errors import ClientDisconnectedError
 from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest
 from node_agent.request_ids import request_id_of
@@ -53,14 +54,16 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, runtime: Runtime
 ) -> Response:
     return await _serve(
-        request, runtime, body, lambda s: s.prepare_chat(body), chat_events, collect_chat
+        request, runtime, body, lambda s, salt: s.prepare_chat(body, salt), chat_events,
+        collect_chat,
     )
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, runtime: Runtime) -> Response:
     return await _serve(
-        request, runtime, body, lambda s: s.prepare_completion(body), completion_events,
+        request, runtime, body, lambda s, salt: s.prepare_completion(body, salt),
+        completion_events,
         collect_completion,
     )
 
@@ -73,14 +76,15 @@ async def _serve(
     request: Request,
     runtime: NodeRuntime,
     body: ChatCompletionRequest | CompletionRequest,
-    prepare: Callable[[Serving], Awaitable[PreparedRequest]],
+    prepare: Callable[[Serving, str | None], Awaitable[PreparedRequest]],
     events: Events,
     collect: Collect,
 ) -> Response:
     runtime.check_model(body.model)
+    cache_salt = cache_salt_of(request.headers, body.cache_salt)
     serving, ticket = runtime.admit()
     try:
-        prepared = await prepare(serving)
+        prepared = await prepare(serving, cache_salt)
     except BaseException:
         ticket.release()
         raise

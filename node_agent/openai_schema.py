@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from engine.sampling_params import MAX_TOP_LOGPROBS
+from node_agent.cache_salt import MAX_CACHE_SALT_LEN
 
 MAX_STOP_STRINGS = 16
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -99,6 +100,8 @@ class SamplingRequest(_Lenient):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: prefix-cache hits only among requests of the same salt (see cache_salt.py).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
 
     @field_validator("*", mode="before")
     @classmethod

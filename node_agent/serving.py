@@ -35,6 +35,7 @@ class PreparedRequest:
     params: SamplingParams
     header: ResponseHeader
     num_top_logprobs: int | None  # None: no logprobs asked for
+    cache_salt: str | None
 
 
 class Serving:
@@ -46,7 +47,9 @@ class Serving:
         self.max_model_len = llm.engine.max_model_len
         self.texts = TokenTexts(llm.tokenizer)
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
+    async def prepare_chat(
+        self, body: ChatCompletionRequest, cache_salt: str | None
+    ) -> PreparedRequest:
         messages: list[ChatMessage] = []
         for message in body.messages:
             entry: dict[str, str] = {
@@ -59,9 +62,13 @@ class Serving:
         token_ids = await asyncio.to_thread(self._render_and_encode, messages)
         self._check_length(token_ids, body.max_output_tokens, "messages")
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
-        return self._prepared("chatcmpl", token_ids, params, body, body.engine_logprobs)
+        return self._prepared(
+            "chatcmpl", token_ids, params, body, body.engine_logprobs, cache_salt
+        )
 
-    async def prepare_completion(self, body: CompletionRequest) -> PreparedRequest:
+    async def prepare_completion(
+        self, body: CompletionRequest, cache_salt: str | None
+    ) -> PreparedRequest:
         prompt = body.single_prompt
         if isinstance(prompt, str):
             if not prompt:
@@ -71,13 +78,15 @@ class Serving:
             token_ids = prompt
         self._check_length(token_ids, body.max_tokens, "prompt")
         params = self._params(body, body.max_tokens, body.logprobs)
-        return self._prepared("cmpl", token_ids, params, body, body.logprobs)
+        return self._prepared("cmpl", token_ids, params, body, body.logprobs, cache_salt)
 
     async def outputs(
         self, prepared: PreparedRequest, ticket: Ticket, timer: RequestTimer
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs; closing this iterator early aborts the request."""
-        stream = self.llm.generate(prepared.prompt_token_ids, prepared.params, prepared.request_id)
+        stream = self.llm.generate(
+            prepared.prompt_token_ids, prepared.params, prepared.request_id, prepared.cache_salt
+        )
         async with aclosing(stream) as outputs:
             async for output in outputs:
                 if output.outputs[0].token_ids:
@@ -138,6 +147,7 @@ class Serving:
         params: SamplingParams,
         body: SamplingRequest,
         num_top_logprobs: int | None,
+        cache_salt: str | None,
     ) -> PreparedRequest:
         try:
             self.llm.engine.check_request(token_ids, params)
@@ -145,4 +155,6 @@ class Serving:
             raise BadRequestError(str(exc), param="prompt") from exc
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         header = ResponseHeader(request_id, int(time.time()), body.model, body.include_usage)
-        return PreparedRequest(request_id, token_ids, params, header, num_top_logprobs)
+        return PreparedRequest(
+            request_id, token_ids, params, header, num_top_logprobs, cache_salt
+        )

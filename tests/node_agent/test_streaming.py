@@ -39,7 +39,7 @@ def run_events(last: BaseException | RequestOutput, chat: bool, tokenizer: Token
     admission = Admission(10, 1)
     metrics = NodeMetrics("m", lambda: None)
     header = ResponseHeader("chatcmpl-x", 1, "m", include_usage=True)
-    prepared = PreparedRequest("chatcmpl-x", [1, 2], SamplingParams(), header, None)
+    prepared = PreparedRequest("chatcmpl-x", [1, 2], SamplingParams(), header, None, None)
     run = RequestRun(prepared, admission.admit(0), metrics.start_request(), "rid")
     events = (chat_events if chat else completion_events)(
         run, failing_outputs(last), TokenTexts(tokenizer)
