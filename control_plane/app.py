@@ -24,6 +24,7 @@ from control_plane.drain import Drainer, DrainSequence, DrainTimes, load_drains
 from control_plane.errors import error_response, install_error_handlers
 from control_plane.fleet import Fleet
 from control_plane.keys import KeyRegistry
+from control_plane.limits import RequestLimits
 from control_plane.node_credentials import CredentialRegistry, NodeCredential, load_credentials
 from control_plane.registry import Registry, load_fleet
 from control_plane.routing import PolicyRegistry, load_policy
@@ -158,6 +159,12 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.add_exception_handler(StoreBusyError, _on_store_busy)
     app.add_middleware(HeartbeatFastPath)
+    # Added last, so it runs first: nothing reads a body or a token before the caps are checked.
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        max_header_bytes=settings.max_header_bytes,
+    )
     for router in (
         regions.router,
         nodes.router,

@@ -83,6 +83,10 @@ class Settings(BaseSettings):
     # How often health is re-judged and summaries recomputed; bounds how late a gateway hears of
     # a change caused by time passing (a node going silent), so keep it well under a second.
     sweep_interval_s: float = Field(default=0.25, gt=0.0, le=1.0)
+    # Caps checked before routing (control_plane/limits.py): 413 and 431 past them. The biggest
+    # legitimate bodies (a routing policy, a region) are a few KiB.
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
     # Upper bound on a blocking query's `wait` (Consul caps at 10 minutes).
     max_wait_s: float = Field(default=300.0, gt=0.0, le=600.0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

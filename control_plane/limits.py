@@ -1,0 +1,106 @@
+"""Caps on a request's headers and body, enforced before routing (before any token is checked).
+
+Without them, anyone who can reach the port makes the control plane hold a body of any size (or
+a megabyte of headers) in memory before it is told 401. Headers larger than `max_header_bytes`
+in all are 431; a body larger than `max_body_bytes` is 413 — at once when its Content-Length says
+so, else as soon as what has arrived passes the cap: the body is never read further. A body within
+the cap is read here (at most the cap per request) and handed on unchanged. Both answers are in
+the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from wire.errors import error_json
+
+_JSON: Final = (b"content-type", b"application/json")
+
+
+class BodyTooLargeError(Exception):
+    pass
+
+
+def _header_bytes(scope: Scope) -> int:
+    return sum(len(name) + len(value) for name, value in scope["headers"])
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            # The server has validated it; a bad one never reaches an app.
+            return int(value)
+    return None
+
+
+def _has_body(scope: Scope) -> bool:
+    return any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
+
+
+async def _send_error(send: Send, status: int, message: str) -> None:
+    body = error_json(status, message)
+    headers = [_JSON, (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestLimits:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if _header_bytes(scope) > self.max_header_bytes:
+            await _send_error(
+                send, 431, f"request headers are larger than {self.max_header_bytes} bytes"
+            )
+            return
+        if not _has_body(scope):
+            await self.app(scope, receive, send)
+            return
+        too_large = f"request body is larger than {self.max_body_bytes} bytes"
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            await _send_error(send, 413, too_large)
+            return
+        try:
+            body = await self._read(receive)
+        except BodyTooLargeError:
+            await _send_error(send, 413, too_large)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> Message:
+        """The whole body as one message (or the disconnect that cut it short)."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise BodyTooLargeError
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    is_replayed = False
+
+    async def replay() -> Message:
+        nonlocal is_replayed
+        if is_replayed:
+            return await receive()
+        is_replayed = True
+        return first
+
+    return replay
