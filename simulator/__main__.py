@@ -1,0 +1,153 @@
+"""`python -m simulator run --scenario NAME|all --seed N --requests N [--json PATH] [--plots DIR]`
+and `python -m simulator calibrate BENCH_JSON [--kv-blocks N]`.
+
+Arguments → scenarios → a progress bar per policy → a table per scenario, then the JSON and the
+plots if asked. A bad argument is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from simulator.calibration import (
+    CalibrationError,
+    ServiceCalibration,
+    from_bench_report,
+    load_bench_report,
+)
+from simulator.compare import ScenarioResult, run_scenario
+from simulator.policies import POLICIES
+from simulator.report import table
+from simulator.scenarios import SCENARIOS
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def _policies(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(unknown) or text!r}; known: {', '.join(POLICIES)}"
+        )
+    return names
+
+
+def parser() -> OneLineParser:
+    top = OneLineParser(prog="python -m simulator", description=__doc__.split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    run = commands.add_parser("run", help="compare the policies on one scenario or all")
+    run.add_argument("--scenario", required=True, choices=[*SCENARIOS, "all"], metavar="NAME")
+    run.add_argument("--seed", type=_seed, default=0)
+    run.add_argument("--requests", type=_positive, default=10_000)
+    run.add_argument("--json", type=Path, help="write the results here")
+    run.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    run.add_argument("--calibration", type=Path, help="a calibration file (see `calibrate`)")
+    run.add_argument("--policies", type=_policies, default=list(POLICIES), help="a,b,...")
+    calibrate = commands.add_parser("calibrate", help="derive the node model from a benchmark")
+    calibrate.add_argument("report", type=Path, help="python -m bench.engine_throughput --json")
+    calibrate.add_argument("--kv-blocks", type=_positive, help="the benchmark's KV cache blocks")
+    return top
+
+
+def _load_calibration(path: Path | None) -> ServiceCalibration:
+    if path is None:
+        return ServiceCalibration()
+    try:
+        return ServiceCalibration.from_json(path.read_text())
+    except OSError as exc:
+        raise CalibrationError(f"cannot read {path}: {exc}") from exc
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.plots is not None and importlib.util.find_spec("matplotlib") is None:
+        print("simulator: --plots needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 2
+    calibration = _load_calibration(args.calibration)
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    results: list[ScenarioResult] = []
+    for name in names:
+        with Progress(  # a bar per policy, gone once the table is printed
+            TextColumn(f"{name:<14} {{task.description:<13}}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as bar:
+            tasks = {p: bar.add_task(p, total=args.requests) for p in args.policies}
+            result = run_scenario(
+                SCENARIOS[name],
+                args.seed,
+                args.requests,
+                calibration,
+                args.policies,
+                lambda policy, num_ended, bar=bar, tasks=tasks: bar.update(
+                    tasks[policy], completed=num_ended
+                ),
+            )
+        results.append(result)
+        console.print(table(result))
+        if args.plots is not None:
+            from simulator import plots  # matplotlib is imported only when plots are asked for
+
+            for path in plots.write_plots(result, args.plots):
+                console.print(f"wrote {path}")
+    if args.json is not None:
+        documents = [r.to_json() for r in results]
+        body = documents if args.scenario == "all" else documents[0]
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(body, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # The real control plane's and gateway's warnings (breakers, shedding) would flood the table.
+    logging.basicConfig(level=logging.ERROR)
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 110)  # a table in a log file keeps its columns
+    try:
+        if args.command == "calibrate":
+            report = load_bench_report(args.report)
+            print(from_bench_report(report, args.kv_blocks).to_json())
+            return 0
+        return _run(args, console)
+    except CalibrationError as exc:
+        print(f"simulator: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""A request's way through the world: client → PoP → region → node, with failover.
+
+The attempt loop follows `gateway/proxy.py`: try the policy's regions in order, at most
+`max_attempts`, within the request's deadline; an attempt fails over when the region does not
+connect in `connect_timeout_s` (it is down), answers 429 (its node's waiting queue is full) or
+sends no first byte within `first_byte_timeout_s`; once the first byte has come, the stream is
+committed and a failure after it is the client's error. Timeouts and limits are the gateway's
+default settings. Each outcome is reported to the policy (breakers, in-flight counts, observed
+TTFT), which is where the real gateway code learns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gateway.anycast import Anycast
+from gateway.settings import GatewaySettings
+from simulator.events import EventLoop
+from simulator.node import Job, Node
+from simulator.policies import Chooser, Pick
+from simulator.results import Outcome, Recorder
+from simulator.site import Site
+from simulator.workload import Request
+from simulator.world import Geography
+from wire.geo import Location
+
+
+def _gateway_default(name: str) -> float:
+    value = GatewaySettings.model_fields[name].default
+    assert isinstance(value, int | float)
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayTiming:
+    max_attempts: int = int(_gateway_default("max_attempts"))
+    connect_timeout_s: float = _gateway_default("connect_timeout_s")
+    first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
+    request_deadline_s: float = _gateway_default("request_deadline_s")
+
+
+@dataclass(slots=True)
+class Flight:
+    request: Request
+    origin: Location  # where attempts leave from: the PoP, or the client itself
+    pop: str  # "" when the client goes to a region directly
+    client_delay_s: float  # client ↔ origin, one way
+    picks: list[Pick] = field(default_factory=list)
+    attempt: int = -1
+    sent_s: float = 0.0
+    pick: Pick | None = None
+    job: Job | None = None
+    node: Node | None = None
+    first_byte_s: float = 0.0  # at the origin
+    num_attempts: int = 0
+    is_committed: bool = False
+    is_ended: bool = False
+
+
+class Traffic:
+    def __init__(
+        self,
+        loop: EventLoop,
+        geography: Geography,
+        sites: Mapping[str, Site],
+        chooser: Chooser,
+        recorder: Recorder,
+        timing: GatewayTiming,
+    ) -> None:
+        self.loop = loop
+        self.geography = geography
+        self.sites = sites
+        self.chooser = chooser
+        self.recorder = recorder
+        self.timing = timing
+        self.max_attempts = chooser.max_attempts or timing.max_attempts
+        self.anycast = Anycast(geography.pops)
+        self.catchment: dict[str, str] = {}
+        self._delays: dict[tuple[str, str], float] = {}
+        self._update_catchment()
+
+    def delay_s(self, a: Location, b: Location) -> float:
+        """One way between two places (half the true RTT), memoised."""
+        key = (a.name, b.name)
+        delay = self._delays.get(key)
+        if delay is None:
+            delay = self._delays[key] = self.geography.true_rtt_ms(a, b) / 2000.0
+        return delay
+
+    # Anycast.
+
+    def _update_catchment(self) -> None:
+        self.catchment = self.anycast.catchments(self.geography.cities)
+
+    def withdraw(self, pop: str) -> None:
+        self.anycast.withdraw(pop)
+        self._update_catchment()
+
+    def announce(self, pop: str) -> None:
+        self.anycast.announce(pop)
+        self._update_catchment()
+
+    # Requests.
+
+    def send(self, request: Request) -> None:
+        """The client sends `request` now."""
+        city = self.geography.cities[request.city]
+        if self.chooser.is_via_pop:
+            pop = self.catchment[request.city]
+            origin = self.geography.pops[pop]
+            delay_s = self.delay_s(city, origin)
+            flight = Flight(request, origin, pop, delay_s)
+            self.loop.at(self.loop.now_s + delay_s, self._at_origin, flight)
+        else:
+            self._at_origin(Flight(request, city, "", 0.0))
+
+    def _at_origin(self, flight: Flight) -> None:
+        now_s = self.loop.now_s
+        picks = self.chooser.order(flight.pop, flight.request, now_s)
+        if not picks:
+            self._end(flight, Outcome.NO_CAPACITY)
+            return
+        flight.picks = picks[: self.max_attempts]
+        self._try_next(flight)
+
+    def _try_next(self, flight: Flight) -> None:
+        now_s = self.loop.now_s
+        flight.attempt += 1
+        started_s = flight.request.arrival_s + flight.client_delay_s
+        deadline_s = started_s + self.timing.request_deadline_s
+        if flight.attempt >= len(flight.picks) or now_s >= deadline_s:
+            self._end(flight, Outcome.FAILED)
+            return
+        pick = flight.picks[flight.attempt]
+        flight.num_attempts += 1
+        flight.pick, flight.sent_s, flight.job, flight.node = pick, now_s, None, None
+        self.chooser.on_attempt(flight.pop, pick.region, now_s)
+        site = self.sites[pick.region]
+        arrive_s = now_s + self.delay_s(flight.origin, site.location)
+        self.loop.at(arrive_s, self._at_region, (flight, flight.attempt))
+
+    def _at_region(self, event: tuple[Flight, int]) -> None:
+        flight = event[0]
+        now_s = self.loop.now_s
+        assert flight.pick is not None
+        site = self.sites[flight.pick.region]
+        node = flight.pick.node if flight.pick.node is not None else site.pick_node()
+        if not site.is_up or node is None or not node.is_up:
+            self.loop.at(flight.sent_s + self.timing.connect_timeout_s, self._failed, event)
+            return
+        request = flight.request
+        job = Job(
+            flight, request.prompt_tokens, request.output_tokens, request.affinity_key,
+            request.prefix_tokens,
+        )  # fmt: skip
+        if node.is_overloaded() or not node.can_ever_fit(job):
+            back_s = now_s + self.delay_s(site.location, flight.origin)
+            self.loop.at(back_s, self._failed, event)  # 429: try the next region
+            return
+        flight.job, flight.node = job, node
+        node.submit(job, now_s)
+        self.loop.at(flight.sent_s + self.timing.first_byte_timeout_s, self._timed_out, event)
+
+    def on_first_token(self, job: Job) -> None:
+        flight = job.owner
+        assert isinstance(flight, Flight)
+        if flight.job is not job or flight.is_ended:
+            return  # an attempt the gateway gave up on: the node worked for nobody
+        assert flight.pick is not None
+        region = self.sites[flight.pick.region].location
+        back_s = self.loop.now_s + self.delay_s(region, flight.origin)
+        self.loop.at(back_s, self._first_byte, (flight, flight.attempt))
+
+    def _first_byte(self, event: tuple[Flight, int]) -> None:
+        flight, attempt = event
+        if attempt != flight.attempt or flight.is_ended or flight.job is None:
+            return  # a newer attempt, or the node died with this first byte on the way
+        assert flight.pick is not None
+        flight.is_committed = True
+        flight.first_byte_s = self.loop.now_s
+        self.chooser.on_first_byte(flight.pop, flight.pick.region, self.loop.now_s)
+
+    def on_finished(self, job: Job) -> None:
+        flight = job.owner
+        assert isinstance(flight, Flight)
+        if flight.job is not job or flight.is_ended:
+            return
+        assert flight.pick is not None
+        now_s = self.loop.now_s
+        region = self.sites[flight.pick.region].location
+        done_s = now_s + self.delay_s(region, flight.origin)
+        if not flight.is_committed:  # the last token comes with the first (1-token answers)
+            flight.is_committed, flight.first_byte_s = True, done_s
+            self.chooser.on_first_byte(flight.pop, flight.pick.region, now_s)
+        self.chooser.on_done(flight.pop, flight.pick, flight.first_byte_s - flight.sent_s, now_s)
+        self._end(flight, Outcome.OK, done_s + flight.client_delay_s)
+
+    def _timed_out(self, event: tuple[Flight, int]) -> None:
+        flight, attempt = event
+        if attempt != flight.attempt or flight.is_ended or flight.is_committed:
+            return
+        if flight.node is not None and flight.job is not None:
+            flight.node.abort(flight.job, self.loop.now_s)
+        self._failed(event)
+
+    def _failed(self, event: tuple[Flight, int]) -> None:
+        flight, attempt = event
+        if attempt != flight.attempt or flight.is_ended:
+            return
+        assert flight.pick is not None
+        self.chooser.on_failure(flight.pop, flight.pick.region, self.loop.now_s)
+        self._try_next(flight)
+
+    def cut(self, job: Job) -> None:
+        """The node serving `job` died after its first token: the stream ends in an error."""
+        flight = job.owner
+        assert isinstance(flight, Flight)
+        if flight.job is not job or flight.is_ended:
+            return
+        assert flight.pick is not None
+        if flight.is_committed:
+            ttft_s = flight.first_byte_s - flight.sent_s
+            self.chooser.on_done(flight.pop, flight.pick, ttft_s, self.loop.now_s)
+            self._end(flight, Outcome.CUT)
+        else:  # its first byte is on the way but nothing will follow: the gateway times out
+            flight.job = None
+
+    def _end(self, flight: Flight, outcome: Outcome, done_s: float = 0.0) -> None:
+        flight.is_ended = True
+        request = flight.request
+        ttft_s = e2e_s = float("nan")
+        if outcome is Outcome.OK:
+            ttft_s = flight.first_byte_s + flight.client_delay_s - request.arrival_s
+            e2e_s = done_s - request.arrival_s
+        region = flight.pick.region if flight.pick is not None else ""
+        self.recorder.record(request, outcome, region, flight.num_attempts, ttft_s, e2e_s)

@@ -1,0 +1,251 @@
+"""The region-choice policies compared on identical traffic.
+
+- `meridian`: the gateway's own `gateway.routing.Router` (one per PoP, default settings), its
+  circuit breakers and its failover order, fed the summaries each PoP's watch has received.
+- `round_robin`: each PoP cycles over the regions its summaries say are active and healthy.
+- `nearest`: geo-DNS alone: the control plane's real DNS steering answers each client city (with
+  resolver caches that keep an answer for its TTL); clients go straight to that region and do
+  not retry elsewhere.
+- `least_loaded`: each PoP picks the region with the least queue in its summaries (then KV use,
+  then its own requests in flight there per node), ignoring distance.
+- `oracle`: sees every node's true queue and the true path RTT now, and picks the node with the
+  least predicted TTFT (the bound the others are measured against).
+Every policy but `nearest` fails over in the order it gave, as the gateway does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from control_plane.dns.config import DnsConfig
+from control_plane.dns.steering import Steering
+from gateway import routing
+from gateway.routing import Router, RouterConfig
+from gateway.settings import GatewaySettings
+from simulator.control import PopWatch, SimControlPlane
+from simulator.node import Node
+from simulator.site import Site
+from simulator.workload import Request
+from simulator.world import Geography
+from wire.geo import IPNetwork, client_subnet_of
+from wire.region_summary import RegionSummary
+
+POLICIES: Final = ("meridian", "round_robin", "nearest", "least_loaded", "oracle")
+
+
+def default_router_config() -> RouterConfig:
+    """The RouterConfig a gateway builds from its settings' defaults (gateway/app.py)."""
+    defaults = GatewaySettings.model_fields
+    values = {f.name: defaults[f.name].default for f in dataclasses.fields(RouterConfig)}
+    return RouterConfig(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    region: str
+    predicted_ttft_s: float = 0.0
+    node: Node | None = None  # the oracle also picks the node
+
+
+class Chooser:
+    """A policy: the regions to try for a request, and what it learns from the attempts."""
+
+    is_via_pop = True  # clients reach it through their Anycast PoP
+    max_attempts: int | None = None  # None: the gateway's setting
+
+    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+        raise NotImplementedError
+
+    def on_attempt(self, pop: str, region: str, now_s: float) -> None:
+        return None
+
+    def on_failure(self, pop: str, region: str, now_s: float) -> None:
+        return None
+
+    def on_first_byte(self, pop: str, region: str, now_s: float) -> None:
+        return None
+
+    def on_done(self, pop: str, pick: Pick, ttft_s: float, now_s: float) -> None:
+        return None
+
+
+class _FixedClock:
+    def __init__(self, now_s: float) -> None:
+        self.now_s = now_s
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+
+@contextlib.contextmanager
+def _routing_clock(now_s: float) -> Iterator[None]:
+    """Until Router.plan and observe_ttft take `now_s` (a seam gateway/ lacks for now), the
+    router reads the virtual clock through its module's `time`."""
+    real = routing.time
+    routing.time = _FixedClock(now_s)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        routing.time = real
+
+
+def _is_serving(summary: RegionSummary) -> bool:
+    return summary.state == "active" and summary.healthy_nodes > 0
+
+
+class MeridianChooser(Chooser):
+    """The gateway's routing: every decision is the real Router's and breaker's."""
+
+    def __init__(
+        self, watches: Mapping[str, PopWatch], geography: Geography, config: RouterConfig, seed: int
+    ) -> None:
+        self.watches = watches
+        self.routers = {
+            pop: Router(config, place, rng=random.Random(f"router/{seed}/{pop}"))
+            for pop, place in geography.pops.items()
+        }
+
+    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+        router = self.routers[pop]
+        document = self.watches[pop].read(now_s)
+        if document is None:
+            return []
+        if not router.is_loaded or document.index != router.index:
+            router.update(document)
+        with _routing_clock(now_s):
+            plan = router.plan(request.prompt_tokens, request.affinity_key)
+        return [Pick(c.region, c.predicted_ttft_s) for c in plan.candidates]
+
+    def on_attempt(self, pop: str, region: str, now_s: float) -> None:
+        state = self.routers[pop].state_of(region)
+        if state is not None:
+            state.breaker.on_attempt(now_s)
+            state.num_in_flight += 1
+
+    def on_failure(self, pop: str, region: str, now_s: float) -> None:
+        state = self.routers[pop].state_of(region)
+        if state is not None:
+            state.num_in_flight -= 1
+            state.breaker.on_failure(now_s)
+
+    def on_first_byte(self, pop: str, region: str, now_s: float) -> None:
+        state = self.routers[pop].state_of(region)
+        if state is not None:
+            state.breaker.on_success()
+
+    def on_done(self, pop: str, pick: Pick, ttft_s: float, now_s: float) -> None:
+        router = self.routers[pop]
+        state = router.state_of(pick.region)
+        if state is not None:
+            state.num_in_flight -= 1
+        with _routing_clock(now_s):
+            router.observe_ttft(pick.region, ttft_s, pick.predicted_ttft_s)
+
+
+class RoundRobinChooser(Chooser):
+    def __init__(self, watches: Mapping[str, PopWatch]) -> None:
+        self.watches = watches
+        self.turn = dict.fromkeys(watches, 0)
+
+    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+        document = self.watches[pop].read(now_s)
+        if document is None:
+            return []
+        names = [s.name for s in document.regions if _is_serving(s)]
+        if not names:
+            return []
+        turn = self.turn[pop] % len(names)
+        self.turn[pop] += 1
+        return [Pick(name) for name in names[turn:] + names[:turn]]
+
+
+class LeastLoadedChooser(Chooser):
+    def __init__(self, watches: Mapping[str, PopWatch]) -> None:
+        self.watches = watches
+        self.in_flight: dict[tuple[str, str], int] = {}
+
+    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+        document = self.watches[pop].read(now_s)
+        if document is None:
+            return []
+
+        def load(summary: RegionSummary) -> tuple[float, float, float, str]:
+            used = 0.0
+            if summary.kv_blocks_total:
+                used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
+            mine = self.in_flight.get((pop, summary.name), 0) / summary.healthy_nodes
+            return summary.queue.expected_queue_delay_s, used, mine, summary.name
+
+        serving = sorted((s for s in document.regions if _is_serving(s)), key=load)
+        return [Pick(s.name) for s in serving]
+
+    def on_attempt(self, pop: str, region: str, now_s: float) -> None:
+        self.in_flight[(pop, region)] = self.in_flight.get((pop, region), 0) + 1
+
+    def on_failure(self, pop: str, region: str, now_s: float) -> None:
+        self.in_flight[(pop, region)] -= 1
+
+    def on_done(self, pop: str, pick: Pick, ttft_s: float, now_s: float) -> None:
+        self.in_flight[(pop, pick.region)] -= 1
+
+
+class NearestChooser(Chooser):
+    """Geo-DNS: the control plane's steering, behind resolver caches (one per client city)."""
+
+    is_via_pop = False
+    max_attempts = 1
+
+    def __init__(self, control: SimControlPlane, cities: Mapping[str, object]) -> None:
+        self.config = DnsConfig()
+        self.steering = Steering(self.config, lambda: control.current)
+        self.networks: dict[str, IPNetwork] = {
+            city: ipaddress.ip_network(client_subnet_of(city)) for city in cities
+        }
+        self.cache: dict[str, tuple[str, float]] = {}  # city → (region, expires at)
+
+    def answer(self, city: str, now_s: float) -> str | None:
+        cached = self.cache.get(city)
+        if cached is not None and now_s < cached[1]:
+            return cached[0]
+        decision = self.steering.decide(self.networks[city])
+        if decision is None:
+            return None
+        self.cache[city] = (decision.target.name, now_s + self.config.ttl_s)
+        return decision.target.name
+
+    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+        region = self.answer(request.city, now_s)
+        return [] if region is None else [Pick(region)]
+
+
+class OracleChooser(Chooser):
+    def __init__(self, sites: Mapping[str, Site], geography: Geography) -> None:
+        self.sites = sites
+        self.geography = geography
+
+    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+        here = self.geography.pops[pop]
+        picks = []
+        for site in self.sites.values():
+            if not site.is_up:
+                continue
+            rtt_s = self.geography.true_rtt_ms(here, site.location) / 1000.0
+            best: tuple[float, Node] | None = None
+            for node in site.nodes:
+                if not node.is_up:
+                    continue
+                ttft_s = node.predict_ttft_s(
+                    request.prompt_tokens, request.affinity_key, request.prefix_tokens, now_s
+                )
+                if best is None or ttft_s < best[0]:
+                    best = (ttft_s, node)
+            if best is not None:
+                picks.append(Pick(site.name, rtt_s + best[0], best[1]))
+        picks.sort(key=lambda pick: pick.predicted_ttft_s)
+        return picks

@@ -1,0 +1,107 @@
+"""What each policy's run produced: one row per request, and the numbers the table shows.
+
+`failed`: requests that ended in an error for the client (every attempt failed, no region could
+take them, or their stream was cut by a dying node). `retried`: requests that needed more than
+one attempt, whatever their end. `lost`: requests that never ended when the world ran dry (an
+accounting check: it must be 0). `goodput`: the share of all requests whose first token reached
+the client within `GOODPUT_TTFT_S`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from simulator.workload import Request
+
+GOODPUT_TTFT_S: Final = 1.0
+NOT_ENDED: Final = -1
+
+
+class Outcome(IntEnum):
+    OK = 0
+    FAILED = 1  # every attempt failed
+    NO_CAPACITY = 2  # no region could take it
+    CUT = 3  # the stream broke after its first byte
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyStats:
+    ttft_p50_s: float
+    ttft_p95_s: float
+    ttft_p99_s: float
+    e2e_p99_s: float
+    goodput: float
+    failed: int
+    retried: int
+    lost: int
+
+    def to_json(self) -> dict[str, float | int]:
+        return {
+            "ttft_p50_s": round(self.ttft_p50_s, 4),
+            "ttft_p95_s": round(self.ttft_p95_s, 4),
+            "ttft_p99_s": round(self.ttft_p99_s, 4),
+            "e2e_p99_s": round(self.e2e_p99_s, 4),
+            "goodput": round(self.goodput, 4),
+            "failed": self.failed,
+            "retried": self.retried,
+            "lost": self.lost,
+        }
+
+
+class Recorder:
+    def __init__(self, num_requests: int, regions: list[str]) -> None:
+        self.regions = regions
+        self._region_index = {name: i for i, name in enumerate(regions)}
+        self.outcome = np.full(num_requests, NOT_ENDED, dtype=np.int8)
+        self.region = np.full(num_requests, -1, dtype=np.int16)
+        self.num_attempts = np.zeros(num_requests, dtype=np.int16)
+        self.arrival_s = np.zeros(num_requests)
+        self.ttft_s = np.full(num_requests, np.nan)
+        self.e2e_s = np.full(num_requests, np.nan)
+        self.num_ended = 0
+
+    def record(
+        self,
+        request: Request,
+        outcome: Outcome,
+        region: str,
+        num_attempts: int,
+        ttft_s: float,
+        e2e_s: float,
+    ) -> None:
+        i = request.request_id
+        assert self.outcome[i] == NOT_ENDED, f"request {i} ended twice"
+        self.num_ended += 1
+        self.outcome[i] = outcome
+        self.region[i] = self._region_index.get(region, -1)
+        self.num_attempts[i] = num_attempts
+        self.arrival_s[i] = request.arrival_s
+        self.ttft_s[i] = ttft_s
+        self.e2e_s[i] = e2e_s
+
+    def ok_ttfts_s(self) -> npt.NDArray[np.float64]:
+        return self.ttft_s[self.outcome == Outcome.OK]
+
+    def stats(self) -> PolicyStats:
+        ok = self.outcome == Outcome.OK
+        ttft = self.ttft_s[ok]
+        e2e = self.e2e_s[ok]
+
+        def pct(values: npt.NDArray[np.float64], q: float) -> float:
+            return float(np.percentile(values, q)) if values.size else float("nan")
+
+        return PolicyStats(
+            ttft_p50_s=pct(ttft, 50),
+            ttft_p95_s=pct(ttft, 95),
+            ttft_p99_s=pct(ttft, 99),
+            e2e_p99_s=pct(e2e, 99),
+            goodput=float(np.count_nonzero(ttft <= GOODPUT_TTFT_S)) / len(self.outcome),
+            failed=int(np.count_nonzero((self.outcome != Outcome.OK) & (self.outcome >= 0))),
+            retried=int(np.count_nonzero(self.num_attempts > 1)),
+            lost=int(np.count_nonzero(self.outcome == NOT_ENDED)),
+        )

@@ -1,0 +1,174 @@
+"""One scenario under one policy: build the world, play the requests, return what happened.
+
+Each policy gets a fresh world built from the same seed (same paths, same fleet, same requests
+at the same times from the same cities), so the policies differ only in their decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from control_plane.fleet import Region
+from simulator.calibration import ServiceCalibration
+from simulator.control import ControlTiming, PopWatch, SimControlPlane
+from simulator.events import EventLoop
+from simulator.flow import GatewayTiming, Traffic
+from simulator.node import Node
+from simulator.policies import (
+    Chooser,
+    LeastLoadedChooser,
+    MeridianChooser,
+    NearestChooser,
+    OracleChooser,
+    RoundRobinChooser,
+    default_router_config,
+)
+from simulator.results import Recorder
+from simulator.scenarios import NODES_PER_REGION, Outage, Scenario
+from simulator.site import Site
+from simulator.workload import Request
+from simulator.world import Geography
+from wire.routing_policy import RoutingPolicy
+
+# How often the progress callback hears how many requests have ended (simulated seconds).
+PROGRESS_SLICES = 200
+HORIZON_SLACK_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorldSpec:
+    """What every policy's world shares."""
+
+    scenario: Scenario
+    geography: Geography
+    calibration: ServiceCalibration
+    requests: Sequence[Request]
+    seed: int
+    routing_policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+
+
+def _ingress_url(index: int) -> str:
+    # An IP literal, so the DNS steering can answer with it (198.19.0.0/16: benchmarking range).
+    return f"http://198.19.0.{index + 1}:8000"
+
+
+def _chooser(
+    policy: str,
+    spec: WorldSpec,
+    control: SimControlPlane,
+    watches: dict[str, PopWatch],
+    sites: dict[str, Site],
+) -> Chooser:
+    geography = spec.geography
+    if policy == "meridian":
+        return MeridianChooser(watches, geography, default_router_config(), spec.seed)
+    if policy == "round_robin":
+        return RoundRobinChooser(watches)
+    if policy == "nearest":
+        return NearestChooser(control, geography.cities)
+    if policy == "least_loaded":
+        return LeastLoadedChooser(watches)
+    if policy == "oracle":
+        return OracleChooser(sites, geography)
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+class World:
+    def __init__(self, spec: WorldSpec, policy: str) -> None:
+        self.spec = spec
+        self.loop = EventLoop()
+        geography = spec.geography
+        regions = {
+            name: Region(name, place.lat, place.lon, _ingress_url(i), 1.0, "active", 0.0, 0.0)
+            for i, (name, place) in enumerate(sorted(geography.regions.items()))
+        }
+        timing = ControlTiming(extra_beat_delay_s=spec.scenario.extra_beat_delay_s)
+        self.control = SimControlPlane(self.loop, timing, regions, spec.routing_policy, spec.seed)
+        cp = geography.control_plane
+        watches = {
+            pop: PopWatch(self.control, delay_s, poll_at_cp_s=delay_s)
+            for pop, place in geography.pops.items()
+            for delay_s in [geography.true_rtt_ms(place, cp) / 2000.0]
+        }
+        self.sites: dict[str, Site] = {}
+        self.chooser = _chooser(policy, spec, self.control, watches, self.sites)
+        self.recorder = Recorder(len(spec.requests), sorted(regions))
+        self.traffic = Traffic(
+            self.loop, geography, self.sites, self.chooser, self.recorder, GatewayTiming()
+        )
+        for name, region in regions.items():
+            place = geography.regions[name]
+            nodes = [
+                Node(
+                    f"{name}-{i}",
+                    name,
+                    spec.calibration,
+                    self.loop,
+                    self.traffic.on_first_token,
+                    self.traffic.on_finished,
+                )
+                for i in range(NODES_PER_REGION[name])
+            ]
+            assert region.ingress_url is not None
+            self.sites[name] = Site(name, place, region.ingress_url, nodes)
+            delay_s = geography.true_rtt_ms(place, cp) / 2000.0
+            for node in nodes:
+                self.control.add_node(node, f"http://{node.name}.{name}.sim:9001", delay_s)
+
+    def _schedule_outages(self) -> None:
+        requests = self.spec.requests
+        first_s, last_s = requests[0].arrival_s, requests[-1].arrival_s
+
+        def at(fraction: float) -> float:
+            return first_s + fraction * (last_s - first_s)
+
+        scenario = self.spec.scenario
+        if scenario.region_failure is not None:
+            outage: Outage = scenario.region_failure
+            self.loop.at(at(outage.start), self._fail_region, outage.name)
+            self.loop.at(at(outage.end), self._restore_region, outage.name)
+        if scenario.pop_withdrawal is not None:
+            outage = scenario.pop_withdrawal
+            self.loop.at(at(outage.start), self.traffic.withdraw, outage.name)
+            self.loop.at(at(outage.end), self.traffic.announce, outage.name)
+
+    def _fail_region(self, name: str) -> None:
+        site = self.sites[name]
+        site.is_up = False
+        for node in site.nodes:
+            for job in node.fail(self.loop.now_s):
+                self.traffic.cut(job)
+
+    def _restore_region(self, name: str) -> None:
+        site = self.sites[name]
+        site.is_up = True
+        for node in site.nodes:
+            node.restart(self.loop.now_s)
+
+    def _arrive(self, index: int) -> None:
+        requests = self.spec.requests
+        self.traffic.send(requests[index])
+        if index + 1 < len(requests):
+            self.loop.at(requests[index + 1].arrival_s, self._arrive, index + 1)
+
+    def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
+        """Play every request to its end; `progress(num_ended)` now and then."""
+        requests = self.spec.requests
+        self.control.start()
+        self._schedule_outages()
+        self.loop.at(requests[0].arrival_s, self._arrive, 0)
+        slice_s = max(1.0, requests[-1].arrival_s / PROGRESS_SLICES)
+        # No request can outlive its deadline: past this, what has not ended is lost.
+        horizon_s = requests[-1].arrival_s + GatewayTiming().request_deadline_s + HORIZON_SLACK_S
+        until_s = 0.0
+        while self.loop.num_pending:
+            until_s += slice_s
+            if self.recorder.num_ended == len(requests) or until_s > horizon_s:
+                self.control.stop()  # only timers and wasted work are left
+                until_s = math.inf
+            self.loop.run(until_s)
+            if progress is not None:
+                progress(self.recorder.num_ended)
+        return self.recorder

@@ -1,0 +1,113 @@
+"""The scenarios: one fleet, one kind of day, and what goes wrong in it.
+
+Every scenario runs the same fleet (`NODES_PER_REGION`) at a mean load of `utilisation` of its
+estimated capacity; a simulated day lasts as long as the run, so every continent passes through
+its peak (1.5x its mean) once. Times of events are fractions of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from simulator.calibration import ServiceCalibration
+from simulator.workload import Surge, WorkloadSpec
+
+NODES_PER_REGION: Final[Mapping[str, int]] = {
+    "us-east": 5, "us-west": 4, "eu-west": 4, "eu-central": 4, "ap-southeast": 4,
+    "ap-northeast": 5, "sa-east": 3,
+}  # fmt: skip
+
+WARMUP_S: Final = 5.0  # nodes beat and summaries flow before the first request
+# The batch a loaded node runs at, for the capacity estimate.
+TYPICAL_BATCH: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Outage:
+    name: str  # a region (region_failure) or a PoP (pop_withdrawal)
+    start: float  # fraction of the run
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    utilisation: float = 0.55
+    surge: tuple[str, float, float, float] | None = None  # continent, start, end, factor
+    region_failure: Outage | None = None
+    pop_withdrawal: Outage | None = None
+    extra_beat_delay_s: float = 0.0
+    workload: WorkloadSpec | None = None  # overrides of lengths and tenants (rate is derived)
+
+
+PREFIX_HEAVY = WorkloadSpec(
+    num_requests=0,
+    rate_req_s=0.0,
+    day_s=0.0,
+    user_prompt_tokens=(32, 256),
+    num_tenants=32,
+    share_with_system_prompt=0.9,
+    system_prompt_tokens=(1024, 3072),
+)
+
+SCENARIOS: Final[Mapping[str, Scenario]] = {
+    s.name: s
+    for s in (
+        Scenario("steady", "a normal day"),
+        Scenario("surge", "Asia at 3x from 40% to 60% of the run", surge=("asia", 0.4, 0.6, 3.0)),
+        Scenario(
+            "region_failure",
+            "ap-northeast dies at 30% of the run and returns at 60%",
+            region_failure=Outage("ap-northeast", 0.3, 0.6),
+        ),
+        Scenario(
+            "pop_withdrawal",
+            "the Tokyo PoP leaves Anycast from 30% to 70% of the run",
+            pop_withdrawal=Outage("tokyo", 0.3, 0.7),
+        ),
+        Scenario(
+            "stale", "capacity reports reach the control plane 5 s late", extra_beat_delay_s=5.0
+        ),
+        Scenario(
+            "prefix_heavy",
+            "90% of tenants send a 1-3k token system prompt",
+            workload=PREFIX_HEAVY,
+        ),
+    )
+}
+
+
+def node_capacity_req_s(calibration: ServiceCalibration, spec: WorkloadSpec) -> float:
+    """Requests per second one node sustains at a typical batch, prefix hits not counted."""
+    mean_prompt = sum(spec.user_prompt_tokens) / 2 + spec.share_with_system_prompt * (
+        sum(spec.system_prompt_tokens) / 2
+    )
+    mean_output = sum(spec.output_tokens) / 2
+    prefill_s = mean_prompt / calibration.prefill_tokens_per_s
+    decode_s = mean_output * calibration.step_s(TYPICAL_BATCH) / TYPICAL_BATCH
+    return 1.0 / (prefill_s + decode_s)
+
+
+def workload_of(
+    scenario: Scenario, num_requests: int, calibration: ServiceCalibration
+) -> WorkloadSpec:
+    base = scenario.workload or WorkloadSpec(num_requests=0, rate_req_s=0.0, day_s=0.0)
+    num_nodes = sum(NODES_PER_REGION.values())
+    rate_req_s = scenario.utilisation * num_nodes * node_capacity_req_s(calibration, base)
+    duration_s = num_requests / rate_req_s
+    surge = None
+    if scenario.surge is not None:
+        continent, start, end, factor = scenario.surge
+        surge = Surge(continent, WARMUP_S + start * duration_s, WARMUP_S + end * duration_s, factor)
+    return dataclasses.replace(
+        base,
+        num_requests=num_requests,
+        rate_req_s=rate_req_s,
+        day_s=duration_s,
+        surge=surge,
+        start_s=WARMUP_S,
+    )
