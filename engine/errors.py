@@ -19,3 +19,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class EngineDeadError(EngineError):
     """The engine loop or one of its workers has failed; no request can complete."""
+
+
+class WorkerStartupError(EngineDeadError):
+    """A parallel worker died while starting, before it could join the others."""

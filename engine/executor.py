@@ -77,7 +77,7 @@ class ModelExecutor:
         spec = ParallelSpec(
             str(checkpoint.path), shape, tp_size, pp_size, free_init_method(), step_timeout_s
         )
-        self.workers = Workers(spec)
+        self.workers = Workers(spec, _START_TIMEOUT_S)
         self.stage = build_stage(spec, 0, shape)
 
     @property

@@ -5,7 +5,11 @@ sends each batch's inputs down a pipe to every worker; every rank runs its shard
 the TP shards of a stage meet in the model's all-reduces, and the stages pass activations on
 (engine/pipeline.py). A pipe, unlike a collective, lets an idle worker wait for
 the next step as long as the engine idles, and tells it at once when the driver is gone.
-Workers are spawned, never forked, so CUDA and OpenMP start clean in each.
+Workers are spawned, never forked, so CUDA and OpenMP start clean in each. A spawned worker
+first imports the driver's main module again; the driver waits for each to say it has started
+before it joins the process group, so that a worker dying in that import (a script without the
+`if __name__ == "__main__":` guard) fails the engine at once instead of leaving the driver waiting
+for a rank that will never come.
 """
 
 from __future__ import annotations
@@ -26,13 +30,21 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import PPGroup, TPGroup, init_groups
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, WorkerStartupError
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner, RunnerShape
 from engine.pipeline import PipelineStage, StageWork, stage_layers
 
 _JOIN_TIMEOUT_S = 10.0
+_POLL_S = 0.1
+_STARTED = "started"
 _READY = "ready"
+MAIN_GUARD_HINT = (
+    "Workers are spawned: each one first re-imports the main script, so a script that builds "
+    "LLM(tensor_parallel_size=...) or LLM(pipeline_parallel_size=...) at import time builds "
+    "one again inside every worker, which cannot start processes of its own and dies. Put "
+    'that code under `if __name__ == "__main__":` (the worker\'s traceback is above).'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +103,9 @@ def build_stage(spec: ParallelSpec, rank: int, device_shape: RunnerShape) -> Pip
 
 
 class Workers:
-    """The driver's handle on ranks 1..TP*PP-1."""
+    """The driver's handle on ranks 1..TP*PP-1; built once every worker has started."""
 
-    def __init__(self, spec: ParallelSpec):
+    def __init__(self, spec: ParallelSpec, start_timeout_s: float):
         self.spec = spec
         context = mp.get_context("spawn")
         self.processes: list[BaseProcess] = []
@@ -111,6 +123,11 @@ class Workers:
             self.processes.append(process)
             self.pipes.append(ours)
         atexit.register(self.shutdown)
+        try:
+            self._wait_started(start_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
 
     def send(self, message: StageWork | int | None) -> None:
         """To every worker: the KV block count once, then each batch, then None to stop."""
@@ -134,6 +151,29 @@ class Workers:
             if pipe.recv() != _READY:
                 raise EngineDeadError("a parallel worker failed to start")
 
+    def _wait_started(self, timeout_s: float) -> None:
+        """Wait until every worker has imported what it needs and runs our code; a worker
+        that exits before that is named, with the likely cause."""
+        deadline = time.monotonic() + timeout_s
+        for process, pipe in zip(self.processes, self.pipes, strict=True):
+            while not pipe.poll(_POLL_S):
+                if not process.is_alive():
+                    raise self._died_starting(process)
+                if time.monotonic() > deadline:
+                    raise WorkerStartupError(f"{process.name} did not start in {timeout_s:g} s")
+            try:
+                message = pipe.recv()
+            except EOFError:
+                raise self._died_starting(process) from None
+            assert message == _STARTED, "a worker says it has started before anything else"
+
+    def _died_starting(self, process: BaseProcess) -> WorkerStartupError:
+        process.join(_JOIN_TIMEOUT_S)
+        return WorkerStartupError(
+            f"parallel worker {process.name} exited (code {process.exitcode}) while starting, "
+            f"before it could run. {MAIN_GUARD_HINT}"
+        )
+
     def raise_if_dead(self) -> None:
         dead = [p for p in self.processes if not p.is_alive()]
         if dead:
@@ -156,8 +196,19 @@ class Workers:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def kill(self) -> None:
+        """Stop every worker now: for a start that failed, when none can be doing work."""
+        atexit.unregister(self.shutdown)
+        for pipe in self.pipes:
+            pipe.close()
+        self.pipes = []
+        for process in self.processes:
+            process.kill()
+            process.join()
+
 
 def _worker_main(spec: ParallelSpec, rank: int, pipe: Connection) -> None:
+    pipe.send(_STARTED)
     logging.basicConfig(level=logging.WARNING)
     shape = spec.shape
     device_shape = RunnerShape(

@@ -30,7 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m node_agent",
         description="Meridian node agent: serves a model over the OpenAI API and reports its "
-        "capacity to the control plane (token from MERIDIAN_NODE_TOKEN).",
+        "capacity to the control plane (token from MERIDIAN_NODE_TOKEN). With "
+        "MERIDIAN_SERVING_TOKEN set, every /v1 request must carry it as "
+        "`Authorization: Bearer`; a host other than loopback requires it.",
         argument_default=argparse.SUPPRESS,
     )
     add = parser.add_argument
