@@ -4,9 +4,9 @@
 Order of refusal for a new request: a missing or wrong serving token (401, before the body is
 read; auth.py), a malformed body (400, before the handler runs), an unknown model (404), a bad
 cache-salt header (400), not ready or draining (503), the waiting queue full (429), then the
-prompt's own problems (400). A client that goes away aborts its request in the engine at once: for streams,
-Starlette cancels the body when the ASGI receive reports the disconnect; otherwise the generation
-races a watcher of the same event.
+prompt's own problems (400). A client that goes away aborts its request in the engine at once:
+for streams, Starlette cancels the body when the ASGI receive reports the disconnect; otherwise
+the generation races a watcher of the same event.
 """
 
 from __future__ import annotations
