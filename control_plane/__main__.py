@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import sys
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 from pydantic import ValidationError
 
 from control_plane.app import create_app
+from control_plane.services import ControlPlane
 from control_plane.settings import Settings
 from control_plane.xds import bootstrap
 from wire.validation import one_line
@@ -18,6 +23,22 @@ logger = logging.getLogger("control_plane")
 
 # Long-polling gateways hold requests open for up to `wait`; do not let them delay shutdown.
 GRACEFUL_SHUTDOWN_S = 2
+
+
+class ControlPlaneServer(uvicorn.Server):
+    """uvicorn, telling the app the moment a stop begins (`ControlPlane.begin_stop`)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        services = getattr(self._app.state, "services", None)
+        if isinstance(services, ControlPlane):
+            # A signal handler may interrupt the event loop anywhere: run it as a callback.
+            with contextlib.suppress(RuntimeError):  # no loop running: nothing to tell
+                asyncio.get_running_loop().call_soon_threadsafe(services.begin_stop)
+        super().handle_exit(sig, frame)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.dns_port,
         settings.consul_addr or "off",
     )
-    server = uvicorn.Server(
+    server = ControlPlaneServer(
         uvicorn.Config(
             app,
             host=settings.host,
@@ -76,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             log_level=settings.log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
+        ),
+        app,
     )
     server.run()
     return 0 if server.started else 1

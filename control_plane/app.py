@@ -13,6 +13,7 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from control_plane import health_snapshot
 from control_plane import keys as key_store
 from control_plane.api import keys, nodes, regions, routing, status
 from control_plane.api.fast_heartbeat import HeartbeatFastPath
@@ -110,6 +111,15 @@ def create_app(settings: Settings) -> FastAPI:
 
             def load(conn: sqlite3.Connection) -> _Loaded:
                 fleet = load_fleet(conn, settings.unhealthy_after_s)
+                num_restored = health_snapshot.restore(
+                    conn, fleet, settings.restart_grace_s, time.monotonic()
+                )
+                if num_restored:
+                    logger.info(
+                        "%d nodes keep their last known health for %.1f s unless they beat",
+                        num_restored,
+                        settings.restart_grace_s,
+                    )
                 policy, keys_index = load_policy(conn), key_store.read_index(conn)
                 return fleet, policy, keys_index, load_drains(conn), load_credentials(conn)
 
@@ -123,6 +133,8 @@ def create_app(settings: Settings) -> FastAPI:
             await dns.start(settings.host, settings.dns_port)
             sweep = asyncio.create_task(services.summaries.run(settings.sweep_interval_s))
             draining = asyncio.create_task(services.drains.run(settings.sweep_interval_s))
+            fleet = services.registry.fleet
+            saving = asyncio.create_task(health_snapshot.save_forever(store, fleet))
             logger.info(
                 "control plane ready: %d regions, %d nodes known",
                 len(services.registry.fleet.regions),
@@ -136,10 +148,11 @@ def create_app(settings: Settings) -> FastAPI:
                     services.drains.consul = sync
                     yield
             finally:
-                for task in (sweep, draining):
+                for task in (sweep, draining, saving):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+                await health_snapshot.save(store, fleet)  # for the next start
                 await xds.stop()
                 dns.stop()
                 services.summaries.feed.close()

@@ -32,6 +32,15 @@ class ControlPlane:
     xds: XdsServer | None = None  # the ADS server for Envoy, started by the lifespan
     dns: DnsServer | None = None  # the authoritative DNS, bound by the lifespan
 
+    def begin_stop(self) -> None:
+        """A stop has begun: new connections are refused while open ones finish. Nodes' silence
+        from now on says nothing about them, so it must not take them out of the summaries
+        (gateways would be sent an empty fleet just before we go); and gateways' blocking
+        queries are answered now, with the fleet as it is, rather than cut off."""
+        self.summaries.hold_health()
+        self.summaries.feed.close()
+        self.keys.feed.close()
+
 
 async def get_services(request: Request) -> ControlPlane:
     services = request.app.state.services

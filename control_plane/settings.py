@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
     # A node that has not been heard from for `missed_beats` intervals is unhealthy.
     missed_beats: int = Field(default=3, ge=1, le=100)
+    # A restarted control plane keeps the nodes that were beating healthy (with their last
+    # capacity) for this many heartbeat timeouts, so gateways do not see an empty fleet while
+    # nodes come back to it (control_plane/health_snapshot.py). 0: every node starts unhealthy.
+    restart_grace_timeouts: float = Field(default=3.0, ge=0.0, le=100.0)
     # How often health is re-judged and summaries recomputed; bounds how late a gateway hears of
     # a change caused by time passing (a node going silent), so keep it well under a second.
     sweep_interval_s: float = Field(default=0.25, gt=0.0, le=1.0)
@@ -117,6 +121,10 @@ class Settings(BaseSettings):
     @property
     def unhealthy_after_s(self) -> float:
         return self.heartbeat_interval_s * self.missed_beats
+
+    @property
+    def restart_grace_s(self) -> float:
+        return self.unhealthy_after_s * self.restart_grace_timeouts
 
     @property
     def resolved_token_file(self) -> Path:

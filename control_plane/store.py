@@ -95,6 +95,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             updated_at REAL NOT NULL
         )""",
     ),
+    (
+        # The nodes that were beating, with their latest beat (control_plane/health_snapshot.py):
+        # a restarted control plane keeps them healthy for a grace period.
+        """CREATE TABLE node_health (
+            node_id TEXT PRIMARY KEY,
+            beat TEXT NOT NULL,
+            seen_at REAL NOT NULL
+        )""",
+    ),
 )
 
 

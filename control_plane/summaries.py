@@ -87,6 +87,7 @@ class SummaryPublisher:
         self._fleet = fleet
         self._read_policy = read_policy
         self._is_dirty = False
+        self._is_health_held = False
         self._current = RegionSummaryIndex(
             index=feed.index, regions=summarize(fleet), routing=read_policy()
         )
@@ -138,8 +139,14 @@ class SummaryPublisher:
         self._body = self._current.model_dump_json().encode()
         return True
 
+    def hold_health(self) -> None:
+        """Stop judging health by silence (the control plane is stopping: new connections are
+        refused, so silence says nothing about the nodes); live capacity is still published."""
+        self._is_health_held = True
+
     def tick(self, now_mono: float) -> None:
-        if self._fleet.sweep(now_mono) or self._is_dirty:
+        is_changed = not self._is_health_held and bool(self._fleet.sweep(now_mono))
+        if is_changed or self._is_dirty:
             self.refresh()
 
     async def run(self, interval_s: float) -> None:

@@ -219,8 +219,10 @@ def free_port() -> int:
 class ControlPlaneProcess:
     """`python -m control_plane` as a subprocess on loopback."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.port = free_port()
+    def __init__(
+        self, args: list[str], env: dict[str, str], log_path: Path, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -245,6 +247,12 @@ class ControlPlaneProcess:
                 time.sleep(0.05)
         raise RuntimeError("control plane did not become ready")
 
+    def kill(self) -> None:
+        """SIGKILL: no shutdown of any kind."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._log.close()
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -262,10 +270,12 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
     """Factory: start `python -m control_plane ARGS` with ENV; all are stopped at the end."""
     started: list[ControlPlaneProcess] = []
 
-    def start(args: list[str], env_extra: dict[str, str] | None = None) -> ControlPlaneProcess:
+    def start(
+        args: list[str], env_extra: dict[str, str] | None = None, port: int | None = None
+    ) -> ControlPlaneProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
         env |= env_extra or {}
-        process = ControlPlaneProcess(args, env, tmp_path / "control_plane.log")
+        process = ControlPlaneProcess(args, env, tmp_path / "control_plane.log", port)
         started.append(process)
         return process
 

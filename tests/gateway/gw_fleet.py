@@ -184,6 +184,12 @@ class Fleet:
             server.serve(sockets=[sock]), self.loop.loop
         )
         wait_until(lambda: server.started, MAX_START_S, "the control plane to start")
+        self.attach_control_plane(self.cp_url)
+
+    def attach_control_plane(self, url: str) -> None:
+        """Use the control plane at `url` (started elsewhere, with `self.tokens`): admin calls
+        and the fake nodes' heartbeats go there."""
+        self.cp_url = url
         self.admin = httpx.Client(
             base_url=self.cp_url,
             headers={"Authorization": f"Bearer {self.tokens.admin}"},
