@@ -18,6 +18,7 @@ from cryptography import x509
 from gw_fleet import Fleet, free_port
 
 from gateway.__main__ import main
+from gateway.settings import GatewaySettings
 from gateway.tls import make_self_signed, server_context
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +55,76 @@ def test_bad_configuration_fails_with_one_line(
     assert status == 2 and "--tls-key" in err
     status, err = run_main(capsys, "--pop", "new-york", "--control-plane", "ftp://x")
     assert status == 2 and "control_plane" in err
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.7:8080", "http://cp.example.com", "http://[::2]"])
+def test_a_plain_http_control_plane_off_loopback_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", TOKEN)
+    # Certificate files that do not exist: had the URL been accepted, start-up would stop there.
+    tls = ["--tls-cert", "none.pem", "--tls-key", "none.key"]
+    status, err = run_main(capsys, "--pop", "new-york", "--control-plane", url, *tls)
+    assert status == 2 and err.count("\n") == 1
+    assert "https" in err and "loopback" in err and TOKEN not in err
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://cp.example.com", "http://127.0.0.1:8080", "http://127.9.9.9", "http://localhost:1"]
+    + ["http://[::1]:8080/"],
+)
+def test_https_or_loopback_control_planes_are_accepted(url: str) -> None:
+    settings = GatewaySettings(pop="new-york", control_plane=url, gateway_token=TOKEN)
+    assert settings.control_plane == url
+
+
+def test_the_serving_token_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = {"pop": "new-york", "control_plane": "http://127.0.0.1:1", "gateway_token": TOKEN}
+    assert GatewaySettings(**base).serving_authorization is None
+    monkeypatch.setenv("MERIDIAN_SERVING_TOKEN", "srv-token-123")
+    assert GatewaySettings(**base).serving_authorization == "Bearer srv-token-123"
+
+
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env["MERIDIAN_GATEWAY_TOKEN"] = TOKEN
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# Stands for an install without the `redis` extra: importing redis fails.
+WITHOUT_REDIS = "import sys; sys.modules['redis'] = None\n"
+
+
+@pytest.mark.slow
+def test_the_gateway_imports_redis_only_for_shared_limits() -> None:
+    code = WITHOUT_REDIS + (
+        "import gateway.__main__, gateway.app\n"
+        "from gateway.app import create_app\n"
+        "from gateway.settings import GatewaySettings\n"
+        "s = GatewaySettings(pop='new-york', control_plane='http://127.0.0.1:1', "
+        "gateway_token='" + TOKEN + "')\n"
+        "create_app(s)\n"
+        "print('ok')\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+
+
+@pytest.mark.slow
+def test_shared_limits_without_redis_installed_fail_at_start_with_one_line() -> None:
+    code = WITHOUT_REDIS + "from gateway.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    args = ["--pop", "new-york", "--control-plane", "http://127.0.0.1:1", "--plain"]
+    result = run_python(code, *args, "--port", "0", "--redis", "redis://127.0.0.1:1/0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "pip install 'meridian[redis]'" in result.stderr
 
 
 def test_missing_certificate_files_fail_at_start(
