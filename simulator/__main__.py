@@ -56,9 +56,8 @@ def _policies(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in POLICIES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(unknown) or text!r}; known: {', '.join(POLICIES)}"
-        )
+        what = ", ".join(map(repr, unknown)) or repr(text)
+        raise argparse.ArgumentTypeError(f"unknown policy {what}; known: {', '.join(POLICIES)}")
     return names
 
 
@@ -88,6 +87,27 @@ def _load_calibration(path: Path | None) -> ServiceCalibration:
         raise CalibrationError(f"cannot read {path}: {exc}") from exc
 
 
+def _run_with_bars(
+    name: str, args: argparse.Namespace, calibration: ServiceCalibration, console: Console
+) -> ScenarioResult:
+    with Progress(  # a bar per policy, gone once the table is printed
+        TextColumn(f"{name:<14} {{task.description:<13}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        tasks = {p: bar.add_task(p, total=args.requests) for p in args.policies}
+
+        def progress(policy: str, num_ended: int) -> None:
+            bar.update(tasks[policy], completed=num_ended)
+
+        return run_scenario(
+            SCENARIOS[name], args.seed, args.requests, calibration, args.policies, progress
+        )
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
     if args.plots is not None and importlib.util.find_spec("matplotlib") is None:
         print("simulator: --plots needs matplotlib: pip install matplotlib", file=sys.stderr)
@@ -96,25 +116,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     results: list[ScenarioResult] = []
     for name in names:
-        with Progress(  # a bar per policy, gone once the table is printed
-            TextColumn(f"{name:<14} {{task.description:<13}}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as bar:
-            tasks = {p: bar.add_task(p, total=args.requests) for p in args.policies}
-            result = run_scenario(
-                SCENARIOS[name],
-                args.seed,
-                args.requests,
-                calibration,
-                args.policies,
-                lambda policy, num_ended, bar=bar, tasks=tasks: bar.update(
-                    tasks[policy], completed=num_ended
-                ),
-            )
+        result = _run_with_bars(name, args, calibration, console)
         results.append(result)
         console.print(table(result))
         if args.plots is not None:

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,13 +28,13 @@ from control_plane.dns.steering import Steering
 from gateway import routing
 from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
-from simulator.control import PopWatch, SimControlPlane
+from simulator.control import PopWatch
 from simulator.node import Node
 from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
 from wire.geo import IPNetwork, client_subnet_of
-from wire.region_summary import RegionSummary
+from wire.region_summary import RegionSummary, RegionSummaryIndex
 
 POLICIES: Final = ("meridian", "round_robin", "nearest", "least_loaded", "oracle")
 
@@ -201,9 +201,12 @@ class NearestChooser(Chooser):
     is_via_pop = False
     max_attempts = 1
 
-    def __init__(self, control: SimControlPlane, cities: Mapping[str, object]) -> None:
+    def __init__(
+        self, read_summaries: Callable[[], RegionSummaryIndex], cities: Iterable[str]
+    ) -> None:
         self.config = DnsConfig()
-        self.steering = Steering(self.config, lambda: control.current)
+        # The DNS server runs in the control plane: it reads the current summaries, no watch.
+        self.steering = Steering(self.config, read_summaries)
         self.networks: dict[str, IPNetwork] = {
             city: ipaddress.ip_network(client_subnet_of(city)) for city in cities
         }

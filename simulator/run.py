@@ -67,7 +67,7 @@ def _chooser(
     if policy == "round_robin":
         return RoundRobinChooser(watches)
     if policy == "nearest":
-        return NearestChooser(control, geography.cities)
+        return NearestChooser(lambda: control.current, geography.cities)
     if policy == "least_loaded":
         return LeastLoadedChooser(watches)
     if policy == "oracle":

@@ -20,7 +20,8 @@ NODES_PER_REGION: Final[Mapping[str, int]] = {
     "ap-northeast": 5, "sa-east": 3,
 }  # fmt: skip
 
-WARMUP_S: Final = 5.0  # nodes beat and summaries flow before the first request
+# Nodes beat and summaries flow this long before the first request (late beats: longer).
+WARMUP_S: Final = 5.0
 # The batch a loaded node runs at, for the capacity estimate.
 TYPICAL_BATCH: Final = 32
 
@@ -99,15 +100,16 @@ def workload_of(
     num_nodes = sum(NODES_PER_REGION.values())
     rate_req_s = scenario.utilisation * num_nodes * node_capacity_req_s(calibration, base)
     duration_s = num_requests / rate_req_s
+    start_s = WARMUP_S + scenario.extra_beat_delay_s
     surge = None
     if scenario.surge is not None:
         continent, start, end, factor = scenario.surge
-        surge = Surge(continent, WARMUP_S + start * duration_s, WARMUP_S + end * duration_s, factor)
+        surge = Surge(continent, start_s + start * duration_s, start_s + end * duration_s, factor)
     return dataclasses.replace(
         base,
         num_requests=num_requests,
         rate_req_s=rate_req_s,
         day_s=duration_s,
         surge=surge,
-        start_s=WARMUP_S,
+        start_s=start_s,
     )

@@ -1,0 +1,55 @@
+"""`python -m simulator`: bad arguments are one line and exit 2; a run writes the issue's JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simulator.__main__ import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "--scenario", "nope"], "invalid choice: 'nope'"),
+        (["run", "--scenario", "steady", "--requests", "0"], "must be at least 1"),
+        (["run", "--scenario", "steady", "--requests", "-5"], "must be at least 1"),
+        (["run", "--scenario", "steady", "--policies", "fastest"], "unknown policy 'fastest'"),
+        (["run"], "required: --scenario"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_a_bad_calibration_file_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "cal.json"
+    bad.write_text('{"step_s": 1}')
+    assert main(["run", "--scenario", "steady", "--calibration", str(bad)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_run_prints_the_table_and_writes_the_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.json"
+    args = ["run", "--scenario", "steady", "--requests", "100", "--json", str(out)]
+    assert main([*args, "--policies", "meridian,oracle"]) == 0
+    assert "meridian" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert (result["scenario"], result["seed"], result["requests"]) == ("steady", 0, 100)
+    assert set(result["policies"]) == {"meridian", "oracle"}
+    assert set(result["policies"]["meridian"]) == {
+        "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "e2e_p99_s", "goodput", "failed", "retried",
+        "lost",
+    }  # fmt: skip

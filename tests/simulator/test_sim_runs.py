@@ -1,0 +1,70 @@
+"""Whole runs: the same seed gives the same run, every request ends, and the `meridian` policy's
+decisions are the real gateway routing's (its policy settings change them)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from gateway.routing import Router
+from simulator.calibration import ServiceCalibration
+from simulator.compare import world_spec
+from simulator.policies import POLICIES, MeridianChooser
+from simulator.results import Recorder
+from simulator.run import World, WorldSpec
+from simulator.scenarios import SCENARIOS
+from wire.routing_policy import RoutingPolicy
+
+NUM_REQUESTS = 300
+
+
+def run(spec: WorldSpec, policy: str = "meridian") -> Recorder:
+    return World(spec, policy).run()
+
+
+def same(a: Recorder, b: Recorder) -> bool:
+    return (
+        np.array_equal(a.outcome, b.outcome)
+        and np.array_equal(a.region, b.region)
+        and np.array_equal(a.ttft_s, b.ttft_s, equal_nan=True)
+        and np.array_equal(a.e2e_s, b.e2e_s, equal_nan=True)
+    )
+
+
+def test_a_run_is_the_same_for_the_same_seed_and_differs_for_another() -> None:
+    cal = ServiceCalibration()
+    spec = world_spec(SCENARIOS["region_failure"], 3, NUM_REQUESTS, cal)
+    assert same(run(spec), run(world_spec(SCENARIOS["region_failure"], 3, NUM_REQUESTS, cal)))
+    assert not same(run(spec), run(world_spec(SCENARIOS["region_failure"], 4, NUM_REQUESTS, cal)))
+
+
+def test_the_meridian_policy_decides_with_the_gateways_router() -> None:
+    spec = world_spec(SCENARIOS["steady"], 0, 50, ServiceCalibration())
+    world = World(spec, "meridian")
+    assert isinstance(world.chooser, MeridianChooser)
+    assert all(type(router) is Router for router in world.chooser.routers.values())
+    world.run()
+    used = {world.traffic.catchment[request.city] for request in spec.requests}
+    for pop in used:  # each PoP's router adopted summaries with healthy regions in them
+        router = world.chooser.routers[pop]
+        assert router.is_loaded
+        assert all(state.summary.healthy_nodes > 0 for state in router.regions.values())
+
+
+def test_changing_the_routing_policy_changes_the_simulated_decisions() -> None:
+    spec = world_spec(SCENARIOS["steady"], 0, NUM_REQUESTS, ServiceCalibration())
+    default = run(spec)
+    distance_blind = run(dataclasses.replace(spec, routing_policy=RoutingPolicy(rtt_weight=0.0)))
+    # Without the RTT term the router spreads work by queue alone: far more leaves home.
+    assert not np.array_equal(default.region, distance_blind.region)
+    assert np.nanmedian(distance_blind.ttft_s) > np.nanmedian(default.ttft_s)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_every_request_of_every_policy_ends(scenario: str) -> None:
+    spec = world_spec(SCENARIOS[scenario], 1, 200, ServiceCalibration())
+    for policy in POLICIES:
+        stats = run(spec, policy).stats()
+        assert stats.lost == 0, policy
