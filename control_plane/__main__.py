@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from control_plane.app import create_app
 from control_plane.services import ControlPlane
-from control_plane.settings import Settings
+from control_plane.settings import Settings, is_loopback_host
 from control_plane.xds import bootstrap
 from wire.validation import one_line
 
@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--consul", dest="consul_addr", help="Consul HTTP address (optional)")
     parser.add_argument("--db", dest="db_path", help="SQLite database file")
     parser.add_argument("--token-file", help="where loopback-generated tokens are kept")
+    parser.add_argument("--tls-cert", help="PEM certificate (chain): HTTPS and TLS for xDS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
@@ -80,11 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
+    if not settings.is_tls and not is_loopback_host(settings.host):
+        logger.warning(
+            "serving plain HTTP and xDS on %s: tokens cross the network in the clear "
+            "(give --tls-cert and --tls-key)",
+            settings.host,
+        )
     logger.info(
-        "admin API on http://%s:%d (db %s), xDS on port %d, DNS on udp port %d, Consul %s",
+        "admin API on %s://%s:%d (db %s), xDS%s on port %d, DNS on udp port %d, Consul %s",
+        "https" if settings.is_tls else "http",
         settings.host,
         settings.port,
         settings.db_path,
+        " (TLS)" if settings.is_tls else "",
         settings.xds_port,
         settings.dns_port,
         settings.consul_addr or "off",
@@ -97,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             log_level=settings.log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            ssl_certfile=settings.tls_cert,
+            ssl_keyfile=settings.tls_key,
         ),
         app,
     )

@@ -35,7 +35,7 @@ from control_plane.store import Store, StoreBusyError
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet, resolve_tokens
 from control_plane.xds import api as xds_api
-from control_plane.xds.server import XdsServer
+from control_plane.xds.server import ServerTls, XdsServer
 from wire.routing_policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,12 @@ async def _on_store_busy(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _xds_tls(settings: Settings) -> ServerTls | None:
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    return ServerTls(settings.tls_cert.read_bytes(), settings.tls_key.read_bytes())
+
+
 def create_app(settings: Settings) -> FastAPI:
     tokens = resolve_tokens(settings)
 
@@ -127,7 +133,7 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.services = services
             xds = services.xds
             assert xds is not None
-            await xds.start(settings.host, settings.xds_port)
+            await xds.start(settings.host, settings.xds_port, _xds_tls(settings))
             dns = services.dns
             assert dns is not None
             await dns.start(settings.host, settings.dns_port)

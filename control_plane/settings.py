@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     consul_addr: str | None = None
     consul_service_name: str = Field(default="meridian-node", min_length=1, max_length=128)
     db_path: str = "meridian-control-plane.db"
+    # TLS (PEM files) for the admin API and the xDS port alike; both or neither. Without them
+    # bearer tokens cross the network in the clear: fine on loopback only.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     # How long a write waits for a lock another connection holds before answering 503.
     db_busy_timeout_s: float = Field(default=5.0, gt=0.0, le=60.0)
 
@@ -101,6 +105,19 @@ class Settings(BaseSettings):
         if addr is not None:
             parse_consul_addr(addr)
         return addr
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key, or neither")
+        for name, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {path}: no such file")
+        return self
+
+    @property
+    def is_tls(self) -> bool:
+        return self.tls_cert is not None
 
     @model_validator(mode="after")
     def _tokens_required_off_loopback(self) -> Settings:

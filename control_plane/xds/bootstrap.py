@@ -3,6 +3,8 @@
 Like `consul connect envoy -bootstrap`: the output is all `envoy -c FILE` needs. The node metadata
 tells the ADS server which snapshot this Envoy gets (role, region, and the address its listener
 binds); everything else (listener, routes, cluster, endpoints) arrives over ADS from `--xds`.
+With `--xds-ca FILE` Envoy speaks TLS to the xDS port and accepts only a certificate that chains
+to that CA and names the `--xds` host (a control plane started with `--tls-cert/--tls-key`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -24,6 +27,7 @@ DEFAULT_ADMIN = "127.0.0.1:9901"
 MAX_DOWNSTREAM_CONNECTIONS = 100_000
 XDS_CLUSTER = "xds_cluster"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+UPSTREAM_TLS = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,7 @@ class BootstrapConfig:
     admin_host: str
     admin_port: int
     node_id: str
+    xds_ca: str | None = None  # a CA file: TLS to the xDS port, verified against it
 
 
 def _is_ip(host: str) -> bool:
@@ -48,8 +53,33 @@ def _socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _xds_tls(host: str, ca_file: str) -> dict[str, Any]:
+    """TLS to the control plane: its certificate must chain to `ca_file` and name `host`."""
+    san_type = "IP_ADDRESS" if _is_ip(host) else "DNS"
+    context: dict[str, Any] = {
+        "@type": TYPE_PREFIX + UPSTREAM_TLS,
+        "common_tls_context": {
+            "alpn_protocols": ["h2"],  # gRPC
+            "validation_context": {
+                "trusted_ca": {"filename": ca_file},
+                "match_typed_subject_alt_names": [
+                    {"san_type": san_type, "matcher": {"exact": host}}
+                ],
+            },
+        },
+    }
+    if san_type == "DNS":
+        context["sni"] = host
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
 def _xds_cluster(config: BootstrapConfig) -> dict[str, Any]:
     endpoint = {"endpoint": {"address": _socket(config.xds_host, config.xds_port)}}
+    tls = (
+        {}
+        if config.xds_ca is None
+        else {"transport_socket": _xds_tls(config.xds_host, config.xds_ca)}
+    )
     return {
         "name": XDS_CLUSTER,
         "type": "STATIC" if _is_ip(config.xds_host) else "STRICT_DNS",
@@ -68,6 +98,7 @@ def _xds_cluster(config: BootstrapConfig) -> dict[str, Any]:
             "cluster_name": XDS_CLUSTER,
             "endpoints": [{"lb_endpoints": [endpoint]}],
         },
+        **tls,
     }
 
 
@@ -134,6 +165,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--region", help="the region an ingress Envoy fronts (not for the edge)")
     add("--listen", type=host_port, required=True, metavar="IP:PORT", help="for traffic")
     add("--xds", type=host_port, required=True, metavar="HOST:PORT", help="the control plane's ADS")
+    add(
+        "--xds-ca",
+        metavar="FILE",
+        help="speak TLS to --xds, trusting this CA (PEM) for a certificate naming its host",
+    )
     add("--node-id", help="unique per Envoy (default: role, region, host name, listen port)")
     add(
         "--admin",
@@ -144,6 +180,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add("--format", choices=["yaml", "json"], default="yaml")
     return parser.parse_args(argv)
+
+
+def _ca_file(path: str | None) -> str | None:
+    """Absolute (Envoy may run from another directory), and it must exist now."""
+    if path is None:
+        return None
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise ValueError(f"--xds-ca {path}: no such file")
+    return str(resolved)
 
 
 def config_of(args: argparse.Namespace) -> BootstrapConfig:
@@ -170,6 +216,7 @@ def config_of(args: argparse.Namespace) -> BootstrapConfig:
         admin_host=admin_host,
         admin_port=admin_port,
         node_id=args.node_id or default_id,
+        xds_ca=_ca_file(args.xds_ca),
     )
 
 

@@ -76,6 +76,14 @@ class EnvoyConnection:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerTls:
+    """The xDS port's certificate (chain) and key, PEM."""
+
+    cert_pem: bytes
+    key_pem: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class AckWait:
     """How a `wait_for_ack` ended: complete, or the Envoys that had not caught up in time."""
 
@@ -132,19 +140,24 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     # --- lifecycle ---
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: any free port); returns the port."""
+    async def start(self, host: str, port: int, tls: ServerTls | None = None) -> int:
+        """Listen on host:port (0: any free port), with TLS if given; returns the port."""
         server = grpc.aio.server(options=SERVER_OPTIONS)
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            self.port = server.add_insecure_port(address)
+            if tls is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
+                self.port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise XdsStartError(f"xDS server cannot listen on {address}: {exc}") from exc
         await server.start()
         self._server = server
         self._refresher = asyncio.create_task(self._refresh_forever())
-        logger.info("xDS (ADS) server listening on %s:%d", host, self.port)
+        secure = "TLS" if tls is not None else "plaintext"
+        logger.info("xDS (ADS) server listening on %s:%d (%s)", host, self.port, secure)
         return self.port
 
     async def stop(self) -> None:

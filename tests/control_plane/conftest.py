@@ -7,6 +7,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -220,10 +221,18 @@ class ControlPlaneProcess:
     """`python -m control_plane` as a subprocess on loopback."""
 
     def __init__(
-        self, args: list[str], env: dict[str, str], log_path: Path, port: int | None = None
+        self,
+        args: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        port: int | None = None,
+        ca_file: Path | None = None,  # serving HTTPS: its CA, which the readiness probe trusts
     ) -> None:
         self.port = port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
+        self._verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+        )
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "control_plane", "--port", str(self.port)]
@@ -241,7 +250,8 @@ class ControlPlaneProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"control plane exited with {self.proc.returncode}")
             try:
-                if httpx.get(self.base_url + "/openapi.json", timeout=1.0).status_code == 200:
+                probe = httpx.get(self.base_url + "/openapi.json", timeout=1.0, verify=self._verify)
+                if probe.status_code == 200:
                     return
             except httpx.TransportError:
                 time.sleep(0.05)
@@ -271,11 +281,14 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
     started: list[ControlPlaneProcess] = []
 
     def start(
-        args: list[str], env_extra: dict[str, str] | None = None, port: int | None = None
+        args: list[str],
+        env_extra: dict[str, str] | None = None,
+        port: int | None = None,
+        ca_file: Path | None = None,
     ) -> ControlPlaneProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
         env |= env_extra or {}
-        process = ControlPlaneProcess(args, env, tmp_path / "control_plane.log", port)
+        process = ControlPlaneProcess(args, env, tmp_path / "control_plane.log", port, ca_file)
         started.append(process)
         return process
 
