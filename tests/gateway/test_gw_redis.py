@@ -7,12 +7,7 @@ free loopback port and skips with the reason if the binary is missing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
-import socket
 import ssl
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,50 +15,16 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from gw_fleet import Fleet, free_port, wait_until
+from gw_redis import REDIS_SERVER, redis_server
 
 from gateway.keys import ApiKey
 from gateway.redis_limits import KEY_PREFIX, RedisLimiter
 
-REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
 )
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 COOLDOWN_S = 5.0
-
-
-@contextlib.contextmanager
-def redis_server(port: int, directory: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A real redis-server on 127.0.0.1:`port`, stopped at the end."""
-    assert REDIS_SERVER is not None
-    args = [
-        REDIS_SERVER,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(directory),
-    ]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
-        yield process
-    finally:
-        process.kill()
-        process.wait(timeout=10)
 
 
 @pytest.fixture

@@ -1,0 +1,130 @@
+"""Chaos under 32 concurrent requests: Redis killed mid-run, and a region that accepts requests
+but never answers them. The gateway, its Redis and the regions are real servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from gw_fleet import Fleet, GatewayThread, free_port, wait_until
+from gw_redis import REDIS_SERVER, redis_server
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+CONCURRENCY = 32
+MAX_RUN_S = 120.0  # a bound for a stuck run, far above what a healthy one takes
+
+
+@dataclass
+class Outcome:
+    status: int
+    region: str | None
+    latency_s: float
+
+
+@dataclass
+class LoadRun:
+    """`num_requests` non-streamed chat requests, CONCURRENCY at a time, over one client."""
+
+    gateway: GatewayThread
+    secret: str
+    verify: ssl.SSLContext
+    num_requests: int
+    outcomes: list[Outcome] = field(default_factory=list)
+    halfway: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self) -> list[Outcome]:
+        pending = iter(range(self.num_requests))
+        headers = {"Authorization": f"Bearer {self.secret}"}
+        limits = httpx.Limits(max_connections=CONCURRENCY)
+        async with httpx.AsyncClient(
+            base_url=self.gateway.base_url,
+            headers=headers,
+            verify=self.verify,
+            timeout=MAX_RUN_S,
+            limits=limits,
+        ) as client:
+
+            async def worker() -> None:
+                for _ in pending:
+                    started_s = time.monotonic()
+                    response = await client.post("/v1/chat/completions", json=CHAT)
+                    region = response.headers.get("x-meridian-region")
+                    self.outcomes.append(
+                        Outcome(response.status_code, region, time.monotonic() - started_s)
+                    )
+                    if len(self.outcomes) >= self.num_requests // 2:
+                        self.halfway.set()
+
+            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        return self.outcomes
+
+
+def new_key(fleet: Fleet, gateway: GatewayThread, rpm: int) -> str:
+    _, secret = fleet.create_key(rpm=rpm, tpm=100_000_000)
+    keys = gateway.handlers.keys
+    wait_until(lambda: len(keys) >= len(fleet.admin_call("GET", "/v1/keys")), what="the key")
+    return secret
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_redis_killed_mid_run_limits_still_hold_within_2x_and_requests_flow(
+    fleet: Fleet, client_ssl: ssl.SSLContext, tmp_path: Path
+) -> None:
+    rpm = 100
+    fleet.add_region("us-east")
+    port = free_port()
+    with redis_server(port, tmp_path) as redis_process:
+        gateway = fleet.start_gateway(redis=f"redis://127.0.0.1:{port}/0")
+        fleet.wait_for_gateway(gateway)
+        load = LoadRun(gateway, new_key(fleet, gateway, rpm), client_ssl, num_requests=800)
+
+        async def run() -> tuple[list[Outcome], int, float]:
+            started_s = time.monotonic()
+            task = asyncio.create_task(load.run())
+            await asyncio.wait_for(load.halfway.wait(), MAX_RUN_S)
+            redis_process.kill()  # SIGKILL: no goodbye to the gateway
+            num_before_kill = len(load.outcomes)
+            outcomes = await task
+            return outcomes, num_before_kill, time.monotonic() - started_s
+
+        outcomes, num_before_kill, elapsed_s = asyncio.run(run())
+    statuses = Counter(o.status for o in outcomes)
+    assert set(statuses) <= {200, 429}, statuses  # never a 5xx
+    allowed = rpm + rpm * elapsed_s / 60  # what the key may use over the run
+    assert statuses[200] <= 2 * allowed, (statuses, elapsed_s)
+    before = Counter(o.status for o in outcomes[:num_before_kill])
+    assert before[200] <= allowed + CONCURRENCY  # shared in Redis while it was up
+    after = Counter(o.status for o in outcomes[num_before_kill + CONCURRENCY :])
+    assert after[200] > 0, after  # and requests flow on without it
+
+
+def test_a_hung_region_fails_non_streamed_requests_over_within_the_first_byte_timeout(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    first_byte_timeout_s = 1.0
+    deadline_s = 60.0
+    gateway = two_regions.start_gateway(
+        first_byte_timeout_s=first_byte_timeout_s,
+        min_decode_tokens_per_s=1000.0,  # max_tokens 5: the answer is due within about 1 s
+        request_deadline_s=deadline_s,
+        breaker_open_s=60.0,
+    )
+    two_regions.wait_for_gateway(gateway)
+    hung = two_regions.regions["us-east"].upstream
+    hung.behavior.delay_s = 3600.0  # accepts and reads each request, never answers
+    load = LoadRun(gateway, new_key(two_regions, gateway, 10_000), client_ssl, num_requests=96)
+    outcomes = asyncio.run(asyncio.wait_for(load.run(), MAX_RUN_S))
+    assert Counter((o.status, o.region) for o in outcomes) == {(200, "eu-west"): 96}
+    # One timeout at the hung region, then the next region; never the whole deadline. (The
+    # bound is generous for a busy machine, and far below the deadline it replaces.)
+    slowest_s = max(o.latency_s for o in outcomes)
+    assert slowest_s < first_byte_timeout_s + 10.0 < deadline_s, slowest_s
+    # The timeouts opened the region's breaker: later requests were not sent there at all.
+    assert gateway.handlers.router.regions["us-east"].breaker.state == "open"
+    assert hung.num_requests < 96
