@@ -87,7 +87,12 @@ class Handlers:
             plan = self.router.plan(0)
             deadline_s = started_s + self.settings.request_deadline_s
             upstream = UpstreamRequest(
-                "GET", "/v1/models", None, self._upstream_headers(key, request_id, False), False, 0
+                method="GET",
+                path="/v1/models",
+                body=None,
+                headers=self._upstream_headers(key, request_id, has_body=False),
+                is_stream=False,
+                max_tokens=0,
             )
             opened = await proxy.open(upstream, plan, deadline_s)
         except GatewayError as exc:
@@ -146,12 +151,12 @@ class Handlers:
                 plan = self.router.plan(parsed.prompt_tokens, parsed.affinity_key)
                 deadline_s = started_s + self.settings.request_deadline_s
                 upstream = UpstreamRequest(
-                    "POST",
-                    path,
-                    parsed.upstream_body,
-                    self._upstream_headers(key, request_id, True),
-                    parsed.is_stream,
-                    parsed.max_tokens,
+                    method="POST",
+                    path=path,
+                    body=parsed.upstream_body,
+                    headers=self._upstream_headers(key, request_id, has_body=True),
+                    is_stream=parsed.is_stream,
+                    max_tokens=parsed.max_tokens,
                 )
                 opened = await proxy.open(upstream, plan, deadline_s)
             except BaseException:

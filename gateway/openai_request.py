@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from gateway.errors import InvalidRequestError
 
@@ -86,7 +86,7 @@ def _message_chars(messages: object) -> tuple[int, str | None]:
     return num_chars, system
 
 
-def _is_token_ids(value: object) -> bool:
+def _is_token_ids(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
 
 
@@ -95,7 +95,6 @@ def _prompt_tokens(prompt: object) -> int:
     if isinstance(prompt, str):
         return len(prompt) // CHARS_PER_TOKEN + 1
     if _is_token_ids(prompt):
-        assert isinstance(prompt, list)
         return len(prompt)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
