@@ -20,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -169,9 +170,12 @@ class Workers:
 
     def _died_starting(self, process: BaseProcess) -> WorkerStartupError:
         process.join(_JOIN_TIMEOUT_S)
+        # Only a main module read from a file is imported again by spawned workers.
+        has_main_file = getattr(sys.modules["__main__"], "__file__", None) is not None
+        hint = MAIN_GUARD_HINT if has_main_file else "Its traceback is above."
         return WorkerStartupError(
             f"parallel worker {process.name} exited (code {process.exitcode}) while starting, "
-            f"before it could run. {MAIN_GUARD_HINT}"
+            f"before it could run. {hint}"
         )
 
     def raise_if_dead(self) -> None:
