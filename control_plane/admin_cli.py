@@ -3,6 +3,8 @@
     python -m control_plane.admin_cli region put NAME --lat 39.04 --lon -77.49 \\
         [--ingress-url URL] [--weight 1.0]
     python -m control_plane.admin_cli region delete NAME [--wait-s 120]
+    python -m control_plane.admin_cli node credentials REGION --token-dir DIR \\
+        --node NODE_ID[=URL] [--node ...]
 
 The control plane's URL comes from `MERIDIAN_CONTROL_PLANE_URL` (or `--control-plane`), the
 operator token from `MERIDIAN_ADMIN_TOKEN` only, so that the token never appears in a command line,
@@ -13,7 +15,10 @@ ingress URL left out is cleared, a weight left out is 1.0): it creates the regio
 place, or does nothing if it already matches. Its state (active, draining, disabled) belongs to
 operators and is never touched; a region being deleted is refused. `region delete` succeeds if
 the region is already gone; a region with nodes is deleted only after they drain (the control
-plane answers 202), and `--wait-s` waits that long for it to be gone.
+plane answers 202), and `--wait-s` waits that long for it to be gone. `node credentials` mints
+each node's own heartbeat token (its MERIDIAN_NODE_TOKEN, bound to the node id, the region and
+the URL if given, else the URL of its first beat) and writes it to `DIR/NODE_ID.token` (mode
+0600), never to the output; minting again replaces a node's token.
 
 Exit status: 0 done, 1 the control plane refused or could not be reached, 2 bad usage. Errors are
 one line on stderr; the token is never printed.
@@ -27,6 +32,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -101,7 +107,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="if its nodes must drain first, wait up to this long for it to be gone (default 0)",
     )
+    node = resources.add_parser("node", help="node agents' credentials")
+    node_actions = node.add_subparsers(dest="action", required=True)
+    credentials = node_actions.add_parser(
+        "credentials", help="mint nodes' heartbeat tokens (each replaces an earlier one)"
+    )
+    credentials.add_argument("region", type=region_name)
+    credentials.add_argument(
+        "--node",
+        dest="nodes",
+        type=node_spec,
+        action="append",
+        required=True,
+        metavar="NODE_ID[=URL]",
+        help="a node of the region, and the URL it serves at (else its first beat binds one)",
+    )
+    credentials.add_argument(
+        "--token-dir", type=Path, required=True, help="where NODE_ID.token files go (mode 0600)"
+    )
     return parser.parse_args(argv)
+
+
+def node_spec(value: str) -> tuple[str, str | None]:
+    """argparse type: `NODE_ID` or `NODE_ID=URL`."""
+    node_id, sep, url = value.partition("=")
+    if not re.match(NAME_PATTERN, node_id):
+        raise argparse.ArgumentTypeError(f"{node_id!r} is not a node id ({NAME_PATTERN})")
+    if sep and not _HTTP_URL.match(url):
+        raise argparse.ArgumentTypeError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
+    return node_id, (url if sep else None)
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -192,6 +226,24 @@ def delete_region(client: AdminClient, name: str, wait_s: float) -> str:
     )
 
 
+def mint_node_credential(client: AdminClient, node_id: str, region: str, url: str | None) -> str:
+    """A new heartbeat token for `node_id`, bound to `region` (and `url`); returns the token."""
+    body: dict[str, Any] = {"region": region} | ({"url": url} if url is not None else {})
+    response = client.call("POST", f"/v1/nodes/{node_id}/credential", body)
+    token: str = _expect(response, f"node credential {node_id}", 201).json()["token"]
+    return token
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by its owner only (created so: never briefly wider)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
 def _connection(args: argparse.Namespace) -> tuple[str, str]:
     url = args.control_plane or os.environ.get(URL_ENV, "")
     if not url:
@@ -208,6 +260,14 @@ def run(args: argparse.Namespace) -> str:
     url, token = _connection(args)
     client = AdminClient(url, token)
     try:
+        if args.resource == "node":
+            done = []
+            for node_id, node_url in args.nodes:
+                token = mint_node_credential(client, node_id, args.region, node_url)
+                path = args.token_dir / f"{node_id}.token"
+                write_private(path, token + "\n")
+                done.append(f"node {node_id}: credential written to {path}")
+            return "\n".join(done)
         if args.action == "put":
             spec = RegionSpec(args.name, args.lat, args.lon, args.ingress_url, args.weight)
             return f"region {spec.name}: {put_region(client, spec)}"

@@ -60,16 +60,20 @@ def control_plane(layout: StackLayout, db_path: Path, tokens: Mapping[str, str])
         *("--xds-port", str(layout.xds_port), "--dns-port", str(layout.dns_port)),
         *("--db", str(db_path)),
     )
-    env = base_env() | {name: tokens[name] for name in (ADMIN_TOKEN, NODE_TOKEN, GATEWAY_TOKEN)}
+    env = base_env() | {name: tokens[name] for name in (ADMIN_TOKEN, GATEWAY_TOKEN)}
     return Command("control-plane", "control-plane", argv, env, layout.control_plane_url)
 
 
 def node_agents(
-    config: StackConfig, layout: StackLayout, model: str, tokens: Mapping[str, str]
+    config: StackConfig,
+    layout: StackLayout,
+    model: str,
+    tokens: Mapping[str, str],
+    node_tokens: Mapping[str, str],
 ) -> list[Command]:
+    """Every node agent; `node_tokens`: each one's own control-plane credential, by node id."""
     threads = config.node.num_threads or default_num_threads(config.num_nodes)
     env = base_env() | {
-        NODE_TOKEN: tokens[NODE_TOKEN],
         SERVING_TOKEN: tokens[SERVING_TOKEN],
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
@@ -85,7 +89,8 @@ def node_agents(
                 *("--kv-cache-gib", f"{config.node.kv_cache_gib:g}"),
                 *("--max-num-seqs", str(config.node.max_num_seqs)),
             )
-            commands.append(Command(f"node {node.node_id}", "node", argv, env, node.url))
+            node_env = env | {NODE_TOKEN: node_tokens[node.node_id]}
+            commands.append(Command(f"node {node.node_id}", "node", argv, node_env, node.url))
     return commands
 
 

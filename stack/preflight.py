@@ -90,7 +90,6 @@ def locked(state_dir: StateDir) -> Iterator[None]:
 def fresh_tokens() -> dict[str, str]:
     return {
         commands.ADMIN_TOKEN: "adm-" + secrets.token_urlsafe(24),
-        commands.NODE_TOKEN: "nod-" + secrets.token_urlsafe(24),
         commands.GATEWAY_TOKEN: "gw-" + secrets.token_urlsafe(24),
         commands.SERVING_TOKEN: "srv-" + secrets.token_urlsafe(24),
     }

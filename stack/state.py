@@ -2,7 +2,8 @@
 
     $MERIDIAN_STACK_DIR, else $MERIDIAN_HOME/stack (default ~/.cache/meridian/stack)
       state.json       the running stack: its processes, URLs, CA path (removed by `down`)
-      tokens.env       the admin, node, gateway and serving tokens (mode 0600)
+      tokens.env       the admin, gateway and serving tokens (mode 0600; each node agent's
+                       own control-plane credential is minted at start and only in its env)
       control-plane.db the fleet registry (SQLite)
       tls/             the local CA and the gateway's certificate
       envoy/           each region Envoy's bootstrap

@@ -31,7 +31,13 @@ from typing import Any, Final
 
 import httpx
 
-from control_plane.admin_cli import AdminClient, AdminCliError, RegionSpec, put_region
+from control_plane.admin_cli import (
+    AdminClient,
+    AdminCliError,
+    RegionSpec,
+    mint_node_credential,
+    put_region,
+)
 from stack import commands
 from stack.certs import GatewayTls, ensure_gateway_tls
 from stack.config import DEFAULT_CONFIG, StackConfig, load_config
@@ -95,6 +101,7 @@ class StackStarter:
         self.envoy_path = find_envoy(config.envoy, say)
         self.layout: StackLayout = plan_layout(config, use_envoy=self.envoy_path is not None)
         self.tokens = fresh_tokens()
+        self.node_tokens: dict[str, str] = {}  # each node agent's own, minted at registration
         self.http = httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False)
         self.gateway_http: httpx.Client | None = None
         self.tls: GatewayTls | None = None
@@ -197,6 +204,10 @@ class StackStarter:
                     f"ingress {region.ingress_url}; RTT from {self.layout.gateway_pop} "
                     f"{region.rtt_ms:g} ms)"
                 )
+                for node in region.nodes:
+                    self.node_tokens[node.node_id] = mint_node_credential(
+                        client, node.node_id, region.name, node.url
+                    )
         except AdminCliError as exc:
             raise StackError(f"registering regions: {exc}") from exc
         finally:
@@ -233,7 +244,10 @@ class StackStarter:
         """Node agents, Envoys, the RTT proxy and the gateway, all at once; then wait for all."""
         assert self.tls is not None
         checks = []
-        for command in commands.node_agents(self.config, self.layout, self.model, self.tokens):
+        node_commands = commands.node_agents(
+            self.config, self.layout, self.model, self.tokens, self.node_tokens
+        )
+        for command in node_commands:
             child = supervisor.start(command)
             node_id = command.name.removeprefix("node ")
             assert command.url is not None

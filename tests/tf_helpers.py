@@ -142,7 +142,6 @@ class ControlPlane:
 
     base_url: str
     admin_token: str
-    node_token: str
     proc: subprocess.Popen[bytes]
 
     def get(self, path: str) -> httpx.Response:
@@ -168,11 +167,9 @@ class ControlPlane:
 def start_control_plane(workdir: Path) -> ControlPlane:
     port = _free_port()
     admin_token = "adm-" + secrets.token_urlsafe(24)
-    node_token = "nod-" + secrets.token_urlsafe(24)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MERIDIAN_", "TF_"))}
     env |= {
         "MERIDIAN_ADMIN_TOKEN": admin_token,
-        "MERIDIAN_NODE_TOKEN": node_token,
         "MERIDIAN_GATEWAY_TOKEN": "gw-" + secrets.token_urlsafe(24),
     }
     log = (workdir / "control_plane.log").open("ab")
@@ -186,7 +183,7 @@ def start_control_plane(workdir: Path) -> ControlPlane:
         stderr=subprocess.STDOUT,
     )
     log.close()
-    control_plane = ControlPlane(f"http://127.0.0.1:{port}", admin_token, node_token, proc)
+    control_plane = ControlPlane(f"http://127.0.0.1:{port}", admin_token, proc)
     deadline = time.monotonic() + MAX_START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

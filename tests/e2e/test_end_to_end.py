@@ -156,9 +156,6 @@ class Stack:
     def admin_token(self) -> str:
         return StateDir(self.state_root).read_tokens()["MERIDIAN_ADMIN_TOKEN"]
 
-    def node_token(self) -> str:
-        return StateDir(self.state_root).read_tokens()["MERIDIAN_NODE_TOKEN"]
-
     def admin_get(self, path: str) -> Any:
         headers = {"Authorization": f"Bearer {self.admin_token()}"}
         response = httpx.get(self.layout.control_plane_url + path, headers=headers, timeout=10)
@@ -234,12 +231,11 @@ def gateway_regions(stack: Stack) -> dict[str, Any]:
     return regions
 
 
-def start_terraform_node(
-    tmp_path: Path, stack: Stack, node: dict[str, Any]
-) -> subprocess.Popen[bytes]:
+def start_terraform_node(tmp_path: Path, node: dict[str, Any]) -> subprocess.Popen[bytes]:
     """The node agent exactly as the region module's output says, plus this machine's small KV
-    cache; its token as the output says it needs."""
-    env = meridian_env() | {"MERIDIAN_NODE_TOKEN": stack.node_token(), "OMP_NUM_THREADS": "1"}
+    cache; its own token, minted at apply into the file the output names."""
+    token = Path(node["token_file"]).read_text().strip()
+    env = meridian_env() | {"MERIDIAN_NODE_TOKEN": token, "OMP_NUM_THREADS": "1"}
     with (tmp_path / "tf-node.log").open("wb") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "node_agent", *node["args"]]
@@ -306,7 +302,7 @@ def test_stack_terraform_openai_failover_and_down(
     registered = stack.admin_get(f"/v1/regions/{TF_REGION}")
     assert registered["ingress_url"] == f"http://127.0.0.1:{tf_port}"
     (node,) = tf.outputs()["nodes"]
-    tf_node = start_terraform_node(tmp_path, stack, node)
+    tf_node = start_terraform_node(tmp_path, node)
     try:
         wait_until(
             lambda: gateway_regions(stack).get(TF_REGION, {}).get("healthy_nodes") == 1,

@@ -178,12 +178,18 @@ def test_every_node_agent_and_the_gateway_get_the_fleets_one_serving_token() -> 
     layout = plan_layout(config, use_envoy=False)
     tokens = fresh_tokens()
     serving = tokens[commands.SERVING_TOKEN]
-    nodes = commands.node_agents(config, layout, "smollm2-135m-instruct", tokens)
+    node_ids = [node.node_id for region in layout.regions for node in region.nodes]
+    node_tokens = {node_id: f"mnode-{node_id}" for node_id in node_ids}
+    nodes = commands.node_agents(config, layout, "smollm2-135m-instruct", tokens, node_tokens)
     tls = GatewayTls(Path("/s/ca.pem"), Path("/s/cert.pem"), Path("/s/key.pem"))
     gateway = commands.gateway(layout, tls, tokens)
     assert len(nodes) == 2
     assert all(c.env[commands.SERVING_TOKEN] == serving for c in [*nodes, gateway])
     assert all(serving not in " ".join(c.argv) for c in [*nodes, gateway])
+    # ... and each node agent its own control-plane credential, which nothing else gets.
+    assert [c.env[commands.NODE_TOKEN] for c in nodes] == [node_tokens[i] for i in node_ids]
+    control_plane = commands.control_plane(layout, Path("/s/cp.db"), tokens)
+    assert commands.NODE_TOKEN not in gateway.env and commands.NODE_TOKEN not in control_plane.env
 
 
 def test_the_printed_examples_can_be_pasted() -> None:

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 from tf_helpers import REPO_ROOT, ControlPlane
@@ -84,14 +86,34 @@ def test_delete_is_idempotent(cp: ControlPlane, capsys: pytest.CaptureFixture[st
     assert run_cli(capsys, "region", "delete", "cli-c") == (0, "region cli-c: already absent", "")
 
 
-def test_a_region_with_nodes_is_deleted_after_they_drain_and_cannot_be_put_meanwhile(
-    cp: ControlPlane, capsys: pytest.CaptureFixture[str]
+def test_node_credentials_are_minted_into_private_files_and_never_printed(
+    cp: ControlPlane, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    assert run_cli(capsys, "region", "put", "cli-h", "--lat=1", "--lon=2")[0] == 0
-    beat = {
+    assert run_cli(capsys, "region", "put", "cli-n", "--lat=1", "--lon=2")[0] == 0
+    argv = ("node", "credentials", "cli-n", f"--token-dir={tmp_path / 'tokens'}")
+    status, out, err = run_cli(
+        capsys, *argv, "--node=cli-n-00=http://127.0.0.1:9", "--node=cli-n-01"
+    )
+    assert (status, err) == (0, "")
+    files = [tmp_path / "tokens" / f"cli-n-0{i}.token" for i in range(2)]
+    assert out.splitlines() == [
+        f"node cli-n-0{i}: credential written to {files[i]}" for i in (0, 1)
+    ]
+    tokens = [path.read_text().strip() for path in files]
+    assert all(path.stat().st_mode & 0o777 == 0o600 for path in files)
+    assert len(set(tokens)) == 2 and not any(token in out for token in tokens)
+    beat = heartbeat_of("cli-n-00", "cli-n")
+    cp.request("POST", "/v1/nodes/heartbeat", beat, token=tokens[0])
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--node=Bad Node"])
+    assert exited.value.code == 2 and "'Bad Node' is not a node id" in capsys.readouterr().err
+
+
+def heartbeat_of(node_id: str, region: str) -> dict[str, Any]:
+    return {
         "schema_version": 1,
-        "node_id": "cli-h-00",
-        "region": "cli-h",
+        "node_id": node_id,
+        "region": region,
         "url": "http://127.0.0.1:9",
         "model": "smollm2-135m-instruct",
         "kv_blocks_total": 100,
@@ -99,7 +121,16 @@ def test_a_region_with_nodes_is_deleted_after_they_drain_and_cannot_be_put_meanw
         "block_size": 16,
         "timestamp": time.time(),
     }
-    cp.request("POST", "/v1/nodes/heartbeat", beat, token=cp.node_token)
+
+
+def test_a_region_with_nodes_is_deleted_after_they_drain_and_cannot_be_put_meanwhile(
+    cp: ControlPlane, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert run_cli(capsys, "region", "put", "cli-h", "--lat=1", "--lon=2")[0] == 0
+    argv = ("node", "credentials", "cli-h", f"--token-dir={tmp_path}", "--node=cli-h-00")
+    assert run_cli(capsys, *argv)[0] == 0
+    token = (tmp_path / "cli-h-00.token").read_text().strip()
+    cp.request("POST", "/v1/nodes/heartbeat", heartbeat_of("cli-h-00", "cli-h"), token=token)
     assert run_cli(capsys, "region", "delete", "cli-h") == (
         0,
         "region cli-h: deleting (its nodes drain first)",

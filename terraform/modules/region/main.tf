@@ -7,6 +7,10 @@
 #   settings      location, ingress URL, weight: replaced when any of them changes, which runs
 #                 `region put` again and so updates the region in place on the control plane
 #                 (the registration, and the region's history there, are kept).
+# and one for the node agents' credentials:
+#   node_credentials  `node credentials` on create: each agent's own heartbeat token, bound to its
+#                 node id, this region and its URL, written to node_token_dir (never to the
+#                 state). Replaced (new tokens) when the registration or the agents change.
 
 locals {
   put_args = concat(
@@ -66,6 +70,26 @@ resource "terraform_data" "settings" {
   # Right after a fresh registration this finds the region already matching ("unchanged").
   provisioner "local-exec" {
     interpreter = concat(var.admin_cli, local.put_args)
+    command     = var.name
+    environment = local.cli_environment
+  }
+}
+
+resource "terraform_data" "node_credentials" {
+  count = length(local.node_configs) > 0 ? 1 : 0
+
+  triggers_replace = {
+    registration = terraform_data.registration.id
+    nodes        = local.credential_args
+    token_dir    = local.node_token_dir
+  }
+
+  provisioner "local-exec" {
+    interpreter = concat(
+      var.admin_cli,
+      ["node", "credentials", "--token-dir=${local.node_token_dir}"],
+      local.credential_args,
+    )
     command     = var.name
     environment = local.cli_environment
   }

@@ -32,8 +32,18 @@ locals {
     ]
   ]
 
+  node_token_dir = abspath(coalesce(var.node_token_dir, "${path.root}/node-tokens"))
+  # An agent listening on every interface advertises another address (see the cloud example):
+  # its credential leaves the URL to be bound by its first heartbeat.
+  is_url_known = !contains(["0.0.0.0", "::"], var.node_host)
+  credential_args = [
+    for node in local.node_configs :
+    local.is_url_known ? "--node=${node.node_id}=${node.url}" : "--node=${node.node_id}"
+  ]
+
   node_configs = [
     for i, node in local.nodes : merge(node, {
+      token_file  = "${local.node_token_dir}/${node.node_id}.token"
       url         = strcontains(node.host, ":") ? "http://[${node.host}]:${node.port}" : "http://${node.host}:${node.port}"
       environment = { CUDA_VISIBLE_DEVICES = node.gpu_ids }
       args        = local.node_args[i]
@@ -66,7 +76,7 @@ output "region" {
 }
 
 output "nodes" {
-  description = "One entry per node agent: who it is, where it listens, and how to start it (`command`, or `config_yaml` for `python -m node_agent --config FILE`). Each agent also needs MERIDIAN_NODE_TOKEN in its environment."
+  description = "One entry per node agent: who it is, where it listens, and how to start it (`command`, or `config_yaml` for `python -m node_agent --config FILE`). Each agent also needs MERIDIAN_NODE_TOKEN in its environment: its own, minted at apply into `token_file`."
   value       = local.node_configs
 }
 

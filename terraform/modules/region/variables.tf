@@ -173,3 +173,9 @@ variable "admin_cli" {
     error_message = "admin_cli must name at least the program to run."
   }
 }
+
+variable "node_token_dir" {
+  description = "Where each node agent's own control-plane credential (its MERIDIAN_NODE_TOKEN, minted through the admin API) is written, as <node_id>.token, mode 0600. Default: node-tokens/ in the root module's directory."
+  type        = string
+  default     = null
+}
