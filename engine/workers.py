@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_connections
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -156,17 +157,22 @@ class Workers:
         """Wait until every worker has imported what it needs and runs our code; a worker
         that exits before that is named, with the likely cause."""
         deadline = time.monotonic() + timeout_s
-        for process, pipe in zip(self.processes, self.pipes, strict=True):
-            while not pipe.poll(_POLL_S):
+        pending = dict(zip(self.pipes, self.processes, strict=True))
+        while pending:
+            for pipe in wait_for_connections(list(pending), _POLL_S):
+                assert isinstance(pipe, Connection)
+                process = pending.pop(pipe)
+                try:
+                    message = pipe.recv()
+                except EOFError:
+                    raise self._died_starting(process) from None
+                assert message == _STARTED, "a worker says it has started before anything else"
+            for process in pending.values():
                 if not process.is_alive():
                     raise self._died_starting(process)
-                if time.monotonic() > deadline:
-                    raise WorkerStartupError(f"{process.name} did not start in {timeout_s:g} s")
-            try:
-                message = pipe.recv()
-            except EOFError:
-                raise self._died_starting(process) from None
-            assert message == _STARTED, "a worker says it has started before anything else"
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending.values())
+                raise WorkerStartupError(f"{names} did not start in {timeout_s:g} s")
 
     def _died_starting(self, process: BaseProcess) -> WorkerStartupError:
         process.join(_JOIN_TIMEOUT_S)

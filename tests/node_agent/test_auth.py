@@ -32,6 +32,7 @@ def assert_401(response: httpx.Response) -> None:
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
     assert response.headers["www-authenticate"] == "Bearer"
+    assert response.headers["x-request-id"]  # refusals can be traced like any answer
     assert SERVING_TOKEN not in response.text
 
 
