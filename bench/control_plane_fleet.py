@@ -218,13 +218,16 @@ def beat_body(fleet: Fleet, node: int, kv_blocks_free: int) -> dict[str, Any]:
 
 
 class Simulation:
-    def __init__(self, fleet: Fleet, base_url: str, node_token: str, args: argparse.Namespace):
+    def __init__(
+        self, fleet: Fleet, base_url: str, node_tokens: list[str], args: argparse.Namespace
+    ):
         self.fleet = fleet
         self.url = base_url + "/v1/nodes/heartbeat"
-        self.headers = {
-            "Authorization": f"Bearer {node_token}",
-            "Content-Type": "application/json",
-        }
+        # Each node beats with its own credential, as node agents do.
+        self.headers = [
+            {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+            for token in node_tokens
+        ]
         self.args = args
         self.free = [FREE_LOW] * fleet.num_nodes
         self.rng = random.Random(7)
@@ -244,7 +247,7 @@ class Simulation:
     async def beat(self, session: aiohttp.ClientSession, node: int) -> float:
         body = json.dumps(beat_body(self.fleet, node, self.free_of(node)))
         sent = time.perf_counter()
-        async with session.post(self.url, data=body, headers=self.headers) as response:
+        async with session.post(self.url, data=body, headers=self.headers[node]) as response:
             await response.read()
             ok = response.status == 200
         took_s = time.perf_counter() - sent
@@ -333,12 +336,30 @@ async def register_regions(session: aiohttp.ClientSession, base_url: str, fleet:
             assert response.status == 201, await response.text()
 
 
+async def mint_credentials(
+    session: aiohttp.ClientSession, base_url: str, fleet: Fleet
+) -> list[str]:
+    """Every node's own heartbeat token, minted by the operator (a few at a time)."""
+    tokens = [""] * fleet.num_nodes
+    pending = iter(range(fleet.num_nodes))
+
+    async def mint() -> None:
+        for node in pending:
+            body = {"region": fleet.region_of(node), "url": fleet.url(node)}
+            url = f"{base_url}/v1/nodes/{fleet.node_id(node)}/credential"
+            async with session.post(url, json=body) as response:
+                assert response.status == 201, await response.text()
+                tokens[node] = (await response.json())["token"]
+
+    await asyncio.gather(*(mint() for _ in range(8)))
+    return tokens
+
+
 async def run(args: argparse.Namespace) -> Results:
     fleet = Fleet(args.nodes, args.regions)
     results = Results(args.nodes, args.regions, args.duration_s, args.connections)
     tokens = {
         "MERIDIAN_ADMIN_TOKEN": "adm-" + secrets.token_urlsafe(24),
-        "MERIDIAN_NODE_TOKEN": "nod-" + secrets.token_urlsafe(24),
         "MERIDIAN_GATEWAY_TOKEN": "gw-" + secrets.token_urlsafe(24),
     }
     admin = {"Authorization": f"Bearer {tokens['MERIDIAN_ADMIN_TOKEN']}"}
@@ -357,7 +378,8 @@ async def run(args: argparse.Namespace) -> Results:
                 await wait_until(is_up, "control plane")
                 async with aiohttp.ClientSession(headers=admin) as admin_session:
                     await register_regions(admin_session, base_url, fleet)
-                sim = Simulation(fleet, base_url, tokens["MERIDIAN_NODE_TOKEN"], args)
+                    node_tokens = await mint_credentials(admin_session, base_url, fleet)
+                sim = Simulation(fleet, base_url, node_tokens, args)
                 with envoys(workdir, xds, fleet.region(0)) as (ingress, edge):
                     for envoy in (ingress, edge):
 

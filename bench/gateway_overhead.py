@@ -235,13 +235,10 @@ class Fleet:
 def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fleet]:
     python = sys.executable
     upstream_port, cp_port, gw_port, envoy_port = (free_port() for _ in range(4))
-    tokens = {
-        name: f"{name[:3]}-{secrets.token_urlsafe(24)}" for name in ("admin", "node", "gateway")
-    }
+    tokens = {name: f"{name[:3]}-{secrets.token_urlsafe(24)}" for name in ("admin", "gateway")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     env |= {
         "MERIDIAN_ADMIN_TOKEN": tokens["admin"],
-        "MERIDIAN_NODE_TOKEN": tokens["node"],
         "MERIDIAN_GATEWAY_TOKEN": tokens["gateway"],
     }
     pids = {
@@ -281,7 +278,7 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
     wait_for_port(cp_port)
     upstream_url = f"http://127.0.0.1:{upstream_port}"
     cp_url = f"http://127.0.0.1:{cp_port}"
-    api_key = _register(cp_url, tokens["admin"], upstream_url)
+    api_key, node_token = _register(cp_url, tokens["admin"], upstream_url)
 
     async def beat() -> None:
         body = {
@@ -294,7 +291,7 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
             "block_size": 16,
             "timestamp": time.time(),
         }
-        headers = {"Authorization": f"Bearer {tokens['node']}"}
+        headers = {"Authorization": f"Bearer {node_token}"}
         async with aiohttp.ClientSession(headers=headers) as session:
             while True:
                 body["timestamp"] = time.time()
@@ -342,8 +339,9 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
     yield Fleet(urls, pids, api_key, beat)
 
 
-def _register(cp_url: str, admin_token: str, upstream_url: str) -> str:
-    """Register the upstream as region us-east and create an API key; returns its secret."""
+def _register(cp_url: str, admin_token: str, upstream_url: str) -> tuple[str, str]:
+    """Register the upstream as region us-east (its node's credential minted) and create an API
+    key; returns the key's secret and the node's token."""
     import urllib.request
 
     def call(path: str, body: dict[str, object]) -> dict[str, object]:
@@ -360,8 +358,9 @@ def _register(cp_url: str, admin_token: str, upstream_url: str) -> str:
     call(
         "/v1/regions", {"name": "us-east", "lat": 39.04, "lon": -77.49, "ingress_url": upstream_url}
     )
+    minted = call("/v1/nodes/bench-node/credential", {"region": "us-east", "url": upstream_url})
     created = call("/v1/keys", {"name": "bench", "rpm": 10**9, "tpm": 10**12})
-    return str(created["secret"])
+    return str(created["secret"]), str(minted["token"])
 
 
 # Measurements.

@@ -44,9 +44,10 @@ class ControlPlaneServer(uvicorn.Server):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m control_plane",
-        description="Meridian control plane. Tokens come from MERIDIAN_ADMIN_TOKEN, "
-        "MERIDIAN_NODE_TOKEN and MERIDIAN_GATEWAY_TOKEN; on a loopback host, missing ones are "
-        "generated into a token file next to the database.",
+        description="Meridian control plane. Tokens come from MERIDIAN_ADMIN_TOKEN and "
+        "MERIDIAN_GATEWAY_TOKEN; on a loopback host, missing ones are generated into a token "
+        "file next to the database. Node agents have no shared token: each gets its own "
+        "(POST /v1/nodes/{id}/credential).",
         epilog="`python -m control_plane envoy-bootstrap --help`: print an Envoy bootstrap.",
     )
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
