@@ -106,11 +106,13 @@ class SamplingRequest(_Lenient):
     @field_validator("*", mode="before")
     @classmethod
     def _unicode_text(cls, value: object, info: ValidationInfo) -> object:
-        where = lone_surrogate_at(value, str(info.field_name))
+        field = str(info.field_name)
+        where = lone_surrogate_at(value, field)
         if where is not None:
+            at = "" if where == field else f" at {where}"
             raise ValueError(
-                f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
-                "which is not valid Unicode text"
+                f"the text{at} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not valid Unicode"
             )
         return value
 
