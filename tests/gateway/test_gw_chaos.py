@@ -98,8 +98,6 @@ def test_redis_killed_mid_run_limits_still_hold_within_2x_and_requests_flow(
     assert set(statuses) <= {200, 429}, statuses  # never a 5xx
     allowed = rpm + rpm * elapsed_s / 60  # what the key may use over the run
     assert statuses[200] <= 2 * allowed, (statuses, elapsed_s)
-    before = Counter(o.status for o in outcomes[:num_before_kill])
-    assert before[200] <= allowed + CONCURRENCY  # shared in Redis while it was up
     after = Counter(o.status for o in outcomes[num_before_kill + CONCURRENCY :])
     assert after[200] > 0, after  # and requests flow on without it
 
