@@ -160,6 +160,17 @@ def test_token_limit_refuses_until_the_bucket_refills(
             "invalid_request",
             "stream",
         ),
+        (
+            b'{"model": "m", "messages": [{"role": "system", "content": "\\ud800"}]}',
+            "invalid_unicode",
+            None,
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user"}], "x": %s}'
+            % (b"[" * 100_000 + b"]" * 100_000),
+            "invalid_json",
+            None,
+        ),
     ],
 )
 def test_malformed_bodies_get_400_without_reaching_upstream(
