@@ -189,11 +189,13 @@ def test_no_request_makes_the_gateway_answer_5xx(
         )
         @given(cases)
         def check(case: Case) -> None:
-            headers: dict[str, str | bytes] = dict(case.extra_headers)
+            headers = {name.encode(): value for name, value in case.extra_headers.items()}
             if case.authorization == "valid":
-                headers["authorization"] = f"Bearer {secret}"
+                headers[b"authorization"] = f"Bearer {secret}".encode()
+            elif isinstance(case.authorization, str):
+                headers[b"authorization"] = case.authorization.encode()
             elif case.authorization is not None:
-                headers["authorization"] = case.authorization
+                headers[b"authorization"] = case.authorization
             content = case.body if case.method not in ("GET", "HEAD", "OPTIONS") else None
             response = client.request(case.method, case.path, content=content, headers=headers)
             statuses[response.status_code] += 1

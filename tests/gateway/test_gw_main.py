@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -80,7 +81,11 @@ def test_https_or_loopback_control_planes_are_accepted(url: str) -> None:
 
 
 def test_the_serving_token_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    base = {"pop": "new-york", "control_plane": "http://127.0.0.1:1", "gateway_token": TOKEN}
+    base: dict[str, Any] = {
+        "pop": "new-york",
+        "control_plane": "http://127.0.0.1:1",
+        "gateway_token": TOKEN,
+    }
     assert GatewaySettings(**base).serving_authorization is None
     monkeypatch.setenv("MERIDIAN_SERVING_TOKEN", "srv-token-123")
     assert GatewaySettings(**base).serving_authorization == "Bearer srv-token-123"
