@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -72,6 +73,12 @@ def parser() -> OneLineParser:
     run.add_argument("--plots", type=Path, help="write PNG plots into this folder")
     run.add_argument("--calibration", type=Path, help="a calibration file (see `calibrate`)")
     run.add_argument("--policies", type=_policies, default=list(POLICIES), help="a,b,...")
+    run.add_argument(
+        "--jobs",
+        type=_positive,
+        default=os.cpu_count() or 1,
+        help="worker processes, one world each (default: one per CPU)",
+    )
     calibrate = commands.add_parser("calibrate", help="derive the node model from a benchmark")
     calibrate.add_argument("report", type=Path, help="python -m bench.engine_throughput --json")
     calibrate.add_argument("--kv-blocks", type=_positive, help="the benchmark's KV cache blocks")
@@ -104,7 +111,13 @@ def _run_with_bars(
             bar.update(tasks[policy], completed=num_ended)
 
         return run_scenario(
-            SCENARIOS[name], args.seed, args.requests, calibration, args.policies, progress
+            SCENARIOS[name],
+            args.seed,
+            args.requests,
+            calibration,
+            args.policies,
+            progress,
+            args.jobs,
         )
 
 

@@ -1,7 +1,14 @@
-"""Every policy on one scenario's traffic: the worlds, their results, and the JSON of a run."""
+"""Every policy on one scenario's traffic: the worlds, their results, and the JSON of a run.
+
+With `jobs` > 1 the policies' worlds run in forked worker processes (each world is independent
+and seeded, so the results are the same either way); the workers inherit the built world spec
+and report progress through shared counters.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,16 +53,32 @@ def world_spec(
     return WorldSpec(scenario, geography, calibration, requests, seed)
 
 
-def run_scenario(
-    scenario: Scenario,
-    seed: int,
-    num_requests: int,
-    calibration: ServiceCalibration,
-    policies: Sequence[str],
-    progress: Progress | None = None,
-) -> ScenarioResult:
-    started_s = time.perf_counter()
-    spec = world_spec(scenario, seed, num_requests, calibration)
+# The slowest worlds first, so that parallel workers finish together.
+COST_ORDER = ("oracle", "meridian", "least_loaded", "round_robin", "nearest")
+PROGRESS_POLL_S = 0.2
+
+# A worker process's inheritance (set by `_start_worker` in the forked child only).
+_worker_spec: WorldSpec | None = None
+_worker_counters: Any = None
+
+
+def _start_worker(spec: WorldSpec, counters: Any) -> None:
+    global _worker_spec, _worker_counters
+    _worker_spec, _worker_counters = spec, counters
+
+
+def _run_in_worker(policy: str, slot: int) -> Recorder:
+    assert _worker_spec is not None
+
+    def report(num_ended: int) -> None:
+        _worker_counters[slot] = num_ended
+
+    return World(_worker_spec, policy).run(report)
+
+
+def _run_serial(
+    spec: WorldSpec, policies: Sequence[str], progress: Progress | None
+) -> dict[str, Recorder]:
     recorders: dict[str, Recorder] = {}
     for policy in policies:
 
@@ -64,6 +87,44 @@ def run_scenario(
                 progress(policy, num_ended)
 
         recorders[policy] = World(spec, policy).run(report)
+    return recorders
+
+
+def _run_parallel(
+    spec: WorldSpec, policies: Sequence[str], jobs: int, progress: Progress | None
+) -> dict[str, Recorder]:
+    context = multiprocessing.get_context("fork")
+    counters = context.Array("q", len(policies), lock=False)
+    order = sorted(policies, key=lambda p: COST_ORDER.index(p) if p in COST_ORDER else -1)
+    with concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=_start_worker, initargs=(spec, counters)
+    ) as pool:
+        futures = {pool.submit(_run_in_worker, p, policies.index(p)): p for p in order}
+        pending = set(futures)
+        while pending:
+            _, pending = concurrent.futures.wait(pending, timeout=PROGRESS_POLL_S)
+            if progress is not None:
+                for slot, policy in enumerate(policies):
+                    progress(policy, counters[slot])
+        done = {futures[future]: future.result() for future in futures}
+    return {policy: done[policy] for policy in policies}
+
+
+def run_scenario(
+    scenario: Scenario,
+    seed: int,
+    num_requests: int,
+    calibration: ServiceCalibration,
+    policies: Sequence[str],
+    progress: Progress | None = None,
+    jobs: int = 1,
+) -> ScenarioResult:
+    started_s = time.perf_counter()
+    spec = world_spec(scenario, seed, num_requests, calibration)
+    if jobs > 1 and len(policies) > 1:
+        recorders = _run_parallel(spec, policies, min(jobs, len(policies)), progress)
+    else:
+        recorders = _run_serial(spec, policies, progress)
     stats = {policy: recorder.stats() for policy, recorder in recorders.items()}
     wall_s = time.perf_counter() - started_s
     return ScenarioResult(scenario.name, seed, num_requests, wall_s, stats, recorders)

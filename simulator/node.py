@@ -27,6 +27,7 @@ from simulator.calibration import ServiceCalibration
 from simulator.events import EventLoop
 
 EPSILON_TOKENS = 1e-6
+INFINITY = float("inf")
 
 
 @dataclass(slots=True)
@@ -77,6 +78,9 @@ class Node:
     prefill_rate: float = 0.0  # prompt tokens per second at the head, now
     last_s: float = 0.0
     wake_generation: int = 0
+    # Running totals, so that a heartbeat or an oracle need not walk the queues.
+    waiting_prompt_tokens: int = 0
+    prefill_tokens_queued: int = 0  # to compute for the admitted, before any progress
     _order: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -97,7 +101,7 @@ class Node:
         return NodeLoad(
             num_running=len(self.prefilling) + len(self.decoding),
             num_waiting=self.num_not_started,
-            num_waiting_prefill_tokens=sum(job.prompt_tokens for job in self.waiting),
+            num_waiting_prefill_tokens=self.waiting_prompt_tokens,
             kv_blocks_free=self.free_blocks,
             num_in_flight=self.num_in_flight,
             generated_tokens=self.generated_tokens,
@@ -119,6 +123,7 @@ class Node:
         self._advance(now_s)
         job.num_blocks = self.blocks_for(job.prompt_tokens, job.output_tokens)
         self.waiting.append(job)
+        self.waiting_prompt_tokens += job.prompt_tokens
         self._settle(now_s)
 
     def abort(self, job: Job, now_s: float) -> bool:
@@ -126,10 +131,12 @@ class Node:
         self._advance(now_s)
         if job in self.waiting:
             self.waiting.remove(job)
+            self.waiting_prompt_tokens -= job.prompt_tokens
         elif job in self.prefilling:
             if self.prefilling[0] is job:
                 self.head_done = 0.0
             self.prefilling.remove(job)
+            self.prefill_tokens_queued -= job.prefill_tokens
             self.free_blocks += job.num_blocks
         else:
             return False
@@ -146,6 +153,7 @@ class Node:
         self.prefix_cache.clear()
         self.free_blocks = self.calibration.kv_blocks
         self.head_done = 0.0
+        self.waiting_prompt_tokens = self.prefill_tokens_queued = 0
         self.decode_rate = self.prefill_rate = 0.0
         self.wake_generation += 1
         self.last_s = now_s
@@ -177,6 +185,7 @@ class Node:
             head = self.prefilling[0]
             if self.head_done >= head.prefill_tokens - EPSILON_TOKENS:
                 self.prefilling.popleft()
+                self.prefill_tokens_queued -= head.prefill_tokens
                 self.head_done = 0.0
                 self._finish_prefill(head)
         decoding = self.decoding
@@ -208,6 +217,7 @@ class Node:
             if num_running >= calibration.max_num_seqs or job.num_blocks > self.free_blocks:
                 return  # first come, first served: the head waits, and everyone behind it
             self.waiting.popleft()
+            self.waiting_prompt_tokens -= job.prompt_tokens
             self.free_blocks -= job.num_blocks
             cached = 0
             if job.prefix_key is not None and job.prefix_key in self.prefix_cache:
@@ -215,14 +225,18 @@ class Node:
                 cached = job.prefix_tokens // calibration.block_size * calibration.block_size
             job.prefill_tokens = max(1, job.prompt_tokens - cached)
             job.chunk_tokens = min(job.prefill_tokens, calibration.max_num_batched_tokens)
+            self.prefill_tokens_queued += job.prefill_tokens
             self.prefilling.append(job)
 
     def _settle(self, now_s: float) -> None:
         """Admit what fits, set the rates for the new batch, plan the next wake-up."""
         self._admit()
         calibration = self.calibration
-        step_s = calibration.step_s(len(self.decoding))
-        next_s = float("inf")
+        num_decoding = len(self.decoding)
+        step_s = calibration.step_base_s  # calibration.step_s(num_decoding), inlined: hot
+        if num_decoding > 1:
+            step_s += calibration.step_per_seq_s * (num_decoding - 1)
+        next_s = INFINITY
         if self.prefilling:
             head = self.prefilling[0]
             step_s += head.chunk_tokens / calibration.prefill_tokens_per_s
@@ -236,7 +250,7 @@ class Node:
         else:
             self.decode_rate = 0.0
         self.wake_generation += 1
-        if next_s != float("inf"):
+        if next_s != INFINITY:
             self.loop.at(now_s + max(0.0, next_s), self._wake, self.wake_generation)
 
     # What an oracle may know.
@@ -251,8 +265,7 @@ class Node:
         calibration = self.calibration
         rate = calibration.prefill_tokens_per_s
         step_s = calibration.step_s(len(self.decoding))
-        ahead_tokens = sum(job.prefill_tokens for job in self.prefilling) - self.head_done
-        ahead_tokens += sum(job.prompt_tokens for job in self.waiting)
+        ahead_tokens = self.prefill_tokens_queued - self.head_done + self.waiting_prompt_tokens
         num_ahead = len(self.prefilling) + len(self.waiting)
         cached = 0
         if prefix_key is not None and prefix_key in self.prefix_cache:

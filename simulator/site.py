@@ -22,7 +22,10 @@ class Site:
 
     def pick_node(self) -> Node | None:
         best: Node | None = None
+        best_load = 0
         for node in self.nodes:
-            if node.is_up and (best is None or node.num_in_flight < best.num_in_flight):
-                best = node
+            if node.is_up:
+                load = node.num_in_flight
+                if best is None or load < best_load:
+                    best, best_load = node, load
         return best
