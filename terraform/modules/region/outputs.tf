@@ -76,7 +76,7 @@ output "region" {
 }
 
 output "nodes" {
-  description = "One entry per node agent: who it is, where it listens, and how to start it (`command`, or `config_yaml` for `python -m node_agent --config FILE`). Each agent also needs MERIDIAN_NODE_TOKEN in its environment: its own, minted at apply into `token_file`."
+  description = "One entry per node agent: who it is, where it listens, and how to start it (`command`, or `config_yaml` for `python -m node_agent --config FILE`). Each agent also needs MERIDIAN_NODE_TOKEN in its environment (its own, minted at apply into `token_file`), and MERIDIAN_SERVING_TOKEN (the bearer the gateway sends) when `node_host` is not loopback."
   value       = local.node_configs
 }
 
