@@ -98,7 +98,7 @@ class Proxy:
             sock_read=settings.stream_idle_timeout_s,
         )
 
-    def first_byte_timeout_s(self, request: UpstreamRequest) -> float:
+    def _first_byte_timeout_s_of(self, request: UpstreamRequest) -> float:
         if request.is_stream:
             return self._first_byte_timeout_s
         return self._first_byte_timeout_s + request.max_tokens / self._min_decode_tokens_per_s
@@ -152,7 +152,7 @@ class Proxy:
     ) -> Opened:
         is_stream = request.is_stream
         timeout = self._stream_timeout if is_stream else self._whole_timeout
-        async with asyncio.timeout(min(remaining_s, self.first_byte_timeout_s(request))):
+        async with asyncio.timeout(min(remaining_s, self._first_byte_timeout_s_of(request))):
             response = await self._session.request(
                 request.method,
                 candidate.url + request.path,
