@@ -45,6 +45,14 @@ class ServiceCalibration:
     max_cached_prefixes: int = 32
     max_num_waiting_requests: int = 256  # node_agent/settings.py: then 429
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            is_number = isinstance(value, int | float) and not isinstance(value, bool)
+            least = 0.0 if f.name == "step_per_seq_s" else 1e-12  # a flat step time is allowed
+            if not is_number or value < least:
+                raise CalibrationError(f"calibration {f.name} must be a positive number: {value!r}")
+
     def step_s(self, batch_size: int) -> float:
         """One decode step with `batch_size` sequences in it (no prefill)."""
         return self.step_base_s + self.step_per_seq_s * max(0, batch_size - 1)

@@ -117,11 +117,10 @@ class Traffic:
 
     def _at_origin(self, flight: Flight) -> None:
         now_s = self.loop.now_s
-        picks = self.chooser.order(flight.pop, flight.request, now_s)
-        if not picks:
+        flight.picks = self.chooser.order(flight.pop, flight.request, now_s, self.max_attempts)
+        if not flight.picks:
             self._end(flight, Outcome.NO_CAPACITY)
             return
-        flight.picks = picks[: self.max_attempts]
         self._try_next(flight)
 
     def _try_next(self, flight: Flight) -> None:

@@ -22,6 +22,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from simulator.calibration import ServiceCalibration
 from simulator.events import EventLoop
@@ -45,8 +46,7 @@ class Job:
     finish_v: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class NodeLoad:
+class NodeLoad(NamedTuple):  # a tuple: one per heartbeat
     """What a heartbeat reports (engine stats as node_agent/runtime.py reads them)."""
 
     num_running: int

@@ -57,7 +57,8 @@ class Chooser:
     is_via_pop = True  # clients reach it through their Anycast PoP
     max_attempts: int | None = None  # None: the gateway's setting
 
-    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
+        """At most `limit` regions to try, best first; empty if none can take the request."""
         raise NotImplementedError
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
@@ -109,7 +110,7 @@ class MeridianChooser(Chooser):
             for pop, place in geography.pops.items()
         }
 
-    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
         router = self.routers[pop]
         document = self.watches[pop].read(now_s)
         if document is None:
@@ -118,7 +119,7 @@ class MeridianChooser(Chooser):
             router.update(document)
         with _routing_clock(now_s):
             plan = router.plan(request.prompt_tokens, request.affinity_key)
-        return [Pick(c.region, c.predicted_ttft_s) for c in plan.candidates]
+        return [Pick(c.region, c.predicted_ttft_s) for c in plan.candidates[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
         state = self.routers[pop].state_of(region)
@@ -151,7 +152,7 @@ class RoundRobinChooser(Chooser):
         self.watches = watches
         self.turn = dict.fromkeys(watches, 0)
 
-    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
         document = self.watches[pop].read(now_s)
         if document is None:
             return []
@@ -160,7 +161,7 @@ class RoundRobinChooser(Chooser):
             return []
         turn = self.turn[pop] % len(names)
         self.turn[pop] += 1
-        return [Pick(name) for name in names[turn:] + names[:turn]]
+        return [Pick(name) for name in (names[turn:] + names[:turn])[:limit]]
 
 
 class LeastLoadedChooser(Chooser):
@@ -168,7 +169,7 @@ class LeastLoadedChooser(Chooser):
         self.watches = watches
         self.in_flight: dict[tuple[str, str], int] = {}
 
-    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
         document = self.watches[pop].read(now_s)
         if document is None:
             return []
@@ -181,7 +182,7 @@ class LeastLoadedChooser(Chooser):
             return summary.queue.expected_queue_delay_s, used, mine, summary.name
 
         serving = sorted((s for s in document.regions if _is_serving(s)), key=load)
-        return [Pick(s.name) for s in serving]
+        return [Pick(s.name) for s in serving[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
         self.in_flight[(pop, region)] = self.in_flight.get((pop, region), 0) + 1
@@ -220,7 +221,7 @@ class NearestChooser(Chooser):
         self.cache[city] = (decision.target.name, now_s + self.config.ttl_s)
         return decision.target.name
 
-    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
         region = self.answer(request.city, now_s)
         return [] if region is None else [Pick(region)]
 
@@ -239,7 +240,7 @@ class OracleChooser(Chooser):
             rtt_s = self._rtt_s[key] = self.geography.true_rtt_ms(here, site.location) / 1000.0
         return rtt_s
 
-    def order(self, pop: str, request: Request, now_s: float) -> list[Pick]:
+    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
         picks = []
         for site in self.sites.values():
             if not site.is_up:
@@ -257,4 +258,4 @@ class OracleChooser(Chooser):
             if best is not None:
                 picks.append(Pick(site.name, rtt_s + best[0], best[1]))
         picks.sort(key=lambda pick: pick.predicted_ttft_s)
-        return picks
+        return picks[:limit]

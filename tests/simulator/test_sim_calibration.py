@@ -57,3 +57,12 @@ def test_a_report_that_cannot_be_fitted_is_refused(report: dict) -> None:
 def test_unknown_fields_in_a_calibration_file_are_refused() -> None:
     with pytest.raises(CalibrationError, match="prefil_tokens_per_s"):
         ServiceCalibration.from_json('{"prefil_tokens_per_s": 1.0}')
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"prefill_tokens_per_s": 0}', '{"kv_blocks": -1}', '{"max_num_seqs": "64"}'],
+)
+def test_a_calibration_value_that_is_not_a_positive_number_is_refused(text: str) -> None:
+    with pytest.raises(CalibrationError, match="must be a positive number"):
+        ServiceCalibration.from_json(text)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from simulator.__main__ import main
+from simulator.scenarios import SCENARIOS
 
 
 @pytest.mark.parametrize(
@@ -53,3 +54,12 @@ def test_a_run_prints_the_table_and_writes_the_json(
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "e2e_p99_s", "goodput", "failed", "retried",
         "lost",
     }  # fmt: skip
+
+
+def test_all_runs_every_scenario_and_writes_a_list(tmp_path: Path) -> None:
+    out = tmp_path / "all.json"
+    args = ["run", "--scenario", "all", "--requests", "30", "--policies", "oracle"]
+    assert main([*args, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [r["scenario"] for r in results] == list(SCENARIOS)
+    assert all(r["policies"]["oracle"]["lost"] == 0 for r in results)
