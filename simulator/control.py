@@ -81,6 +81,7 @@ class SimControlPlane:
         self.documents: list[RegionSummaryIndex] = [self.publisher.current]
         self._rng = random.Random(f"heartbeats/{seed}")
         self.is_stopped = False
+        self._beatings: list[Beating] = []
 
     def read_policy(self) -> RoutingPolicy:
         return self.policy
@@ -92,11 +93,13 @@ class SimControlPlane:
     def add_node(self, node: Node, url: str, delay_s: float) -> None:
         identity = NodeIdentity(region=node.region, url=url, model=MODEL, tp_size=1)
         self.fleet.nodes[node.name] = FleetNode(node.name, identity, False, UNIX_AT_ZERO_S)
-        beating = Beating(node, url, delay_s)
-        first_s = self._rng.uniform(0.0, self.timing.heartbeat_interval_s)
-        self.loop.at(first_s, self._send_beat, beating)
+        self._beatings.append(Beating(node, url, delay_s))
 
     def start(self) -> None:
+        """Start every node's heartbeats (each at a seeded phase) and the sweep."""
+        for beating in self._beatings:
+            first_s = self._rng.uniform(0.0, self.timing.heartbeat_interval_s)
+            self.loop.at(first_s, self._send_beat, beating)
         self.loop.at(self.timing.sweep_interval_s, self._tick)
 
     def _send_beat(self, beating: Beating) -> None:

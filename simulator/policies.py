@@ -55,6 +55,7 @@ class Chooser:
     """A policy: the regions to try for a request, and what it learns from the attempts."""
 
     is_via_pop = True  # clients reach it through their Anycast PoP
+    needs_control_plane = True  # it decides on heartbeats and summaries
     max_attempts: int | None = None  # None: the gateway's setting
 
     def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
@@ -227,6 +228,8 @@ class NearestChooser(Chooser):
 
 
 class OracleChooser(Chooser):
+    needs_control_plane = False  # it reads the nodes themselves
+
     def __init__(self, sites: Mapping[str, Site], geography: Geography) -> None:
         self.sites = sites
         self.geography = geography

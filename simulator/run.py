@@ -156,7 +156,8 @@ class World:
     def run(self, progress: Callable[[int], None] | None = None) -> Recorder:
         """Play every request to its end; `progress(num_ended)` now and then."""
         requests = self.spec.requests
-        self.control.start()
+        if self.chooser.needs_control_plane:
+            self.control.start()
         self._schedule_outages()
         self.loop.at(requests[0].arrival_s, self._arrive, 0)
         slice_s = max(1.0, requests[-1].arrival_s / PROGRESS_SLICES)
