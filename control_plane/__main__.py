@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from types import FrameType
 
@@ -16,11 +17,13 @@ from pydantic import ValidationError
 from control_plane.app import create_app
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings, is_loopback_host
+from control_plane.tokens import ENV_NAMES, TokenKind
 from control_plane.xds import bootstrap
 from wire.validation import one_line
 
 logger = logging.getLogger("control_plane")
 
+NODE_TOKEN_ENV = ENV_NAMES[TokenKind.NODE]
 # Long-polling gateways hold requests open for up to `wait`; do not let them delay shutdown.
 GRACEFUL_SHUTDOWN_S = 2
 
@@ -83,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
+    if NODE_TOKEN_ENV in os.environ:
+        logger.warning(
+            "%s is set but no longer read: each node agent needs its own credential "
+            "(POST /v1/nodes/{id}/credential, or admin_cli node credentials)",
+            NODE_TOKEN_ENV,
+        )
     if not settings.is_tls and not is_loopback_host(settings.host):
         logger.warning(
             "serving plain HTTP and xDS on %s: tokens cross the network in the clear "

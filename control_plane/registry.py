@@ -7,6 +7,8 @@ Heartbeats from known nodes with an unchanged identity touch memory only. Consul
 `--consul`) is memory only too: it is merged into the fleet as it comes (see `control_plane.fleet`).
 Whatever may start or end a drain (a drain request, a region's state, a node's own report) is passed
 to `note_drain`, which starts or cancels that node's drain sequence (`control_plane.drain`).
+A node's credential (`control_plane.node_credentials`) changes with its registration: the first
+one binds a URL the credential left open, and an operator's move rebinds region and URL.
 """
 
 from __future__ import annotations
