@@ -256,25 +256,30 @@ class Node:
     # What an oracle may know.
 
     def predict_ttft_s(
-        self, prompt_tokens: int, prefix_key: str | None, prefix_tokens: int, now_s: float
+        self,
+        prompt_tokens: int,
+        prefix_key: str | None,
+        prefix_tokens: int,
+        now_s: float,
+        num_incoming: int = 0,
+        incoming_tokens: int = 0,
     ) -> float:
-        """Seconds from now to this request's first token if it arrived now and nothing else
-        did: the prefill queue ahead of it, a wait for a slot if the node is full, its own
-        prefill."""
+        """Seconds from now to this request's first token if it arrived now behind what the
+        node holds and `num_incoming` requests on their way, and nothing else came: the prefill
+        queue ahead of it, a wait for a slot if the node is full, its own prefill."""
         self._advance(now_s)
         calibration = self.calibration
         rate = calibration.prefill_tokens_per_s
         step_s = calibration.step_s(len(self.decoding))
         ahead_tokens = self.prefill_tokens_queued - self.head_done + self.waiting_prompt_tokens
-        num_ahead = len(self.prefilling) + len(self.waiting)
+        ahead_tokens += incoming_tokens
+        num_ahead = len(self.prefilling) + len(self.waiting) + num_incoming
         cached = 0
         if prefix_key is not None and prefix_key in self.prefix_cache:
             cached = prefix_tokens // calibration.block_size * calibration.block_size
         own_tokens = max(1, prompt_tokens - cached)
         wait_s = ahead_tokens / rate + num_ahead * step_s + own_tokens / rate + step_s
-        is_full = len(self.prefilling) + len(self.decoding) + len(self.waiting) >= (
-            calibration.max_num_seqs
-        )
+        is_full = num_ahead + len(self.decoding) >= calibration.max_num_seqs
         if is_full and self.decoding and self.decode_rate > 0.0:
             wait_s += (self.decoding[0][0] - self.v) / self.decode_rate
         return wait_s

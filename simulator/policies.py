@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import ipaddress
+import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Final, NamedTuple
@@ -228,12 +230,18 @@ class NearestChooser(Chooser):
 
 
 class OracleChooser(Chooser):
+    """Every node's true queue now, plus what this oracle already sent that is still on the
+    wire to it (so that it does not herd within one RTT)."""
+
     needs_control_plane = False  # it reads the nodes themselves
 
     def __init__(self, sites: Mapping[str, Site], geography: Geography) -> None:
         self.sites = sites
         self.geography = geography
         self._rtt_s: dict[tuple[str, str], float] = {}
+        self._on_the_way: list[tuple[float, int, str, int]] = []  # heap: arrival, seq, node, tokens
+        self._incoming: dict[str, tuple[int, int]] = {}  # node → (requests, prompt tokens)
+        self._sequence = itertools.count()
 
     def rtt_s(self, pop: str, site: Site) -> float:
         key = (pop, site.name)
@@ -243,7 +251,15 @@ class OracleChooser(Chooser):
             rtt_s = self._rtt_s[key] = self.geography.true_rtt_ms(here, site.location) / 1000.0
         return rtt_s
 
+    def _arrived_by(self, now_s: float) -> None:
+        heap = self._on_the_way
+        while heap and heap[0][0] <= now_s:
+            _, _, name, tokens = heapq.heappop(heap)
+            num, total = self._incoming[name]
+            self._incoming[name] = (num - 1, total - tokens)
+
     def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
+        self._arrived_by(now_s)
         picks = []
         for site in self.sites.values():
             if not site.is_up:
@@ -253,12 +269,23 @@ class OracleChooser(Chooser):
             for node in site.nodes:
                 if not node.is_up:
                     continue
+                num, tokens = self._incoming.get(node.name, (0, 0))
                 ttft_s = node.predict_ttft_s(
-                    request.prompt_tokens, request.affinity_key, request.prefix_tokens, now_s
-                )
+                    request.prompt_tokens, request.affinity_key, request.prefix_tokens, now_s,
+                    num, tokens,
+                )  # fmt: skip
                 if best is None or ttft_s < best[0]:
                     best = (ttft_s, node)
             if best is not None:
                 picks.append(Pick(site.name, rtt_s + best[0], best[1]))
         picks.sort(key=lambda pick: pick.predicted_ttft_s)
+        if picks:  # the first is sent now: it reaches its node half an RTT from now
+            first, node = picks[0], picks[0].node
+            assert node is not None
+            arrive_s = now_s + self.rtt_s(pop, self.sites[first.region]) / 2.0
+            heapq.heappush(
+                self._on_the_way, (arrive_s, next(self._sequence), node.name, request.prompt_tokens)
+            )
+            num, tokens = self._incoming.get(node.name, (0, 0))
+            self._incoming[node.name] = (num + 1, tokens + request.prompt_tokens)
         return picks[:limit]
