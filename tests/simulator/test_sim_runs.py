@@ -68,3 +68,22 @@ def test_every_request_of_every_policy_ends(scenario: str) -> None:
     for policy in POLICIES:
         stats = run(spec, policy).stats()
         assert stats.lost == 0, policy
+
+
+def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
+    spec = world_spec(SCENARIOS["steady"], 0, 50, ServiceCalibration())
+    world = World(spec, "meridian")
+    world.run()
+    chooser = world.chooser
+    assert isinstance(chooser, MeridianChooser)
+    request = spec.requests[0]
+    pop = world.traffic.catchment[request.city]
+    now_s = world.loop.now_s
+    first = chooser.order(pop, request, now_s, limit=7)[0].region
+    config = chooser.routers[pop].config
+    for _ in range(config.breaker_failures):
+        chooser.on_attempt(pop, first, now_s)
+        chooser.on_failure(pop, first, now_s)
+    assert chooser.order(pop, request, now_s + 1.0, limit=7)[-1].region == first  # open: last
+    later = chooser.order(pop, request, now_s + config.breaker_open_s, limit=7)
+    assert later[-1].region != first  # half-open: back in its place
