@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +86,12 @@ class Watcher:
                 self.healthy += [r["healthy_nodes"] for r in document["regions"]]
 
 
+def num_saved(db_path: Path) -> int:
+    """Nodes in the last health snapshot the control plane saved (it saves every second)."""
+    with contextlib.closing(sqlite3.connect(db_path)) as conn:
+        return int(conn.execute("SELECT count(*) FROM node_health").fetchone()[0])
+
+
 def start_region_and_node(cp: ControlPlaneProcess, tokens: TokenSet) -> str:
     admin = bearer(tokens.admin)
     with httpx.Client(base_url=cp.base_url, timeout=10.0) as http:
@@ -152,7 +158,7 @@ def test_a_restarted_control_plane_keeps_last_known_health_for_a_grace_period(
     beater = Beater(first.base_url, start_region_and_node(first, tokens))
     run_in_thread(threads, beater)
     wait_until(lambda: summary(first, tokens)["healthy_nodes"] == 1, MAX_WAIT_S, "a healthy node")
-    time.sleep(1.5)  # the fleet's health is saved every second: let one save happen
+    wait_until(lambda: num_saved(tmp_path / "cp.db") == 1, MAX_WAIT_S, "a health snapshot")
     beater.stop.set()  # the node goes quiet (backing off) while the control plane is away
     if how == "SIGKILL":
         first.kill()
@@ -226,6 +232,7 @@ def test_no_request_fails_through_a_gateway_while_the_control_plane_restarts(
         loop_thread = threading.Thread(target=asyncio.run, args=(load.run(done),), daemon=True)
         loop_thread.start()
         wait_until(lambda: load.num_ok >= 100, MAX_WAIT_S, "load to be flowing")
+        wait_until(lambda: num_saved(tmp_path / "cp.db") == 2, MAX_WAIT_S, "a health snapshot")
 
         index_before = gateway.handlers.router.index
         processes[0].kill()
