@@ -26,10 +26,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (400, "Body is not JSON"),
         (401, "Missing or unknown bearer token"),
-        (403, "A valid token of the wrong kind"),
+        (403, "A valid token of the wrong kind, or a node's for another node, region or URL"),
         (404, "Not found"),
         (409, "Conflicts with the current state"),
+        (413, "Body larger than max_body_bytes"),
         (422, "Invalid input"),
+        (431, "Headers larger than max_header_bytes"),
+        (503, "The database is busy (see Retry-After)"),
     )
 }
 
