@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -29,6 +30,8 @@ from simulator.compare import ScenarioResult, run_scenario
 from simulator.policies import POLICIES
 from simulator.report import table
 from simulator.scenarios import SCENARIOS
+from wire.routing_policy import RoutingPolicy
+from wire.validation import one_line
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -62,6 +65,13 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _routing_policy(text: str) -> RoutingPolicy:
+    try:
+        return RoutingPolicy.model_validate_json(text)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(one_line(exc)) from None
+
+
 def parser() -> OneLineParser:
     top = OneLineParser(prog="python -m simulator", description=__doc__.split("\n\n")[0])
     commands = top.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -73,6 +83,11 @@ def parser() -> OneLineParser:
     run.add_argument("--plots", type=Path, help="write PNG plots into this folder")
     run.add_argument("--calibration", type=Path, help="a calibration file (see `calibrate`)")
     run.add_argument("--policies", type=_policies, default=list(POLICIES), help="a,b,...")
+    run.add_argument(
+        "--routing",
+        type=_routing_policy,
+        help="the routing policy, as PUT /v1/routing takes it (default: its defaults)",
+    )
     run.add_argument(
         "--jobs",
         type=_positive,
@@ -118,6 +133,7 @@ def _run_with_bars(
             args.policies,
             progress,
             args.jobs,
+            args.routing,
         )
 
 

@@ -20,6 +20,7 @@ from simulator.run import World, WorldSpec
 from simulator.scenarios import Scenario, workload_of
 from simulator.workload import make_requests
 from simulator.world import build_geography
+from wire.routing_policy import RoutingPolicy
 
 # progress(policy, num_ended)
 Progress = Callable[[str, int], None]
@@ -45,12 +46,17 @@ class ScenarioResult:
 
 
 def world_spec(
-    scenario: Scenario, seed: int, num_requests: int, calibration: ServiceCalibration
+    scenario: Scenario,
+    seed: int,
+    num_requests: int,
+    calibration: ServiceCalibration,
+    routing_policy: RoutingPolicy | None = None,
 ) -> WorldSpec:
     geography = build_geography(seed)
     workload = workload_of(scenario, num_requests, calibration)
     requests = make_requests(workload, geography.population_shares(), seed)
-    return WorldSpec(scenario, geography, calibration, requests, seed)
+    policy = routing_policy or RoutingPolicy()
+    return WorldSpec(scenario, geography, calibration, requests, seed, policy)
 
 
 # The slowest worlds first, so that parallel workers finish together.
@@ -118,9 +124,10 @@ def run_scenario(
     policies: Sequence[str],
     progress: Progress | None = None,
     jobs: int = 1,
+    routing_policy: RoutingPolicy | None = None,
 ) -> ScenarioResult:
     started_s = time.perf_counter()
-    spec = world_spec(scenario, seed, num_requests, calibration)
+    spec = world_spec(scenario, seed, num_requests, calibration, routing_policy)
     if jobs > 1 and len(policies) > 1:
         recorders = _run_parallel(spec, policies, min(jobs, len(policies)), progress)
     else:

@@ -280,12 +280,11 @@ class OracleChooser(Chooser):
                 picks.append(Pick(site.name, rtt_s + best[0], best[1]))
         picks.sort(key=lambda pick: pick.predicted_ttft_s)
         if picks:  # the first is sent now: it reaches its node half an RTT from now
-            first, node = picks[0], picks[0].node
-            assert node is not None
+            first, target = picks[0], picks[0].node
+            assert target is not None
             arrive_s = now_s + self.rtt_s(pop, self.sites[first.region]) / 2.0
-            heapq.heappush(
-                self._on_the_way, (arrive_s, next(self._sequence), node.name, request.prompt_tokens)
-            )
-            num, tokens = self._incoming.get(node.name, (0, 0))
-            self._incoming[node.name] = (num + 1, tokens + request.prompt_tokens)
+            entry = (arrive_s, next(self._sequence), target.name, request.prompt_tokens)
+            heapq.heappush(self._on_the_way, entry)
+            num, tokens = self._incoming.get(target.name, (0, 0))
+            self._incoming[target.name] = (num + 1, tokens + request.prompt_tokens)
         return picks[:limit]

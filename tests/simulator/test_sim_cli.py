@@ -63,3 +63,11 @@ def test_all_runs_every_scenario_and_writes_a_list(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert [r["scenario"] for r in results] == list(SCENARIOS)
     assert all(r["policies"]["oracle"]["lost"] == 0 for r in results)
+
+
+def test_a_bad_routing_policy_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--scenario", "steady", "--routing", '{"rtt_weight": 0, "queue_weight": 0}'])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot both be 0" in err and err.count("\n") == 1
