@@ -128,9 +128,11 @@ class LiveControlPlane:
 
     async def beat(self, node_id: str, **fields: Any) -> None:
         """Beat now with `fields` (remembered: the background beats repeat them)."""
-        self.beats[node_id] = self.beats.get(node_id, {}) | fields
-        body = heartbeat(node_id, **self.beats[node_id])
+        fields = self.beats.get(node_id, {}) | fields
+        body = heartbeat(node_id, **fields)
+        # Minted before the background beats know the node: they never mint a second one.
         headers = await self.node_headers(node_id, body["region"])
+        self.beats[node_id] = fields
         response = await self.api.post("/v1/nodes/heartbeat", json=body, headers=headers)
         assert response.status_code == 200, response.text
 
