@@ -1,12 +1,18 @@
 """Engine throughput on the real model against Hugging Face transformers, in one run.
 
-    python -m bench.engine_throughput [--num-requests 64] [--concurrency 32] [--json PATH]
+    python -m bench.engine_throughput [--workload mixed|prompt-heavy] [--num-requests N]
+        [--concurrency 32] [--baseline-requests N] [--json PATH]
 
-Replays the seeded workload (chat prompts of 32-512 tokens, outputs of 16-256, ignore_eos) with
-transformers sequentially (batch 1) and in static padded batches of 8 (fp32: its best setting
-here), then with our engine at the given concurrency. Each request's TTFT counts from when the
-driver submits it, under each system's own concurrency. Also samples the KV-cache use each step
-and measures TTFT on a shared-system-prompt workload with and without prefix caching.
+Replays a seeded workload with transformers sequentially (batch 1) and in static padded batches
+of 8 (fp32: its best setting here), then with our engine at the given concurrency. `mixed`: 64
+chat requests, prompts of 32-512 tokens, outputs of 16-256. `prompt-heavy`: 32 requests, each
+prompt 3x its output (outputs 16-256), all submitted at once, so the batch drains to a few long
+requests. `--concurrency 1` measures a single stream against transformers' sequential run only
+(the decode ITL ratio is the figure there). Outputs are `ignore_eos`, greedy. Each request's
+TTFT counts from when the driver submits it, under each system's own concurrency. Also samples
+the KV-cache use each step and measures TTFT on a shared-system-prompt workload (a ~350-token
+prompt) with and without prefix caching. The report carries the CPU's vector flags and the
+load average, which every figure depends on.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +38,9 @@ from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 from engine.model_store import DEFAULT_MODEL, pull
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 
 @dataclass(slots=True)
@@ -84,12 +95,9 @@ class _TokenClock:
         pass
 
 
-def run_transformers(gguf: Path, workload: list[WorkloadRequest], batch_size: int) -> RunResult:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+def run_transformers(
+    model: GenerationMixin, workload: list[WorkloadRequest], batch_size: int
+) -> RunResult:
     name = (
         "transformers sequential" if batch_size == 1 else f"transformers static batch {batch_size}"
     )
@@ -219,9 +227,29 @@ def shared_prefix_ttfts(
     return ttfts
 
 
+# (number of requests, prompt tokens per output token); None: prompts of 32-512 drawn apart.
+WORKLOADS: dict[str, tuple[int, int | None]] = {"mixed": (64, None), "prompt-heavy": (32, 3)}
+
+
+def cpu_vector_flags() -> list[str]:
+    """The CPU's AVX-512 and AMX flags: which kernels torch and ours can use here."""
+    try:
+        words = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return []
+    return sorted({w for w in words if w.startswith(("avx512", "amx"))})
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="default: 64 mixed, 32 prompt-heavy"
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="our engine's dtype")
@@ -240,19 +268,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
 
+    if args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
+    load_before = load_average()
     gguf = pull(DEFAULT_MODEL)
-    workload = make_workload(args.num_requests, args.seed, load_checkpoint(gguf).tokenizer)
+    default_requests, prompt_per_output = WORKLOADS[args.workload]
+    workload = make_workload(
+        default_requests if args.num_requests is None else args.num_requests,
+        args.seed,
+        load_checkpoint(gguf).tokenizer,
+        prompt_per_output=prompt_per_output,
+    )
     print(
-        f"workload: {len(workload)} requests, "
+        f"workload {args.workload}: {len(workload)} requests, "
         f"{sum(r.num_prompt_tokens for r in workload)} prompt tokens, "
         f"{sum(r.max_tokens for r in workload)} output tokens",
         file=sys.stderr,
     )
     runs: list[RunResult] = []
     if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
         baseline = workload[: args.baseline_requests]
-        runs.append(run_transformers(gguf, baseline, batch_size=1))
-        runs.append(run_transformers(gguf, baseline, batch_size=8))
+        # A single stream is compared with a single stream; batches of 8 only with batches.
+        for batch_size in (1,) if args.concurrency == 1 else (1, 8):
+            runs.append(run_transformers(reference, baseline, batch_size))
+        del reference
 
     config = EngineConfig(
         model=str(gguf),
@@ -288,8 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
     engine.shutdown()
 
-    report = {
+    report: dict = {
         "command": "python -m bench.engine_throughput " + " ".join(argv or sys.argv[1:]),
+        "workload": args.workload,
+        "cpu_flags": cpu_vector_flags(),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
         "torch_threads": torch.get_num_threads(),
         "kv_cache_gib": round(kv_gib, 2),
         "runs": [r.summary() for r in runs],
@@ -306,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         report["ratios"] = {
             f"vs {r.name}": round(ours.tokens_per_s / r.tokens_per_s, 2) for r in runs[:-1]
         }
+        sequential_itl, our_itl = percentile(runs[0].itls_s, 50), percentile(ours.itls_s, 50)
+        if sequential_itl and our_itl:
+            # How much faster one decode step is: the single-stream figure at concurrency 1.
+            report["itl_p50_ratio_vs_transformers_sequential"] = round(
+                sequential_itl / our_itl, 2
+            )
     report["prefix_cache_ttft_speedup"] = round(
         statistics.median(uncached) / statistics.median(cached), 2
     )
@@ -325,6 +379,9 @@ def format_report(report: dict) -> str:
         )
     for name, ratio in report.get("ratios", {}).items():
         lines.append(f"throughput ratio, ours {name}: {ratio}x")
+    if "itl_p50_ratio_vs_transformers_sequential" in report:
+        ratio = report["itl_p50_ratio_vs_transformers_sequential"]
+        lines.append(f"ITL p50 ratio, transformers sequential / ours: {ratio}x")
     kv = report["kv_cache_use"]
     lines.append(
         f"KV-cache use (held tokens / allocated slots): mean {kv['mean']:.1%}, min {kv['min']:.1%}"
@@ -333,6 +390,10 @@ def format_report(report: dict) -> str:
     lines.append(
         f"shared-prefix TTFT p50: cache off {_ms(ttft['off'])} ms, on {_ms(ttft['on'])} ms"
         f" -> {report['prefix_cache_ttft_speedup']}x"
+    )
+    lines.append(
+        f"CPU flags: {' '.join(report['cpu_flags']) or 'no AVX-512'}; load average "
+        f"{report['load_average_before']} before, {report['load_average_after']} after"
     )
     return "\n".join(lines)
 

@@ -62,16 +62,25 @@ def make_workload(
     tokenizer: Tokenizer,
     prompt_tokens: tuple[int, int] = DEFAULT_PROMPT_TOKENS,
     output_tokens: tuple[int, int] = DEFAULT_OUTPUT_TOKENS,
+    prompt_per_output: int | None = None,
 ) -> list[WorkloadRequest]:
-    """`num_requests` chat requests; prompt and output lengths in tokens, bounds inclusive."""
+    """`num_requests` chat requests; prompt and output lengths in tokens, bounds inclusive.
+    With `prompt_per_output`, each prompt is that many times its own output instead (and
+    `prompt_tokens` is unused): a prompt-heavy mix whose long requests are long both ways."""
     (min_prompt, max_prompt), (min_output, max_output) = prompt_tokens, output_tokens
     if num_requests < 0 or not 1 <= min_prompt <= max_prompt or not 1 <= min_output <= max_output:
         raise ValueError("num_requests must be >= 0 and each range (low, high) with 1 <= low")
+    if prompt_per_output is not None and prompt_per_output < 1:
+        raise ValueError("prompt_per_output must be >= 1")
     rng = random.Random(seed)
     requests = []
     for _ in range(num_requests):
-        target = rng.randint(*prompt_tokens)
-        max_tokens = rng.randint(*output_tokens)
+        if prompt_per_output is None:
+            target = rng.randint(*prompt_tokens)
+            max_tokens = rng.randint(*output_tokens)
+        else:
+            max_tokens = rng.randint(*output_tokens)
+            target = prompt_per_output * max_tokens
         opening = rng.choice(_OPENINGS)
         words = [rng.choice(_WORDS) for _ in range(target)]  # never more words than tokens
         messages, token_ids = _fit(tokenizer, opening, words, target)
