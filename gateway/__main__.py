@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--host", help="address to listen on (default 127.0.0.1)")
     add("--port", type=int, help="port to listen on (default 8443)")
     add("--control-plane", help="control plane URL, e.g. http://127.0.0.1:8080")
+    add("--control-plane-ca", help="PEM CA file to verify an https:// control plane with")
     add("--redis", help="redis:// URL to share rate limits with the PoP's other gateways")
     add(
         "--share-prefix-cache",

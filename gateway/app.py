@@ -26,6 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
+from gateway.tls import control_plane_ssl
 from gateway.watch import Watch
 from wire.errors import error_json, route_error_code, route_error_message
 from wire.geo import locate
@@ -117,8 +118,11 @@ def create_app(settings: GatewaySettings) -> web.Application:
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         session = aiohttp.ClientSession(connector=connector)
+        control_plane_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=control_plane_ssl(settings.control_plane_ca))
+        )
         limiter = _new_limiter(settings)
-        watches = _watches(session, settings, handlers)
+        watches = _watches(control_plane_session, settings, handlers)
         tasks = [asyncio.create_task(watch.run()) for watch in watches]
         handlers.proxy = Proxy(session, router, metrics, settings)
         handlers.limiter = limiter
@@ -149,6 +153,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
             handlers.proxy = None
             handlers.limiter = None
             await limiter.close()
+            await control_plane_session.close()
             await session.close()
 
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from wire.geo import LOCATIONS
@@ -42,6 +42,8 @@ class GatewaySettings(BaseSettings):
     tls_key: Path | None = None
 
     control_plane: str
+    # The CA that signed an https:// control plane's certificate (default: the system's CAs).
+    control_plane_ca: FilePath | None = None
     gateway_token: SecretStr = Field(
         validation_alias=AliasChoices("MERIDIAN_GATEWAY_TOKEN", "gateway_token"),
         min_length=MIN_TOKEN_LEN,

@@ -76,3 +76,10 @@ def server_context(cert_path: Path, key_path: Path) -> ssl.SSLContext:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(cert_path, key_path)
     return context
+
+
+def control_plane_ssl(ca_file: Path | None) -> ssl.SSLContext | bool:
+    """How to verify an https:// control plane: by its private CA, else by the system's."""
+    if ca_file is None:
+        return True
+    return ssl.create_default_context(cafile=str(ca_file))

@@ -13,7 +13,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import httpx
 from fastapi import FastAPI
 
 from engine.async_llm import AsyncLLM
@@ -21,7 +20,7 @@ from node_agent.api import router
 from node_agent.auth import ServingAuthMiddleware
 from node_agent.consul import ConsulRegistration
 from node_agent.errors import install_error_handlers
-from node_agent.heartbeat import HeartbeatLoop
+from node_agent.heartbeat import HeartbeatLoop, control_plane_client
 from node_agent.request_ids import RequestIdMiddleware
 from node_agent.runtime import NodeRuntime
 from node_agent.settings import NodeAgentSettings
@@ -46,7 +45,7 @@ def create_app(settings: NodeAgentSettings, llm: AsyncLLM | None = None) -> Fast
             if settings.consul
             else None
         )
-        async with httpx.AsyncClient(timeout=settings.heartbeat_timeout_s) as client:
+        async with control_plane_client(settings) as client:
             heartbeat = HeartbeatLoop(runtime, client, consul)
             app.state.heartbeat = heartbeat
             beats = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 
 import httpx
@@ -21,12 +22,21 @@ from pydantic import ValidationError
 
 from node_agent.consul import ConsulRegistration
 from node_agent.runtime import NodeRuntime
+from node_agent.settings import NodeAgentSettings
 from wire.heartbeat import HeartbeatReply
 
 logger = logging.getLogger(__name__)
 
 PATH = "/v1/nodes/heartbeat"
 MIN_INTERVAL_S = 0.05
+
+
+def control_plane_client(settings: NodeAgentSettings) -> httpx.AsyncClient:
+    """The client for the control plane, verifying an https:// one by its private CA if given."""
+    verify: ssl.SSLContext | bool = True
+    if settings.control_plane_ca is not None:
+        verify = ssl.create_default_context(cafile=str(settings.control_plane_ca))
+    return httpx.AsyncClient(timeout=settings.heartbeat_timeout_s, verify=verify)
 
 
 class HeartbeatRejectedError(Exception):

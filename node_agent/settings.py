@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -91,6 +91,8 @@ class NodeAgentSettings(BaseSettings):
 
     # Control plane.
     control_plane: str | None = None
+    # The CA that signed an https:// control plane's certificate (default: the system's CAs).
+    control_plane_ca: FilePath | None = None
     node_token: SecretStr | None = Field(
         default=None,
         validation_alias=AliasChoices("MERIDIAN_NODE_TOKEN"),

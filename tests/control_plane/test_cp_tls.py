@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 import trustme
 import yaml
+from aiohttp.test_utils import TestServer
 from conftest import bearer, free_port, make_settings, new_tokens
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from pydantic import ValidationError
@@ -34,6 +35,10 @@ from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
 from control_plane.xds import bootstrap
 from control_plane.xds.server import ServerTls, XdsServer
+from gateway.app import create_app as create_gateway
+from gateway.settings import GatewaySettings
+from node_agent.heartbeat import control_plane_client
+from node_agent.settings import NodeAgentSettings
 
 MAX_WAIT_S = 20.0
 
@@ -170,3 +175,43 @@ async def test_envoy_takes_its_config_from_a_tls_xds(
     envoy = await start_envoy(cp.xds_address, "--region", "us-east", "--xds-ca", str(ca_file))
     answers = await send(envoy.url, 20)
     assert answers == {"a": 20}, answers
+
+
+@pytest.mark.asyncio
+async def test_gateways_and_node_agents_verify_a_tls_control_plane_by_its_ca(
+    start_process: Any,
+    tmp_path: Path,
+    cert_files: tuple[Path, Path],
+    ca_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tokens = new_tokens()
+    args = ["--db", str(tmp_path / "cp.db"), "--xds-port", str(free_port())]
+    args += ["--tls-cert", str(cert_files[0]), "--tls-key", str(cert_files[1])]
+    env = {"MERIDIAN_ADMIN_TOKEN": tokens.admin, "MERIDIAN_GATEWAY_TOKEN": tokens.gateway}
+    process = start_process(args, env, ca_file=ca_file)
+
+    gateway_settings = GatewaySettings(
+        pop="new-york",
+        control_plane=process.base_url,
+        control_plane_ca=ca_file,
+        gateway_token=tokens.gateway,
+        tls_mode="plain",
+    )
+    server = TestServer(create_gateway(gateway_settings))
+    await server.start_server()
+    try:
+        async with httpx.AsyncClient(base_url=str(server.make_url(""))) as client:
+            health = await client.get("/health")
+    finally:
+        await server.close()
+    assert health.status_code == 200, health.text  # keys and regions loaded over verified TLS
+
+    monkeypatch.setenv("MERIDIAN_NODE_TOKEN", "n" * 32)
+    trusting = NodeAgentSettings(control_plane=process.base_url, control_plane_ca=ca_file)
+    async with control_plane_client(trusting) as client:
+        assert (await client.get(process.base_url + "/v1/status")).status_code == 401
+    default = NodeAgentSettings(control_plane=process.base_url)
+    async with control_plane_client(default) as client:
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            await client.get(process.base_url + "/v1/status")
