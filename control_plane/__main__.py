@@ -16,9 +16,10 @@ from pydantic import ValidationError
 
 from control_plane.app import create_app
 from control_plane.services import ControlPlane
-from control_plane.settings import Settings, is_loopback_host
+from control_plane.settings import Settings
 from control_plane.tokens import ENV_NAMES, TokenKind
 from control_plane.xds import bootstrap
+from wire.addresses import is_loopback_host
 from wire.validation import one_line
 
 logger = logging.getLogger("control_plane")

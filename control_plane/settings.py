@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -19,18 +18,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.consul_sync import parse_consul_addr
 from control_plane.dns.config import DnsConfig
+from wire.addresses import is_loopback_host
 
 MIN_TOKEN_LEN = 16
 MEMORY_DB = ":memory:"
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _token_field(env_name: str) -> SecretStr | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.distributed import TPGroup
-from engine.kernels import cpu_paged_attention
+from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
@@ -78,7 +78,7 @@ class ModelRunner:
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, shape.max_model_len, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Decodes read the paged cache in place where the native kernel exists (CPU).
-        self.use_decode_kernel = device.type == "cpu" and cpu_paged_attention() is not None
+        self.use_decode_kernel = device.type == "cpu" and cpu_kernels() is not None
 
     @property
     def kv_bytes_per_block_per_layer(self) -> int:

@@ -7,7 +7,6 @@ passed down as `create_app(settings)`.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Literal
@@ -16,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from wire.addresses import is_loopback_host
 from wire.geo import LOCATIONS
 from wire.heartbeat import NAME_PATTERN
 
@@ -145,12 +145,4 @@ class GatewaySettings(BaseSettings):
 
 def _is_safe_control_plane(url: str) -> bool:
     parts = urlsplit(url)
-    if parts.scheme == "https":
-        return True
-    host = parts.hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return parts.scheme == "https" or is_loopback_host(parts.hostname or "")

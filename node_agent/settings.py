@@ -9,7 +9,6 @@ field names.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import socket
 from pathlib import Path
@@ -25,20 +24,11 @@ from pydantic_settings import (
 
 from engine.config import EngineConfig
 from engine.model_store import DEFAULT_MODEL
+from wire.addresses import is_loopback_host
 from wire.heartbeat import NAME_PATTERN
 
 MIN_TOKEN_LEN = 16
 _HTTP_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only (a name other than localhost counts as not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class NodeConfigError(ValueError):
@@ -136,7 +126,7 @@ class NodeAgentSettings(BaseSettings):
                 raise ValueError("control_plane must be an http(s):// URL")
             if self.node_token is None:
                 raise ValueError("MERIDIAN_NODE_TOKEN must be set to report to a control plane")
-        if self.serving_token is None and not is_loopback(self.host):
+        if self.serving_token is None and not is_loopback_host(self.host):
             raise ValueError(
                 f"host {self.host!r} is reachable beyond this machine: set "
                 "MERIDIAN_SERVING_TOKEN so that only authenticated clients are served"

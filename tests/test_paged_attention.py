@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_paged_attention
+from engine.kernels import cpu_feature_digest, cpu_kernels
 from engine.model.attention import AttentionMetadata, paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
@@ -59,7 +59,7 @@ def decode_metadata(tables: list[list[int]], lens: list[int], with_mask: bool) -
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_kernel", [False, True])
 def test_decode_attention_equals_dense_attention(dtype: torch.dtype, with_kernel: bool) -> None:
-    if with_kernel and cpu_paged_attention() is None:
+    if with_kernel and cpu_kernels() is None:
         pytest.skip("the native CPU kernel could not be built here")
     lens = [1, 3, 4, 5, 17, 33]  # block-aligned and not, one token, several blocks
     q, k_cache, v_cache, tables, _ = random_batch(lens, dtype)
@@ -73,3 +73,13 @@ def test_decode_attention_equals_dense_attention(dtype: torch.dtype, with_kernel
     torch.testing.assert_close(
         out.float(), dense_reference(q, k_cache, v_cache, tables, lens), **tolerance
     )
+
+
+def test_kernels_are_built_per_cpu() -> None:
+    """-march=native objects must never load on another CPU: the module is named for this one."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the native CPU kernel could not be built here")
+    digest = cpu_feature_digest()
+    assert len(digest) == 12 and digest == cpu_feature_digest()
+    assert kernels.__name__ == f"meridian_cpu_kernels_{digest}"

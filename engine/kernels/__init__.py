@@ -2,12 +2,19 @@
 
 Each has a portable PyTorch twin; when a kernel cannot be built (no compiler, say) the engine
 logs why once and uses the twin, so the kernels only ever make things faster.
+
+They are built with `-march=native`, so an object built on one CPU may hold instructions another
+lacks (AVX-512 on a machine without it: SIGILL). torch's build cache is keyed by the sources and
+flags only, so the module's name carries a digest of the CPU's feature flags: a home directory
+shared between machines (or a container image moved to another host) gets one build per CPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -18,26 +25,44 @@ logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent
 
+# No -ffast-math: it implies -ffinite-math-only, under which the kernels' -inf sentinels (the
+# running maximum of an online softmax) are undefined behaviour. What it gave that is safe with
+# infinities stays: reassociation (vectorized reductions), no errno, no traps. The kernels carry
+# their own vectorizable exp, since glibc's vector exp is declared only under -ffast-math.
+_SOURCES = ["paged_attention_cpu.cpp", "bindings_cpu.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations"]
+
+
+def cpu_feature_digest() -> str:
+    """A short digest of what `-march=native` compiles for: the architecture and its flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the processor's name is the best key there is
+        text = platform.processor()
+    # x86 calls the line "flags", ARM "Features"; every core has the same one.
+    flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), text)
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
 
 @cache
-def cpu_paged_attention() -> ModuleType | None:
-    """The CPU decode-attention kernel module, or None where it is off or cannot be built.
+def cpu_kernels() -> ModuleType | None:
+    """The CPU kernels' module, or None where they are off or cannot be built.
 
-    MERIDIAN_CPU_KERNELS=0 turns it off (for comparisons and for testing the twin)."""
+    MERIDIAN_CPU_KERNELS=0 turns them off (for comparisons and for testing the twins)."""
     if os.environ.get("MERIDIAN_CPU_KERNELS", "1") == "0":
         return None
     from torch.utils.cpp_extension import load
 
     torch_lib = Path(torch.__file__).parent / "lib"
-    logger.info("loading the CPU attention kernel (the first build takes about 30 s)")
+    logger.info("loading the CPU kernels (the first build on a CPU takes about a minute)")
     try:
         return load(
-            name="meridian_paged_attention_cpu",
-            sources=[str(_SOURCE_DIR / "paged_attention_cpu.cpp")],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            name=f"meridian_cpu_kernels_{cpu_feature_digest()}",
+            sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
+            extra_cflags=_CFLAGS,
             # Link torch's own OpenMP runtime: a second one would fight it for the cores.
             extra_ldflags=[f"-L{torch_lib}", "-l:libgomp.so.1"],
         )
     except Exception as exc:  # any build failure leaves the portable path in charge
-        logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", exc)
+        logger.warning("CPU kernels unavailable, using the PyTorch path: %s", exc)
         return None

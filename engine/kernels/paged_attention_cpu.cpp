@@ -4,31 +4,15 @@
 //
 // Layouts: q (B, H, D); k_cache, v_cache (num_blocks, block_size, KVH, D);
 // block_tables (B, max_blocks) int64; context_lens (B,) int64; out (B, H, D).
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+namespace meridian {
 namespace {
-
-// bf16 is the top half of an fp32: widening by hand lets the compiler vectorize the loop.
-inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t wide = uint32_t(bits[i]) << 16;
-    std::memcpy(dst + i, &wide, sizeof(float));
-  }
-}
-
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
-
-inline void to_float(const at::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
-}
 
 template <typename scalar_t>
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -39,6 +23,7 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
+  const int64_t q_stride = q.stride(0);  // q may be a view into the fused QKV rows
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
@@ -53,7 +38,7 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t len = lens[seq];
-      to_float(q_ptr + (seq * num_heads + kv_head * group) * head_dim, qf.data(),
+      to_float(q_ptr + seq * q_stride + kv_head * group * head_dim, qf.data(),
                group * head_dim);
       for (float& x : qf) x *= scale;
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -79,12 +64,12 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
           }
           // Online softmax: rescale what was accumulated when the maximum grows.
           const float new_max = std::max(running_max[g], block_max);
-          const float correction = std::exp(running_max[g] - new_max);
+          const float correction = vector_exp(running_max[g] - new_max);
           float* ag = acc.data() + g * head_dim;
           denom[g] *= correction;
           for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
-          // A loop of exp alone is one the compiler vectorizes (libmvec).
-          for (int64_t t = 0; t < n; ++t) scores[t] = std::exp(scores[t] - new_max);
+          // A loop of exp alone is one the compiler vectorizes.
+          for (int64_t t = 0; t < n; ++t) scores[t] = vector_exp(scores[t] - new_max);
           for (int64_t t = 0; t < n; ++t) {
             const float p = scores[t];
             denom[g] += p;
@@ -114,10 +99,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 &&
                   context_lens.scalar_type() == torch::kInt64, "tables and lengths must be int64");
-  q = q.contiguous();
+  // Each token's heads must lie packed; the tokens themselves may be apart (a view of QKV).
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
     case at::kFloat:
       decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
@@ -134,7 +120,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention reading K and V in place from paged blocks (CPU)");
-}
+}  // namespace meridian

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_paged_attention
+from engine.kernels import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -97,7 +97,7 @@ def _decode_attention(
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if meta.decode_mask is None:
-        kernel = cpu_paged_attention()
+        kernel = cpu_kernels()
         assert kernel is not None, "metadata built for a kernel that is not loaded"
         return kernel.paged_decode_attention(
             q,
