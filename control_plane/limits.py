@@ -74,7 +74,7 @@ class RequestLimits:
         except BodyTooLargeError:
             await _send_error(send, 413, too_large)
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay_first(body, receive), send)
 
     async def _read(self, receive: Receive) -> Message:
         """The whole body as one message (or the disconnect that cut it short)."""
@@ -93,7 +93,8 @@ class RequestLimits:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
 
-def _replay(first: Message, receive: Receive) -> Receive:
+def replay_first(first: Message, receive: Receive) -> Receive:
+    """A `receive` that hands out `first` (a message already read), then reads on."""
     is_replayed = False
 
     async def replay() -> Message:

@@ -15,12 +15,13 @@ import logging
 from typing import Final
 
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.api.nodes import heartbeat_reply
 from control_plane.audit import Actor
 from control_plane.auth import MAX_AGENT_LEN
 from control_plane.fleet import NodeIdentity
+from control_plane.limits import replay_first
 from control_plane.services import ControlPlane
 from control_plane.tokens import TokenKind
 from wire.heartbeat import Heartbeat
@@ -56,7 +57,8 @@ class HeartbeatFastPath:
             return
         body, is_complete = await self._read(receive)
         if not is_complete or not await self._answer(scope, body, send):
-            await self.app(scope, self._replay(body, is_complete, receive), send)
+            first = {"type": "http.request", "body": body, "more_body": not is_complete}
+            await self.app(scope, replay_first(first, receive), send)
 
     @staticmethod
     async def _read(receive: Receive) -> tuple[bytes, bool]:
@@ -74,19 +76,6 @@ class HeartbeatFastPath:
                 return b"".join(chunks), True
             if size > MAX_BODY_BYTES:
                 return b"".join(chunks), False
-
-    @staticmethod
-    def _replay(body: bytes, is_complete: bool, receive: Receive) -> Receive:
-        is_replayed = False
-
-        async def replay() -> Message:
-            nonlocal is_replayed
-            if is_replayed:
-                return await receive()
-            is_replayed = True
-            return {"type": "http.request", "body": body, "more_body": not is_complete}
-
-        return replay
 
     async def _answer(self, scope: Scope, body: bytes, send: Send) -> bool:
         """Answer a well-formed beat from a known node; False to leave it to the FastAPI route."""
