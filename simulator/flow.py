@@ -11,6 +11,7 @@ TTFT), which is where the real gateway code learns.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -78,6 +79,8 @@ class Traffic:
         self.anycast = Anycast(geography.pops)
         self.catchment: dict[str, str] = {}
         self._delays: dict[tuple[str, str], float] = {}
+        self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
+        self._is_deadline_armed = False
         self._update_catchment()
 
     def delay_s(self, a: Location, b: Location) -> float:
@@ -159,7 +162,10 @@ class Traffic:
             return
         flight.job, flight.node = job, node
         node.submit(job, now_s)
-        self.loop.at(flight.sent_s + self.timing.first_byte_timeout_s, self._timed_out, event)
+        self._deadlines.append((flight.sent_s + self.timing.first_byte_timeout_s, event))
+        if not self._is_deadline_armed:
+            self._is_deadline_armed = True
+            self.loop.at(self._deadlines[0][0], self._expire_deadlines)
 
     def on_first_token(self, job: Job) -> None:
         flight = job.owner
@@ -194,6 +200,17 @@ class Traffic:
             self.chooser.on_first_byte(flight.pop, flight.pick.region, now_s)
         self.chooser.on_done(flight.pop, flight.pick, flight.first_byte_s - flight.sent_s, now_s)
         self._end(flight, Outcome.OK, done_s + flight.client_delay_s)
+
+    def _expire_deadlines(self, _: None) -> None:
+        """First-byte timeouts: all the same length, so they fall due in the order they were
+        set, and one timer for the earliest replaces an event per attempt."""
+        deadlines, now_s = self._deadlines, self.loop.now_s
+        while deadlines and deadlines[0][0] <= now_s:
+            self._timed_out(deadlines.popleft()[1])
+        if deadlines:
+            self.loop.at(deadlines[0][0], self._expire_deadlines)
+        else:
+            self._is_deadline_armed = False
 
     def _timed_out(self, event: tuple[Flight, int]) -> None:
         flight, attempt = event
