@@ -13,7 +13,8 @@ from engine.distributed import TPGroup
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk
-from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
+from engine.model.layer_ops import RotaryEmbedding
+from engine.model.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 

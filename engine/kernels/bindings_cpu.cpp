@@ -4,4 +4,10 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &meridian::paged_decode_attention,
         "Decode attention reading K and V in place from paged blocks");
+  m.def("rms_norm", &meridian::rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm", &meridian::add_rms_norm,
+        "residual += x in place, then RMSNorm of the new residual");
+  m.def("rope_and_write_kv", &meridian::rope_and_write_kv,
+        "Rotate Q and K in place in the fused QKV rows, then write K and V to their cache slots");
+  m.def("silu_and_mul", &meridian::silu_and_mul, "silu(gate) * up of the fused gate-up rows");
 }

@@ -8,12 +8,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace meridian {
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                           double eps);
+void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                       int64_t num_heads, int64_t num_kv_heads);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 // exp(x) within 2 ulp, written so that a loop of it vectorizes (glibc declares its vector exp
 // only under -ffast-math, which we do not build with). x = n ln2 + r, |r| <= ln2/2:
@@ -51,6 +59,45 @@ inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst,
 
 inline void to_float(const at::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
+}
+
+// Rounds to the storage type as torch does (bf16: round to nearest even), so that an op that
+// rounds between steps, as the eager path does, gives the same bits.
+inline void from_float(const float* src, at::BFloat16* dst, int64_t n) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t wide;
+    std::memcpy(&wide, src + i, sizeof(float));
+    // NaN stays NaN (quiet); everything else rounds to nearest, ties to even.
+    bits[i] = std::isnan(src[i]) ? uint16_t(0x7fc0)
+                                 : uint16_t((wide + 0x7fffu + ((wide >> 16) & 1u)) >> 16);
+  }
+}
+
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+
+inline void from_float(const float* src, at::Half* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::Half(src[i]);
+}
+
+// Round a float buffer through the storage type in place: what an eager op's output holds.
+template <typename scalar_t>
+inline void round_to(float* buf, scalar_t* scratch, int64_t n) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    from_float(buf, scratch, n);
+    to_float(scratch, buf, n);
+  }
+}
+
+// Calls fn(scalar_t{}) for the storage types the kernels support (fp32, bf16, fp16).
+template <typename Fn>
+void dispatch_storage_type(at::ScalarType type, const char* op, Fn&& fn) {
+  switch (type) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(at::BFloat16{}); break;
+    case at::kHalf: fn(at::Half{}); break;
+    default: TORCH_CHECK(false, op, " supports float32, bfloat16 and float16, not ", type);
+  }
 }
 
 }  // namespace meridian

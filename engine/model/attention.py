@@ -59,18 +59,6 @@ class AttentionMetadata:
         )
 
 
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,10 +67,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """q (T, H, D), k and v (T, KVH, D) for this step's tokens -> (T, H, D)."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
+    """q (T, H, D), k and v (T, KVH, D) for this step's tokens, already written to the cache
+    -> (T, H, D)."""
     num_decodes = meta.num_decode_tokens
+    if num_decodes == q.shape[0]:  # decodes only: the usual step, and no copy
+        return _decode_attention(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
     if num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta)
     for chunk in meta.prefills:

@@ -6,14 +6,19 @@ are one matmul, gate and up another: fewer, larger matmuls are what the hardware
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TPGroup
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.layer_ops import (
+    RotaryAngles,
+    RotaryEmbedding,
+    add_rms_norm,
+    rms_norm,
+    silu_and_mul,
+)
 from engine.model.parallel_layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -30,55 +35,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the model dtype, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
-
-class RotaryEmbedding:
-    """cos/sin for every position up to the context length, computed once in fp32."""
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device):
-        inv_freq = 1.0 / (
-            theta
-            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-        )
-        freqs = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos()
-        self.sin = angles.sin()
-
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
-        """The step's cos/sin, looked up once and shared by every layer."""
-        return RotaryAngles(
-            self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-        )
-
-
-class RotaryAngles(NamedTuple):
-    cos: torch.Tensor  # (T, 1, D)
-    sin: torch.Tensor
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (T, H, D), k (T, KVH, D): rotate-half RoPE at each token's position."""
-        cos, sin = self.cos, self.sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): one fused step of the residual stream."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
         self.num_heads = config.num_heads // tp.size
-        self.num_kv_heads = max(config.num_kv_heads // tp.size, 1)
-        self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
-        self.kv_size = self.num_kv_heads * config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             config.num_heads,
@@ -96,20 +66,15 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(q, k)
+        qkv = self.qkv_proj(x)
+        q, k, v = rope.rope_and_write_kv(qkv, kv_cache, meta.slot_mapping, self.num_heads)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.intermediate_size = config.intermediate_size // tp.size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
             {"gate": config.intermediate_size, "up": config.intermediate_size},
@@ -119,8 +84,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -134,12 +98,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: RotaryAngles,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `residual + x` (just `x` before the first layer): carried
+        in two parts, so that each add fuses with the norm after it."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,11 +154,12 @@ class LlamaForCausalLM(nn.Module):
         if hidden is None:
             assert self.embed_tokens is not None, "stages after the first start from `hidden`"
             hidden = self.embed_tokens(input_ids)
-        x = hidden
+        x, residual = hidden, None
         angles = rope.at(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, angles, kv_cache, meta)
-        return x if self.norm is None else self.norm(x)
+            x, residual = layer(x, residual, angles, kv_cache, meta)
+        assert residual is not None, "every stage holds at least one layer"
+        return x + residual if self.norm is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> fp32 logits (N, vocab), on every TP rank of the last stage."""
