@@ -27,6 +27,7 @@ from engine.workers import ParallelSpec, Workers, build_stage, free_init_method
 
 # Loading weights (and building the CPU kernel the first time) on every rank.
 _START_TIMEOUT_S = 600.0
+_DEATH_GRACE_S = 2.0  # how long a failed step waits for a dying worker to finish exiting
 
 
 @dataclass(slots=True)
@@ -126,7 +127,7 @@ class ModelExecutor:
         except RuntimeError as exc:
             if self.workers is None:
                 raise
-            self.workers.raise_if_dead()
+            self.workers.raise_if_dead(grace_s=_DEATH_GRACE_S)
             raise EngineDeadError(f"a parallel step failed: {exc}") from exc
 
     def shutdown(self) -> None:

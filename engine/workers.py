@@ -184,7 +184,12 @@ class Workers:
             f"before it could run. {hint}"
         )
 
-    def raise_if_dead(self) -> None:
+    def raise_if_dead(self, grace_s: float = 0.0) -> None:
+        """EngineDeadError naming the dead workers, if any. A step that failed may have seen a
+        killed peer's socket reset a moment before the peer finished exiting: `grace_s` waits
+        that long for one to exit, so the error names it rather than the reset."""
+        if grace_s > 0:
+            wait_for_connections([p.sentinel for p in self.processes], timeout=grace_s)
         dead = [p for p in self.processes if not p.is_alive()]
         if dead:
             names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)

@@ -187,15 +187,17 @@ def test_a_killed_worker_fails_the_pending_request_within_seconds(
     )
     pids = worker_pids(llm)
     engine = llm.engine
-    engine.add_request("doomed", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
-    engine.step()
-    os.kill(pids[0], signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(EngineDeadError, match="parallel worker died: rank 1"):
-        for _ in range(200):
-            engine.step()
-    assert time.monotonic() - started < 5
-    llm.shutdown()
+    try:
+        engine.add_request("doomed", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.step()
+        os.kill(pids[0], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="parallel worker died: rank 1"):
+            for _ in range(200):
+                engine.step()
+        assert time.monotonic() - started < 5
+    finally:
+        llm.shutdown()  # a failure here must not leave the process group to the next test
     assert_gone(pids)
 
 
