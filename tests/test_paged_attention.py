@@ -3,6 +3,10 @@ against attention computed densely from each sequence's own keys."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +87,20 @@ def test_kernels_are_built_per_cpu() -> None:
     digest = cpu_feature_digest()
     assert len(digest) == 12 and digest == cpu_feature_digest()
     assert kernels.__name__ == f"meridian_cpu_kernels_{digest}"
+
+
+def test_a_build_killed_midway_does_not_hang_later_loads() -> None:
+    """torch's `lock` file, left by a process killed while building, must not block a load."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the native CPU kernel could not be built here")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    stale = Path(_get_build_directory(kernels.__name__, verbose=False)) / "lock"
+    stale.touch()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from engine.kernels import cpu_kernels; print(cpu_kernels())"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert kernels.__name__ in loaded.stdout and not stale.exists()

@@ -11,10 +11,13 @@ shared between machines (or a container image moved to another host) gets one bu
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -51,18 +54,40 @@ def cpu_kernels() -> ModuleType | None:
     MERIDIAN_CPU_KERNELS=0 turns them off (for comparisons and for testing the twins)."""
     if os.environ.get("MERIDIAN_CPU_KERNELS", "1") == "0":
         return None
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
+    name = f"meridian_cpu_kernels_{cpu_feature_digest()}"
     torch_lib = Path(torch.__file__).parent / "lib"
     logger.info("loading the CPU kernels (the first build on a CPU takes about a minute)")
     try:
-        return load(
-            name=f"meridian_cpu_kernels_{cpu_feature_digest()}",
-            sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
-            extra_cflags=_CFLAGS,
-            # Link torch's own OpenMP runtime: a second one would fight it for the cores.
-            extra_ldflags=[f"-L{torch_lib}", "-l:libgomp.so.1"],
-        )
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with _only_builder(build_dir):
+            return load(
+                name=name,
+                sources=[str(_SOURCE_DIR / source) for source in _SOURCES],
+                extra_cflags=_CFLAGS,
+                # Link torch's own OpenMP runtime: a second one would fight it for the cores.
+                extra_ldflags=[f"-L{torch_lib}", "-l:libgomp.so.1"],
+                build_directory=str(build_dir),
+            )
     except Exception as exc:  # any build failure leaves the portable path in charge
         logger.warning("CPU kernels unavailable, using the PyTorch path: %s", exc)
         return None
+
+
+@contextlib.contextmanager
+def _only_builder(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory alone while torch builds and loads there.
+
+    torch marks a build in progress with a `lock` file that only its owner removes, so a process
+    killed mid-build (a test's node agent, a Ctrl-C) leaves every later load waiting forever. Our
+    lock is an flock, which the kernel drops when its holder dies; since every Meridian build
+    takes it first, a torch `lock` file found while holding it is stale.
+    """
+    with (build_dir / "meridian.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
