@@ -146,9 +146,12 @@ class Router:
                 return False
         return state.breaker.is_available(now_s)
 
-    def plan(self, prompt_tokens: int, affinity_key: str | None = None) -> RoutePlan:
-        """Regions to try, best first; empty if no region may take new work."""
-        now_s = time.monotonic()
+    def plan(
+        self, prompt_tokens: int, affinity_key: str | None = None, now_s: float | None = None
+    ) -> RoutePlan:
+        """Regions to try, best first; empty if no region may take new work. `now_s` is the
+        monotonic clock unless given (the simulator drives the router on its own clock)."""
+        now_s = time.monotonic() if now_s is None else now_s
         preferred: list[Candidate] = []
         others: list[Candidate] = []
         for state in self.regions.values():
@@ -194,11 +197,13 @@ class Router:
     def state_of(self, region: str) -> RegionState | None:
         return self.regions.get(region)
 
-    def observe_ttft(self, region: str, ttft_s: float, predicted_s: float) -> None:
+    def observe_ttft(
+        self, region: str, ttft_s: float, predicted_s: float, now_s: float | None = None
+    ) -> None:
         state = self.regions.get(region)
         if state is None:
             return
-        now_s = time.monotonic()
+        now_s = time.monotonic() if now_s is None else now_s
         sample_s = ttft_s - predicted_s
         if state.num_ttft_samples == 0:
             state.ttft_residual_s = sample_s
