@@ -15,18 +15,16 @@ Every policy but `nearest` fails over in the order it gave, as the gateway does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import heapq
 import ipaddress
 import itertools
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
 from control_plane.dns.steering import Steering
-from gateway import routing
 from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
 from simulator.control import PopWatch
@@ -77,26 +75,6 @@ class Chooser:
         return None
 
 
-class _FixedClock:
-    def __init__(self, now_s: float) -> None:
-        self.now_s = now_s
-
-    def monotonic(self) -> float:
-        return self.now_s
-
-
-@contextlib.contextmanager
-def _routing_clock(now_s: float) -> Iterator[None]:
-    """Until Router.plan and observe_ttft take `now_s` (a seam gateway/ lacks for now), the
-    router reads the virtual clock through its module's `time`."""
-    real = routing.time
-    routing.time = _FixedClock(now_s)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        routing.time = real
-
-
 def _is_serving(summary: RegionSummary) -> bool:
     return summary.state == "active" and summary.healthy_nodes > 0
 
@@ -120,8 +98,7 @@ class MeridianChooser(Chooser):
             return []
         if not router.is_loaded or document.index != router.index:
             router.update(document)
-        with _routing_clock(now_s):
-            plan = router.plan(request.prompt_tokens, request.affinity_key)
+        plan = router.plan(request.prompt_tokens, request.affinity_key, now_s=now_s)
         return [Pick(c.region, c.predicted_ttft_s) for c in plan.candidates[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
@@ -146,8 +123,7 @@ class MeridianChooser(Chooser):
         state = router.state_of(pick.region)
         if state is not None:
             state.num_in_flight -= 1
-        with _routing_clock(now_s):
-            router.observe_ttft(pick.region, ttft_s, pick.predicted_ttft_s)
+        router.observe_ttft(pick.region, ttft_s, pick.predicted_ttft_s, now_s=now_s)
 
 
 class RoundRobinChooser(Chooser):
