@@ -16,7 +16,7 @@ from functools import partial
 
 from aiohttp import web
 
-from gateway.cache_salt import CACHE_SALT_HEADER, cache_salt_of
+from gateway.cache_salt import cache_salt_of
 from gateway.errors import (
     BodyTooLargeError,
     GatewayError,
@@ -34,6 +34,7 @@ from gateway.request_ids import HEADER, current_request_id, request_id_from
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.sse import StreamReader, usage_of
+from wire.cache_salt import CACHE_SALT_HEADER
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("gateway.access")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hashlib
 
-CACHE_SALT_HEADER = "x-meridian-cache-salt"
 _DOMAIN = b"meridian prefix cache salt v1\x00"
 SALT_HEX_CHARS = 32
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 
 from node_agent.errors import BadRequestError
+from wire.cache_salt import CACHE_SALT_HEADER
 
-HEADER = "x-meridian-cache-salt"
 MAX_CACHE_SALT_LEN = 1024
 
 
 def cache_salt_of(headers: Headers, body_salt: str | None) -> str | None:
-    header = headers.get(HEADER)
+    header = headers.get(CACHE_SALT_HEADER)
     if header is not None and not 1 <= len(header) <= MAX_CACHE_SALT_LEN:
         raise BadRequestError(
-            f"the {HEADER} header must hold 1 to {MAX_CACHE_SALT_LEN} characters"
+            f"the {CACHE_SALT_HEADER} header must hold 1 to {MAX_CACHE_SALT_LEN} characters"
         )
     body = None if body_salt is None else f"body:{body_salt}"
     if header is None:

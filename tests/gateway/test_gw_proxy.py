@@ -14,7 +14,8 @@ import openai
 import pytest
 from gw_fleet import Fleet, GatewayThread, wait_until
 
-from gateway.cache_salt import CACHE_SALT_HEADER, cache_salt_of
+from gateway.cache_salt import cache_salt_of
+from wire.cache_salt import CACHE_SALT_HEADER
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
 

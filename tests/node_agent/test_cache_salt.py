@@ -11,7 +11,7 @@ import openai
 import pytest
 from node_helpers import MODEL_NAME, NodeHandle
 
-from node_agent.cache_salt import HEADER
+from wire.cache_salt import CACHE_SALT_HEADER as HEADER
 
 pytestmark = pytest.mark.slow
 
