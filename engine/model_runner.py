@@ -76,7 +76,9 @@ class ModelRunner:
         self.model = model.to(shape.dtype).to_empty(device=device)
         self.model.load_weights(checkpoint.tensors(model.wants))
         self.model.eval()
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, shape.max_model_len, device)
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.rope_theta, shape.max_model_len, device, config.rope_scaling
+        )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Decodes read the paged cache in place where the native kernel exists (CPU).
         self.use_decode_kernel = device.type == "cpu" and cpu_kernels() is not None

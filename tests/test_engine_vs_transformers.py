@@ -11,7 +11,6 @@ import torch
 from tiny_checkpoints import save_tiny_transformers_model
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import ScheduledBatch
@@ -168,12 +167,34 @@ def test_special_tokens_in_text_match_the_reference_tokenizer(
     assert ours[0] == 1, "no extra BOS: the prompt's own <|im_start|> comes first"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_random_checkpoint_logits_equal_transformers(tmp_path: Path, family: str) -> None:
-    reference = save_tiny_transformers_model(tmp_path, family)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32))
+# Llama 3.1's RoPE scaling, with a pretraining context short enough (32 of 128 positions) that
+# the tiny model's head_dim of 16 has frequencies kept, blended and slowed.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+# (family, config overrides): every model shape the engine claims, as tiny random checkpoints.
+TINY_MODELS = {
+    "llama": ("llama", {}),
+    "llama3.1-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "qwen2-tied": ("qwen2", {}),
+    # Qwen2.5 7B and up: QKV biases, an untied LM head, theta 1e6.
+    "qwen2.5-untied": ("qwen2", {"tie_word_embeddings": False, "rope_theta": 1e6}),
+}
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_random_checkpoint_logits_and_greedy_equal_transformers(tmp_path: Path, name: str) -> None:
+    family, overrides = TINY_MODELS[name]
+    reference = save_tiny_transformers_model(tmp_path, family, **overrides)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)
     ids = torch.randint(3, 94, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = prompt_logits(engine, ids)
+    ours = prompt_logits(llm.engine, ids)
     with torch.inference_mode():
         theirs = reference(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    # Greedy decoding runs the decode path, past the 32 positions of LLAMA3_ROPE's context.
+    [out] = llm.generate({"prompt_token_ids": ids},
+                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    with torch.inference_mode():
+        generated = reference.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert out.outputs[0].token_ids == generated[0, len(ids) :].tolist()

@@ -19,7 +19,8 @@ from tiny_checkpoints import save_tiny_transformers_model, write_tiny_tokenizer
 from engine.errors import ModelNotFoundError, UnsupportedModelError
 from engine.loader import Checkpoint, expected_shapes, load_checkpoint
 from engine.loader.hf_loader import config_from_hf
-from engine.model_config import ModelConfig
+from engine.model.layer_ops import RotaryEmbedding
+from engine.model_config import Llama3RopeScaling, ModelConfig
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -336,12 +337,99 @@ def test_hf_config_maps_fields_and_defaults() -> None:
     assert mistral.architecture == "mistral" and not mistral.attention_bias
 
 
+LLAMA31_ROPE: dict[str, object] = {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192, "rope_type": "llama3",
+}  # fmt: skip
+# The config.json files of Meta's and Qwen's releases, as transformers 4 wrote them (trimmed of
+# keys the engine does not read).
+LLAMA_3_2_1B_JSON: dict[str, object] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+    "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {**LLAMA31_ROPE, "factor": 32.0}, "rope_theta": 500000.0,
+    "tie_word_embeddings": True, "vocab_size": 128256,
+}  # fmt: skip
+QWEN_2_5_7B_JSON: dict[str, object] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "use_sliding_window": False,
+    "vocab_size": 152064,
+}  # fmt: skip
+
+
+def test_hf_config_reads_llama_3_2_and_qwen_2_5_releases() -> None:
+    llama = config_from_hf(LLAMA_3_2_1B_JSON)
+    assert (llama.architecture, llama.head_dim, llama.num_kv_heads) == ("llama", 64, 8)
+    assert (llama.rope_theta, llama.max_position_embeddings) == (500000.0, 131072)
+    assert llama.tie_word_embeddings and not llama.attention_bias
+    assert llama.rope_scaling == Llama3RopeScaling(32.0, 1.0, 4.0, 8192)
+    qwen = config_from_hf(QWEN_2_5_7B_JSON)
+    assert (qwen.architecture, qwen.head_dim, qwen.rope_theta) == ("qwen2", 128, 1e6)
+    assert qwen.attention_bias and not qwen.tie_word_embeddings and qwen.rope_scaling is None
+    # Tied Qwen2.5 (0.5B to 3B): the flag is all that differs.
+    assert config_from_hf({**QWEN_2_5_7B_JSON, "tie_word_embeddings": True}).tie_word_embeddings
+
+
+def test_hf_config_reads_llama3_rope_in_every_spelling() -> None:
+    """transformers 4 writes `rope_scaling` (`type` in older files), transformers 5 writes
+    `rope_parameters` with the theta inside; each gives the same config."""
+    legacy = {k: v for k, v in LLAMA31_ROPE.items() if k != "rope_type"} | {"type": "llama3"}
+    v5 = {**LLAMA31_ROPE, "rope_theta": 5e5}
+    spellings: list[dict[str, object]] = [
+        {"rope_scaling": LLAMA31_ROPE, "rope_theta": 5e5},
+        {"rope_scaling": legacy, "rope_theta": 5e5},
+        {"rope_parameters": v5, "rope_theta": None},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+         "rope_scaling": LLAMA31_ROPE},
+    ]
+    expected = Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
+    for changes in spellings:
+        config = config_from_hf({**LLAMA_JSON, **changes})
+        assert (config.rope_theta, config.rope_scaling) == (5e5, expected), changes
+    # As in transformers, a missing pretraining length falls back to max_position_embeddings.
+    short = {k: v for k, v in LLAMA31_ROPE.items() if k != "original_max_position_embeddings"}
+    assert config_from_hf({**LLAMA_JSON, "rope_scaling": short}).rope_scaling == (
+        Llama3RopeScaling(8.0, 1.0, 4.0, 128)
+    )
+    assert config_from_hf({**LLAMA_JSON, "rope_scaling": {"type": "default"}}).rope_scaling is None
+
+
+def test_llama3_frequencies_equal_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {**LLAMA_3_2_1B_JSON, "rope_scaling": {**LLAMA31_ROPE, "factor": 32.0}}
+    config = config_from_hf(raw)
+    rope = RotaryEmbedding(64, config.rope_theta, 4096, torch.device("cpu"), config.rope_scaling)
+    plain = RotaryEmbedding(64, config.rope_theta, 4096, torch.device("cpu"))
+    hf_config = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_config, torch.device("cpu"))
+    assert attention_factor == 1.0  # llama3 scales frequencies only, never the attention
+    angles = torch.arange(4096, dtype=torch.float32)[:, None] * inv_freq
+    assert torch.equal(rope.cos, torch.cat((angles, angles), dim=-1).cos())
+    kept = int((rope.cos == plain.cos).all(dim=0).sum())
+    assert 0 < kept < 64, "some frequencies are kept, the others slowed or blended"
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "'GPT2LMHeadModel'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "RoPE scaling 'linear'"),
+        ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs low_freq_factor"),
+        ({"rope_scaling": {**LLAMA31_ROPE, "factor": 0}}, "needs factor"),
+        ({"rope_scaling": {**LLAMA31_ROPE, "high_freq_factor": 1.0}}, r"high_freq_factor \(1\) >"),
+        ({"rope_scaling": {**LLAMA31_ROPE, "original_max_position_embeddings": 8192.5}},
+         "original_max_position_embeddings"),
+        ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "'Qwen3ForCausalLM'"),
+        ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2_moe"}, "'Qwen2ForCausalLM'"),
         ({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
           "sliding_window": 64}, "sliding-window"),
         ({"hidden_act": "gelu"}, "'gelu'"),
@@ -357,21 +445,35 @@ def test_hf_config_refuses_what_the_engine_does_not_implement(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_transformers_checkpoints_round_trip(tmp_path: Path, family: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("mistral", {}),
+        ("llama", {"rope_scaling": {**LLAMA31_ROPE, "original_max_position_embeddings": 32}}),
+        ("qwen2", {"tie_word_embeddings": False, "rope_theta": 1e6}),
+    ],
+)
+def test_transformers_checkpoints_round_trip(
+    tmp_path: Path, family: str, overrides: dict[str, object]
+) -> None:
     # A small shard size makes transformers write several files and an index.
-    model = save_tiny_transformers_model(tmp_path, family, max_shard_size="100KB")
+    model = save_tiny_transformers_model(tmp_path, family, max_shard_size="100KB", **overrides)
     assert (tmp_path / "model.safetensors.index.json").exists()
     checkpoint = load_checkpoint(tmp_path)
     hf = model.config
+    tied = bool(hf.tie_word_embeddings)
     assert checkpoint.config == ModelConfig(
         architecture=family, vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=hf.rms_norm_eps,
         rope_theta=hf.rope_parameters["rope_theta"], max_position_embeddings=128,
-        tie_word_embeddings=family == "qwen2", attention_bias=family == "qwen2",
+        tie_word_embeddings=tied, attention_bias=family == "qwen2",
+        rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 32) if "rope_scaling" in overrides else None,
     )  # fmt: skip
+    assert tied is (family == "qwen2" and "tie_word_embeddings" not in overrides)
     reference = model.state_dict()
     loaded = dict(checkpoint.tensors())
-    assert set(loaded) == set(reference) - ({"lm_head.weight"} if family == "qwen2" else set())
+    assert set(loaded) == set(reference) - ({"lm_head.weight"} if tied else set())
     for name, tensor in loaded.items():
         assert torch.equal(tensor, reference[name]), name

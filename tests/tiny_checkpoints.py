@@ -61,6 +61,10 @@ def save_tiny_transformers_model(
     settings |= overrides
     torch.manual_seed(0)
     model = model_class(config_class(**settings))
+    with torch.no_grad():  # transformers starts biases at zero, which would hide a lost bias
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     write_tiny_tokenizer(folder)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from engine.errors import UnsupportedModelError
 from engine.loader.checkpoint import Checkpoint, NamedTensors, check_shapes
-from engine.model_config import ModelConfig
+from engine.model_config import Llama3RopeScaling, ModelConfig
 from engine.tokenizer import Tokenizer
 
 # `architectures[0]` -> our architecture name, which is also the expected `model_type`.
@@ -67,10 +67,8 @@ def config_from_hf(raw: Mapping[str, object]) -> ModelConfig:
         return value
 
     hidden, num_heads = integer("hidden_size"), integer("num_attention_heads")
-    rope = raw.get("rope_parameters")
-    rope_theta = raw.get("rope_theta")
-    if rope_theta is None and isinstance(rope, dict):
-        rope_theta = rope.get("rope_theta")
+    max_positions = integer("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+    rope_theta, rope_scaling = _rope_settings(raw, max_positions)
     return ModelConfig(
         architecture=arch,
         vocab_size=integer("vocab_size"),
@@ -81,24 +79,69 @@ def config_from_hf(raw: Mapping[str, object]) -> ModelConfig:
         num_kv_heads=integer("num_key_value_heads", num_heads),
         head_dim=integer("head_dim", hidden // num_heads),
         rms_norm_eps=_number(raw.get("rms_norm_eps"), 1e-6),
-        rope_theta=_number(rope_theta, 10000.0),
-        max_position_embeddings=integer("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=raw.get("tie_word_embeddings") is True,
         attention_bias=arch == "qwen2",
+        rope_scaling=rope_scaling,
     )
+
+
+def _rope_settings(
+    raw: Mapping[str, object], max_positions: int
+) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE's theta and scaling. transformers 4 writes `rope_theta` and `rope_scaling`;
+    transformers 5 writes both into `rope_parameters`."""
+    tables: list[Mapping[str, object]] = []
+    for key in ("rope_parameters", "rope_scaling"):
+        table = raw.get(key)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise UnsupportedModelError(f"config.json: {key} must be an object, got {table!r}")
+        tables.append(table)
+    # As in transformers 5, the theta inside `rope_parameters` wins over a top-level one.
+    thetas = [t.get("rope_theta") for t in tables] + [raw.get("rope_theta")]
+    theta = next((value for value in thetas if value is not None), None)
+    scaled = [t for t in tables if t.get("rope_type", t.get("type", "default")) != "default"]
+    if not scaled:
+        return _number(theta, 10000.0), None
+    kind = scaled[0].get("rope_type", scaled[0].get("type"))
+    if kind != "llama3":
+        raise UnsupportedModelError(
+            f"RoPE scaling {kind!r} is not supported (supported: llama3, or none)"
+        )
+    return _number(theta, 10000.0), _llama3_scaling(scaled[0], max_positions)
+
+
+def _llama3_scaling(table: Mapping[str, object], max_positions: int) -> Llama3RopeScaling:
+    def positive(key: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise UnsupportedModelError(
+                f"config.json: llama3 RoPE scaling needs {key}, a positive number, got {value!r}"
+            )
+        return float(value)
+
+    # transformers falls back to max_position_embeddings; so do we, to match it.
+    context = table.get("original_max_position_embeddings", max_positions)
+    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+        raise UnsupportedModelError(
+            "config.json: llama3 RoPE scaling needs original_max_position_embeddings, "
+            f"a positive integer, got {context!r}"
+        )
+    low = positive("low_freq_factor", table.get("low_freq_factor"))
+    high = positive("high_freq_factor", table.get("high_freq_factor"))
+    if high <= low:
+        raise UnsupportedModelError(
+            f"config.json: llama3 RoPE scaling needs high_freq_factor ({high:g}) > "
+            f"low_freq_factor ({low:g})"
+        )
+    return Llama3RopeScaling(positive("factor", table.get("factor")), low, high, context)
 
 
 def _refuse_unsupported(raw: Mapping[str, object], arch: str) -> None:
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {raw.get('hidden_act')!r} is not supported")
-    # transformers 4 writes `rope_scaling`; transformers 5 writes `rope_parameters`.
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = raw.get(key)
-        if rope is None:
-            continue
-        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else rope
-        if key == "rope_scaling" or kind not in (None, "default"):
-            raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet")
     if arch == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise UnsupportedModelError("Llama with attention or MLP biases is not supported")
     window = raw.get("sliding_window")

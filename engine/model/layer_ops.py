@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+from engine.model.rope_scaling import scale_inv_freq
+from engine.model_config import Llama3RopeScaling
 
 
 def _kernels_for(x: torch.Tensor) -> ModuleType | None:
@@ -53,11 +55,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding:
     """cos/sin for every position up to the context length, computed once in fp32."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        device: torch.device,
+        scaling: Llama3RopeScaling | None = None,
+    ):
         inv_freq = 1.0 / (
             theta
             ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
         )
+        inv_freq = scale_inv_freq(inv_freq, scaling)
         freqs = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos()
