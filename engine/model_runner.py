@@ -10,9 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.distributed import TPGroup
-from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
-from engine.model.attention import AttentionMetadata, PrefillChunk
+from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
 from engine.model.layer_ops import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -80,8 +79,8 @@ class ModelRunner:
             config.head_dim, config.rope_theta, shape.max_model_len, device, config.rope_scaling
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Decodes read the paged cache in place where the native kernel exists (CPU).
-        self.use_decode_kernel = device.type == "cpu" and cpu_kernels() is not None
+        # Decodes read the paged cache in place where a kernel exists (C++ on CPU, Triton on CUDA).
+        self.use_decode_kernel = paged_decode_kernel(device) is not None
 
     @property
     def kv_bytes_per_block_per_layer(self) -> int:

@@ -3,6 +3,7 @@ against attention computed densely from each sequence's own keys."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,22 +13,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_feature_digest, cpu_kernels
-from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.attention import AttentionMetadata, paged_attention, paged_decode_kernel
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
 
 def random_batch(
-    context_lens: list[int], dtype: torch.dtype
+    context_lens: list[int], dtype: torch.dtype, block_size: int = BLOCK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], list[torch.Tensor]]:
     """A cache holding each sequence's keys/values in scattered blocks, plus dense copies."""
     gen = torch.Generator().manual_seed(len(context_lens))
-    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables = []
     for n in context_lens:
-        num_blocks = -(-n // BLOCK_SIZE)
+        num_blocks = -(-n // block_size)
         tables.append([order.pop() for _ in range(num_blocks)])
     q = torch.randn(len(context_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
     return q, k_cache, v_cache, tables, [torch.tensor(t) for t in tables]
@@ -77,6 +79,66 @@ def test_decode_attention_equals_dense_attention(dtype: torch.dtype, with_kernel
     torch.testing.assert_close(
         out.float(), dense_reference(q, k_cache, v_cache, tables, lens), **tolerance
     )
+
+
+# Runs the Triton decode kernel in Triton's interpreter, on CPU tensors: TRITON_INTERPRET must
+# be set before triton is first imported (its own library functions are decorated then), so
+# the kernel runs in a child process that starts with it.
+_RUN_TRITON_KERNEL = """
+import sys, torch
+from engine.kernels.paged_attention_triton import paged_decode_attention
+calls = torch.load(sys.argv[1])
+assert not calls[0][0].is_contiguous(), "q arrives as the strided view it was saved as"
+torch.save([paged_decode_attention(*args) for args in calls], sys.argv[2])
+"""
+
+
+def run_interpreted_triton_kernel(
+    tmp_path: Path, calls: list[tuple[object, ...]]
+) -> list[torch.Tensor]:
+    """Each call's output, computed by the kernel in a child with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    torch.save(calls, tmp_path / "args.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-c", _RUN_TRITON_KERNEL, tmp_path / "args.pt", tmp_path / "out.pt"]
+    ran = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).parents[1])  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    outs: list[torch.Tensor] = torch.load(tmp_path / "out.pt")
+    return outs
+
+
+@pytest.mark.parametrize("block_size", [BLOCK_SIZE, 3])
+def test_triton_decode_kernel_equals_dense_attention(tmp_path: Path, block_size: int) -> None:
+    """Blocks read in place, q a strided view into wider rows (as in the fused QKV rows), the
+    caches' blocks of any size (3: padded to a power of two inside the kernel)."""
+    lens = [1, 3, 4, 5, 17, 33]
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k_cache, v_cache, tables, _ = random_batch(lens, dtype, block_size)
+        rows = torch.zeros(len(lens), NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+        rows[:, :NUM_HEADS] = q
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        args = (rows[:, :NUM_HEADS], k_cache, v_cache, padded, torch.tensor(lens), HEAD_DIM**-0.5)
+        cases.append((args, dense_reference(q, k_cache, v_cache, tables, lens)))
+    # One child for both dtypes: starting triton's interpreter is most of the cost.
+    outs = run_interpreted_triton_kernel(tmp_path, [args for args, _ in cases])
+    for out, ((q_view, *_), expected) in zip(outs, cases, strict=True):
+        assert out.dtype == q_view.dtype and out.shape == q_view.shape
+        fp32 = out.dtype == torch.float32
+        tolerance = {"atol": 1e-5, "rtol": 1e-5} if fp32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_the_triton_kernel_is_chosen_for_cuda_only() -> None:
+    triton_kernel = paged_decode_kernel(torch.device("cuda"))
+    if triton_kernel is None:
+        pytest.skip("triton is not installed here")
+    assert triton_kernel.__module__ == "engine.kernels.paged_attention_triton"
+    cpu_kernel = paged_decode_kernel(torch.device("cpu"))
+    assert cpu_kernel is None or cpu_kernel.__module__ != triton_kernel.__module__
+    assert paged_decode_kernel(torch.device("meta")) is None
 
 
 def test_kernels_are_built_per_cpu() -> None:

@@ -8,12 +8,23 @@ multi-token chunk (prefills, one call each, causal with the chunk's offset into 
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+# (q, k_cache, v_cache, block_tables, context_lens, scale) -> out: reads the blocks in place.
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
 @dataclass(slots=True)
@@ -59,6 +70,28 @@ class AttentionMetadata:
         )
 
 
+def paged_decode_kernel(device: torch.device) -> DecodeKernel | None:
+    """The decode kernel that reads the cache in place on `device`: the C++ one on CPU, the
+    Triton one on CUDA. None: decodes gather their blocks for SDPA (the portable path)."""
+    if device.type == "cpu":
+        kernels = cpu_kernels()
+        return None if kernels is None else kernels.paged_decode_attention
+    return _triton_decode_kernel() if device.type == "cuda" else None
+
+
+@cache
+def _triton_decode_kernel() -> DecodeKernel | None:
+    # MERIDIAN_TRITON_KERNELS=0 keeps the portable path on CUDA, for comparisons.
+    if os.environ.get("MERIDIAN_TRITON_KERNELS", "1") == "0":
+        return None
+    try:
+        from engine.kernels.paged_attention_triton import paged_decode_attention
+    except ImportError as exc:
+        logger.warning("Triton unavailable, CUDA decodes gather their KV blocks: %s", exc)
+        return None
+    return paged_decode_attention
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,9 +120,9 @@ def _decode_attention(
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if meta.decode_mask is None:
-        kernel = cpu_kernels()
+        kernel = paged_decode_kernel(q.device)
         assert kernel is not None, "metadata built for a kernel that is not loaded"
-        return kernel.paged_decode_attention(
+        return kernel(
             q,
             k_cache,
             v_cache,
