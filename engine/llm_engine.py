@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.executor import ModelExecutor
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_profile import LargestStep, kv_budget_bytes, peak_step_bytes
 from engine.loader import load_checkpoint
 from engine.model_config import ModelConfig
 from engine.model_runner import RunnerShape
@@ -74,7 +75,7 @@ class LLMEngine:
             config.pipeline_parallel_size,
             config.parallel_step_timeout_s,
         )
-        num_blocks = self._num_kv_blocks(device)
+        num_blocks = self._num_kv_blocks(device, context_len)
         self.executor.allocate_kv_cache(num_blocks)
         # A request alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(context_len, num_blocks * config.block_size)
@@ -95,12 +96,23 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _num_kv_blocks(self, device: torch.device) -> int:
+    def _num_kv_blocks(self, device: torch.device, context_len: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if device.type == "cuda":
+            peak = 0
+            # Ranks in other processes would have to join the run; they are not profiled.
+            if self.executor.workers is None:
+                step = LargestStep(
+                    self.config.max_num_batched_tokens, self.config.max_num_seqs, context_len
+                )
+                peak = peak_step_bytes(self.executor.runner, step)
             free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-            budget = free_bytes - (1 - self.config.gpu_memory_utilization) * total_bytes
+            budget = kv_budget_bytes(
+                free_bytes, total_bytes, self.config.gpu_memory_utilization, peak
+            )
+            logger.info("KV budget %.2f GiB after a step peaking at %.2f GiB", budget / 2**30,
+                        peak / 2**30)  # fmt: skip
         else:
             budget = self.config.cpu_kv_cache_gib * 2**30
         num_blocks = int(budget // self.executor.kv_bytes_per_block)
