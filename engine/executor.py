@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs, graphs_enabled
 from engine.distributed import PPGroup, valid_tp_sizes
 from engine.errors import EngineDeadError, UnsupportedModelError
 from engine.loader import Checkpoint
@@ -72,6 +73,8 @@ class ModelExecutor:
         # The largest stage sets the per-rank bytes of a block; every rank has as many blocks.
         self.max_stage_layers = max(len(stage_layers(config, pp_size, s)) for s in range(pp_size))
         self.workers: Workers | None = None
+        self.max_model_len = shape.max_model_len
+        self.decode_graphs: DecodeGraphs | None = None
         if tp_size * pp_size == 1:
             self.stage = PipelineStage(ModelRunner(checkpoint, shape), PPGroup())
             return
@@ -90,10 +93,19 @@ class ModelExecutor:
         """Per rank: each holds its share of the KV heads of its stage's layers."""
         return self.runner.kv_bytes_per_block_per_layer * self.max_stage_layers
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, max_num_seqs: int) -> None:
+        """`num_blocks` for the pool; where decode steps are captured as CUDA graphs, one more
+        beyond it, the scratch block their padding rows write to."""
         if self.workers is not None:
             self.workers.send(num_blocks)
-        self.runner.allocate_kv_cache(num_blocks)
+        if graphs_enabled(self.runner, self.workers is None):
+            self.runner.allocate_kv_cache(num_blocks + 1)
+            self.decode_graphs = DecodeGraphs(
+                self.runner, max_num_seqs, self.max_model_len, scratch_block=num_blocks
+            )
+            self.decode_graphs.capture()
+        else:
+            self.runner.allocate_kv_cache(num_blocks)
         if self.workers is not None:
             self.workers.wait_ready(_START_TIMEOUT_S)
 
@@ -104,7 +116,10 @@ class ModelExecutor:
         with self._failing_loudly():
             if self.workers is not None:
                 self.workers.send(work)
-            logits = self.stage.forward(work)
+            if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+                logits: torch.Tensor | None = self.decode_graphs.run(inputs)
+            else:
+                logits = self.stage.forward(work)
         self.in_flight.append(_InFlight(batch, work, seqs, logits))
 
     def collect(self) -> tuple[ScheduledBatch, StepOutput]:

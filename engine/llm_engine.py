@@ -76,7 +76,7 @@ class LLMEngine:
             config.parallel_step_timeout_s,
         )
         num_blocks = self._num_kv_blocks(device, context_len)
-        self.executor.allocate_kv_cache(num_blocks)
+        self.executor.allocate_kv_cache(num_blocks, config.max_num_seqs)
         # A request alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(context_len, num_blocks * config.block_size)
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -131,6 +131,23 @@ def test_triton_decode_kernel_equals_dense_attention(tmp_path: Path, block_size:
         torch.testing.assert_close(out.float(), expected, **tolerance)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_kernel_on_cuda_equals_dense_attention(dtype: torch.dtype) -> None:
+    """The kernel compiled for the GPU, through the engine's dispatch, as decodes call it."""
+    lens = [1, 3, 4, 5, 17, 33]
+    q, k_cache, v_cache, tables, _ = random_batch(lens, dtype)
+    meta = decode_metadata(tables, lens, with_mask=False).to(torch.device("cuda"))
+    empty_kv = torch.empty(0, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    out = paged_attention(q.cuda(), empty_kv, empty_kv, k_cache.cuda(), v_cache.cuda(), meta)
+    tolerance = (
+        {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    )
+    expected = dense_reference(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out.float().cpu(), expected, **tolerance)
+
+
 def test_the_triton_kernel_is_chosen_for_cuda_only() -> None:
     triton_kernel = paged_decode_kernel(torch.device("cuda"))
     if triton_kernel is None:
