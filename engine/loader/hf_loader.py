@@ -51,10 +51,13 @@ def config_from_hf(raw: Mapping[str, object]) -> ModelConfig:
     architectures = raw.get("architectures")
     declared = architectures[0] if isinstance(architectures, list) and architectures else None
     arch = _ARCHITECTURES.get(str(declared)) if declared else None
-    if arch is None or raw.get("model_type", arch) != arch:
-        shown = declared or raw.get("model_type")
+    model_type = raw.get("model_type", arch)
+    if arch is None or model_type != arch:
+        shown = repr(declared or model_type)
+        if arch is not None:  # a known class name over another model type (qwen2_moe, ...)
+            shown += f" with model_type {model_type!r}"
         raise UnsupportedModelError(
-            f"architecture {shown!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
+            f"architecture {shown} is not supported (supported: {', '.join(_ARCHITECTURES)})"
         )
     _refuse_unsupported(raw, arch)
 
