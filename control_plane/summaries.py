@@ -48,6 +48,7 @@ def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
     queue = QueueEstimate(
         num_waiting=sum(beat.num_waiting for beat in beats),
         num_waiting_prefill_tokens=num_waiting_prefill_tokens,
+        num_running_prefill_tokens=sum(beat.num_running_prefill_tokens for beat in beats),
         decode_tokens_per_s=decode_tokens_per_s,
         expected_queue_delay_s=expected_queue_delay_s(
             num_waiting_prefill_tokens, decode_tokens_per_s

@@ -37,6 +37,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_waiting_prefill_tokens: int
+    num_running_prefill_tokens: int
     kv_blocks_total: int
     kv_blocks_free: int
     block_size: int
@@ -229,6 +230,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_waiting_prefill_tokens=self.scheduler.num_waiting_tokens,
+            num_running_prefill_tokens=self.scheduler.num_running_prefill_tokens,
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
             block_size=kv.block_size,

@@ -128,6 +128,7 @@ class SimControlPlane:
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
+            num_running_prefill_tokens=load.num_running_prefill_tokens,
             decode_tokens_per_s=(load.generated_tokens - samples[0][1]) / THROUGHPUT_WINDOW_S,
             num_in_flight=load.num_in_flight,
             timestamp=UNIX_AT_ZERO_S + now_s,
