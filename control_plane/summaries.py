@@ -40,15 +40,29 @@ def expected_queue_delay_s(num_waiting_prefill_tokens: int, decode_tokens_per_s:
 
 
 def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
-    routable = [node for node in nodes if node.is_in_summaries]
-    # Nodes known only from Consul count as healthy but report no capacity.
-    beats = [node.last_beat for node in routable if node.last_beat is not None]
-    num_waiting_prefill_tokens = sum(beat.num_waiting_prefill_tokens for beat in beats)
-    decode_tokens_per_s = round(sum(beat.decode_tokens_per_s for beat in beats), 3)
+    """One region's summary from its nodes' latest beats (one pass: it runs for every region on
+    every tick)."""
+    num_routable = num_waiting = num_waiting_prefill_tokens = num_running_prefill_tokens = 0
+    kv_blocks_free = kv_blocks_total = 0
+    decode_tokens_per_s = 0.0
+    for node in nodes:
+        if not node.is_in_summaries:
+            continue
+        num_routable += 1
+        beat = node.last_beat
+        if beat is None:  # known only from Consul: healthy, but no capacity reported
+            continue
+        num_waiting += beat.num_waiting
+        num_waiting_prefill_tokens += beat.num_waiting_prefill_tokens
+        num_running_prefill_tokens += beat.num_running_prefill_tokens
+        decode_tokens_per_s += beat.decode_tokens_per_s
+        kv_blocks_free += beat.kv_blocks_free
+        kv_blocks_total += beat.kv_blocks_total
+    decode_tokens_per_s = round(decode_tokens_per_s, 3)
     queue = QueueEstimate(
-        num_waiting=sum(beat.num_waiting for beat in beats),
+        num_waiting=num_waiting,
         num_waiting_prefill_tokens=num_waiting_prefill_tokens,
-        num_running_prefill_tokens=sum(beat.num_running_prefill_tokens for beat in beats),
+        num_running_prefill_tokens=num_running_prefill_tokens,
         decode_tokens_per_s=decode_tokens_per_s,
         expected_queue_delay_s=expected_queue_delay_s(
             num_waiting_prefill_tokens, decode_tokens_per_s
@@ -60,9 +74,9 @@ def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
         lon=region.lon,
         state=region.state,
         ingress_url=region.ingress_url,
-        healthy_nodes=len(routable),
-        kv_blocks_free=sum(beat.kv_blocks_free for beat in beats),
-        kv_blocks_total=sum(beat.kv_blocks_total for beat in beats),
+        healthy_nodes=num_routable,
+        kv_blocks_free=kv_blocks_free,
+        kv_blocks_total=kv_blocks_total,
         queue=queue,
         weight=region.weight,
     )
