@@ -82,6 +82,14 @@ def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
     )
 
 
+# What of a node routes follow at once rather than at the next tick: (routable, in summaries).
+RouteView = tuple[bool, bool]
+
+
+def route_view(node: Node) -> RouteView:
+    return node.is_routable, node.is_in_summaries
+
+
 def summarize(fleet: Fleet) -> list[RegionSummary]:
     """One summary per registered region, sorted by name; nodes of unknown regions are left out."""
     by_region: dict[str, list[Node]] = {name: [] for name in fleet.regions}
@@ -133,6 +141,15 @@ class SummaryPublisher:
         )
         self._body = self._current.model_dump_json().encode()
         return True
+
+    def follow_beat(self, region: str, was: RouteView, node: Node) -> bool:
+        """After a node's beat has been recorded (`was`: its route view before): publish its
+        region now if the node came into or left the routes (back to health), else at the next
+        tick (only live capacity changed; many beats coalesce). True if the document changed."""
+        if route_view(node) != was:
+            return self.refresh_region(region)
+        self.mark_dirty()
+        return False
 
     def refresh_region(self, name: str) -> bool:
         """Recompute one region's summary now (the others cannot have changed); returns True

@@ -24,10 +24,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from wire.capacity import DECODE_RATE_WINDOW_S
 
 logger = logging.getLogger(__name__)
-
-_THROUGHPUT_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +217,14 @@ class LLMEngine:
     def _count_generated(self, now: float, num_tokens: int) -> None:
         self._generation_tokens_total += num_tokens
         self._recent_tokens.append((now, num_tokens))
-        while self._recent_tokens and self._recent_tokens[0][0] < now - _THROUGHPUT_WINDOW_S:
+        while self._recent_tokens and self._recent_tokens[0][0] < now - DECODE_RATE_WINDOW_S:
             self._recent_tokens.popleft()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache
         s = self.scheduler.stats
         now = time.monotonic()
-        recent = sum(n for t, n in self._recent_tokens if t >= now - _THROUGHPUT_WINDOW_S)
+        recent = sum(n for t, n in self._recent_tokens if t >= now - DECODE_RATE_WINDOW_S)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -240,5 +239,5 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=s.num_preemptions,
-            decode_tokens_per_s=recent / _THROUGHPUT_WINDOW_S,
+            decode_tokens_per_s=recent / DECODE_RATE_WINDOW_S,
         )
