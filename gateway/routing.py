@@ -86,14 +86,6 @@ class RegionState:
     ttft_residual_s: float = 0.0
     residual_at_s: float = 0.0
     num_ttft_samples: int = 0
-    # What plans need of the summary, worked out once per summary (at the first plan after
-    # `Router.update`, the only writer of `summary`) rather than for every request.
-    is_eligible: bool = False
-    is_saturated: bool = False
-    url: str = ""  # the ingress, without a trailing slash
-    weighted_rtt_s: float = 0.0
-    base_cost_s: float = 0.0  # the cost before this request's prefill and the correction
-    base_predicted_s: float = 0.0  # RTT + queue delay
 
 
 def _rendezvous_score(key: str, region: str, weight: float) -> float:
@@ -111,7 +103,6 @@ class Router:
     regions: dict[str, RegionState] = field(default_factory=dict)
     index: int = 0
     is_loaded: bool = False
-    is_prepared: bool = False  # every RegionState's derived fields follow its summary
 
     def update(self, document: RegionSummaryIndex) -> None:
         """Adopt a new summary document, keeping what was learnt about known regions."""
@@ -131,31 +122,8 @@ class Router:
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing
-        self.is_prepared = False
         self.index = document.index
         self.is_loaded = True
-
-    def _ensure_prepared(self) -> None:
-        # Lazily: at a quiet PoP, documents come more often than requests.
-        if not self.is_prepared:
-            for state in self.regions.values():
-                self._prepare(state)
-            self.is_prepared = True
-
-    def _prepare(self, state: RegionState) -> None:
-        summary, policy = state.summary, self.policy
-        state.is_eligible = self._is_eligible(summary)
-        state.is_saturated = False
-        if summary.kv_blocks_total > 0:
-            used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
-            state.is_saturated = used > policy.saturation_threshold
-        state.url = (summary.ingress_url or "").rstrip("/")
-        rtt_s = state.rtt_ms / 1000.0
-        queue_s = self.queue_delay_s(summary)
-        state.weighted_rtt_s = policy.rtt_weight * rtt_s
-        load_s = queue_s + self.kv_pressure_s(summary)
-        state.base_cost_s = state.weighted_rtt_s + policy.queue_weight * load_s
-        state.base_predicted_s = rtt_s + queue_s
 
     def correction_s(self, state: RegionState, now_s: float) -> float:
         if state.num_ttft_samples == 0:
@@ -181,14 +149,17 @@ class Router:
         return KV_PRESSURE_S * max(0.0, used - knee) / (threshold - knee)
 
     def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
-        self._ensure_prepared()
+        summary, policy = state.summary, self.policy
+        rtt_s = state.rtt_ms / 1000.0
+        queue_s = self.queue_delay_s(summary)
         prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
-        cost_s = state.base_cost_s + prefill_s
-        if state.num_ttft_samples:
-            cost_s += self.correction_s(state, now_s)
-        if cost_s < state.weighted_rtt_s:  # max() without a call: this runs per region per request
-            cost_s = state.weighted_rtt_s
-        return Candidate(state.summary.name, state.url, cost_s, state.base_predicted_s + prefill_s)
+        weighted_rtt_s = policy.rtt_weight * rtt_s
+        load_s = queue_s + self.kv_pressure_s(summary)
+        cost_s = weighted_rtt_s + policy.queue_weight * load_s + prefill_s
+        cost_s = max(weighted_rtt_s, cost_s + self.correction_s(state, now_s))
+        assert summary.ingress_url is not None
+        url = summary.ingress_url.rstrip("/")
+        return Candidate(summary.name, url, cost_s, rtt_s + queue_s + prefill_s)
 
     def _is_eligible(self, summary: RegionSummary) -> bool:
         return (
@@ -198,21 +169,27 @@ class Router:
             and summary.weight > 0.0
         )
 
+    def _is_preferred(self, state: RegionState, now_s: float) -> bool:
+        summary = state.summary
+        if summary.kv_blocks_total > 0:
+            used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
+            if used > self.policy.saturation_threshold:
+                return False
+        return state.breaker.is_available(now_s)
+
     def plan(
         self, prompt_tokens: int, affinity_key: str | None = None, now_s: float | None = None
     ) -> RoutePlan:
         """Regions to try, best first; empty if no region may take new work. `now_s` is the
         monotonic clock unless given (the simulator drives the router on its own clock)."""
         now_s = time.monotonic() if now_s is None else now_s
-        self._ensure_prepared()
         preferred: list[Candidate] = []
         others: list[Candidate] = []
         for state in self.regions.values():
-            if not state.is_eligible:
+            if not self._is_eligible(state.summary):
                 continue
             candidate = self.predict(state, prompt_tokens, now_s)
-            is_preferred = not state.is_saturated and state.breaker.is_available(now_s)
-            (preferred if is_preferred else others).append(candidate)
+            (preferred if self._is_preferred(state, now_s) else others).append(candidate)
         preferred.sort(key=lambda c: c.cost_s)
         others.sort(key=lambda c: c.cost_s)
         if not preferred:
