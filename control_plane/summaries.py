@@ -40,14 +40,29 @@ def expected_queue_delay_s(num_waiting_prefill_tokens: int, decode_tokens_per_s:
 
 
 def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
-    routable = [node for node in nodes if node.is_in_summaries]
-    # Nodes known only from Consul count as healthy but report no capacity.
-    beats = [node.last_beat for node in routable if node.last_beat is not None]
-    num_waiting_prefill_tokens = sum(beat.num_waiting_prefill_tokens for beat in beats)
-    decode_tokens_per_s = round(sum(beat.decode_tokens_per_s for beat in beats), 3)
+    """One region's summary from its nodes' latest beats (one pass: it runs for every region on
+    every tick)."""
+    num_routable = num_waiting = num_waiting_prefill_tokens = num_running_prefill_tokens = 0
+    kv_blocks_free = kv_blocks_total = 0
+    decode_tokens_per_s = 0.0
+    for node in nodes:
+        if not node.is_in_summaries:
+            continue
+        num_routable += 1
+        beat = node.last_beat
+        if beat is None:  # known only from Consul: healthy, but no capacity reported
+            continue
+        num_waiting += beat.num_waiting
+        num_waiting_prefill_tokens += beat.num_waiting_prefill_tokens
+        num_running_prefill_tokens += beat.num_running_prefill_tokens
+        decode_tokens_per_s += beat.decode_tokens_per_s
+        kv_blocks_free += beat.kv_blocks_free
+        kv_blocks_total += beat.kv_blocks_total
+    decode_tokens_per_s = round(decode_tokens_per_s, 3)
     queue = QueueEstimate(
-        num_waiting=sum(beat.num_waiting for beat in beats),
+        num_waiting=num_waiting,
         num_waiting_prefill_tokens=num_waiting_prefill_tokens,
+        num_running_prefill_tokens=num_running_prefill_tokens,
         decode_tokens_per_s=decode_tokens_per_s,
         expected_queue_delay_s=expected_queue_delay_s(
             num_waiting_prefill_tokens, decode_tokens_per_s
@@ -59,12 +74,20 @@ def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
         lon=region.lon,
         state=region.state,
         ingress_url=region.ingress_url,
-        healthy_nodes=len(routable),
-        kv_blocks_free=sum(beat.kv_blocks_free for beat in beats),
-        kv_blocks_total=sum(beat.kv_blocks_total for beat in beats),
+        healthy_nodes=num_routable,
+        kv_blocks_free=kv_blocks_free,
+        kv_blocks_total=kv_blocks_total,
         queue=queue,
         weight=region.weight,
     )
+
+
+# What of a node routes follow at once rather than at the next tick: (routable, in summaries).
+RouteView = tuple[bool, bool]
+
+
+def route_view(node: Node) -> RouteView:
+    return node.is_routable, node.is_in_summaries
 
 
 def summarize(fleet: Fleet) -> list[RegionSummary]:
@@ -118,6 +141,15 @@ class SummaryPublisher:
         )
         self._body = self._current.model_dump_json().encode()
         return True
+
+    def follow_beat(self, region: str, was: RouteView, node: Node) -> bool:
+        """After a node's beat has been recorded (`was`: its route view before): publish its
+        region now if the node came into or left the routes (back to health), else at the next
+        tick (only live capacity changed; many beats coalesce). True if the document changed."""
+        if route_view(node) != was:
+            return self.refresh_region(region)
+        self.mark_dirty()
+        return False
 
     def refresh_region(self, name: str) -> bool:
         """Recompute one region's summary now (the others cannot have changed); returns True

@@ -25,10 +25,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from wire.capacity import DECODE_RATE_WINDOW_S
 
 logger = logging.getLogger(__name__)
-
-_THROUGHPUT_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +37,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_waiting_prefill_tokens: int
+    num_running_prefill_tokens: int
     kv_blocks_total: int
     kv_blocks_free: int
     block_size: int
@@ -229,18 +229,19 @@ class LLMEngine:
     def _count_generated(self, now: float, num_tokens: int) -> None:
         self._generation_tokens_total += num_tokens
         self._recent_tokens.append((now, num_tokens))
-        while self._recent_tokens and self._recent_tokens[0][0] < now - _THROUGHPUT_WINDOW_S:
+        while self._recent_tokens and self._recent_tokens[0][0] < now - DECODE_RATE_WINDOW_S:
             self._recent_tokens.popleft()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache
         s = self.scheduler.stats
         now = time.monotonic()
-        recent = sum(n for t, n in self._recent_tokens if t >= now - _THROUGHPUT_WINDOW_S)
+        recent = sum(n for t, n in self._recent_tokens if t >= now - DECODE_RATE_WINDOW_S)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_waiting_prefill_tokens=self.scheduler.num_waiting_tokens,
+            num_running_prefill_tokens=self.scheduler.num_running_prefill_tokens,
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
             block_size=kv.block_size,
@@ -250,5 +251,5 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=s.num_preemptions,
-            decode_tokens_per_s=recent / _THROUGHPUT_WINDOW_S,
+            decode_tokens_per_s=recent / DECODE_RATE_WINDOW_S,
         )

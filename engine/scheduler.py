@@ -66,6 +66,11 @@ class Scheduler:
     def num_waiting_tokens(self) -> int:
         return sum(seq.num_uncomputed_tokens for seq in self.waiting)
 
+    @property
+    def num_running_prefill_tokens(self) -> int:
+        """Prompt tokens of running sequences still to prefill (a decoding one has 1 left)."""
+        return sum(n for seq in self.running if (n := seq.num_uncomputed_tokens) > 1)
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

@@ -3,18 +3,25 @@
 A region's cost is its expected time to first token from this PoP, in seconds:
 
     cost = rtt_weight * rtt_ms / 1000                  network round trip (wire/geo.py)
-         + queue_weight * expected_queue_delay_s       waiting work / throughput (region summary)
+         + queue_weight * (queue_delay_s               prompt tokens ahead / the region's prefill
+                           + kv_pressure_s)            a fuller KV cache: slower steps
          + prompt_tokens / prefill_tokens_per_s        this request's own prefill
          + ttft_correction_s                           EWMA of (observed - predicted) TTFT here
 
-never less than the RTT term. The correction learns what the summaries miss (a slow network
-path, a slower node type) from the TTFT this gateway measures on streams, and decays with a
-half-life so a region it once judged slow is tried again.
+never less than the RTT term. The queue delay counts every prompt token the region's nodes
+have still to prefill, waiting or admitted (an admitted one's prefill may be far off behind
+others': a load surge shows up there long before requests wait for a slot), over the nodes'
+prefill rate, or the summary's own estimate (waiting tokens over the decode rate) if longer.
+The correction learns what the summaries miss (a slow network path, a slower node type) from
+the TTFT this gateway measures on streams, and decays with a half-life so a region it once
+judged slow is tried again. (It is fed when a stream ends: fed at the first token instead, it
+made the simulated surge's p99 worse, by reacting to the same stale queue twice.)
 
 Eligible regions are active, with healthy nodes, an ingress URL and a weight above 0. Among
 those, saturated ones (KV cache fuller than the policy's threshold) and ones whose circuit is
-open go last. The first choice is made among the near-best (cost within `p2c_tolerance` of the
-best, plus a small absolute slack): with affinity on and a system prompt, by rendezvous hashing
+open go last; below the threshold, KV use costs from `KV_PRESSURE_KNEE` of it on. The first
+choice is made among the near-best (cost within `p2c_tolerance` of the best, plus a small
+absolute slack): with affinity on and a system prompt, by rendezvous hashing
 of its hash (the same prompt lands on the same region while that region stays near-best, so its
 prefix cache is warm); otherwise by the power of two choices, picking the one of two random
 near-best regions that has fewer requests in flight from this gateway, so that gateways do not
@@ -34,6 +41,12 @@ from gateway.breaker import CircuitBreaker
 from wire.geo import Place, rtt_ms
 from wire.region_summary import RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
+
+# A fuller KV cache means bigger batches and slower steps, so a rising cost rather than a cliff:
+# 0 up to KNEE x the policy's saturation threshold, then linear up to KV_PRESSURE_S at it (values
+# tuned in the simulator; see docs/simulator.md). Past the threshold the region also goes last.
+KV_PRESSURE_KNEE = 0.7
+KV_PRESSURE_S = 0.1
 
 Reason = Literal["only", "p2c", "affinity", "fallback"]
 
@@ -118,13 +131,31 @@ class Router:
         age_s = max(0.0, now_s - state.residual_at_s)
         return state.ttft_residual_s * 0.5 ** (age_s / self.config.ttft_correction_half_life_s)
 
+    def queue_delay_s(self, summary: RegionSummary) -> float:
+        """Seconds before a new request's own prefill starts: the prompt tokens ahead of it in
+        the region (waiting, and admitted but not yet prefilled), spread over its nodes, or the
+        summary's own estimate of the wait for a free slot, whichever is longer."""
+        queue = summary.queue
+        backlog_tokens = queue.num_waiting_prefill_tokens + queue.num_running_prefill_tokens
+        rate = self.config.prefill_tokens_per_s * max(1, summary.healthy_nodes)
+        return max(queue.expected_queue_delay_s, backlog_tokens / rate)
+
+    def kv_pressure_s(self, summary: RegionSummary) -> float:
+        if summary.kv_blocks_total == 0:
+            return 0.0
+        used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
+        threshold = self.policy.saturation_threshold
+        knee = KV_PRESSURE_KNEE * threshold
+        return KV_PRESSURE_S * max(0.0, used - knee) / (threshold - knee)
+
     def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
         summary, policy = state.summary, self.policy
         rtt_s = state.rtt_ms / 1000.0
-        queue_s = summary.queue.expected_queue_delay_s
+        queue_s = self.queue_delay_s(summary)
         prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
         weighted_rtt_s = policy.rtt_weight * rtt_s
-        cost_s = weighted_rtt_s + policy.queue_weight * queue_s + prefill_s
+        load_s = queue_s + self.kv_pressure_s(summary)
+        cost_s = weighted_rtt_s + policy.queue_weight * load_s + prefill_s
         cost_s = max(weighted_rtt_s, cost_s + self.correction_s(state, now_s))
         assert summary.ingress_url is not None
         url = summary.ingress_url.rstrip("/")

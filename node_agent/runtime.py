@@ -139,6 +139,7 @@ class NodeRuntime:
             num_running=stats.num_running,
             num_waiting=self.admission.queue_depth(stats.num_waiting),
             num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
+            num_running_prefill_tokens=stats.num_running_prefill_tokens,
             decode_tokens_per_s=max(stats.decode_tokens_per_s, 0.0),
             draining=self.drain.is_draining or self.is_engine_dead,
             num_in_flight=self.admission.num_in_flight,

@@ -25,6 +25,7 @@ from pydantic_settings import (
 from engine.config import EngineConfig
 from engine.model_store import DEFAULT_MODEL
 from wire.addresses import is_loopback_host
+from wire.capacity import DEFAULT_MAX_NUM_WAITING_REQUESTS
 from wire.heartbeat import NAME_PATTERN
 
 MIN_TOKEN_LEN = 16
@@ -73,7 +74,7 @@ class NodeAgentSettings(BaseSettings):
     )
 
     # Admission control: requests queued or in prefill before new ones get 429.
-    max_num_waiting_requests: int = Field(default=256, ge=0)
+    max_num_waiting_requests: int = Field(default=DEFAULT_MAX_NUM_WAITING_REQUESTS, ge=0)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     # How long a drain waits for in-flight requests before giving up on them, and how long an
     # exit (SIGTERM) waits for the control plane's `may_exit`.

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from simulator.access import ACCESSES
 from simulator.calibration import (
     CalibrationError,
     ServiceCalibration,
@@ -89,6 +90,12 @@ def parser() -> OneLineParser:
         help="the routing policy, as PUT /v1/routing takes it (default: its defaults)",
     )
     run.add_argument(
+        "--access",
+        choices=ACCESSES,
+        default="anycast",
+        help="how clients find their PoP: anycast (default) or dns (nearest stays on DNS)",
+    )
+    run.add_argument(
         "--jobs",
         type=_positive,
         default=os.cpu_count() or 1,
@@ -134,6 +141,7 @@ def _run_with_bars(
             progress,
             args.jobs,
             args.routing,
+            args.access,
         )
 
 

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Final
 
+from wire.capacity import DEFAULT_MAX_NUM_WAITING_REQUESTS
+
 # The benchmark's shared system prompt, in tokens, less the part the cached request still
 # computes (its last partial block and the question, ~30 tokens): see bench/engine_throughput.py.
 BENCH_SHARED_PREFIX_TOKENS: Final = 320
@@ -43,7 +45,7 @@ class ServiceCalibration:
     block_size: int = 16
     # Prefixes a node's cache keeps (least recently used go first).
     max_cached_prefixes: int = 32
-    max_num_waiting_requests: int = 256  # node_agent/settings.py: then 429
+    max_num_waiting_requests: int = DEFAULT_MAX_NUM_WAITING_REQUESTS  # then 429
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from simulator.access import Access
 from simulator.calibration import ServiceCalibration
 from simulator.results import PolicyStats, Recorder
 from simulator.run import World, WorldSpec
@@ -51,12 +52,13 @@ def world_spec(
     num_requests: int,
     calibration: ServiceCalibration,
     routing_policy: RoutingPolicy | None = None,
+    access: Access = "anycast",
 ) -> WorldSpec:
     geography = build_geography(seed)
     workload = workload_of(scenario, num_requests, calibration)
     requests = make_requests(workload, geography.population_shares(), seed)
     policy = routing_policy or RoutingPolicy()
-    return WorldSpec(scenario, geography, calibration, requests, seed, policy)
+    return WorldSpec(scenario, geography, calibration, requests, seed, policy, access)
 
 
 # The slowest worlds first, so that parallel workers finish together.
@@ -125,9 +127,10 @@ def run_scenario(
     progress: Progress | None = None,
     jobs: int = 1,
     routing_policy: RoutingPolicy | None = None,
+    access: Access = "anycast",
 ) -> ScenarioResult:
     started_s = time.perf_counter()
-    spec = world_spec(scenario, seed, num_requests, calibration, routing_policy)
+    spec = world_spec(scenario, seed, num_requests, calibration, routing_policy, access)
     if jobs > 1 and len(policies) > 1:
         recorders = _run_parallel(spec, policies, min(jobs, len(policies)), progress)
     else:

@@ -1,10 +1,10 @@
 """The control plane's side: heartbeats in, region summaries out, and each PoP's watch on them.
 
 The fleet state and the summaries are the control plane's own code: `control_plane.fleet.Fleet`
-records beats and judges health by time (`sweep(now)`), `SummaryPublisher.tick(now)` recomputes
-and versions the document. Only the glue around them is here: what `Registry.record_heartbeat`
-does after a beat (a node back to health refreshes its region at once; anything else waits for
-the next tick), the sweep timer, and the network delays.
+records beats and judges health by time (`sweep(now)`), `SummaryPublisher.follow_beat` publishes
+what a beat changed (a node back to health refreshes its region at once; anything else waits for
+the next tick), `SummaryPublisher.tick(now)` recomputes and versions the document. Only the glue
+around them is here: the beat and sweep timers, and the network delays.
 
 Each beat is a real `wire.heartbeat.Heartbeat`, made from the node's load at send time, sent every
 `heartbeat_interval_s` (the control plane's default) and received one way later (plus the
@@ -25,16 +25,15 @@ from control_plane.changes import ChangeFeed
 from control_plane.fleet import Fleet, NodeIdentity, Region
 from control_plane.fleet import Node as FleetNode
 from control_plane.settings import Settings as ControlPlaneSettings
-from control_plane.summaries import SummaryPublisher
+from control_plane.summaries import SummaryPublisher, route_view
 from simulator.events import EventLoop
 from simulator.node import Node
+from wire.capacity import DECODE_RATE_WINDOW_S
 from wire.heartbeat import Heartbeat
 from wire.region_summary import RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
 MODEL = "smollm2-135m-instruct"
-# The engine's decode-rate window (engine/llm_engine.py `_THROUGHPUT_WINDOW_S`).
-THROUGHPUT_WINDOW_S = 10.0
 # Simulated Unix time at simulated 0 (only heartbeats' informational timestamps carry it).
 UNIX_AT_ZERO_S = 1_800_000_000.0
 
@@ -114,7 +113,7 @@ class SimControlPlane:
         load = node.load(now_s)
         samples = beating.samples
         samples.append((now_s, load.generated_tokens))
-        while samples[0][0] < now_s - THROUGHPUT_WINDOW_S:
+        while samples[0][0] < now_s - DECODE_RATE_WINDOW_S:
             samples.popleft()
         calibration = node.calibration
         beat = Heartbeat(
@@ -128,7 +127,8 @@ class SimControlPlane:
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
-            decode_tokens_per_s=(load.generated_tokens - samples[0][1]) / THROUGHPUT_WINDOW_S,
+            num_running_prefill_tokens=load.num_running_prefill_tokens,
+            decode_tokens_per_s=(load.generated_tokens - samples[0][1]) / DECODE_RATE_WINDOW_S,
             num_in_flight=load.num_in_flight,
             timestamp=UNIX_AT_ZERO_S + now_s,
         )
@@ -138,12 +138,9 @@ class SimControlPlane:
     def _receive_beat(self, beat: Heartbeat) -> None:
         now_s = self.loop.now_s
         node = self.fleet.nodes[beat.node_id]
-        was_routed = (node.is_routable, node.is_in_summaries)
+        was = route_view(node)
         self.fleet.record_beat(node, beat, now_s, UNIX_AT_ZERO_S + now_s)
-        if (node.is_routable, node.is_in_summaries) != was_routed:
-            self._published_if(self.publisher.refresh_region(beat.region))
-        else:
-            self.publisher.mark_dirty()
+        self._published_if(self.publisher.follow_beat(beat.region, was, node))
 
     def _tick(self, _: None) -> None:
         index = self.publisher.current.index

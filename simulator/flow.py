@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gateway.anycast import Anycast
 from gateway.settings import GatewaySettings
+from simulator.access import Access, make_access
 from simulator.events import EventLoop
 from simulator.node import Job, Node
 from simulator.policies import Chooser, Pick
@@ -68,6 +68,7 @@ class Traffic:
         chooser: Chooser,
         recorder: Recorder,
         timing: GatewayTiming,
+        access: Access = "anycast",
     ) -> None:
         self.loop = loop
         self.geography = geography
@@ -76,12 +77,10 @@ class Traffic:
         self.recorder = recorder
         self.timing = timing
         self.max_attempts = chooser.max_attempts or timing.max_attempts
-        self.anycast = Anycast(geography.pops)
-        self.catchment: dict[str, str] = {}
+        self.access = make_access(access, geography.pops, geography.cities)
         self._delays: dict[tuple[str, str], float] = {}
         self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
         self._is_deadline_armed = False
-        self._update_catchment()
 
     def delay_s(self, a: Location, b: Location) -> float:
         """One way between two places (half the true RTT), memoised."""
@@ -91,18 +90,11 @@ class Traffic:
             delay = self._delays[key] = self.geography.true_rtt_ms(a, b) / 2000.0
         return delay
 
-    # Anycast.
-
-    def _update_catchment(self) -> None:
-        self.catchment = self.anycast.catchments(self.geography.cities)
-
     def withdraw(self, pop: str) -> None:
-        self.anycast.withdraw(pop)
-        self._update_catchment()
+        self.access.withdraw(pop)
 
     def announce(self, pop: str) -> None:
-        self.anycast.announce(pop)
-        self._update_catchment()
+        self.access.announce(pop)
 
     # Requests.
 
@@ -110,7 +102,7 @@ class Traffic:
         """The client sends `request` now."""
         city = self.geography.cities[request.city]
         if self.chooser.is_via_pop:
-            pop = self.catchment[request.city]
+            pop = self.access.pop_for(request.city, self.loop.now_s)
             origin = self.geography.pops[pop]
             delay_s = self.delay_s(city, origin)
             flight = Flight(request, origin, pop, delay_s)

@@ -52,6 +52,7 @@ class NodeLoad(NamedTuple):  # a tuple: one per heartbeat
     num_running: int
     num_waiting: int  # no first token yet: waiting for a slot or in prefill (the agent's count)
     num_waiting_prefill_tokens: int  # the engine's waiting queue only
+    num_running_prefill_tokens: int  # admitted, still to prefill
     kv_blocks_free: int
     num_in_flight: int
     generated_tokens: float  # since start, for the node's recent decode rate
@@ -102,6 +103,7 @@ class Node:
             num_running=len(self.prefilling) + len(self.decoding),
             num_waiting=self.num_not_started,
             num_waiting_prefill_tokens=self.waiting_prompt_tokens,
+            num_running_prefill_tokens=int(self.prefill_tokens_queued - self.head_done),
             kv_blocks_free=self.free_blocks,
             num_in_flight=self.num_in_flight,
             generated_tokens=self.generated_tokens,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.fleet import Region
+from simulator.access import Access
 from simulator.calibration import ServiceCalibration
 from simulator.control import ControlTiming, PopWatch, SimControlPlane
 from simulator.events import EventLoop
@@ -47,6 +48,7 @@ class WorldSpec:
     requests: Sequence[Request]
     seed: int
     routing_policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    access: Access = "anycast"  # how clients find their PoP
 
 
 def _ingress_url(index: int) -> str:
@@ -96,7 +98,13 @@ class World:
         self.chooser = _chooser(policy, spec, self.control, watches, self.sites)
         self.recorder = Recorder(len(spec.requests), sorted(regions))
         self.traffic = Traffic(
-            self.loop, geography, self.sites, self.chooser, self.recorder, GatewayTiming()
+            self.loop,
+            geography,
+            self.sites,
+            self.chooser,
+            self.recorder,
+            GatewayTiming(),
+            spec.access,
         )
         for name, region in regions.items():
             place = geography.regions[name]

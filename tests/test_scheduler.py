@@ -40,6 +40,17 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget() -> None:
     assert scheduler.running[0].num_output_tokens == 1  # sampled only at the end of the prompt
 
 
+def test_prompt_tokens_still_to_prefill_are_counted_waiting_and_running() -> None:
+    scheduler = make_scheduler(max_num_seqs=1, budget=16)
+    scheduler.add(seq("a", 40))
+    scheduler.add(seq("b", 10, first_token=100))
+    run_step(scheduler)  # a: 16 of 40 computed; b waits for the slot
+    assert (scheduler.num_running_prefill_tokens, scheduler.num_waiting_tokens) == (24, 10)
+    run_step(scheduler)
+    run_step(scheduler)  # a prefilled: one token to decode is no prefill
+    assert (scheduler.num_running_prefill_tokens, scheduler.num_waiting_tokens) == (0, 10)
+
+
 def test_decodes_go_first_and_a_new_prompt_gets_the_rest_of_the_budget() -> None:
     scheduler = make_scheduler(budget=16)
     scheduler.add(seq("a", 4))

@@ -52,7 +52,10 @@ class Heartbeat(BaseModel):
     block_size: Annotated[int, Field(ge=1, le=2**20)]
     num_running: Count = 0
     num_waiting: Count = 0
-    num_waiting_prefill_tokens: Count = 0
+    num_waiting_prefill_tokens: Count = 0  # prompt tokens of requests the engine has not admitted
+    # Prompt tokens of admitted requests still to prefill (a chunked prefill under way, or queued
+    # behind others in the batch): work ahead of a new request that the waiting count misses.
+    num_running_prefill_tokens: Count = 0
     decode_tokens_per_s: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)] = 0.0
     draining: bool = False
     # Requests admitted and not yet answered in full (streams included), as the node's HTTP layer

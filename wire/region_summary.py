@@ -31,6 +31,8 @@ class QueueEstimate(BaseModel):
 
     num_waiting: int = Field(ge=0)
     num_waiting_prefill_tokens: int = Field(ge=0)
+    # Admitted requests' prompt tokens still to prefill (0 from control planes that predate it).
+    num_running_prefill_tokens: int = Field(default=0, ge=0)
     decode_tokens_per_s: float = Field(ge=0.0)
     # Seconds a new request can expect to wait before its prefill starts: the waiting prompt
     # tokens divided by the region's recent token throughput (see control_plane/summaries.py).

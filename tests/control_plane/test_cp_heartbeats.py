@@ -28,12 +28,19 @@ async def test_heartbeat_registers_node_and_fills_the_summary(cp: ControlPlaneCl
     await cp.add_region("us-east")
     reply = HeartbeatReply.model_validate(await cp.beat("n1", kv_blocks_free=600))
     assert reply == HeartbeatReply(drain=False, heartbeat_interval_s=0.2, region_registered=True)
-    await cp.beat("n2", kv_blocks_free=100, num_waiting=1, num_waiting_prefill_tokens=100)
+    await cp.beat(
+        "n2",
+        kv_blocks_free=100,
+        num_waiting=1,
+        num_waiting_prefill_tokens=100,
+        num_running_prefill_tokens=700,
+    )
 
     (region,) = (await summary(cp)).regions
     assert region.name == "us-east" and region.healthy_nodes == 2
     assert (region.kv_blocks_free, region.kv_blocks_total) == (700, 2000)
     assert region.queue.num_waiting == 3 and region.queue.num_waiting_prefill_tokens == 500
+    assert region.queue.num_running_prefill_tokens == 700  # n1 (an older agent) reports none
     assert region.queue.decode_tokens_per_s == 400.0
     assert region.queue.expected_queue_delay_s == pytest.approx(500 / 400)
 

@@ -10,10 +10,18 @@ import pytest
 from conftest import ControlPlaneClient, make_settings
 
 from control_plane.changes import ChangeFeed, parse_wait_s
+from control_plane.fleet import Fleet, Node, NodeIdentity, Region
 from control_plane.settings import Settings
-from control_plane.summaries import MAX_QUEUE_DELAY_S, expected_queue_delay_s
+from control_plane.summaries import (
+    MAX_QUEUE_DELAY_S,
+    SummaryPublisher,
+    expected_queue_delay_s,
+    route_view,
+)
 from control_plane.tokens import TokenSet
+from wire.heartbeat import Heartbeat
 from wire.region_summary import RegionSummaryIndex
+from wire.routing_policy import RoutingPolicy
 
 NUM_WATCHERS = 50
 
@@ -123,6 +131,37 @@ async def test_routing_policy_change_is_published_with_the_summaries(
     assert put.status_code == 200
     document, _ = await asyncio.wait_for(watcher, timeout=5)
     assert document.routing.rtt_weight == 2.0 and document.routing.affinity_enabled is False
+
+
+def test_a_beat_publishes_a_node_back_to_health_now_and_capacity_at_the_tick() -> None:
+    region = Region("us-east", 39.0, -77.5, None, 1.0, "active", 0.0, 0.0)
+    fleet = Fleet(unhealthy_after_s=3.0, regions={"us-east": region})
+    identity = NodeIdentity(region="us-east", url="http://n1.test:9001", model="m", tp_size=1)
+    node = fleet.nodes["n1"] = Node("n1", identity, False, 0.0)
+    publisher = SummaryPublisher(fleet, RoutingPolicy, ChangeFeed(1))
+    beat = Heartbeat(
+        node_id="n1",
+        region="us-east",
+        url=identity.url,
+        model="m",
+        kv_blocks_total=100,
+        kv_blocks_free=100,
+        block_size=16,
+        timestamp=0.0,
+    )
+
+    def record(beat: Heartbeat, now_s: float) -> bool:
+        was = route_view(node)
+        fleet.record_beat(node, beat, now_s, now_s)
+        return publisher.follow_beat("us-east", was, node)
+
+    assert record(beat, 0.0)  # the node's first beat: in the summary at once
+    assert publisher.current.regions[0].healthy_nodes == 1
+    index = publisher.current.index
+    assert not record(beat.model_copy(update={"kv_blocks_free": 10}), 1.0)
+    assert publisher.current.index == index  # live capacity waits for the tick...
+    publisher.tick(1.1)
+    assert publisher.current.index > index and publisher.current.regions[0].kv_blocks_free == 10
 
 
 def test_expected_queue_delay() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.routing import Router, RouterConfig
+from gateway.routing import KV_PRESSURE_KNEE, KV_PRESSURE_S, Router, RouterConfig
 from wire.geo import LOCATIONS, locate, rtt_ms
 from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
@@ -28,7 +28,8 @@ def summary(name: str, **fields: Any) -> RegionSummary:
     place = LOCATIONS[name]
     queue = QueueEstimate(
         num_waiting=0,
-        num_waiting_prefill_tokens=0,
+        num_waiting_prefill_tokens=fields.pop("waiting_tokens", 0),
+        num_running_prefill_tokens=fields.pop("running_tokens", 0),
         decode_tokens_per_s=1000.0,
         expected_queue_delay_s=fields.pop("queue_s", 0.0),
     )
@@ -77,6 +78,42 @@ def test_nearest_idle_region_first_then_the_rest_by_cost() -> None:
 def test_queueing_delay_outweighs_distance() -> None:
     r = router(summary("us-east", queue_s=2.0), summary("eu-west"))
     assert order(r) == ["eu-west", "us-east"]
+
+
+def test_prompt_tokens_still_to_prefill_are_queue_spread_over_the_nodes() -> None:
+    # 4,000 waiting + 8,000 admitted-but-not-prefilled tokens at 4,000 tokens/s a node.
+    r = router(summary("us-east", waiting_tokens=4000, running_tokens=8000, healthy_nodes=2))
+    assert r.queue_delay_s(r.regions["us-east"].summary) == pytest.approx(1.5)
+    candidate = r.plan(400).candidates[0]
+    rtt_s = rtt_ms(locate("new-york"), LOCATIONS["us-east"]) / 1000
+    assert candidate.cost_s == pytest.approx(rtt_s + 1.5 + 0.1)
+    # The summary's own estimate (waiting tokens over the decode rate) counts when longer.
+    r = router(summary("us-east", waiting_tokens=4000, queue_s=4.0))
+    assert r.queue_delay_s(r.regions["us-east"].summary) == 4.0
+
+
+def test_a_prefill_backlog_without_waiting_requests_moves_traffic_away() -> None:
+    # The surge case: every slot busy prefilling, nothing waiting, KV to spare.
+    r = router(summary("us-east", running_tokens=20_000, healthy_nodes=5), summary("eu-west"))
+    assert order(r) == ["eu-west", "us-east"]
+
+
+@pytest.mark.parametrize(
+    ("blocks_free", "pressure_s"),
+    [(1000, 0.0), (370, 0.0), (235, KV_PRESSURE_S / 2), (100, KV_PRESSURE_S)],
+)
+def test_kv_use_costs_smoothly_from_the_knee_to_the_threshold(
+    blocks_free: int, pressure_s: float
+) -> None:
+    # threshold 0.9, knee 0.63: 63% used costs nothing, 76.5% half, 90% all of KV_PRESSURE_S.
+    r = router(summary("us-east", kv_blocks_free=blocks_free))
+    assert KV_PRESSURE_KNEE == 0.7
+    assert r.kv_pressure_s(r.regions["us-east"].summary) == pytest.approx(pressure_s)
+
+
+def test_a_fuller_kv_cache_tips_the_choice_between_near_regions() -> None:
+    r = router(summary("us-east", kv_blocks_free=120), summary("toronto"))
+    assert order(r) == ["toronto", "us-east"] and r.plan(10).reason == "only"
 
 
 def test_long_prompts_weigh_prefill_equally_everywhere() -> None:

@@ -46,7 +46,7 @@ def test_the_meridian_policy_decides_with_the_gateways_router() -> None:
     assert isinstance(world.chooser, MeridianChooser)
     assert all(type(router) is Router for router in world.chooser.routers.values())
     world.run()
-    used = {world.traffic.catchment[request.city] for request in spec.requests}
+    used = {world.traffic.access.pop_for(request.city, 0.0) for request in spec.requests}
     for pop in used:  # each PoP's router adopted summaries with healthy regions in them
         router = world.chooser.routers[pop]
         assert router.is_loaded
@@ -77,7 +77,7 @@ def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
     chooser = world.chooser
     assert isinstance(chooser, MeridianChooser)
     request = spec.requests[0]
-    pop = world.traffic.catchment[request.city]
+    pop = world.traffic.access.pop_for(request.city, 0.0)
     now_s = world.loop.now_s
     first = chooser.order(pop, request, now_s, limit=7)[0].region
     config = chooser.routers[pop].config
@@ -87,3 +87,12 @@ def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
     assert chooser.order(pop, request, now_s + 1.0, limit=7)[-1].region == first  # open: last
     later = chooser.order(pop, request, now_s + config.breaker_open_s, limit=7)
     assert later[-1].region != first  # half-open: back in its place
+
+
+def test_clients_that_find_their_pop_by_dns_are_all_served_the_same_way_per_seed() -> None:
+    cal = ServiceCalibration()
+    spec = world_spec(SCENARIOS["pop_withdrawal"], 1, NUM_REQUESTS, cal, access="dns")
+    for policy in POLICIES:
+        assert run(spec, policy).stats().lost == 0, policy
+    again = world_spec(SCENARIOS["pop_withdrawal"], 1, NUM_REQUESTS, cal, access="dns")
+    assert same(run(spec), run(again))

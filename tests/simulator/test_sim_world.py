@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from simulator.access import AnycastAccess, DnsAccess
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
 from simulator.control import ControlTiming, PopWatch, SimControlPlane
@@ -16,15 +17,33 @@ from wire.routing_policy import RoutingPolicy
 
 def test_a_withdrawn_pop_sends_its_clients_to_the_next_nearest_and_wins_them_back() -> None:
     spec = world_spec(SCENARIOS["steady"], 0, 10, ServiceCalibration())
-    traffic = World(spec, "meridian").traffic
-    before = dict(traffic.catchment)
+    access = World(spec, "meridian").traffic.access
+    assert isinstance(access, AnycastAccess)
+    before = dict(access.catchment)
     assert before["tokyo"] == before["seoul"] == "tokyo"
-    traffic.withdraw("tokyo")
-    assert traffic.catchment["tokyo"] == traffic.catchment["seoul"] == "singapore"
-    moved = {city for city in before if before[city] != traffic.catchment[city]}
+    access.withdraw("tokyo")
+    assert access.pop_for("tokyo", 0.0) == access.pop_for("seoul", 0.0) == "singapore"
+    moved = {city for city in before if before[city] != access.catchment[city]}
     assert moved == {city for city, pop in before.items() if pop == "tokyo"}
-    traffic.announce("tokyo")
-    assert traffic.catchment == before
+    access.announce("tokyo")
+    assert access.catchment == before
+
+
+def test_a_pop_found_by_dns_changes_only_once_the_resolvers_ttl_has_passed() -> None:
+    spec = world_spec(SCENARIOS["steady"], 0, 10, ServiceCalibration(), access="dns")
+    access = World(spec, "meridian").traffic.access
+    assert isinstance(access, DnsAccess)
+    geography = spec.geography
+    anycast = AnycastAccess(geography.pops, geography.cities)
+    # The DNS decision and Anycast agree on the nearest PoP while every PoP is up.
+    assert {c: access.pop_for(c, 0.0) for c in geography.cities} == anycast.catchment
+    ttl_s = access.config.ttl_s
+    access.withdraw("tokyo")
+    assert access.pop_for("tokyo", ttl_s - 0.01) == "tokyo"  # the resolver's cached answer
+    assert access.pop_for("tokyo", ttl_s) == "singapore"
+    access.announce("tokyo")
+    assert access.pop_for("tokyo", ttl_s + 1.0) == "singapore"  # cached again
+    assert access.pop_for("tokyo", 2 * ttl_s) == "tokyo"
 
 
 def summary(name: str, healthy_nodes: int) -> RegionSummary:
