@@ -123,7 +123,8 @@ class LLMEngine:
         `cache_salt` confines the request's prefix-cache hits to requests of the same salt.
         `resumed_token_ids` continue a generation that began elsewhere: they count as output
         already made (so seeded sampling goes on at their position and stop strings see their
-        text) but are not returned again; `params.max_tokens` counts only new tokens."""
+        text); delta outputs start after them, cumulative ones include them (the generation so
+        far); `params.max_tokens` counts only new tokens."""
         params = params or SamplingParams()
         check_cache_salt(cache_salt)
         if isinstance(prompt, str):

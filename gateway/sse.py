@@ -37,7 +37,7 @@ ERROR_PREFIX = b'data: {"error"'
 _TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
 _ID = re.compile(rb'"id":\s*"[^"]*"')
 _CREATED = re.compile(rb'"created":\s*[0-9]+')
-_FINISHED = re.compile(rb'"finish_reason":\s*"')
+_FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
 
 
 @dataclass(slots=True)
@@ -67,6 +67,10 @@ def usage_of(payload: object) -> Usage | None:
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
     return Usage(prompt, completion)
+
+
+def _has_finish(events: bytes) -> bool:
+    return _FINISHED[0] in events or _FINISHED[1] in events
 
 
 def summed_usage(last: Usage, starts: list[int]) -> Usage:
@@ -138,7 +142,7 @@ class StreamReader:
             events = self._as_first_attempt(events)
         if b'"token_ids"' in events:
             events = self._take_token_ids(events)
-        if _FINISHED.search(events):
+        if _has_finish(events):
             self.is_finished = True
             if self.num_resumes:
                 events = self._mark_finish(events)
@@ -180,16 +184,23 @@ class StreamReader:
         return events
 
     def _take_token_ids(self, events: bytes) -> bytes:
+        kept: list[bytes] = []
+        at = 0
         for found in _TOKEN_IDS.finditer(events):
-            ids = found.group(1).replace(b" ", b"")
-            if ids:
-                self.token_ids.extend(int(t) for t in ids.split(b","))
-        return _TOKEN_IDS.sub(b"", events) if self._strip_token_ids else events
+            ids = found.group(1)
+            if ids.strip():
+                self.token_ids.extend(map(int, ids.split(b",")))
+            kept.append(events[at : found.start()])
+            at = found.end()
+        if not self._strip_token_ids or not kept:
+            return events
+        kept.append(events[at:])
+        return b"".join(kept)
 
     def _mark_finish(self, events: bytes) -> bytes:
         kept: list[bytes] = []
         for event in events.split(EVENT_END)[:-1]:
-            if _FINISHED.search(event) and event.startswith(DATA_PREFIX):
+            if _has_finish(event) and event.startswith(DATA_PREFIX):
                 try:
                     payload = json.loads(event[len(DATA_PREFIX) :])
                 except ValueError:
