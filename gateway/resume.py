@@ -33,7 +33,9 @@ def continuation_of(request: UpstreamRequest, token_ids: list[int]) -> UpstreamR
     if num_left < 1 or request.body is None:
         return None
     body = json.loads(request.body)
-    body[RESUME_TOKEN_IDS] = [*(body.get(RESUME_TOKEN_IDS) or ()), *token_ids]
+    resumed = [*(body.get(RESUME_TOKEN_IDS) or ()), *token_ids]
+    if resumed:  # else it broke before any output: the continuation starts afresh
+        body[RESUME_TOKEN_IDS] = resumed
     body["max_tokens"] = num_left
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = num_left

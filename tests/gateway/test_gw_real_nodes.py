@@ -24,7 +24,9 @@ MAX_LOAD_S = 120.0  # both models loading at once on a small CPU machine
 pytestmark = pytest.mark.slow
 
 
-def start_real_node(fleet: Fleet, region: str, log_dir: Path) -> subprocess.Popen[bytes]:
+def start_real_node(
+    fleet: Fleet, region: str, log_dir: Path, *extra_args: str
+) -> subprocess.Popen[bytes]:
     """A real node agent for `region`, registered behind the simulated RTT, logging to
     `log_dir`/node-REGION.log."""
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
@@ -54,6 +56,7 @@ def start_real_node(fleet: Fleet, region: str, log_dir: Path) -> subprocess.Pope
         "256",
         "--max-model-len",
         "1024",
+        *extra_args,
     ]
     with (log_dir / f"node-{region}.log").open("wb") as log:
         return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)

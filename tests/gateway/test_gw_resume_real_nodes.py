@@ -2,7 +2,9 @@
 seeded ones) through the gateway to two regions of real node agents (the real SmolLM2, in their
 own processes, behind the simulated RTTs). Every stream completes, its text the same as an
 unbroken run's; the longest gap between two chunks a client saw is printed (a measured figure
-for docs/benchmarks.md, not a threshold)."""
+for docs/benchmarks.md, not a threshold). The nodes compute in fp32: in bf16 a continuation's
+prefill of the resumed tokens rounds their KV differently from the decode steps that made them,
+and greedy texts part after a few tokens (docs/gateway.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from test_gw_real_nodes import MAX_LOAD_S, start_real_node, stop_nodes
 
 from engine.model_store import DEFAULT_MODEL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NUM_GREEDY = 16
 NUM_TOKENS = 128
@@ -42,6 +44,7 @@ class StreamResult:
     max_gap_s: float = 0.0
     resumes: int = 0
     error: str | None = None
+    region: str = ""  # where the stream began
 
 
 def bodies() -> list[dict[str, object]]:
@@ -68,6 +71,7 @@ async def run_streams(
         async def one(body: dict[str, object], result: StreamResult) -> None:
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
+                result.region = response.headers["x-meridian-region"]
                 last_s = None
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -103,7 +107,7 @@ def nodes(
     try:
         fleet.start_control_plane()
         for region in ("us-east", "eu-west"):
-            processes[region] = start_real_node(fleet, region, tmp_path)
+            processes[region] = start_real_node(fleet, region, tmp_path, "--dtype", "float32")
         yield fleet, processes
     finally:
         stop_nodes(list(processes.values()))
@@ -139,18 +143,30 @@ def test_streams_survive_their_regions_node_being_killed(
         finally:
             killer.cancel()
 
+    # A fresh gateway: the first one learnt from the unbroken run's TTFTs that us-east (which
+    # took every stream) answers slowly, and would now send the streams to eu-west.
+    gateway = fleet.start_gateway()
+    fleet.wait_for_gateway(gateway, num_regions=2, timeout_s=MAX_LOAD_S)
+    wait_until(lambda: len(gateway.handlers.keys) > 0, 5.0, "the key snapshot")
     started_s = time.monotonic()
     broken = asyncio.run(killed_mid_way())
     broken_s = time.monotonic() - started_s
     assert processes["us-east"].poll() is not None  # it was killed mid-run
     rtt_ms = fleet.proxies[1].one_way_s * 2000
     gaps = sorted(r.max_gap_s for r in broken)
-    print(f"\nunbroken run {unbroken_s:.1f} s (longest gap {max(r.max_gap_s for r in unbroken):.3f}"
+    print(f"\n{sum(r.region == 'us-east' for r in broken)} of {len(broken)} streams began in "
+          "us-east")
+    print(f"unbroken run {unbroken_s:.1f} s (longest gap {max(r.max_gap_s for r in unbroken):.3f}"
           f" s); killed run {broken_s:.1f} s; longest gap between chunks: max {gaps[-1]:.3f} s, "
           f"median {gaps[len(gaps) // 2]:.3f} s; eu-west RTT {rtt_ms:.0f} ms")
     assert [r.error for r in broken] == [None] * len(broken)
-    assert all(r.resumes == 1 and len(r.ids) == 1 for r in broken)
+    assert all(len(r.ids) == 1 for r in broken)
+    # Those that began in the killed region were resumed once (the router may have sent some
+    # to eu-west from the start), and every text is the unbroken run's.
+    assert [r.resumes for r in broken] == [int(r.region == "us-east") for r in broken]
+    num_resumed = sum(r.resumes for r in broken)
+    assert num_resumed >= NUM_GREEDY // 2
     for i, (before, after) in enumerate(zip(unbroken, broken, strict=True)):
         assert after.text == before.text, f"stream {i} differs after its resume"
     rendered = gateway.handlers.metrics.render().decode()
-    assert f'from_region="us-east",to_region="eu-west"}} {len(broken)}.0' in rendered
+    assert f'from_region="us-east",to_region="eu-west"}} {num_resumed}.0' in rendered

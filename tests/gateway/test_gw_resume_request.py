@@ -26,3 +26,10 @@ def test_the_continuation_resumes_after_the_relayed_ids_with_fewer_tokens_left()
 
 def test_nothing_to_continue_when_every_token_was_relayed() -> None:
     assert continuation_of(request({"model": "m", "max_tokens": 2}, 2), [5, 6]) is None
+
+
+def test_a_stream_broken_before_any_output_starts_afresh() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    continuation = continuation_of(request(body, 4), [])
+    assert continuation is not None and continuation.body is not None
+    assert json.loads(continuation.body) == body
