@@ -34,6 +34,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     sink: _Sink
+    resumed_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +93,14 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        resumed_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (deltas unless `params` asks otherwise) until it finishes.
 
         Raises InvalidRequestError before yielding anything if the request cannot run, and
         EngineDeadError if the engine fails. Closing the iterator early aborts the request.
-        A `cache_salt` confines its prefix-cache hits to requests of the same salt.
+        A `cache_salt` confines its prefix-cache hits to requests of the same salt;
+        `resumed_token_ids` continue a generation begun elsewhere (see `LLMEngine.add_request`).
         """
         if self._error is not None or self._thread is None:
             raise EngineDeadError("the engine is not running") from self._error
@@ -107,14 +110,16 @@ class AsyncLLM:
             token_ids = list(prompt)
         if params.output_kind is RequestOutputKind.CUMULATIVE:
             params = replace(params, output_kind=RequestOutputKind.DELTA)
-        self.engine.check_request(token_ids, params)
+        self.engine.check_request(token_ids, params, resumed_token_ids)
         check_cache_salt(cache_salt)
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         sink: _Sink = asyncio.Queue()
         self._sinks[request_id] = sink
         text = prompt if isinstance(prompt, str) else None
-        self._inbox.put(_Add(request_id, token_ids, text, params, cache_salt, sink))
+        self._inbox.put(
+            _Add(request_id, token_ids, text, params, cache_salt, sink, resumed_token_ids)
+        )
         finished = False
         try:
             while not finished:
@@ -165,7 +170,8 @@ class AsyncLLM:
     def _add(self, item: _Add) -> None:
         try:
             self.engine.add_request(item.request_id, item.token_ids, item.params,
-                                    prompt_text=item.prompt, cache_salt=item.cache_salt)
+                                    prompt_text=item.prompt, cache_salt=item.cache_salt,
+                                    resumed_token_ids=item.resumed_token_ids)
         except Exception as exc:  # reported to the caller, not fatal to the engine
             self._deliver([(item.request_id, exc)])
 

@@ -127,11 +127,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_text: str | None = None,
         cache_salt: str | None = None,
+        resumed_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot run.
 
         `prompt_text` names the text that `prompt` token ids came from, for the outputs. A
-        `cache_salt` confines the request's prefix-cache hits to requests of the same salt."""
+        `cache_salt` confines the request's prefix-cache hits to requests of the same salt.
+        `resumed_token_ids` continue a generation that began elsewhere: they count as output
+        already made (so seeded sampling goes on at their position and stop strings see their
+        text); delta outputs start after them, cumulative ones include them (the generation so
+        far); `params.max_tokens` counts only new tokens."""
         params = params or SamplingParams()
         check_cache_salt(cache_salt)
         if isinstance(prompt, str):
@@ -140,28 +145,47 @@ class LLMEngine:
             token_ids = list(prompt)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.check_request(token_ids, params)
-        room = self.max_model_len - len(token_ids)
+        resumed = list(resumed_token_ids or ())
+        self.check_request(token_ids, params, resumed)
+        room = self.max_model_len - len(token_ids) - len(resumed)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        seq = Sequence(request_id, token_ids, params, max_tokens, cache_salt=cache_salt)
-        self.requests[request_id] = RequestState.create(
-            seq, prompt_text, self.tokenizer, self.max_model_len
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            len(resumed) + max_tokens,
+            cache_salt=cache_salt,
+            token_ids=token_ids + resumed,
         )
+        state = RequestState.create(seq, prompt_text, self.tokenizer, self.max_model_len)
+        state.resume()
+        self.requests[request_id] = state
         self.scheduler.add(seq)
 
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        resumed_token_ids: list[int] | None = None,
+    ) -> None:
         """Raise InvalidRequestError if this prompt cannot run. Reads only state fixed at
         start-up, so a server may call it from its own thread before queueing the request."""
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
+        resumed_token_ids = resumed_token_ids or []
+        num_tokens = len(token_ids) + len(resumed_token_ids)
+        if num_tokens >= self.max_model_len:
+            what = "the prompt and resumed output have" if resumed_token_ids else "the prompt has"
             raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens, but this model's context is "
+                f"{what} {num_tokens} tokens, but this model's context is "
                 f"{self.max_model_len} tokens, and at least one must be left to generate"
             )
         vocab_size = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+        resumed = resumed_token_ids
+        if resumed and (min(resumed) < 0 or max(resumed) >= vocab_size):
+            raise InvalidRequestError(f"resumed token ids must be in [0, {vocab_size})")
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})")
 

@@ -38,6 +38,19 @@ class RequestState:
         )
         return cls(seq, prompt, detok, tokenizer.stop_token_ids, max_model_len)
 
+    def resume(self) -> None:
+        """Take the output tokens the sequence starts with (a generation resumed from elsewhere)
+        as already streamed: their text primes the detokenizer and stop-string search, and the
+        outputs start after them, where the interrupted run's outputs had got to."""
+        seq = self.seq
+        for token_id in seq.output_token_ids:
+            self.text += self.detokenizer.push(token_id)
+        self.num_sent_tokens = seq.num_output_tokens
+        visible = len(self.text)
+        if self._max_stop_len:
+            visible = max(visible - self._max_stop_len + 1, 0)
+        self.num_sent_chars = visible
+
     def append_token(
         self, token_id: int, logprobs: TokenLogprobs | None
     ) -> tuple[str, str | int | None] | None:

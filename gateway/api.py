@@ -31,6 +31,7 @@ from gateway.openai_request import Endpoint, ParsedRequest, parse_request
 from gateway.proxy import Opened, Proxy, UpstreamRequest
 from gateway.relay import StreamRelay
 from gateway.request_ids import HEADER, current_request_id, request_id_from
+from gateway.resume import Resumer
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.sse import StreamReader, usage_of
@@ -168,9 +169,14 @@ class Handlers:
         region = opened.candidate.region
         headers = {HEADER: request_id, REGION_HEADER: region, **admission.headers()}
         if parsed.is_stream and opened.status == 200:
-            reader = StreamReader(strip_usage=not parsed.wants_usage)
+            reader = StreamReader(
+                strip_usage=not parsed.wants_usage, strip_token_ids=not parsed.wants_token_ids
+            )
             on_end = partial(self._end_stream, request, key, admission, parsed, started_s)
-            return await StreamRelay(opened, reader, on_end).run(request, headers)
+            resumer = None
+            if self.settings.max_resumes:
+                resumer = Resumer(proxy, self.router, self.metrics, upstream)
+            return await StreamRelay(opened, reader, on_end, resumer).run(request, headers)
         return await self._answer_whole(request, opened, key, admission, parsed, headers, started_s)
 
     async def _answer_whole(
@@ -208,15 +214,20 @@ class Handlers:
         started_s: float,
         relay: StreamRelay,
     ) -> None:
-        candidate = relay.opened.candidate
+        first, candidate = relay.first.candidate, relay.opened.candidate
         if relay.ttft_s is not None:
-            self.metrics.observe_ttft(candidate.region, "stream", relay.ttft_s)
-            self.router.observe_ttft(candidate.region, relay.ttft_s, candidate.predicted_ttft_s)
-        usage = relay.reader.usage
+            self.metrics.observe_ttft(first.region, "stream", relay.ttft_s)
+            self.router.observe_ttft(first.region, relay.ttft_s, first.predicted_ttft_s)
+        for gap_s in relay.resume_gaps_s:
+            self.metrics.observe_resume_gap(candidate.region, gap_s)
+        reader = relay.reader
+        usage = reader.usage  # summed over the attempts when the stream was resumed
         if usage is not None:
             num_used = usage.total_tokens
-        else:  # cut short: about one token per event so far
-            num_used = min(parsed.reserved_tokens, parsed.prompt_tokens + relay.reader.num_events)
+        else:  # cut short: the prompt once per attempt, and the tokens relayed
+            num_prompts = parsed.prompt_tokens * len(reader.starts) + sum(reader.starts)
+            num_relayed = max(len(reader.token_ids), reader.num_events)
+            num_used = min(parsed.reserved_tokens, num_prompts + num_relayed)
         await self._limiter().settle(key, admission, parsed.reserved_tokens - num_used)
         if relay.error is not None:
             self.metrics.count_stream_error(candidate.region)
@@ -225,7 +236,7 @@ class Handlers:
                 state.breaker.on_failure(time.monotonic())
         status = 499 if relay.is_client_gone else 200
         self._count_and_log(
-            request, status, candidate.region, key, started_s, relay.opened.num_retries, num_used
+            request, status, candidate.region, key, started_s, relay.first.num_retries, num_used
         )
 
     # Helpers.

@@ -54,6 +54,26 @@ class GatewayMetrics:
             ["region"],
             registry=self.registry,
         )
+        self._resumes = Counter(
+            "meridian_gateway_stream_resumes_total",
+            "Streams that broke mid-way and continued in another region, by both regions.",
+            ["from_region", "to_region"],
+            registry=self.registry,
+        )
+        self._resumes_refused = Counter(
+            "meridian_gateway_stream_resumes_refused_total",
+            "Broken streams that could not continue elsewhere, by why not.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._resume_gap = Histogram(
+            "meridian_gateway_stream_resume_gap_seconds",
+            "Latency a resume added: from the last chunk of the broken attempt to the first of "
+            "its continuation, as the client saw it, by the continuing region.",
+            ["region"],
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "meridian_gateway_in_flight_requests",
             "Requests being proxied now.",
@@ -97,6 +117,15 @@ class GatewayMetrics:
 
     def count_stream_error(self, region: str) -> None:
         self._counter(self._stream_errors, region).inc()
+
+    def count_resume(self, from_region: str, to_region: str) -> None:
+        self._counter(self._resumes, from_region, to_region).inc()
+
+    def count_resume_refused(self, reason: str) -> None:
+        self._counter(self._resumes_refused, reason).inc()
+
+    def observe_resume_gap(self, region: str, seconds: float) -> None:
+        self._histogram(self._resume_gap, region).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

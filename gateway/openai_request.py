@@ -9,6 +9,8 @@ The upstream body is always re-serialized from what was parsed, never the client
 node must see exactly the `max_tokens` the gateway reserved (a `null`, or a duplicate key that
 another JSON parser would read differently, would let it generate past the reservation), and
 re-encoding is also what finds lone surrogates, which are valid JSON escapes but not text.
+Streams always ask the node for their output token ids (`return_token_ids`), which a resume
+continues from; the relay removes them unless the client asked too.
 
 Prompt tokens are estimated from characters (about 4 per token for English with BPE tokenizers,
 plus a few per message for the chat template); the estimate only sizes the reservation, and the
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeGuard
 
 from gateway.errors import InvalidRequestError
+from wire.resume import RETURN_TOKEN_IDS
 
 Endpoint = Literal["chat", "completions"]
 CHARS_PER_TOKEN = 4
@@ -38,6 +41,7 @@ class ParsedRequest:
     model: str
     is_stream: bool
     wants_usage: bool  # the client asked for the usage chunk itself
+    wants_token_ids: bool  # the client asked for `token_ids` itself (wire/resume.py)
     prompt_tokens: int  # estimated
     max_tokens: int  # the client's, or the gateway's default cap
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
@@ -169,11 +173,15 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
     body.pop("cache_salt", None)
     if is_stream and not wants_usage:
         body["stream_options"] = {**(options or {}), "include_usage": True}
+    wants_token_ids = body.get(RETURN_TOKEN_IDS) is True
+    if is_stream:  # what a resume continues from
+        body[RETURN_TOKEN_IDS] = True
     return ParsedRequest(
         endpoint=endpoint,
         model=model,
         is_stream=is_stream,
         wants_usage=wants_usage,
+        wants_token_ids=wants_token_ids,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         affinity_key=affinity_key,

@@ -11,7 +11,9 @@ elsewhere (every region would say the same) and count as the region's success, n
 opening its breaker. Every attempt feeds the region's circuit breaker; all of them together
 stay within the request's deadline and `max_attempts`. When every region failed with a status,
 the last such answer goes back to the client (a 429 keeps its Retry-After); when none answered
-at all, 502 (504 if the deadline passed first).
+at all, 502 (504 if the deadline passed first). Which region comes next is decided by the pure
+`AttemptSequence` (gateway/attempts.py); this module does the I/O. A committed stream that breaks
+later is continued through `resume` with the same sequence (see gateway/resume.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
 from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate, RegionState, RoutePlan, Router
@@ -55,6 +58,7 @@ class Opened:
     body: bytes
     sent_at_s: float  # when the attempt that answered started
     num_retries: int
+    attempts: AttemptSequence | None = None  # what else this request may try (for resumes)
 
     @property
     def status(self) -> int:
@@ -86,7 +90,7 @@ class Proxy:
         self._session = session
         self._router = router
         self._metrics = metrics
-        self._max_attempts = settings.max_attempts
+        self._limits = AttemptLimits(settings.max_attempts, settings.max_resumes)
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._min_decode_tokens_per_s = settings.min_decode_tokens_per_s
         self._whole_timeout = aiohttp.ClientTimeout(
@@ -109,18 +113,29 @@ class Proxy:
                 "no region can take requests now", "no_capacity", headers={"retry-after": "1"}
             )
         self._metrics.count_decision(plan.candidates[0].region, plan.reason)
+        attempts = AttemptSequence(plan.candidates, self._limits, deadline_s)
+        return await self._open_next(request, attempts)
+
+    async def resume(self, request: UpstreamRequest, attempts: AttemptSequence) -> Opened:
+        """Open `request` (a continuation) on the regions `attempts` has not tried yet; the
+        caller has had `attempts.resume` allow it. Raises GatewayError as `open` does."""
+        return await self._open_next(request, attempts)
+
+    async def _open_next(self, request: UpstreamRequest, attempts: AttemptSequence) -> Opened:
         last_answer: Opened | None = None
         num_retries = 0
-        for candidate in plan.candidates[: self._max_attempts]:
+        while True:
             now_s = time.monotonic()
-            if now_s >= deadline_s:
+            step = attempts.next(now_s)
+            if isinstance(step, GiveUp):
                 break
+            candidate = step.candidate
             state = self._router.state_of(candidate.region)
             if state is not None:
                 state.breaker.on_attempt(now_s)
                 state.num_in_flight += 1
             try:
-                opened = await self._attempt(request, candidate, deadline_s - now_s)
+                opened = await self._attempt(request, candidate, attempts.deadline_s - now_s)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self._on_failure(candidate, state, _cause_of(exc), repr(exc))
                 num_retries += 1
@@ -131,6 +146,7 @@ class Proxy:
                     state.breaker.on_abandon()
                 raise
             opened.state, opened.sent_at_s, opened.num_retries = state, now_s, num_retries
+            opened.attempts = attempts
             if opened.status >= 500 or opened.status == 429:
                 opened.response.release()
                 self._on_failure(candidate, state, str(opened.status), f"HTTP {opened.status}")
@@ -143,7 +159,7 @@ class Proxy:
             return opened
         if last_answer is not None:
             return last_answer
-        if time.monotonic() >= deadline_s:
+        if time.monotonic() >= attempts.deadline_s:
             raise DeadlineError("no region answered within the request's deadline", "timeout")
         raise UpstreamError("no region could be reached", "upstream_unreachable")
 

@@ -1,10 +1,14 @@
 """Relaying a committed upstream SSE stream to the client, chunk by chunk, without buffering.
 
-Each upstream read is forwarded as soon as it holds whole events. If the upstream fails or goes
-quiet after bytes were sent, the client gets an SSE error event and `[DONE]` (never a silent
-cut). If the client goes away (a failed write, or the server cancelling the handler when the
-connection drops), the upstream request is closed at once so the node stops generating.
-However the stream ends, `on_end` runs once with what was learnt (usage, TTFT, error).
+Each upstream read is forwarded as soon as it holds whole events. If the upstream fails, goes
+quiet for longer than the stream idle timeout, ends early or sends an error event after bytes
+were sent, the relay asks `resume` for a continuation in another region and carries on reading
+from it, the client seeing one stream (gateway/resume.py, gateway/sse.py). When no continuation
+can be had, the client gets an SSE error event and `[DONE]` (the upstream's own error event if it
+sent one; never a silent cut). If the client goes away (a failed write, or the server cancelling
+the handler when the connection drops), the upstream request is closed at once so the node stops
+generating. However the stream ends, `on_end` runs once with what was learnt (usage, TTFT,
+error).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from aiohttp import web
 
 from gateway.errors import sse_error_event
 from gateway.proxy import Opened
-from gateway.sse import StreamReader
+from gateway.sse import DONE_EVENT, EVENT_END, StreamReader
 
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+
+# Given the broken attempt and why it broke: a continuation already answering, or None.
+Resume = Callable[[Opened, StreamReader, str], Awaitable[Opened | None]]
 
 
 class StreamRelay:
@@ -31,14 +38,20 @@ class StreamRelay:
         opened: Opened,
         reader: StreamReader,
         on_end: Callable[[StreamRelay], Awaitable[None]],
+        resume: Resume | None = None,
     ) -> None:
-        self.opened = opened
+        self.first = opened  # the attempt the stream began on (its TTFT, its retries)
+        self.opened = opened  # the attempt being read now
         self.reader = reader
         self._on_end = on_end
+        self._resume = resume
         self.ttft_s: float | None = None
         self.error: str | None = None  # why the stream ended early, if it did
         self.is_client_gone = False
         self._has_read_all = False
+        self.last_chunk_s = time.monotonic()  # when bytes last went to the client
+        self.resume_gaps_s: list[float] = []  # per resume: last chunk before to first after
+        self._gap_started_s: float | None = None
 
     async def run(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
@@ -51,44 +64,79 @@ class StreamRelay:
             self.is_client_gone = True
             raise
         finally:
-            if not self._has_read_all:
-                self.opened.response.close()  # stop the node generating for nobody
-            self.opened.finish()
+            self._release()
             await self._on_end(self)
         return response
 
+    def _release(self) -> None:
+        if not self._has_read_all:
+            self.opened.response.close()  # stop the node generating for nobody
+        self.opened.finish()
+
     async def _pump(self, response: web.StreamResponse) -> None:
         await self._forward(self.opened.body, response)
-        content = self.opened.response.content
         while True:
-            try:
-                chunk = await content.readany()
-            except TimeoutError:
-                self.error = "the region stopped sending"
+            error = await self._read_attempt(response)
+            if error is None:
                 break
-            except aiohttp.ClientError as exc:
-                self.error = f"the region failed mid-stream ({type(exc).__name__})"
+            if self.reader.is_finished:  # only the usage and `[DONE]` were lost
+                await response.write(DONE_EVENT + EVENT_END)
                 break
-            if not chunk:
-                self._has_read_all = True
-                if not self.reader.is_done:
-                    self.error = "the region ended the stream early"
+            if self._resume is None:
+                self.error = error
                 break
-            await self._forward(chunk, response)
+            logger.warning("stream from %s broke: %s", self.opened.candidate.region, error)
+            broken_at_s = self.last_chunk_s
+            continuation = await self._resume(self.opened, self.reader, error)
+            if continuation is None:
+                self.error = error
+                break
+            self._release()
+            self.opened, self._has_read_all = continuation, False
+            self.reader.begin_continuation()
+            self._gap_started_s = broken_at_s
+            await self._forward(continuation.body, response)
         tail = self.reader.flush()
-        if tail:
+        if tail and self.error is None:
             await response.write(tail)
         if self.error is not None:
             logger.warning(
                 "stream from %s ended early: %s", self.opened.candidate.region, self.error
             )
-            message = f"{self.error}; the response is incomplete"
-            await response.write(sse_error_event(502, message, "stream_interrupted"))
+            held = self.reader.upstream_error
+            if held is not None:
+                await response.write(held)
+            else:
+                message = f"{self.error}; the response is incomplete"
+                await response.write(sse_error_event(502, message, "stream_interrupted"))
         await response.write_eof()
+
+    async def _read_attempt(self, response: web.StreamResponse) -> str | None:
+        """Relay the current attempt to its end: None if it ended well, else why it broke."""
+        if self.reader.upstream_error is not None:
+            return "the region sent an error event"
+        content = self.opened.response.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except TimeoutError:
+                return "the region stopped sending"
+            except aiohttp.ClientError as exc:
+                return f"the region failed mid-stream ({type(exc).__name__})"
+            if not chunk:
+                self._has_read_all = True
+                return None if self.reader.is_done else "the region ended the stream early"
+            await self._forward(chunk, response)
+            if self.reader.upstream_error is not None:
+                return "the region sent an error event"
 
     async def _forward(self, chunk: bytes, response: web.StreamResponse) -> None:
         out = self.reader.feed(chunk)
         if self.ttft_s is None and self.reader.has_first_token:
-            self.ttft_s = time.monotonic() - self.opened.sent_at_s
+            self.ttft_s = time.monotonic() - self.first.sent_at_s
         if out:
             await response.write(out)
+            self.last_chunk_s = time.monotonic()
+            if self._gap_started_s is not None:
+                self.resume_gaps_s.append(self.last_chunk_s - self._gap_started_s)
+                self._gap_started_s = None

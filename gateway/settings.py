@@ -85,6 +85,10 @@ class GatewaySettings(BaseSettings):
     # Longest silence between two chunks of a stream before it is ended with an error event.
     stream_idle_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_attempts: int = Field(default=3, ge=1, le=10)
+    # A stream that breaks after its first chunk (connection lost, silent past
+    # stream_idle_timeout_s, an error event) continues in the next region, at most this many
+    # times within request_deadline_s (0: end it with an error event instead).
+    max_resumes: int = Field(default=2, ge=0, le=10)
 
     # Circuit breaker per region.
     breaker_failures: int = Field(default=5, ge=1, le=1000)

@@ -102,6 +102,11 @@ class SamplingRequest(_Lenient):
     logit_bias: dict[str, float] | None = None
     # vLLM's: prefix-cache hits only among requests of the same salt (see cache_salt.py).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
+    # Resuming a generation elsewhere (wire/resume.py): ids out, and ids to continue after.
+    return_token_ids: bool = False
+    resume_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = (
+        None
+    )
 
     @field_validator("*", mode="before")
     @classmethod

@@ -15,6 +15,7 @@ from functools import cache
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from wire.errors import error_body
+from wire.resume import TOKEN_IDS
 
 JSON = dict[str, object]
 DONE = b"data: [DONE]\n\n"
@@ -126,6 +127,7 @@ class ResponseHeader:
     created: int
     model: str
     include_usage: bool = False
+    return_token_ids: bool = False  # each choice carries its output's ids (wire/resume.py)
     _chat_chunk: JSON = field(init=False)
     _text_chunk: JSON = field(init=False)
 
@@ -137,7 +139,12 @@ class ResponseHeader:
     # --- chat ---
 
     def chat_completion(
-        self, text: str, finish_reason: str | None, logprobs: JSON | None, usage: Usage
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: JSON | None,
+        usage: Usage,
+        token_ids: list[int],
     ) -> JSON:
         choice = {
             "index": 0,
@@ -145,6 +152,7 @@ class ResponseHeader:
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
+        self._add_token_ids(choice, token_ids)
         return {
             "id": self.response_id,
             "object": "chat.completion",
@@ -155,9 +163,15 @@ class ResponseHeader:
         }
 
     def chat_chunk(
-        self, delta: JSON, finish_reason: str | None = None, logprobs: JSON | None = None
+        self,
+        delta: JSON,
+        finish_reason: str | None = None,
+        logprobs: JSON | None = None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids is not None:
+            self._add_token_ids(choice, token_ids)
         return self._chunk(self._chat_chunk, [choice])
 
     def chat_usage_chunk(self, usage: Usage) -> bytes:
@@ -166,9 +180,15 @@ class ResponseHeader:
     # --- completions ---
 
     def completion(
-        self, text: str, finish_reason: str | None, logprobs: JSON | None, usage: Usage
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: JSON | None,
+        usage: Usage,
+        token_ids: list[int],
     ) -> JSON:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        self._add_token_ids(choice, token_ids)
         return {
             "id": self.response_id,
             "object": "text_completion",
@@ -179,13 +199,23 @@ class ResponseHeader:
         }
 
     def completion_chunk(
-        self, text: str, finish_reason: str | None = None, logprobs: JSON | None = None
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: JSON | None = None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids is not None:
+            self._add_token_ids(choice, token_ids)
         return self._chunk(self._text_chunk, [choice])
 
     def completion_usage_chunk(self, usage: Usage) -> bytes:
         return sse({**self._text_chunk, "choices": [], "usage": usage.to_json()})
+
+    def _add_token_ids(self, choice: JSON, token_ids: list[int]) -> None:
+        if self.return_token_ids:
+            choice[TOKEN_IDS] = token_ids
 
     def _chunk(self, base: JSON, choices: list[JSON]) -> bytes:
         payload: JSON = {**base, "choices": choices}

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.async_llm import AsyncLLM
 from engine.chat_template import ChatMessage
@@ -36,6 +36,14 @@ class PreparedRequest:
     header: ResponseHeader
     num_top_logprobs: int | None  # None: no logprobs asked for
     cache_salt: str | None
+    # An earlier attempt's output that this one continues (wire/resume.py); empty if none.
+    resumed_token_ids: list[int] = field(default_factory=list)
+    return_token_ids: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """What the engine prefills, the resumed output included (the usage's prompt)."""
+        return len(self.prompt_token_ids) + len(self.resumed_token_ids)
 
 
 class Serving:
@@ -60,7 +68,7 @@ class Serving:
                 entry["name"] = message.name
             messages.append(entry)
         token_ids = await asyncio.to_thread(self._render_and_encode, messages)
-        self._check_length(token_ids, body.max_output_tokens, "messages")
+        self._check_length(token_ids, body, body.max_output_tokens, "messages")
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
         return self._prepared(
             "chatcmpl", token_ids, params, body, body.engine_logprobs, cache_salt
@@ -76,7 +84,7 @@ class Serving:
             token_ids = await asyncio.to_thread(self.llm.tokenizer.encode, prompt)
         else:
             token_ids = prompt
-        self._check_length(token_ids, body.max_tokens, "prompt")
+        self._check_length(token_ids, body, body.max_tokens, "prompt")
         params = self._params(body, body.max_tokens, body.logprobs)
         return self._prepared("cmpl", token_ids, params, body, body.logprobs, cache_salt)
 
@@ -85,7 +93,11 @@ class Serving:
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs; closing this iterator early aborts the request."""
         stream = self.llm.generate(
-            prepared.prompt_token_ids, prepared.params, prepared.request_id, prepared.cache_salt
+            prepared.prompt_token_ids,
+            prepared.params,
+            prepared.request_id,
+            prepared.cache_salt,
+            prepared.resumed_token_ids or None,
         )
         async with aclosing(stream) as outputs:
             async for output in outputs:
@@ -105,9 +117,11 @@ class Serving:
                                   param="messages") from exc
         return tokenizer.encode(prompt)
 
-    def _check_length(self, token_ids: list[int], max_tokens: int | None, param: str) -> None:
+    def _check_length(
+        self, token_ids: list[int], body: SamplingRequest, max_tokens: int | None, param: str
+    ) -> None:
         limit = self.max_model_len
-        num_prompt = len(token_ids)
+        num_prompt = len(token_ids) + len(body.resume_token_ids or ())
         if num_prompt >= limit:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {limit} tokens. However, your "
@@ -149,12 +163,23 @@ class Serving:
         num_top_logprobs: int | None,
         cache_salt: str | None,
     ) -> PreparedRequest:
+        resumed = list(body.resume_token_ids or ())
         try:
-            self.llm.engine.check_request(token_ids, params)
+            self.llm.engine.check_request(token_ids, params, resumed)
         except InvalidRequestError as exc:
-            raise BadRequestError(str(exc), param="prompt") from exc
+            param = "resume_token_ids" if "resumed" in str(exc) else "prompt"
+            raise BadRequestError(str(exc), param=param) from exc
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        header = ResponseHeader(request_id, int(time.time()), body.model, body.include_usage)
+        header = ResponseHeader(
+            request_id, int(time.time()), body.model, body.include_usage, body.return_token_ids
+        )
         return PreparedRequest(
-            request_id, token_ids, params, header, num_top_logprobs, cache_salt
+            request_id,
+            token_ids,
+            params,
+            header,
+            num_top_logprobs,
+            cache_salt,
+            resumed,
+            body.return_token_ids,
         )

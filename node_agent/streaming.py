@@ -48,7 +48,7 @@ class RequestRun:
     is_closed: bool = False
 
     def __post_init__(self) -> None:
-        self.usage = Usage(len(self.prepared.prompt_token_ids))
+        self.usage = Usage(self.prepared.num_prompt_tokens)
 
     def record(self, output: RequestOutput) -> None:
         completion = output.outputs[0]
@@ -85,6 +85,7 @@ def _aborted() -> UnavailableError:
 async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> AsyncIterator[bytes]:
     header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
+    with_ids = run.prepared.return_token_ids
     async with aclosing(_guarded(run, outputs)) as stream:
         yield header.chat_chunk({"role": "assistant", "content": ""})
         async for item in stream:
@@ -93,8 +94,12 @@ async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> A
                 return
             completion = item.outputs[0]
             logprobs = _chat_logprobs(texts, completion.logprobs, num_top)
-            if completion.text or logprobs is not None:
-                yield header.chat_chunk({"content": completion.text}, logprobs=logprobs)
+            # With ids asked for, every output that has ids is a chunk: the ids a client holds
+            # then always match the text it holds (what a resume continues from).
+            if completion.text or logprobs is not None or (with_ids and completion.token_ids):
+                yield header.chat_chunk(
+                    {"content": completion.text}, logprobs=logprobs, token_ids=completion.token_ids
+                )
             if item.finished:
                 yield header.chat_chunk({}, finish_reason=completion.finish_reason)
     if header.include_usage:
@@ -107,6 +112,7 @@ async def completion_events(
 ) -> AsyncIterator[bytes]:
     header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
+    with_ids = run.prepared.return_token_ids
     logprobs = CompletionLogprobs(texts, num_top) if num_top is not None else None
     async with aclosing(_guarded(run, outputs)) as stream:
         async for item in stream:
@@ -116,8 +122,11 @@ async def completion_events(
             completion = item.outputs[0]
             lp = logprobs.next(completion.logprobs) if logprobs and completion.logprobs else None
             finish_reason = completion.finish_reason if item.finished else None
-            if completion.text or lp is not None or finish_reason is not None:
-                yield header.completion_chunk(completion.text, finish_reason, lp)
+            has_ids = with_ids and bool(completion.token_ids)
+            if completion.text or lp is not None or finish_reason is not None or has_ids:
+                yield header.completion_chunk(
+                    completion.text, finish_reason, lp, completion.token_ids
+                )
     if header.include_usage:
         yield header.completion_usage_chunk(run.usage)
     yield DONE
@@ -142,33 +151,37 @@ async def _guarded(
 
 
 async def collect_chat(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:
-    text, logprobs = await _collect(run, outputs)
+    text, logprobs, token_ids = await _collect(run, outputs)
     num_top = run.prepared.num_top_logprobs
     return run.prepared.header.chat_completion(
-        text, run.finish_reason, _chat_logprobs(texts, logprobs, num_top), run.usage
+        text, run.finish_reason, _chat_logprobs(texts, logprobs, num_top), run.usage, token_ids
     )
 
 
 async def collect_completion(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:
-    text, logprobs = await _collect(run, outputs)
+    text, logprobs, token_ids = await _collect(run, outputs)
     num_top = run.prepared.num_top_logprobs
     lp = CompletionLogprobs(texts, num_top).next(logprobs) if num_top is not None else None
-    return run.prepared.header.completion(text, run.finish_reason, lp, run.usage)
+    return run.prepared.header.completion(text, run.finish_reason, lp, run.usage, token_ids)
 
 
-async def _collect(run: RequestRun, outputs: Outputs) -> tuple[str, list[TokenLogprobs]]:
+async def _collect(
+    run: RequestRun, outputs: Outputs
+) -> tuple[str, list[TokenLogprobs], list[int]]:
     parts: list[str] = []
     logprobs: list[TokenLogprobs] = []
+    token_ids: list[int] = []
     async with aclosing(outputs) as stream:
         async for output in stream:
             run.record(output)
             completion = output.outputs[0]
             parts.append(completion.text)
+            token_ids.extend(completion.token_ids)
             if completion.logprobs:
                 logprobs.extend(completion.logprobs)
     if run.finish_reason in (None, "abort"):
         raise _aborted()
-    return "".join(parts), logprobs
+    return "".join(parts), logprobs, token_ids
 
 
 def _chat_logprobs(

@@ -29,6 +29,8 @@ class Behavior:
     num_chunks: int = 3  # content chunks per stream (and completion tokens per response)
     chunk_delay_s: float = 0.0
     die_after_chunks: int | None = None  # drop the connection mid-stream after this many
+    error_after_chunks: int | None = None  # send an error event mid-stream after this many
+    stall_after_chunks: int | None = None  # go silent (connection open) after this many
     put_usage_in_last_choice: bool = False
 
 
@@ -107,7 +109,12 @@ class FakeUpstream:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         num_tokens = min(behavior.num_chunks, int(max_tokens))
         if body.get("stream"):
-            return await self._stream(request, body, is_chat, num_tokens)
+            # Token i is "t{i} " with id 100 + i; a resumed request goes on after its ids.
+            resumed = body.get("resume_token_ids") or []
+            assert isinstance(resumed, list)
+            start = len(resumed)
+            num_new = min(behavior.num_chunks - start, int(max_tokens))
+            return await self._stream(request, body, is_chat, start, num_new)
         return web.json_response(self._whole(is_chat, num_tokens, body))
 
     def _whole(self, is_chat: bool, num_tokens: int, body: JSON) -> JSON:
@@ -140,26 +147,27 @@ class FakeUpstream:
         }
 
     async def _stream(
-        self, request: web.Request, body: JSON, is_chat: bool, num_tokens: int
+        self, request: web.Request, body: JSON, is_chat: bool, start: int, num_tokens: int
     ) -> web.StreamResponse:
         try:
-            return await self._write_stream(request, body, is_chat, num_tokens)
+            return await self._write_stream(request, body, is_chat, start, num_tokens)
         except (ConnectionResetError, asyncio.CancelledError):
             self.num_abandoned += 1
             raise
 
     async def _write_stream(
-        self, request: web.Request, body: JSON, is_chat: bool, num_tokens: int
+        self, request: web.Request, body: JSON, is_chat: bool, start: int, num_tokens: int
     ) -> web.StreamResponse:
         behavior = self.behavior
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        with_ids = body.get("return_token_ids") is True
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         base: JSON = {
-            "id": "chunk-1",
+            "id": f"chunk-{self.name}-{len(self.seen)}",
             "object": "chat.completion.chunk" if is_chat else "text_completion",
-            "created": 1,
+            "created": len(self.seen),
             "model": body.get("model"),
         }
 
@@ -179,26 +187,36 @@ class FakeUpstream:
                     }
                 )
             )
-        for i in range(num_tokens):
-            if behavior.die_after_chunks is not None and i >= behavior.die_after_chunks:
+        for n, i in enumerate(range(start, start + num_tokens)):
+            if behavior.die_after_chunks is not None and n >= behavior.die_after_chunks:
                 assert request.transport is not None
                 request.transport.abort()
                 return response
+            if behavior.error_after_chunks is not None and n >= behavior.error_after_chunks:
+                error = {"error": {"message": "engine died", "type": "x", "code": "engine_dead"}}
+                await response.write(_sse(error) + b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            if behavior.stall_after_chunks is not None and n >= behavior.stall_after_chunks:
+                await asyncio.sleep(3600)
             if behavior.chunk_delay_s:
                 await asyncio.sleep(behavior.chunk_delay_s)
             text = f"t{i} "
             choice = (
                 {"index": 0, "delta": {"content": text}} if is_chat else {"index": 0, "text": text}
             )
+            if with_ids:
+                choice["token_ids"] = [100 + i]
             await response.write(chunk({**choice, "finish_reason": None}))
         final: JSON = {"index": 0, "finish_reason": "stop"}
         final |= {"delta": {}} if is_chat else {"text": ""}
+        usage = _usage(num_tokens, PROMPT_TOKENS + start)
         if include_usage and behavior.put_usage_in_last_choice:
-            await response.write(_sse({**base, "choices": [final], "usage": _usage(num_tokens)}))
+            await response.write(_sse({**base, "choices": [final], "usage": usage}))
         else:
             await response.write(chunk(final))
             if include_usage:
-                await response.write(_sse({**base, "choices": [], "usage": _usage(num_tokens)}))
+                await response.write(_sse({**base, "choices": [], "usage": usage}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -208,11 +226,12 @@ def _lower(headers: Mapping[str, str]) -> dict[str, str]:
     return {name.lower(): value for name, value in headers.items()}
 
 
-def _usage(num_tokens: int) -> JSON:
+def _usage(num_tokens: int, num_prompt_tokens: int = PROMPT_TOKENS) -> JSON:
+    """A resumed request counts the ids it resumed after as prompt, as our node agent does."""
     return {
-        "prompt_tokens": PROMPT_TOKENS,
+        "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_tokens,
-        "total_tokens": PROMPT_TOKENS + num_tokens,
+        "total_tokens": num_prompt_tokens + num_tokens,
     }
 
 

@@ -24,6 +24,56 @@ MAX_LOAD_S = 120.0  # both models loading at once on a small CPU machine
 pytestmark = pytest.mark.slow
 
 
+def start_real_node(
+    fleet: Fleet, region: str, log_dir: Path, *extra_args: str
+) -> subprocess.Popen[bytes]:
+    """A real node agent for `region`, registered behind the simulated RTT, logging to
+    `log_dir`/node-REGION.log."""
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    node_id = f"{region}-n1"
+    env = base_env | {"MERIDIAN_NODE_TOKEN": fleet.mint_node_token(node_id, region)}
+    port = free_port()
+    fleet.add_region_in_front_of(region, port)
+    args = [
+        sys.executable,
+        "-m",
+        "node_agent",
+        "--model",
+        DEFAULT_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--region",
+        region,
+        "--node-id",
+        node_id,
+        "--control-plane",
+        fleet.cp_url,
+        "--heartbeat-interval",
+        "0.5",
+        "--num-kv-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+        *extra_args,
+    ]
+    with (log_dir / f"node-{region}.log").open("wb") as log:
+        return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
+
+
+def stop_nodes(nodes: list[subprocess.Popen[bytes]]) -> None:
+    for node in nodes:
+        if node.poll() is None:
+            node.send_signal(signal.SIGINT)
+    for node in nodes:
+        try:
+            node.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait(timeout=5)
+
+
 @pytest.fixture
 def real_fleet(
     tmp_path: Path, server_cert: tuple[Path, Path], smollm2_gguf: Path
@@ -33,48 +83,11 @@ def real_fleet(
     nodes: list[subprocess.Popen[bytes]] = []
     try:
         fleet.start_control_plane()
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
         for region in ("us-east", "eu-west"):
-            node_id = f"{region}-n1"
-            env = base_env | {"MERIDIAN_NODE_TOKEN": fleet.mint_node_token(node_id, region)}
-            port = free_port()
-            fleet.add_region_in_front_of(region, port)
-            args = [
-                sys.executable,
-                "-m",
-                "node_agent",
-                "--model",
-                DEFAULT_MODEL,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--region",
-                region,
-                "--node-id",
-                node_id,
-                "--control-plane",
-                fleet.cp_url,
-                "--heartbeat-interval",
-                "0.5",
-                "--num-kv-blocks",
-                "256",
-                "--max-model-len",
-                "1024",
-            ]
-            with (tmp_path / f"node-{region}.log").open("wb") as log:
-                process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
-            nodes.append(process)
+            nodes.append(start_real_node(fleet, region, tmp_path))
         yield fleet
     finally:
-        for node in nodes:
-            node.send_signal(signal.SIGINT)
-        for node in nodes:
-            try:
-                node.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                node.kill()
-                node.wait(timeout=5)
+        stop_nodes(nodes)
         fleet.close()
 
 

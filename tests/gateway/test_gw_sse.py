@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.sse import StreamReader
+from gateway.sse import StreamReader, Usage, summed_usage
 
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}],"usage":null}\n\n'
 TOKEN = b'data: {"choices":[{"delta":{"content":"hi"}}],"usage":null}\n\n'
@@ -70,3 +70,70 @@ def test_a_stream_cut_before_done_is_not_done() -> None:
     reader.feed(ROLE + TOKEN[:10])
     assert not reader.is_done
     assert reader.flush() == TOKEN[:10]
+
+
+def chunk(content: str, ids: list[int], cid: str = "c-1", created: int = 5) -> bytes:
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": None, "token_ids": ids}
+    payload = {"id": cid, "created": created, "choices": [choice]}
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def finish(cid: str) -> bytes:
+    choice = {"index": 0, "delta": {}, "finish_reason": "stop"}
+    return b"data: " + json.dumps({"id": cid, "created": 9, "choices": [choice]}).encode() + b"\n\n"
+
+
+def role(cid: str) -> bytes:
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}
+    return b"data: " + json.dumps({"id": cid, "created": 9, "choices": [choice]}).encode() + b"\n\n"
+
+
+def usage(prompt: int, completion: int, cid: str) -> bytes:
+    body = {"id": cid, "choices": [], "usage": {"prompt_tokens": prompt,
+                                                 "completion_tokens": completion}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def test_token_ids_are_kept_and_hidden_unless_asked() -> None:
+    reader = StreamReader(strip_usage=False)
+    out = feed_all(reader, [role("c-1") + chunk("a", [7]) + chunk("b c", [8, 9])[:20],
+                            chunk("b c", [8, 9])[20:]])
+    assert reader.token_ids == [7, 8, 9]
+    assert b"token_ids" not in out
+    shown = StreamReader(strip_usage=False, strip_token_ids=False)
+    assert b'"token_ids":[8,9]' in feed_all(shown, [chunk("b c", [8, 9])])
+
+
+def test_an_upstream_error_event_is_held_back_with_what_follows() -> None:
+    reader = StreamReader(strip_usage=False)
+    error = b'data: {"error":{"message":"x","code":"engine_dead"}}\n\n' + DONE
+    out = feed_all(reader, [chunk("a", [7]) + error])
+    assert out == chunk("a", [7]).replace(b',"token_ids":[7]', b"")
+    assert reader.upstream_error == error and not reader.is_done
+
+
+def test_text_that_looks_like_an_error_event_is_content() -> None:
+    reader = StreamReader(strip_usage=False)
+    feed_all(reader, [chunk('data: {"error"', [7])])
+    assert reader.upstream_error is None
+
+
+def test_a_continuation_looks_like_the_first_attempt() -> None:
+    reader = StreamReader(strip_usage=False)
+    feed_all(reader, [role("first") + chunk("a", [7]) + chunk("b", [8]) + b'data: {"id":"fi'])
+    reader.begin_continuation()
+    out = feed_all(reader, [role("second") + chunk("c", [9], "second", 77) + finish("second")
+                            + usage(12, 1, "second") + DONE])
+    events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert [e["id"] for e in events] == ["first"] * 3  # no second role chunk
+    assert events[0]["choices"][0]["delta"] == {"content": "c"} and events[0]["created"] == 9
+    assert events[1]["meridian_resumes"] == 1
+    # The first attempt: prompt 10 and 2 tokens; the second: prompt 10 + 2 resumed, 1 token.
+    assert events[2]["usage"]["prompt_tokens"] == 22
+    assert events[2]["usage"]["completion_tokens"] == 3
+    assert reader.token_ids == [7, 8, 9] and reader.starts == [0, 2] and reader.is_done
+
+
+def test_summed_usage_counts_each_attempts_prompt_and_every_output_token_once() -> None:
+    last = Usage(prompt_tokens=10 + 5, completion_tokens=4)  # resumed after 5 relayed
+    assert summed_usage(last, [0, 2, 5]) == Usage(10 + 12 + 15, 9)

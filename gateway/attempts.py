@@ -1,0 +1,72 @@
+"""Which region a request tries next: the attempt sequence as a pure state machine.
+
+No I/O and no clock of its own (the caller passes `now_s`), so that the proxy and the simulator
+drive the same decisions. A request first opens: regions in the plan's order, at most
+`max_attempts` of them, until one answers. Once its stream is committed and then breaks, it may
+resume (at most `max_resumes` times): each resume opens again, in the same order, among regions
+not tried yet, at most `max_attempts` of them. Every attempt stays within the deadline, and no
+region is tried twice for one request (a region that failed it once is the last place to ask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.routing import Candidate
+
+GiveUpReason = Literal["deadline", "exhausted", "max_resumes"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptLimits:
+    max_attempts: int  # regions one opening may try (the first try and its failovers)
+    max_resumes: int  # continuations after a committed stream broke
+
+
+@dataclass(frozen=True, slots=True)
+class Try:
+    candidate: Candidate
+    is_resume: bool  # the continuation of a stream that broke elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    reason: GiveUpReason
+
+
+@dataclass(slots=True)
+class AttemptSequence:
+    candidates: list[Candidate]  # the plan: the choice first, then failover order
+    limits: AttemptLimits
+    deadline_s: float
+    num_tried: int = 0  # candidates handed out so far
+    num_resumes: int = 0
+    _num_left_in_opening: int = 0
+
+    def __post_init__(self) -> None:
+        self._num_left_in_opening = self.limits.max_attempts
+
+    def next(self, now_s: float) -> Try | GiveUp:
+        """The region to try now (the previous attempt, if any, failed before committing)."""
+        if now_s >= self.deadline_s:
+            return GiveUp("deadline")
+        if self._num_left_in_opening <= 0 or self.num_tried >= len(self.candidates):
+            return GiveUp("exhausted")
+        candidate = self.candidates[self.num_tried]
+        self.num_tried += 1
+        self._num_left_in_opening -= 1
+        return Try(candidate, self.num_resumes > 0)
+
+    def resume(self, now_s: float) -> GiveUp | None:
+        """The committed stream broke: None if it may continue (then call `next`), else why
+        not."""
+        if self.num_resumes >= self.limits.max_resumes:
+            return GiveUp("max_resumes")
+        if now_s >= self.deadline_s:
+            return GiveUp("deadline")
+        if self.num_tried >= len(self.candidates):
+            return GiveUp("exhausted")
+        self.num_resumes += 1
+        self._num_left_in_opening = self.limits.max_attempts
+        return None

@@ -1,0 +1,84 @@
+"""Continuing a broken stream in another region: the continuation request, and the decision.
+
+The continuation is the request as first sent upstream plus `resume_token_ids` (the output ids
+relayed so far, after any the client itself resumed from) and a `max_tokens` reduced by them
+(wire/resume.py). The node then produces what an unbroken run would have produced next: the
+same text for greedy decoding, and for seeded sampling where the engine's sampling is
+deterministic (docs/gateway.md). Every resume feeds the broken region's circuit breaker and the
+resume metrics; a resume that cannot happen (no region left, the deadline passed, the resume
+budget spent, the continuation refused) lets the stream end with its error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Opened, Proxy, UpstreamRequest
+from gateway.routing import Router
+from gateway.sse import StreamReader
+from wire.resume import RESUME_TOKEN_IDS
+
+logger = logging.getLogger(__name__)
+
+
+def continuation_of(request: UpstreamRequest, token_ids: list[int]) -> UpstreamRequest | None:
+    """The request that continues `request` after the output `token_ids`; None when nothing is
+    left to generate."""
+    num_left = request.max_tokens - len(token_ids)
+    if num_left < 1 or request.body is None:
+        return None
+    body = json.loads(request.body)
+    resumed = [*(body.get(RESUME_TOKEN_IDS) or ()), *token_ids]
+    if resumed:  # else it broke before any output: the continuation starts afresh
+        body[RESUME_TOKEN_IDS] = resumed
+    body["max_tokens"] = num_left
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = num_left
+    encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return replace(request, body=encoded, max_tokens=num_left)
+
+
+@dataclass(slots=True)
+class Resumer:
+    """Opens continuations of one request's stream (the relay's `resume`)."""
+
+    proxy: Proxy
+    router: Router
+    metrics: GatewayMetrics
+    request: UpstreamRequest
+
+    async def __call__(self, broken: Opened, reader: StreamReader, cause: str) -> Opened | None:
+        attempts = broken.attempts
+        if attempts is None:
+            return None
+        refusal = attempts.resume(time.monotonic())
+        if refusal is not None:
+            self.metrics.count_resume_refused(refusal.reason)
+            return None
+        continuation = continuation_of(self.request, reader.token_ids)
+        if continuation is None:
+            self.metrics.count_resume_refused("nothing_left")
+            return None
+        try:
+            opened = await self.proxy.resume(continuation, attempts)
+        except GatewayError as exc:
+            self.metrics.count_resume_refused(exc.code)
+            return None
+        if opened.status != 200:
+            opened.finish()
+            logger.warning("resume refused by %s: HTTP %d", opened.candidate.region, opened.status)
+            self.metrics.count_resume_refused(f"http_{opened.status}")
+            return None
+        # The broken region's failure (when no resume happens, the stream's end records it).
+        region = broken.candidate.region
+        state = self.router.state_of(region)
+        if state is not None:
+            state.breaker.on_failure(time.monotonic())
+        self.metrics.count_resume(region, opened.candidate.region)
+        logger.warning("stream resumed from %s in %s (%s)", region, opened.candidate.region, cause)
+        return opened

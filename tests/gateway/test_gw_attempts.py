@@ -1,0 +1,56 @@
+"""The attempt sequence: which region a request tries next, opening and resuming (pure)."""
+
+from __future__ import annotations
+
+from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp, Try
+from gateway.routing import Candidate
+
+
+def plan(*regions: str) -> list[Candidate]:
+    return [Candidate(r, f"http://{r}", 0.01 * i, 0.01 * i) for i, r in enumerate(regions)]
+
+
+def names(sequence: AttemptSequence, now_s: float = 0.0) -> list[str]:
+    tried = []
+    while isinstance(step := sequence.next(now_s), Try):
+        tried.append(step.candidate.region)
+    return tried
+
+
+def test_opening_tries_the_plan_in_order_up_to_max_attempts() -> None:
+    sequence = AttemptSequence(plan("a", "b", "c", "d"), AttemptLimits(3, 1), deadline_s=10.0)
+    assert names(sequence) == ["a", "b", "c"]
+    assert sequence.next(0.0) == GiveUp("exhausted")
+
+
+def test_a_resume_goes_on_with_regions_not_tried_yet_and_is_marked() -> None:
+    sequence = AttemptSequence(plan("a", "b", "c"), AttemptLimits(3, 2), deadline_s=10.0)
+    first = sequence.next(0.0)
+    assert first == Try(plan("a")[0], is_resume=False)
+    assert sequence.resume(1.0) is None
+    step = sequence.next(1.0)
+    assert isinstance(step, Try) and step.candidate.region == "b" and step.is_resume
+    assert sequence.resume(2.0) is None
+    assert names(sequence, 2.0) == ["c"]
+
+
+def test_resumes_are_refused_past_the_budget_the_deadline_or_the_last_region() -> None:
+    limits = AttemptLimits(max_attempts=3, max_resumes=1)
+    sequence = AttemptSequence(plan("a", "b", "c"), limits, deadline_s=10.0)
+    sequence.next(0.0)
+    assert sequence.resume(1.0) is None
+    sequence.next(1.0)
+    assert sequence.resume(2.0) == GiveUp("max_resumes")
+
+    late = AttemptSequence(plan("a", "b"), limits, deadline_s=10.0)
+    late.next(0.0)
+    assert late.resume(10.0) == GiveUp("deadline")
+
+    alone = AttemptSequence(plan("a"), limits, deadline_s=10.0)
+    alone.next(0.0)
+    assert alone.resume(1.0) == GiveUp("exhausted")
+
+
+def test_no_attempt_starts_after_the_deadline() -> None:
+    sequence = AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), deadline_s=5.0)
+    assert sequence.next(5.0) == GiveUp("deadline")

@@ -1,0 +1,139 @@
+"""Resuming a generation on the real SmolLM2: `return_token_ids` gives each chunk's ids, and
+`resume_token_ids` continues after them with what an unbroken run would have produced next.
+
+Exact continuation is tested on an fp32 engine: in bf16 the continuation's prefill of the
+resumed tokens rounds their KV differently from the decode steps that made them, and greedy
+texts part after a few tokens (docs/gateway.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from node_helpers import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    NUM_KV_BLOCKS,
+    BackgroundLoop,
+    NodeHandle,
+    start_node,
+)
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fp32_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeHandle]:
+    config = EngineConfig(
+        model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN,
+        dtype="float32",
+    )
+    llm = AsyncLLM.from_config(config)
+    server_loop.call(llm.start)
+    handle = start_node(server_loop, llm)
+    yield handle
+    handle.stop()
+    server_loop.run(llm.shutdown())
+
+CHAT = {
+    "model": MODEL_NAME,
+    "messages": [{"role": "user", "content": "Tell me a short story about a robot."}],
+    "max_tokens": 24,
+    "ignore_eos": True,
+}
+SAMPLINGS = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
+    # A stop string holds text back while it could be forming: the resume must hold the same.
+    "seeded_with_stop": {"temperature": 0.9, "seed": 99, "stop": ["never appears here"]},
+}
+
+
+def stream(node: NodeHandle, body: dict[str, object]) -> list[dict[str, object]]:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    response = httpx.post(node.base_url + "/v1/chat/completions", json=body, timeout=120.0)
+    assert response.status_code == 200, response.text
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def content_and_ids(chunks: list[dict[str, object]]) -> list[tuple[str, list[int]]]:
+    pieces = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:  # type: ignore[attr-defined]
+            delta = choice["delta"]
+            if "role" not in delta:
+                pieces.append((delta.get("content") or "", choice.get("token_ids", [])))
+    return pieces
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_a_resumed_stream_continues_exactly_as_the_unbroken_one(
+    fp32_node: NodeHandle, sampling: str
+) -> None:
+    node = fp32_node
+    body = {**CHAT, **SAMPLINGS[sampling], "return_token_ids": True}
+    unbroken = content_and_ids(stream(node, body))
+    ids = [t for _, piece in unbroken for t in piece]
+    assert len(ids) == CHAT["max_tokens"]
+    # Break after the chunk that brings the relayed ids to 9 or more.
+    cut = next(i for i in range(len(unbroken)) if sum(len(p) for _, p in unbroken[: i + 1]) >= 9)
+    sent = unbroken[: cut + 1]
+    num_sent = sum(len(p) for _, p in sent)
+    resumed_chunks = stream(
+        node,
+        {**body, "resume_token_ids": ids[:num_sent], "max_tokens": len(ids) - num_sent},
+    )
+    resumed = content_and_ids(resumed_chunks)
+    assert [t for _, p in resumed for t in p] == ids[num_sent:]
+    text = "".join(c for c, _ in unbroken)
+    assert "".join(c for c, _ in sent) + "".join(c for c, _ in resumed) == text
+    usage = resumed_chunks[-1]["usage"]
+    prompt = stream(node, {**body, "max_tokens": 1})[-1]["usage"]["prompt_tokens"]  # type: ignore[index]
+    assert usage["prompt_tokens"] == prompt + num_sent  # type: ignore[index]
+    assert usage["completion_tokens"] == len(ids) - num_sent  # type: ignore[index]
+
+
+def test_token_ids_are_returned_only_when_asked(node: NodeHandle) -> None:
+    url = node.base_url + "/v1/chat/completions"
+    body = {**CHAT, "temperature": 0, "max_tokens": 6}
+    plain = httpx.post(url, json=body, timeout=60.0).json()
+    assert "token_ids" not in plain["choices"][0]
+    assert all("token_ids" not in c["choices"][0] for c in stream(node, body) if c["choices"])
+    with_ids = httpx.post(url, json={**body, "return_token_ids": True}, timeout=60.0).json()
+    streamed = [t for _, p in content_and_ids(stream(node, {**body, "return_token_ids": True}))
+                for t in p]
+    assert with_ids["choices"][0]["token_ids"] == streamed and len(streamed) == 6
+
+
+def test_a_completion_resumes_too(fp32_node: NodeHandle) -> None:
+    node = fp32_node
+    url = node.base_url + "/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12,
+            "temperature": 0.8, "seed": 5, "ignore_eos": True, "return_token_ids": True}
+    whole = httpx.post(url, json=body, timeout=60.0).json()["choices"][0]
+    rest = httpx.post(url, json={**body, "resume_token_ids": whole["token_ids"][:5],
+                                 "max_tokens": 7}, timeout=60.0).json()["choices"][0]
+    assert rest["token_ids"] == whole["token_ids"][5:]
+    assert whole["text"].endswith(rest["text"]) and rest["text"]
+
+
+@pytest.mark.parametrize(
+    ("resume", "message"),
+    [([49152], "resumed token ids must be in"), ([1] * 1100, "maximum context length"),
+     ([-1], "greater than or equal to 0"), ([], "at least 1 item")],
+)
+def test_bad_resume_token_ids_are_refused_with_400(
+    node: NodeHandle, resume: list[int], message: str
+) -> None:
+    body = {**CHAT, "resume_token_ids": resume}
+    response = httpx.post(node.base_url + "/v1/chat/completions", json=body, timeout=60.0)
+    assert response.status_code == 400
+    assert message in response.json()["error"]["message"]
