@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 CONSUL_CALL_TIMEOUT_S: Final = 5.0
 # Replicas' health saves may commit out of their beats' order: reread this far back.
-BEAT_READ_OVERLAP_S: Final = 2.0
+BEAT_READ_OVERLAP_S: Final = 0.5
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ the writer's replica id. `follow_changes` listens on a connection of its own; th
 by other replicas are gathered for `COALESCE_S` and then read back from the store: fleet state
 (regions, nodes, drains, the beats other replicas received) by the registry, keys, the routing
 policy and node credentials by their owners. Each replica then publishes its summaries and xDS
-as for a change of its own. After the listening connection is lost and back, everything is read
-again: a notification sent meanwhile was missed.
+as for a change of its own. Once listening (at start, and after the connection was lost and is
+back) everything is read again: a notification sent before was missed.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ async def apply_changes(services: ControlPlane, kinds: set[str]) -> None:
 
 async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> None:
     """Until cancelled: apply what other replicas change, as they commit it."""
-    is_first = True
     while True:
         try:
             conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
@@ -65,9 +64,9 @@ async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> N
             continue
         try:
             await conn.execute(f"LISTEN {CHANNEL}")
-            if not is_first:
-                await apply_changes(services, set(ALL_KINDS))  # some may have been missed
-            is_first = False
+            # What committed before we listened (since the start's load, or while the
+            # connection was down) was announced to nobody here: read everything once.
+            await apply_changes(services, set(ALL_KINDS))
             await _listen(services, conn, replica_id)
         except (psycopg.Error, OSError) as exc:
             logger.warning("lost the connection that listens for other replicas: %s", exc)
