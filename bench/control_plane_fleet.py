@@ -2,6 +2,7 @@
 
     python -m bench.control_plane_fleet [--json] [--nodes 1000] [--regions 50] [--duration-s 20]
         [--connections 64] [--changes 10] [--churn 0.1] [--profile FILE]
+    python -m bench.control_plane_fleet --replicas 2 --db postgres ...   (bench/fleet_replicas.py)
 
 One run starts, on 127.0.0.1: a real control plane (`python -m control_plane`, its own process,
 fresh database), the regions registered through the admin API, and two real Envoys bootstrapped
@@ -504,7 +505,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--profile", help="run the control plane under cProfile; stats to FILE")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="control planes on one database (needs postgres)"
+    )
+    parser.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     args = parser.parse_args(argv)
+    if (args.replicas > 1) != (args.db == "postgres"):
+        parser.error("--replicas 2 (or more) goes with --db postgres: the leader-kill run")
     if args.duration_s < SETTLE_S + 5:
         parser.error(f"--duration-s must be at least {SETTLE_S + 5:g}")
     if not ENVOY.exists():
@@ -514,6 +521,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replicas > 1:
+        from bench.fleet_replicas import print_failover, run_failover  # psycopg, PostgreSQL
+
+        failover = asyncio.run(run_failover(args))
+        if args.json:
+            print(json.dumps(asdict(failover), indent=2))
+        else:
+            print_failover(failover)
+        return 0
     results = asyncio.run(run(args))
     if args.json:
         print(json.dumps(asdict(results), indent=2))

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from control_plane.app import create_app
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
+from control_plane.store import StoreError, open_store
 from control_plane.tokens import ENV_NAMES, TokenKind
 from control_plane.xds import bootstrap
 from wire.addresses import is_loopback_host
@@ -59,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--xds-port", type=int, help="xDS (ADS) port for Envoy (default 18000)")
     parser.add_argument("--dns-port", type=int, help="simulated authoritative DNS port (8053)")
     parser.add_argument("--consul", dest="consul_addr", help="Consul HTTP address (optional)")
-    parser.add_argument("--db", dest="db_path", help="SQLite database file")
+    parser.add_argument(
+        "--db", dest="db_path", help="SQLite database file, or a postgresql:// URL (replicas)"
+    )
     parser.add_argument("--token-file", help="where loopback-generated tokens are kept")
     parser.add_argument("--tls-cert", help="PEM certificate (chain): HTTPS and TLS for xDS")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -86,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:  # at once, in one line, rather than as a failed start-up inside uvicorn
+        open_store(settings.db_path, settings.db_busy_timeout_s).close()
+    except StoreError as exc:
+        print(f"control_plane: {exc}", file=sys.stderr)
+        return 2
     app = create_app(settings)
     if NODE_TOKEN_ENV in os.environ:
         logger.warning(

@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from wire.control_plane_urls import ControlPlaneUrls, is_retryable_status
 from wire.heartbeat import NAME_PATTERN
 
 PROG = "admin_cli"
@@ -89,7 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m control_plane.admin_cli",
         description=f"Admin API client. URL from {URL_ENV}, operator token from {TOKEN_ENV}.",
     )
-    parser.add_argument("--control-plane", help=f"control plane URL (default: ${URL_ENV})")
+    parser.add_argument(
+        "--control-plane", help=f"control plane URL, or replicas' URL,URL,... (default: ${URL_ENV})"
+    )
     resources = parser.add_subparsers(dest="resource", required=True)
     region = resources.add_parser("region", help="register, update or remove a region")
     actions = region.add_subparsers(dest="action", required=True)
@@ -151,29 +154,42 @@ class AdminClient:
     """The few admin-API calls this CLI makes, each failing with a one-line `AdminCliError`."""
 
     def __init__(self, base_url: str, token: str) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=TIMEOUT_S,
-        )
+        """`base_url`: one URL, or the replicas' URLs comma-separated (each tried in turn)."""
+        self._urls = ControlPlaneUrls.parse(base_url)
+        self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S)
+
+    @property
+    def base_url(self) -> str:
+        return self._urls.current
 
     def close(self) -> None:
         self._http.close()
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, json=body)
-        except httpx.HTTPError as exc:
-            raise AdminCliError(
-                f"cannot reach the control plane at {self.base_url}: {exc}"
-            ) from exc
+        response = self._first_answer(method, path, body)
         if response.status_code in (401, 403):
             raise AdminCliError(
                 f"the control plane at {self.base_url} refused the admin token "
                 f"({_error_message(response)}); check {TOKEN_ENV} (Terraform: admin_token)"
             )
         return response
+
+    def _first_answer(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        """The answer of the first replica that gives one (a 5xx counts only from the last)."""
+        failure = ""
+        for url in self._urls.in_turn():
+            try:
+                response = self._http.request(method, url + path, json=body)
+            except httpx.HTTPError as exc:
+                failure = f"{url}: {exc}"
+                continue
+            if is_retryable_status(response.status_code) and url != self._urls.urls[-1]:
+                failure = f"{url}: HTTP {response.status_code}"
+                continue
+            self._urls.settle(url)
+            return response
+        tried = f" (every one of {len(self._urls)} replicas failed)" if len(self._urls) > 1 else ""
+        raise AdminCliError(f"cannot reach the control plane at {failure}{tried}")
 
 
 def _expect(response: httpx.Response, what: str, *ok: int) -> httpx.Response:
@@ -248,8 +264,14 @@ def _connection(args: argparse.Namespace) -> tuple[str, str]:
     url = args.control_plane or os.environ.get(URL_ENV, "")
     if not url:
         raise AdminCliError(f"set {URL_ENV} (or --control-plane) to the control plane's URL", 2)
-    if not _HTTP_URL.match(url):
-        raise AdminCliError(f"control plane URL must be http(s)://HOST[:PORT], not {url!r}", 2)
+    try:
+        ControlPlaneUrls.parse(url)
+    except ValueError as exc:
+        raise AdminCliError(
+            f"control plane URL must be http(s)://HOST[:PORT] (replicas: URL,URL,...), not "
+            f"{url!r}: {exc}",
+            2,
+        ) from exc
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         raise AdminCliError(f"set {TOKEN_ENV} to the control plane's admin token", 2)

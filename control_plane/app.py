@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
 from fastapi import FastAPI, Request
@@ -20,18 +19,20 @@ from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from control_plane.changes import ChangeFeed
 from control_plane.consul_sync import follow_consul
 from control_plane.dns.server import DnsServer
-from control_plane.drain import ACTOR as DRAIN_ACTOR
-from control_plane.drain import Drainer, DrainSequence, DrainTimes, load_drains
+from control_plane.drain import DrainSequence, DrainTimes
+from control_plane.drain_book import DrainBook
 from control_plane.errors import error_response, install_error_handlers
 from control_plane.fleet import Fleet
+from control_plane.fleet_store import FleetStore, load_drains, load_fleet, load_health
+from control_plane.health_snapshot import SAVE_EVERY_S, SAVE_EVERY_S_REPLICAS
 from control_plane.keys import KeyRegistry
 from control_plane.limits import RequestLimits
 from control_plane.node_credentials import CredentialRegistry, NodeCredential, load_credentials
-from control_plane.registry import Registry, load_fleet
+from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry, load_policy
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
-from control_plane.store import Store, StoreBusyError
+from control_plane.store import Connection, Store, StoreBusyError, is_postgres_url, open_store
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet, resolve_tokens
 from control_plane.xds import api as xds_api
@@ -44,10 +45,34 @@ API_VERSION = "1"
 RETRY_AFTER_BUSY_S = 1
 
 # What the lifespan reads from the store at start.
-_Loaded = tuple[Fleet, RoutingPolicy, int, list[DrainSequence], list[NodeCredential]]
+Loaded = tuple[Fleet, RoutingPolicy, int, list[DrainSequence], list[NodeCredential]]
 
 
-def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) -> ControlPlane:
+def load(conn: Connection, settings: Settings) -> Loaded:
+    """Everything the control plane keeps in memory, read in one transaction at start."""
+    fleet = load_fleet(conn, settings.unhealthy_after_s)
+    num_restored = health_snapshot.restore(
+        load_health(conn), fleet, settings.restart_grace_s, time.monotonic()
+    )
+    if num_restored:
+        logger.info(
+            "%d nodes keep their last known health for %.1f s unless they beat",
+            num_restored,
+            settings.restart_grace_s,
+        )
+    policy, keys_index = load_policy(conn), key_store.read_index(conn)
+    return fleet, policy, keys_index, load_drains(conn), load_credentials(conn)
+
+
+def build(
+    settings: Settings,
+    tokens: TokenSet,
+    store: Store,
+    loaded: Loaded,
+    clock: Callable[[], float] = time.time,
+) -> ControlPlane:
+    """The control plane's parts wired together (servers not started); `clock` is the drain
+    sequence's (tests pass a fake one)."""
     fleet, policy, keys_index, drains, credentials = loaded
     # Summary indexes start from the wall clock in milliseconds, so they keep growing across
     # restarts (changes come far slower than 1,000 a second) and gateways see no index go back.
@@ -56,25 +81,13 @@ def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) 
     def publish_now() -> None:
         publisher.refresh()
 
-    def publish_region(name: str) -> None:
-        publisher.refresh_region(name)
-
-    async def finish_region_delete(name: str) -> None:
-        await registry.finish_region_delete(DRAIN_ACTOR, name)
-
     policies = PolicyRegistry(store, policy, on_change=publish_now)
     publisher = SummaryPublisher(fleet, lambda: policies.policy, summary_feed)
     xds = XdsServer(fleet, summary_feed, refresh_interval_s=settings.sweep_interval_s)
-    drainer = Drainer(fleet, store, publisher, xds, DrainTimes.of(settings), finish_region_delete)
-    drainer.restore(drains)
+    book = DrainBook(fleet, publisher, xds, DrainTimes.of(settings), clock=clock)
+    book.restore(drains)
     registry = Registry(
-        store,
-        fleet,
-        CredentialRegistry(store, credentials),
-        on_change=publish_now,
-        on_capacity=publisher.mark_dirty,
-        note_drain=drainer.note,
-        on_region_change=publish_region,
+        FleetStore(store), fleet, CredentialRegistry(store, credentials), publisher, book
     )
     return ControlPlane(
         settings=settings,
@@ -84,7 +97,6 @@ def _build(settings: Settings, tokens: TokenSet, store: Store, loaded: _Loaded) 
         keys=KeyRegistry(store, ChangeFeed(keys_index)),
         routing=policies,
         summaries=publisher,
-        drains=drainer,
         xds=xds,
         dns=DnsServer(settings.dns, publisher),
     )
@@ -107,29 +119,35 @@ def _xds_tls(settings: Settings) -> ServerTls | None:
     return ServerTls(settings.tls_cert.read_bytes(), settings.tls_key.read_bytes())
 
 
+def _replica_tasks(services: ControlPlane) -> list[asyncio.Task[None]]:
+    """On PostgreSQL: the leader lease, and following the other replicas' changes."""
+    settings, registry = services.settings, services.registry
+    url = settings.db_path
+    if not is_postgres_url(url):
+        return []
+    # Imported here: psycopg is needed on PostgreSQL only.
+    from control_plane.leader_lease import LeaderLease
+    from control_plane.replication import follow_changes
+
+    lease = LeaderLease(url, settings.replica_id, settings.leader_lease_s, registry.take_lead)
+    registry.leadership = lease
+    return [
+        asyncio.create_task(lease.run(), name="leader-lease"),
+        asyncio.create_task(follow_changes(services, url, settings.replica_id)),
+    ]
+
+
 def create_app(settings: Settings) -> FastAPI:
     tokens = resolve_tokens(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await anyio.to_thread.run_sync(Store, settings.db_path, settings.db_busy_timeout_s)
+        store = await anyio.to_thread.run_sync(
+            open_store, settings.db_path, settings.db_busy_timeout_s, settings.replica_id
+        )
         try:
-
-            def load(conn: sqlite3.Connection) -> _Loaded:
-                fleet = load_fleet(conn, settings.unhealthy_after_s)
-                num_restored = health_snapshot.restore(
-                    conn, fleet, settings.restart_grace_s, time.monotonic()
-                )
-                if num_restored:
-                    logger.info(
-                        "%d nodes keep their last known health for %.1f s unless they beat",
-                        num_restored,
-                        settings.restart_grace_s,
-                    )
-                policy, keys_index = load_policy(conn), key_store.read_index(conn)
-                return fleet, policy, keys_index, load_drains(conn), load_credentials(conn)
-
-            services = _build(settings, tokens, store, await store.read(load))
+            loaded = await store.read(lambda conn: load(conn, settings))
+            services = build(settings, tokens, store, loaded)
             app.state.services = services
             xds = services.xds
             assert xds is not None
@@ -138,9 +156,11 @@ def create_app(settings: Settings) -> FastAPI:
             assert dns is not None
             await dns.start(settings.host, settings.dns_port)
             sweep = asyncio.create_task(services.summaries.run(settings.sweep_interval_s))
-            draining = asyncio.create_task(services.drains.run(settings.sweep_interval_s))
-            fleet = services.registry.fleet
-            saving = asyncio.create_task(health_snapshot.save_forever(store, fleet))
+            registry = services.registry
+            draining = asyncio.create_task(registry.run_drains(settings.sweep_interval_s))
+            tasks = [sweep, draining, *_replica_tasks(services)]
+            save_every_s = SAVE_EVERY_S_REPLICAS if tasks[2:] else SAVE_EVERY_S
+            tasks.append(asyncio.create_task(health_snapshot.save_forever(registry, save_every_s)))
             logger.info(
                 "control plane ready: %d regions, %d nodes known",
                 len(services.registry.fleet.regions),
@@ -148,17 +168,18 @@ def create_app(settings: Settings) -> FastAPI:
             )
             try:
                 consul = follow_consul(
-                    settings.consul_addr, settings.consul_service_name, services.registry
+                    settings.consul_addr, settings.consul_service_name, registry.apply_consul
                 )
                 async with consul as sync:
-                    services.drains.consul = sync
+                    registry.consul = sync
+                    registry.drains.has_consul = sync is not None
                     yield
             finally:
-                for task in (sweep, draining, saving):
+                for task in tasks:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-                await health_snapshot.save(store, fleet)  # for the next start
+                await health_snapshot.save(registry)  # for the next start
                 await xds.stop()
                 dns.stop()
                 services.summaries.feed.close()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from dataclasses import dataclass
 
 from pydantic import BaseModel
+
+from control_plane.store import Connection
 
 JsonScalar = str | int | float | bool | None
 AuditDetail = dict[str, JsonScalar]
@@ -31,9 +32,7 @@ class AuditEntry(BaseModel):
     detail: AuditDetail
 
 
-def record(
-    conn: sqlite3.Connection, actor: Actor, action: str, target: str, detail: AuditDetail
-) -> None:
+def record(conn: Connection, actor: Actor, action: str, target: str, detail: AuditDetail) -> None:
     """Append one entry; call it inside the transaction that makes the change."""
     conn.execute(
         "INSERT INTO audit_log (at, actor, client, action, target, detail) "
@@ -42,7 +41,7 @@ def record(
     )
 
 
-def list_entries(conn: sqlite3.Connection, after_id: int, limit: int) -> list[AuditEntry]:
+def list_entries(conn: Connection, after_id: int, limit: int) -> list[AuditEntry]:
     """Entries with id > after_id, oldest first (page with the last id seen)."""
     rows = conn.execute(
         "SELECT * FROM audit_log WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit)

@@ -29,7 +29,6 @@ import consul.aio
 from pydantic import BaseModel, Field, ValidationError
 
 from control_plane.fleet import ConsulEntry, ConsulStatus, NodeIdentity
-from control_plane.registry import Registry
 from wire.heartbeat import HttpUrlStr, Name
 
 logger = logging.getLogger(__name__)
@@ -216,13 +215,13 @@ class ConsulSync:
 
 @contextlib.asynccontextmanager
 async def follow_consul(
-    addr: str | None, service_name: str, registry: Registry
+    addr: str | None, service_name: str, on_entries: Callable[[dict[str, ConsulEntry]], None]
 ) -> AsyncIterator[ConsulSync | None]:
     """Run the sync for the app's lifetime when a Consul address is given."""
     if addr is None:
         yield None
         return
-    sync = ConsulSync(addr, service_name, registry.apply_consul)
+    sync = ConsulSync(addr, service_name, on_entries)
     logger.info("Consul: following service %r at %s:%d", sync.service_name, sync.host, sync.port)
     task = asyncio.create_task(sync.run(), name="consul-sync")
     try:

@@ -1,59 +1,47 @@
-"""The fleet's last known health, kept in the store so that a restart does not empty the fleet.
+"""The fleet's last known health, kept in the store so that a restart does not empty the fleet,
+and so that replicas share the beats each of them receives.
 
 Health is judged from heartbeats, which live in memory; a restarted control plane would count
 every node unhealthy until it beats again (node agents that lost us back off, up to 30 s), and
-gateways would answer `no_capacity` meanwhile. So every `SAVE_INTERVAL_S` (and once more at a
-stop) the nodes that are beating are saved with their latest beat, and at start each of them is
-restored as healthy, with that beat's capacity, for a grace period (`restart_grace_s`): it stays
-healthy if it beats within it, and is judged by the usual rule from then on.
+gateways would answer `no_capacity` meanwhile. So every `save_every_s` (and once more at a stop)
+the beats this control plane received since its last save are written (the newest beat of each
+node is kept, table `node_health`), and at start the nodes that were beating at the last save are
+restored as healthy, with that beat's capacity, for a grace period (`restart_grace_s`): each stays
+healthy if it beats within it, and is judged by the usual rule from then on. Replicas on
+PostgreSQL read each other's saves as they commit (`Registry.follow`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 
 from control_plane.fleet import Fleet
-from control_plane.store import Store, StoreBusyError
-from wire.heartbeat import Heartbeat
+from control_plane.fleet_store import SavedBeats
+from control_plane.registry import Registry
+from control_plane.store import StoreBusyError
 
 logger = logging.getLogger(__name__)
 
-SAVE_INTERVAL_S = 1.0
-
-SavedBeats = list[tuple[str, Heartbeat, float]]  # node id, its latest beat, when it arrived
-
-
-def beating_nodes(fleet: Fleet) -> SavedBeats:
-    """What to save, picked on the event loop (the fleet's owner). Beats are immutable, so the
-    worker thread that writes them may encode them (a thousand take ~9 ms: not on the loop)."""
-    return [
-        (node.node_id, node.last_beat, node.last_seen_unix)
-        for node in fleet.nodes.values()
-        if node.is_beating and node.last_beat is not None and node.last_seen_unix is not None
-    ]
+SAVE_EVERY_S = 1.0
+SAVE_EVERY_S_REPLICAS = 0.25  # how soon the other replicas learn of a beat
 
 
-def write(conn: sqlite3.Connection, saved: SavedBeats) -> None:
-    conn.execute("DELETE FROM node_health")
-    conn.executemany(
-        "INSERT INTO node_health (node_id, beat, seen_at) VALUES (?, ?, ?)",
-        [(node_id, beat.model_dump_json(), seen_at) for node_id, beat, seen_at in saved],
-    )
-
-
-def restore(conn: sqlite3.Connection, fleet: Fleet, grace_s: float, now_mono: float) -> int:
+def restore(saved: SavedBeats, fleet: Fleet, grace_s: float, now_mono: float) -> int:
     """Mark the saved nodes healthy until `grace_s` from now; returns how many."""
-    if grace_s <= 0:
+    if grace_s <= 0 or not saved:
         return 0
+    # Beating at the last save: heard from within the heartbeat limit of the newest saved beat.
+    newest = max(seen_at for _, _, seen_at in saved)
     num_restored = 0
-    for row in conn.execute("SELECT node_id, beat, seen_at FROM node_health"):
-        node = fleet.nodes.get(row["node_id"])
+    for node_id, beat, seen_at in saved:
+        if seen_at < newest - fleet.unhealthy_after_s:
+            continue
+        node = fleet.nodes.get(node_id)
         if node is None or not node.is_from_heartbeats:
             continue
-        node.last_beat = Heartbeat.model_validate_json(row["beat"])
-        node.last_seen_unix = row["seen_at"]
+        node.last_beat = beat
+        node.last_seen_unix = seen_at
         # The sweep judges silence from `last_seen_mono`: this makes it unhealthy `grace_s`
         # from now, unless it beats before.
         node.last_seen_mono = now_mono + grace_s - fleet.unhealthy_after_s
@@ -62,16 +50,18 @@ def restore(conn: sqlite3.Connection, fleet: Fleet, grace_s: float, now_mono: fl
     return num_restored
 
 
-async def save(store: Store, fleet: Fleet) -> None:
-    saved = beating_nodes(fleet)
+async def save(registry: Registry) -> None:
+    saved = registry.take_local_beats()
+    if not saved:
+        return
     try:
-        await store.write(lambda conn: write(conn, saved))
+        await registry.store.save_health(saved)
     except StoreBusyError:
         logger.warning("could not save the fleet's health: the database is busy")
 
 
-async def save_forever(store: Store, fleet: Fleet) -> None:
-    """Save every SAVE_INTERVAL_S, until cancelled."""
+async def save_forever(registry: Registry, save_every_s: float) -> None:
+    """Save every `save_every_s`, until cancelled."""
     while True:
-        await asyncio.sleep(SAVE_INTERVAL_S)
-        await save(store, fleet)
+        await asyncio.sleep(save_every_s)
+        await save(registry)

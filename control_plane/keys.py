@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import sqlite3
 import time
 
 from control_plane import audit
@@ -19,7 +18,7 @@ from control_plane.audit import Actor
 from control_plane.changes import ChangeFeed
 from control_plane.errors import ConflictError, NotFoundError
 from control_plane.schemas import KeyCreate, KeyCreated, KeyView
-from control_plane.store import Store, get_meta, set_meta
+from control_plane.store import Connection, Row, Store, get_meta
 from wire.key_snapshot import KeyGrant, KeySnapshot
 
 SECRET_PREFIX = "mer-"
@@ -34,7 +33,7 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
 
-def _view_of(row: sqlite3.Row) -> KeyView:
+def _view_of(row: Row) -> KeyView:
     return KeyView(
         id=row["id"],
         name=row["name"],
@@ -46,13 +45,17 @@ def _view_of(row: sqlite3.Row) -> KeyView:
     )
 
 
-def _bump_index(conn: sqlite3.Connection) -> int:
-    index = int(get_meta(conn, KEYS_INDEX) or "1") + 1
-    set_meta(conn, KEYS_INDEX, str(index))
-    return index
+def _bump_index(conn: Connection) -> int:
+    # One statement, so that replicas writing keys at once never take the same index.
+    row = conn.execute(
+        "INSERT INTO meta (key, value) VALUES (?, '2') ON CONFLICT (key) DO UPDATE "
+        "SET value = CAST(CAST(meta.value AS INTEGER) + 1 AS TEXT) RETURNING value",
+        (KEYS_INDEX,),
+    ).fetchone()
+    return int(row["value"])
 
 
-def read_index(conn: sqlite3.Connection) -> int:
+def read_index(conn: Connection) -> int:
     return int(get_meta(conn, KEYS_INDEX) or "1")
 
 
@@ -72,7 +75,7 @@ class KeyRegistry:
             **body.model_dump(),
         )
 
-        def change(conn: sqlite3.Connection) -> int:
+        def change(conn: Connection) -> int:
             conn.execute(
                 "INSERT INTO api_keys (id, name, tenant, secret_sha256, rpm, tpm, created_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -89,17 +92,20 @@ class KeyRegistry:
             audit.record(conn, actor, "key.create", created.id, body.model_dump())
             return _bump_index(conn)
 
-        self._publish(await self._store.write(change))
+        self._publish(await self._store.write(change, ("keys",)))
         return created
 
     async def list(self) -> list[KeyView]:
-        def query(conn: sqlite3.Connection) -> list[KeyView]:
-            return [_view_of(row) for row in conn.execute("SELECT * FROM api_keys ORDER BY rowid")]
+        def query(conn: Connection) -> list[KeyView]:
+            return [
+                _view_of(row)
+                for row in conn.execute("SELECT * FROM api_keys ORDER BY created_at, id")
+            ]
 
         return await self._store.read(query)
 
     async def revoke(self, actor: Actor, key_id: str) -> KeyView:
-        def change(conn: sqlite3.Connection) -> tuple[KeyView, int]:
+        def change(conn: Connection) -> tuple[KeyView, int]:
             row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
             if row is None:
                 raise NotFoundError(f"key {key_id!r} not found", "key_not_found")
@@ -110,7 +116,7 @@ class KeyRegistry:
             updated = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
             return _view_of(updated), _bump_index(conn)
 
-        view, index = await self._store.write(change)
+        view, index = await self._store.write(change, ("keys",))
         self._publish(index)
         return view
 
@@ -120,10 +126,10 @@ class KeyRegistry:
         if cached is not None and cached.index == self.feed.index:
             return cached
 
-        def query(conn: sqlite3.Connection) -> KeySnapshot:
+        def query(conn: Connection) -> KeySnapshot:
             rows = conn.execute(
                 "SELECT id, tenant, secret_sha256, rpm, tpm FROM api_keys "
-                "WHERE revoked_at IS NULL ORDER BY rowid"
+                "WHERE revoked_at IS NULL ORDER BY created_at, id"
             ).fetchall()
             grants = [KeyGrant(**dict(row)) for row in rows]
             return KeySnapshot(index=read_index(conn), keys=grants)
@@ -132,6 +138,11 @@ class KeyRegistry:
         if snapshot.index == self.feed.index:
             self._snapshot = snapshot
         return snapshot
+
+    def follow(self, index: int) -> None:
+        """Another replica changed the keys: the next snapshot is read again."""
+        if index > self.feed.index:
+            self._publish(index)
 
     def _publish(self, index: int) -> None:
         self._snapshot = None

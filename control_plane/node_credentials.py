@@ -13,7 +13,6 @@ one stops working at once), which is also how a leaked token is revoked.
 from __future__ import annotations
 
 import secrets
-import sqlite3
 import time
 from dataclasses import dataclass, replace
 
@@ -21,7 +20,7 @@ from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.errors import PermissionDeniedError
 from control_plane.keys import hash_secret
-from control_plane.store import Store
+from control_plane.store import Connection, Row, Store
 from wire.heartbeat import Heartbeat
 
 TOKEN_PREFIX = "mnode-"
@@ -57,7 +56,7 @@ class NodeCredential:
         return None
 
 
-def _of_row(row: sqlite3.Row) -> NodeCredential:
+def _of_row(row: Row) -> NodeCredential:
     return NodeCredential(
         node_id=row["node_id"],
         region=row["region"],
@@ -67,11 +66,11 @@ def _of_row(row: sqlite3.Row) -> NodeCredential:
     )
 
 
-def load_credentials(conn: sqlite3.Connection) -> list[NodeCredential]:
+def load_credentials(conn: Connection) -> list[NodeCredential]:
     return [_of_row(row) for row in conn.execute("SELECT * FROM node_credentials")]
 
 
-def write_binding(conn: sqlite3.Connection, node_id: str, region: str, url: str | None) -> bool:
+def write_binding(conn: Connection, node_id: str, region: str, url: str | None) -> bool:
     """Rebind a node's credential (inside the caller's transaction); False if it has none."""
     cursor = conn.execute(
         "UPDATE node_credentials SET region = ?, url = ?, updated_at = ? WHERE node_id = ?",
@@ -85,6 +84,11 @@ class CredentialRegistry:
 
     def __init__(self, store: Store, credentials: list[NodeCredential]) -> None:
         self._store = store
+        self._by_node = {c.node_id: c for c in credentials}
+        self._by_hash = {c.secret_sha256: c for c in credentials}
+
+    def reset(self, credentials: list[NodeCredential]) -> None:
+        """Every credential as the store has them (another replica minted or rebound one)."""
         self._by_node = {c.node_id: c for c in credentials}
         self._by_hash = {c.secret_sha256: c for c in credentials}
 
@@ -103,7 +107,7 @@ class CredentialRegistry:
         now = time.time()
         credential = NodeCredential(node_id, region, url, hash_secret(token), now)
 
-        def change(conn: sqlite3.Connection) -> None:
+        def change(conn: Connection) -> None:
             conn.execute(
                 "INSERT INTO node_credentials (node_id, region, url, secret_sha256, created_at, "
                 "updated_at) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
@@ -115,7 +119,7 @@ class CredentialRegistry:
             detail: audit.AuditDetail = {"region": region, "url": url}
             audit.record(conn, actor, "node.credential", node_id, detail)
 
-        await self._store.write(change)
+        await self._store.write(change, ("credentials",))
         self._put(credential)
         return credential, token
 

@@ -1,12 +1,14 @@
-"""The fleet registry: regions and nodes — durable changes first, then memory, then watchers.
+"""The fleet registry: regions, nodes, drains — durable changes first, then memory, then watchers.
 
-Each change is one store transaction (with its audit entry); only after it commits does the
-in-memory `Fleet` change and `on_change` run (which recomputes the region summaries and wakes
-watchers). Changes are serialized by one lock so memory always follows the store's commit order.
-Heartbeats from known nodes with an unchanged identity touch memory only. Consul's view (with
-`--consul`) is memory only too: it is merged into the fleet as it comes (see `control_plane.fleet`).
-Whatever may start or end a drain (a drain request, a region's state, a node's own report) is passed
-to `note_drain`, which starts or cancels that node's drain sequence (`control_plane.drain`).
+The registry is the one writer of fleet state: every change is one `FleetStore` transaction (with
+its audit entry); only after it commits does the in-memory `Fleet` change and the region summaries
+get published (which wakes watchers and Envoy). Changes are serialized by one lock so memory always
+follows the store's commit order. Heartbeats from known nodes with an unchanged identity touch
+memory only. Consul's view (with `--consul`) is memory only too: it is merged into the fleet as it
+comes (see `control_plane.fleet`). Whatever may start or end a drain (a drain request, a region's
+state, a node's own report) is noted in the `DrainBook`, which starts or cancels that node's drain
+sequence (`control_plane.drain`); `step_drains` moves the sequences, writes what moved, makes the
+Consul calls the steps asked for, and ends the deletes of regions whose nodes are drained.
 A node's credential (`control_plane.node_credentials`) changes with its registration: the first
 one binds a URL the credential left open, and an operator's move rebinds region and URL.
 """
@@ -14,56 +16,43 @@ one binds a URL the credential left open, and an operator's move rebinds region 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
-import sqlite3
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, Final
 
 from control_plane import audit
 from control_plane.audit import Actor
+from control_plane.consul_sync import ConsulSync
+from control_plane.drain import ACTOR as DRAIN_ACTOR
+from control_plane.drain import DrainSequence
+from control_plane.drain_book import DrainBook
 from control_plane.errors import ConflictError, NotFoundError
 from control_plane.fleet import ConsulEntry, Fleet, Node, NodeIdentity, Region
-from control_plane.node_credentials import CredentialRegistry, write_binding
+from control_plane.fleet_store import (
+    FleetStore,
+    Registration,
+    SavedBeats,
+    load_drains,
+    load_fleet,
+    load_health,
+)
+from control_plane.leadership import Leadership, SoleLeader
+from control_plane.node_credentials import CredentialRegistry
 from control_plane.schemas import NodePatch, RegionCreate, RegionPatch
-from control_plane.store import Store
+from control_plane.store import Connection
+from control_plane.summaries import SummaryPublisher
 from wire.heartbeat import Heartbeat
 
+logger = logging.getLogger(__name__)
 
-def _region_of(row: sqlite3.Row) -> Region:
-    return Region(
-        name=row["name"],
-        lat=row["lat"],
-        lon=row["lon"],
-        ingress_url=row["ingress_url"],
-        weight=row["weight"],
-        state=row["state"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        is_deleting=bool(row["is_deleting"]),
-    )
-
-
-def _node_of(row: sqlite3.Row) -> Node:
-    identity = NodeIdentity(
-        region=row["region"], url=row["url"], model=row["model"], tp_size=row["tp_size"]
-    )
-    return Node(
-        node_id=row["node_id"],
-        identity=identity,
-        drain_requested=bool(row["drain_requested"]),
-        registered_at=row["registered_at"],
-    )
-
-
-def load_fleet(conn: sqlite3.Connection, unhealthy_after_s: float) -> Fleet:
-    fleet = Fleet(unhealthy_after_s=unhealthy_after_s)
-    for row in conn.execute("SELECT * FROM regions"):
-        fleet.regions[row["name"]] = _region_of(row)
-    for row in conn.execute("SELECT * FROM nodes"):
-        fleet.nodes[row["node_id"]] = _node_of(row)
-    return fleet
+CONSUL_CALL_TIMEOUT_S: Final = 5.0
+# Replicas' health saves may commit out of their beats' order: reread this far back.
+BEAT_READ_OVERLAP_S: Final = 0.5
 
 
 @dataclass(slots=True)
@@ -85,48 +74,44 @@ def _settle(future: asyncio.Future[Node], like: asyncio.Future[Node]) -> None:
         future.set_result(like.result())
 
 
-def _write_registration(
-    conn: sqlite3.Connection, actor: Actor, node_id: str, identity: NodeIdentity, now: float
-) -> None:
-    existed = conn.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
-    conn.execute(
-        "INSERT INTO nodes (node_id, region, url, model, tp_size, drain_requested, "
-        "registered_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?) "
-        "ON CONFLICT (node_id) DO UPDATE SET region = excluded.region, "
-        "url = excluded.url, model = excluded.model, tp_size = excluded.tp_size, "
-        "updated_at = excluded.updated_at",
-        (node_id, identity.region, identity.url, identity.model, identity.tp_size, now, now),
-    )
-    detail: audit.AuditDetail = {
-        "region": identity.region,
-        "url": identity.url,
-        "model": identity.model,
-        "tp_size": identity.tp_size,
-    }
-    audit.record(conn, actor, "node.update" if existed else "node.register", node_id, detail)
-
-
 class Registry:
     def __init__(
         self,
-        store: Store,
+        store: FleetStore,
         fleet: Fleet,
         credentials: CredentialRegistry,
-        on_change: Callable[[], None],
-        on_capacity: Callable[[], None],
-        note_drain: Callable[[Node], None] = lambda node: None,
-        on_region_change: Callable[[str], None] | None = None,
+        publisher: SummaryPublisher,
+        drains: DrainBook,
     ) -> None:
         self.fleet = fleet
         self.credentials = credentials
-        self._store = store
-        self._on_change = on_change  # something routing-relevant changed: publish now
-        # ... in one region only (a node registered or back to health): publish that region now
-        self._on_region_change = on_region_change or (lambda region: on_change())
-        self._on_capacity = on_capacity  # only live capacity changed: publish at the next sweep
-        self._note_drain = note_drain  # a node's drain may start or end (control_plane.drain)
+        self.drains = drains
+        self.store = store
+        self.consul: ConsulSync | None = None  # set by the lifespan with --consul
+        self._publisher = publisher
         self._lock = asyncio.Lock()
         self._pending: dict[str, _Registration] = {}  # registrations waiting for the next write
+        self._wake_drains = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.leadership: Leadership = SoleLeader()  # a LeaderLease between replicas
+        # The beats this replica received since the last health save (other replicas read them).
+        self._local_beats: dict[str, tuple[Heartbeat, float]] = {}
+        self._beats_read_until = 0.0  # Unix seconds: the newest saved beat read from the store
+
+    def _on_change(self) -> None:
+        """Something routing-relevant changed: publish now."""
+        self._publisher.refresh()
+
+    def _on_region_change(self, region: str) -> None:
+        """... in one region only (a node registered or back to health): publish that region."""
+        self._publisher.refresh_region(region)
+
+    def _note_drain(self, node: Node) -> None:
+        """A node's drain may start or end: the book decides, the drain loop writes it. Only the
+        leader moves drains; the others follow the store (`follow`)."""
+        if self.leadership.is_leader:
+            self.drains.note(node)
+            self._wake_drains.set()
 
     # --- regions ---
 
@@ -140,28 +125,8 @@ class Registry:
         now = time.time()
         region = Region(**body.model_dump(), created_at=now, updated_at=now)
 
-        def change(conn: sqlite3.Connection) -> None:
-            try:
-                conn.execute(
-                    "INSERT INTO regions (name, lat, lon, ingress_url, weight, state, "
-                    "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        region.name,
-                        region.lat,
-                        region.lon,
-                        region.ingress_url,
-                        region.weight,
-                        region.state,
-                        now,
-                        now,
-                    ),
-                )
-            except sqlite3.IntegrityError as exc:
-                raise ConflictError(f"region {region.name!r} exists", "region_exists") from exc
-            audit.record(conn, actor, "region.create", region.name, body.model_dump())
-
         async with self._lock:
-            await self._store.write(change)
+            await self.store.create_region(actor, region, body.model_dump())
             self.fleet.regions[region.name] = region
         self._on_change()
         return region
@@ -175,36 +140,11 @@ class Registry:
             region = dataclasses.replace(
                 region, is_deleting=old.is_deleting and region.state == "draining"
             )
-            await self._store.write(self._region_update(actor, region, "region.update", fields))
+            await self.store.update_region(actor, region, "region.update", fields)
             self.fleet.regions[name] = region
             self._note_region(name)
         self._on_change()
         return region
-
-    @staticmethod
-    def _region_update(
-        actor: Actor, region: Region, action: str, detail: audit.AuditDetail
-    ) -> Callable[[sqlite3.Connection], None]:
-        def change(conn: sqlite3.Connection) -> None:
-            cursor = conn.execute(
-                "UPDATE regions SET lat = ?, lon = ?, ingress_url = ?, weight = ?, state = ?, "
-                "is_deleting = ?, updated_at = ? WHERE name = ?",
-                (
-                    region.lat,
-                    region.lon,
-                    region.ingress_url,
-                    region.weight,
-                    region.state,
-                    int(region.is_deleting),
-                    region.updated_at,
-                    region.name,
-                ),
-            )
-            if cursor.rowcount != 1:
-                raise NotFoundError(f"region {region.name!r} not found", "region_not_found")
-            audit.record(conn, actor, action, region.name, detail)
-
-        return change
 
     def _note_region(self, name: str) -> None:
         for node in self.fleet.nodes_in(name):
@@ -212,7 +152,7 @@ class Registry:
 
     async def delete_region(self, actor: Actor, name: str) -> Region | None:
         """Deregister a region: at once if no node is known in it (returns None); otherwise it is
-        set draining and returned, its nodes go through the drain sequence, and the drain sequence
+        set draining and returned, its nodes go through the drain sequence, and `step_drains`
         calls `finish_region_delete` once every one of them has been told to exit. Idempotent."""
         async with self._lock:
             old = self.get_region(name)
@@ -223,30 +163,15 @@ class Registry:
                     old, state="draining", is_deleting=True, updated_at=time.time()
                 )
                 detail: audit.AuditDetail = {"drain_first": True}
-                await self._store.write(self._region_update(actor, region, "region.delete", detail))
+                await self.store.update_region(actor, region, "region.delete", detail)
                 self.fleet.regions[name] = region
                 self._note_region(name)
             else:
-                await self._store.write(self._region_delete(actor, name, "region.delete"))
+                await self.store.delete_region(actor, name, "region.delete")
                 self.fleet.regions.pop(name, None)
                 region = None
         self._on_change()
         return region
-
-    @staticmethod
-    def _region_delete(
-        actor: Actor, name: str, action: str, node_ids: tuple[str, ...] = ()
-    ) -> Callable[[sqlite3.Connection], None]:
-        def change(conn: sqlite3.Connection) -> None:
-            if conn.execute("DELETE FROM regions WHERE name = ?", (name,)).rowcount != 1:
-                raise NotFoundError(f"region {name!r} not found", "region_not_found")
-            for node_id in node_ids:
-                conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
-                conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
-            detail: audit.AuditDetail = {"num_nodes_removed": len(node_ids)} if node_ids else {}
-            audit.record(conn, actor, action, name, detail)
-
-        return change
 
     async def finish_region_delete(self, actor: Actor, name: str) -> None:
         """The end of a region's DELETE: its nodes are drained; forget it and them."""
@@ -257,7 +182,7 @@ class Registry:
             node_ids = tuple(
                 node.node_id for node in self.fleet.nodes_in(name) if node.is_from_heartbeats
             )
-            await self._store.write(self._region_delete(actor, name, "region.deleted", node_ids))
+            await self.store.delete_region(actor, name, "region.deleted", node_ids)
             self.fleet.regions.pop(name, None)
             for node_id in node_ids:
                 self.fleet.nodes.pop(node_id, None)
@@ -278,16 +203,21 @@ class Registry:
         node = self.fleet.nodes.get(beat.node_id)
         if node is None or node.identity != identity or not node.is_from_heartbeats:
             node = await self._register_node(actor, beat.node_id, identity)
+        now_unix = time.time()
+        self._apply_beat(node, beat, time.monotonic(), now_unix)
+        self._local_beats[node.node_id] = (beat, now_unix)
+        return node
+
+    def _apply_beat(self, node: Node, beat: Heartbeat, seen_mono: float, seen_unix: float) -> None:
         was_routed = (node.is_routable, node.is_in_summaries)
         was_draining = node.reports_draining
-        self.fleet.record_beat(node, beat, time.monotonic(), time.time())
+        self.fleet.record_beat(node, beat, seen_mono, seen_unix)
         if node.reports_draining != was_draining or node.num_beats == 1:
             self._note_drain(node)  # it started or stopped draining on its own, or is back
         if (node.is_routable, node.is_in_summaries) != was_routed:
             self._on_region_change(beat.region)  # back to health
         else:
-            self._on_capacity()
-        return node
+            self._publisher.mark_dirty()  # only live capacity changed: at the next sweep
 
     async def _register_node(self, actor: Actor, node_id: str, identity: NodeIdentity) -> Node:
         """Register a node (or its new identity). Registrations that arrive while another is
@@ -315,15 +245,9 @@ class Registry:
             if not self._is_registered(node_id, reg.identity, reg)
         }
         now = time.time()
-
-        def change(conn: sqlite3.Connection) -> None:
-            for node_id, reg in batch.items():
-                _write_registration(conn, reg.actor, node_id, reg.identity, now)
-                # The beat matched its credential: this binds a URL that was left open.
-                write_binding(conn, node_id, reg.identity.region, reg.identity.url)
-
+        registrations = [Registration(r.actor, n, r.identity) for n, r in batch.items()]
         try:
-            await self._store.write(change)
+            await self.store.register_nodes(registrations, now)
         except BaseException as exc:
             for reg in batch.values():
                 if not reg.done.done():
@@ -372,17 +296,8 @@ class Registry:
     async def set_drain(self, actor: Actor, node_id: str, drain: bool) -> Node:
         self._refuse_consul_only(node_id, "drain" if drain else "undrain")
 
-        def change(conn: sqlite3.Connection) -> None:
-            cursor = conn.execute(
-                "UPDATE nodes SET drain_requested = ?, updated_at = ? WHERE node_id = ?",
-                (int(drain), time.time(), node_id),
-            )
-            if cursor.rowcount != 1:
-                raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
-            audit.record(conn, actor, "node.drain" if drain else "node.undrain", node_id, {})
-
         async with self._lock:
-            await self._store.write(change)
+            await self.store.set_drain_requested(actor, node_id, drain, time.time())
             node = self.get_node(node_id)
             node.drain_requested = drain
             self._note_drain(node)
@@ -400,17 +315,8 @@ class Registry:
             node.identity, region=patch.region or old_region, url=patch.url or node.identity.url
         )
 
-        def change(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "UPDATE nodes SET region = ?, url = ?, updated_at = ? WHERE node_id = ?",
-                (identity.region, identity.url, time.time(), node_id),
-            )
-            write_binding(conn, node_id, identity.region, identity.url)
-            detail: audit.AuditDetail = {"region": identity.region, "url": identity.url}
-            audit.record(conn, actor, "node.move", node_id, detail)
-
         async with self._lock:
-            await self._store.write(change)
+            await self.store.move_node(actor, node_id, identity, time.time())
             self.credentials.rebind(node_id, identity.region, identity.url)
             self.fleet.move(node, identity)
             self._note_drain(node)
@@ -423,14 +329,8 @@ class Registry:
         Consul lists it, it stays as a Consul-only node."""
         self._refuse_consul_only(node_id, "remove")
 
-        def change(conn: sqlite3.Connection) -> None:
-            if conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)).rowcount != 1:
-                raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
-            conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
-            audit.record(conn, actor, "node.delete", node_id, {})
-
         async with self._lock:
-            await self._store.write(change)
+            await self.store.delete_node(actor, node_id)
             self.fleet.nodes.pop(node_id, None)
             self.fleet.membership_version += 1
             self.fleet.apply_consul(self.fleet.consul, time.time())
@@ -445,3 +345,126 @@ class Registry:
                 if node.drain_phase is None and not node.is_from_heartbeats:
                     self._note_drain(node)  # a Consul-only node in a draining region
             self._on_change()
+
+    # --- drains ---
+
+    async def step_drains(self) -> None:
+        """On the leader: move every drain sequence, write what moved, make the Consul calls the
+        steps asked for, and end the deletes of regions whose nodes have all been told to exit."""
+        epoch = self.leadership.epoch
+        if not self.leadership.is_leader:
+            return
+        self.drains.tick()
+        writes = self.drains.take_writes()
+        if writes:
+            try:
+                await self.store.write_drains(writes.rows, writes.entries, time.time(), epoch)
+            except BaseException:
+                self.drains.put_back(writes)  # written again with the next step
+                raise
+        for node_id in self.drains.take_consul_calls():
+            if self.consul is not None:
+                self._spawn(_deregister_from_consul(self.consul, node_id))
+        for name in self.drains.drained_regions():
+            await self.finish_region_delete(DRAIN_ACTOR, name)
+
+    def poke_drains(self) -> None:
+        """Step the drains now rather than at the next interval."""
+        self._wake_drains.set()
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run_drains(self, interval_s: float) -> None:
+        """Until cancelled: a drain step every `interval_s`, or as soon as one is noted."""
+        try:
+            while True:
+                # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation
+                # that races with the event, and the lifespan would wait for this loop forever.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval_s):
+                        await self._wake_drains.wait()
+                self._wake_drains.clear()
+                try:
+                    await self.step_drains()
+                except Exception:
+                    logger.exception("drain step failed")  # the next step tries again
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    # --- replicas ---
+
+    async def take_lead(self) -> None:
+        """Just elected: resume every drain where the store says it stood, then lead."""
+        sequences = await self.store.store.read(load_drains)
+        async with self._lock:
+            self.drains.adopt(sequences)
+            for node in self.fleet.nodes.values():
+                self.drains.note(node)
+        self._wake_drains.set()
+
+    def take_local_beats(self) -> SavedBeats:
+        """The beats received here since the last call, for the health save."""
+        beats, self._local_beats = self._local_beats, {}
+        return [(node_id, beat, seen_at) for node_id, (beat, seen_at) in beats.items()]
+
+    async def follow(self, kinds: set[str]) -> None:
+        """Another replica changed `kinds` of fleet state: memory follows the store."""
+        unhealthy_after_s = self.fleet.unhealthy_after_s
+        read_after = self._beats_read_until - BEAT_READ_OVERLAP_S
+
+        def read(conn: Connection) -> tuple[Fleet | None, list[DrainSequence] | None, SavedBeats]:
+            fresh = load_fleet(conn, unhealthy_after_s) if kinds & {"regions", "nodes"} else None
+            drains = load_drains(conn) if "drains" in kinds else None
+            beats = load_health(conn, read_after) if "beats" in kinds else []
+            return fresh, drains, beats
+
+        async with self._lock:
+            fresh, drains, beats = await self.store.store.read(read)
+            if fresh is not None:
+                self._merge(fresh)
+            if drains is not None and not self.leadership.is_leader:
+                self.drains.adopt(drains)
+            now_mono, now_unix = time.monotonic(), time.time()
+            for node_id, beat, seen_at in beats:
+                self._beats_read_until = max(self._beats_read_until, seen_at)
+                node = self.fleet.nodes.get(node_id)
+                is_newer = node is not None and (node.last_seen_unix or 0.0) < seen_at
+                if node is not None and node.is_from_heartbeats and is_newer:
+                    seen_mono = now_mono - max(0.0, now_unix - seen_at)
+                    self._apply_beat(node, beat, seen_mono, seen_at)
+        if fresh is not None or drains is not None:
+            self._on_change()
+
+    def _merge(self, fresh: Fleet) -> None:
+        """Regions and registrations as the store has them; live state (beats) is kept."""
+        self.fleet.regions.clear()
+        self.fleet.regions.update(fresh.regions)
+        for node_id, stored in fresh.nodes.items():
+            node = self.fleet.nodes.get(node_id)
+            if node is None:
+                stored.consul = self.fleet.consul.get(node_id)
+                self.fleet.nodes[node_id] = stored
+                continue
+            if node.identity != stored.identity:
+                self.fleet.move(node, stored.identity)
+            node.drain_requested = stored.drain_requested
+            node.is_from_heartbeats = True
+        gone = [n for n, node in self.fleet.nodes.items() if node.is_from_heartbeats]
+        gone = [n for n in gone if n not in fresh.nodes]
+        for node_id in gone:
+            self.fleet.nodes.pop(node_id)
+        if gone:
+            self.fleet.membership_version += 1
+            self.fleet.apply_consul(self.fleet.consul, time.time())
+        for node in self.fleet.nodes.values():
+            self._note_drain(node)
+
+
+async def _deregister_from_consul(consul: ConsulSync, node_id: str) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CONSUL_CALL_TIMEOUT_S):
+            await consul.deregister(node_id)

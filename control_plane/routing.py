@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import Callable
 
 from pydantic import ValidationError
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.store import Store, StoreError, get_meta, set_meta
+from control_plane.store import Connection, Store, StoreError, get_meta, set_meta
 from wire.routing_policy import RoutingPolicy
 
 POLICY_KEY = "routing_policy"
 
 
-def load_policy(conn: sqlite3.Connection) -> RoutingPolicy:
+def load_policy(conn: Connection) -> RoutingPolicy:
     stored = get_meta(conn, POLICY_KEY)
     if stored is None:
         return RoutingPolicy()
@@ -37,13 +36,19 @@ class PolicyRegistry:
     def policy(self) -> RoutingPolicy:
         return self._policy
 
+    def follow(self, policy: RoutingPolicy) -> None:
+        """Another replica replaced the policy."""
+        if policy != self._policy:
+            self._policy = policy
+            self._on_change()
+
     async def replace(self, actor: Actor, policy: RoutingPolicy) -> RoutingPolicy:
-        def change(conn: sqlite3.Connection) -> None:
+        def change(conn: Connection) -> None:
             set_meta(conn, POLICY_KEY, policy.model_dump_json())
             audit.record(conn, actor, "routing.replace", "routing", policy.model_dump())
 
         async with self._lock:
-            await self._store.write(change)
+            await self._store.write(change, ("routing",))
             self._policy = policy
         self._on_change()
         return policy

@@ -179,7 +179,16 @@ class KeyList(BaseModel):
     keys: list[KeyView]
 
 
+class ReplicaView(BaseModel):
+    """This control plane among its replicas (one database, one leader)."""
+
+    id: str
+    is_leader: bool  # runs the drain sequences (always, on SQLite)
+    epoch: int | None  # of the leader lease while leading on PostgreSQL
+
+
 class StatusView(BaseModel):
+    replica: ReplicaView
     summary_index: int
     keys_index: int
     heartbeat_interval_s: float

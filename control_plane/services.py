@@ -8,7 +8,6 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from control_plane.dns.server import DnsServer
-from control_plane.drain import Drainer
 from control_plane.keys import KeyRegistry
 from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry
@@ -28,7 +27,6 @@ class ControlPlane:
     keys: KeyRegistry
     routing: PolicyRegistry
     summaries: SummaryPublisher
-    drains: Drainer
     xds: XdsServer | None = None  # the ADS server for Envoy, started by the lifespan
     dns: DnsServer | None = None  # the authoritative DNS, bound by the lifespan
 

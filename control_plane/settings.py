@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -18,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.consul_sync import parse_consul_addr
 from control_plane.dns.config import DnsConfig
+from control_plane.store import is_postgres_url
 from wire.addresses import is_loopback_host
 
 MIN_TOKEN_LEN = 16
@@ -57,6 +60,7 @@ class Settings(BaseSettings):
     # with heartbeats. Its ACL token, if any, comes from CONSUL_HTTP_TOKEN (read by py-consul).
     consul_addr: str | None = None
     consul_service_name: str = Field(default="meridian-node", min_length=1, max_length=128)
+    # A SQLite file (the embedded default), or a `postgresql://` URL that replicas share.
     db_path: str = "meridian-control-plane.db"
     # TLS (PEM files) for the admin API and the xDS port alike; both or neither. Without them
     # bearer tokens cross the network in the clear: fine on loopback only.
@@ -79,6 +83,14 @@ class Settings(BaseSettings):
     # capacity) for this many heartbeat timeouts, so gateways do not see an empty fleet while
     # nodes come back to it (control_plane/health_snapshot.py). 0: every node starts unhealthy.
     restart_grace_timeouts: float = Field(default=3.0, ge=0.0, le=100.0)
+    # Replicas on PostgreSQL: each one's name (in logs and the leader lease; default
+    # `<host>-<pid>`), and how long a leader's lease lasts unrenewed before another takes over.
+    replica_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        min_length=1,
+        max_length=128,
+    )
+    leader_lease_s: float = Field(default=3.0, ge=0.5, le=60.0)
     # How often health is re-judged and summaries recomputed; bounds how late a gateway hears of
     # a change caused by time passing (a node going silent), so keep it well under a second.
     sweep_interval_s: float = Field(default=0.25, gt=0.0, le=1.0)
@@ -138,6 +150,6 @@ class Settings(BaseSettings):
     def resolved_token_file(self) -> Path:
         if self.token_file is not None:
             return self.token_file
-        if self.db_path == MEMORY_DB:
+        if self.db_path == MEMORY_DB or is_postgres_url(self.db_path):
             return Path("meridian-control-plane.tokens")
         return Path(self.db_path + ".tokens")

@@ -1,12 +1,19 @@
-"""The SQLite store: WAL mode, schema migrations, one transaction per change.
+"""The store: one transaction per change, on SQLite (embedded, the default) or PostgreSQL.
 
-Every change runs as one function inside `BEGIN IMMEDIATE ... COMMIT` (its audit-log row
-included), so a failure anywhere rolls the whole change back: nothing is half-written. Calls run
-in a worker thread (`await store.write(fn)`), so the event loop never blocks on disk. Writes share
-one connection (serialized by a lock); reads have their own, so that with WAL they see the last
-commit and proceed while a writer holds the database lock (another process's included). A write
-that cannot get the lock within `busy_timeout_s` raises `StoreBusyError` (answered 503 with
-Retry-After): the database is busy, not broken.
+Every change runs as one function inside one transaction (its audit-log row included), so a
+failure anywhere rolls the whole change back: nothing is half-written. Calls run in a worker
+thread (`await store.write(fn)`), so the event loop never blocks on the database. The functions
+take a `Connection` and write SQL both backends accept, with `?` placeholders. A write that cannot
+get a lock within `busy_timeout_s` raises `StoreBusyError` (answered 503 with Retry-After): the
+database is busy, not broken. A write names the kinds of state it changed (`changes`): on
+PostgreSQL each is announced to the other replicas on commit (NOTIFY, see
+`control_plane.replication`); SQLite has no other replicas. Both backends apply the one list of
+migrations below at open and refuse a schema newer than this code.
+
+SQLite (`SqliteStore`) runs in WAL mode: writes share one connection (serialized by a lock, each
+`BEGIN IMMEDIATE`); reads have their own, so that they see the last commit and proceed while a
+writer holds the database lock (another process's included). PostgreSQL is
+`control_plane.store_postgres.PostgresStore`, chosen by a `postgresql://` URL (`open_store`).
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
 
@@ -24,19 +31,48 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MEMORY_PATH = ":memory:"
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
-# Append only: migration N (1-based) moves a database from user_version N-1 to N.
+# The kinds of state a write changes: regions, nodes, drains, beats, keys, routing, credentials.
+Changes = tuple[str, ...]
+Row = Any  # a mapping of column name to value (sqlite3.Row or psycopg's dict row)
+Params = Sequence[object]
+
+
+class Cursor(Protocol):
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Row: ...
+
+    def fetchall(self) -> list[Row]: ...
+
+    def __iter__(self) -> Iterator[Row]: ...
+
+
+class Connection(Protocol):
+    """What a change or a query is given: one backend's connection inside its transaction."""
+
+    def execute(self, sql: str, parameters: Params = (), /) -> Cursor: ...
+
+    def executemany(self, sql: str, parameters: Iterable[Params], /) -> Cursor: ...
+
+
+# One list for both backends, append only: migration N (1-based) moves a database from schema
+# version N-1 to N. The SQL is what SQLite and PostgreSQL both accept; `{auto_id}` is each one's
+# auto-increment key (SQLite keeps the types it was given before: DOUBLE PRECISION has REAL
+# affinity, BIGINT INTEGER's).
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (
         """CREATE TABLE regions (
             name TEXT PRIMARY KEY,
-            lat REAL NOT NULL,
-            lon REAL NOT NULL,
+            lat DOUBLE PRECISION NOT NULL,
+            lon DOUBLE PRECISION NOT NULL,
             ingress_url TEXT,
-            weight REAL NOT NULL,
+            weight DOUBLE PRECISION NOT NULL,
             state TEXT NOT NULL CHECK (state IN ('active', 'draining', 'disabled')),
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
         )""",
         """CREATE TABLE nodes (
             node_id TEXT PRIMARY KEY,
@@ -45,23 +81,23 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             model TEXT NOT NULL,
             tp_size INTEGER NOT NULL,
             drain_requested INTEGER NOT NULL DEFAULT 0,
-            registered_at REAL NOT NULL,
-            updated_at REAL NOT NULL
+            registered_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
         )""",
         """CREATE TABLE api_keys (
             id TEXT PRIMARY KEY,
             name TEXT NOT NULL,
             tenant TEXT,
             secret_sha256 TEXT NOT NULL UNIQUE,
-            rpm INTEGER NOT NULL,
-            tpm INTEGER NOT NULL,
-            created_at REAL NOT NULL,
-            revoked_at REAL
+            rpm BIGINT NOT NULL,
+            tpm BIGINT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            revoked_at DOUBLE PRECISION
         )""",
         "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
         """CREATE TABLE audit_log (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            at REAL NOT NULL,
+            id {auto_id},
+            at DOUBLE PRECISION NOT NULL,
             actor TEXT NOT NULL,
             client TEXT NOT NULL,
             action TEXT NOT NULL,
@@ -76,9 +112,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             region TEXT NOT NULL,
             reason TEXT NOT NULL,
             phase TEXT NOT NULL,
-            started_at REAL NOT NULL,
+            started_at DOUBLE PRECISION NOT NULL,
             steps TEXT NOT NULL,
-            updated_at REAL NOT NULL
+            updated_at DOUBLE PRECISION NOT NULL
         )""",
         # DELETE /v1/regions/{name} drains the region's nodes first.
         "ALTER TABLE regions ADD COLUMN is_deleting INTEGER NOT NULL DEFAULT 0",
@@ -91,8 +127,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             region TEXT NOT NULL,
             url TEXT,
             secret_sha256 TEXT NOT NULL UNIQUE,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
         )""",
     ),
     (
@@ -101,18 +137,85 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         """CREATE TABLE node_health (
             node_id TEXT PRIMARY KEY,
             beat TEXT NOT NULL,
-            seen_at REAL NOT NULL
+            seen_at DOUBLE PRECISION NOT NULL
+        )""",
+    ),
+    (
+        # Which replica leads the work that runs once (control_plane/leader.py; PostgreSQL only).
+        """CREATE TABLE leader_lease (
+            one INTEGER PRIMARY KEY CHECK (one = 1),
+            holder TEXT NOT NULL,
+            epoch BIGINT NOT NULL,
+            backend_pid BIGINT NOT NULL,
+            renewed_at DOUBLE PRECISION NOT NULL
         )""",
     ),
 )
 
 
+def migration_sql(statement: str, auto_id: str) -> str:
+    return statement.replace("{auto_id}", auto_id)
+
+
 class StoreError(Exception):
-    """The database cannot be used (e.g. written by a newer control plane)."""
+    """The database cannot be used (unreachable, or written by a newer control plane)."""
 
 
 class StoreBusyError(Exception):
-    """Another connection held the database lock for longer than the busy timeout."""
+    """Another connection held a lock the change needs for longer than the busy timeout."""
+
+
+def check_schema_version(version: int) -> None:
+    if version > len(MIGRATIONS):
+        raise StoreError(
+            f"database schema v{version} is newer than this control plane "
+            f"(knows up to v{len(MIGRATIONS)})"
+        )
+
+
+class Store:
+    """One backend's transactions; subclasses give `write_sync`, `read_sync` and the rest."""
+
+    busy_timeout_s: float
+
+    @property
+    def is_writing(self) -> bool:
+        """A change holds a write connection (running, or waiting for a lock)."""
+        raise NotImplementedError
+
+    @property
+    def schema_version(self) -> int:
+        raise NotImplementedError
+
+    def write_sync(self, change: Callable[[Connection], T], changes: Changes = ()) -> T:
+        """Run `change` in one transaction: all of it is committed, or none of it."""
+        raise NotImplementedError
+
+    def read_sync(self, query: Callable[[Connection], T]) -> T:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def write(self, change: Callable[[Connection], T], changes: Changes = ()) -> T:
+        return await anyio.to_thread.run_sync(partial(self.write_sync, change, changes))
+
+    async def read(self, query: Callable[[Connection], T]) -> T:
+        return await anyio.to_thread.run_sync(partial(self.read_sync, query))
+
+
+def is_postgres_url(db: str) -> bool:
+    return db.startswith(POSTGRES_SCHEMES)
+
+
+def open_store(db: str, busy_timeout_s: float = 5.0, replica_id: str = "") -> Store:
+    """A SQLite file (or `:memory:`), or a PostgreSQL database given as a `postgresql://` URL
+    (`replica_id` signs the changes it announces)."""
+    if is_postgres_url(db):
+        from control_plane.store_postgres import PostgresStore  # psycopg: an optional extra
+
+        return PostgresStore(db, busy_timeout_s, replica_id)
+    return SqliteStore(db, busy_timeout_s)
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
@@ -126,11 +229,14 @@ def _connect(path: str, busy_timeout_s: float) -> sqlite3.Connection:
     return conn
 
 
-class Store:
+class SqliteStore(Store):
     def __init__(self, path: str, busy_timeout_s: float = 5.0) -> None:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
-        self._conn = _connect(path, busy_timeout_s)
+        try:
+            self._conn = _connect(path, busy_timeout_s)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the SQLite database {path}: {exc}") from exc
         try:
             mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             # With WAL, NORMAL keeps every commit atomic and consistent; a power cut may lose the
@@ -147,7 +253,6 @@ class Store:
 
     @property
     def is_writing(self) -> bool:
-        """A change holds the write connection (running, or waiting for the database lock)."""
         return self._lock.locked()
 
     @property
@@ -157,16 +262,14 @@ class Store:
 
     def _migrate(self) -> None:
         version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
-        if version > len(MIGRATIONS):
-            raise StoreError(
-                f"database schema v{version} is newer than this control plane "
-                f"(knows up to v{len(MIGRATIONS)})"
-            )
+        check_schema_version(version)
         for target, statements in enumerate(MIGRATIONS[version:], start=version + 1):
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 for statement in statements:
-                    self._conn.execute(statement)
+                    self._conn.execute(
+                        migration_sql(statement, "INTEGER PRIMARY KEY AUTOINCREMENT")
+                    )
                 self._conn.execute(f"PRAGMA user_version = {target:d}")
                 self._conn.execute("COMMIT")
             except BaseException:
@@ -174,8 +277,7 @@ class Store:
                 raise
             logger.info("migrated store to schema v%d", target)
 
-    def write_sync(self, change: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `change` in one transaction: all of it is committed, or none of it."""
+    def write_sync(self, change: Callable[[Connection], T], changes: Changes = ()) -> T:
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
@@ -193,15 +295,9 @@ class Store:
                 raise
             return result
 
-    def read_sync(self, query: Callable[[sqlite3.Connection], T]) -> T:
+    def read_sync(self, query: Callable[[Connection], T]) -> T:
         with self._read_lock:
             return query(self._read_conn)
-
-    async def write(self, change: Callable[[sqlite3.Connection], T]) -> T:
-        return await anyio.to_thread.run_sync(partial(self.write_sync, change))
-
-    async def read(self, query: Callable[[sqlite3.Connection], T]) -> T:
-        return await anyio.to_thread.run_sync(partial(self.read_sync, query))
 
     def close(self) -> None:
         with self._lock:
@@ -211,12 +307,12 @@ class Store:
                 self._read_conn.close()
 
 
-def get_meta(conn: sqlite3.Connection, key: str) -> str | None:
+def get_meta(conn: Connection, key: str) -> str | None:
     row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
     return None if row is None else str(row["value"])
 
 
-def set_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
+def set_meta(conn: Connection, key: str, value: str) -> None:
     conn.execute(
         "INSERT INTO meta (key, value) VALUES (?, ?) "
         "ON CONFLICT (key) DO UPDATE SET value = excluded.value",

@@ -28,6 +28,7 @@ from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
 from gateway.tls import control_plane_ssl
 from gateway.watch import Watch
+from wire.control_plane_urls import ControlPlaneUrls
 from wire.errors import error_json, route_error_code, route_error_message
 from wire.geo import locate
 from wire.key_snapshot import KeySnapshot
@@ -67,10 +68,13 @@ def _watches(
     session: aiohttp.ClientSession, settings: GatewaySettings, handlers: Handlers
 ) -> list[Watch[RegionSummaryIndex] | Watch[KeySnapshot]]:
     token = settings.gateway_token.get_secret_value()
-    base = settings.control_plane_url
+    urls = ControlPlaneUrls.parse(
+        settings.control_plane
+    )  # one list: the watches fail over together
     regions = Watch(
         session,
-        base + "/v1/regions/summary",
+        urls,
+        "/v1/regions/summary",
         token,
         RegionSummaryIndex.model_validate_json,
         handlers.router.update,
@@ -79,7 +83,8 @@ def _watches(
     )
     keys = Watch(
         session,
-        base + "/v1/keys/snapshot",
+        urls,
+        "/v1/keys/snapshot",
         token,
         KeySnapshot.model_validate_json,
         handlers.keys.replace,

@@ -16,11 +16,11 @@ from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from wire.addresses import is_loopback_host
+from wire.control_plane_urls import ControlPlaneUrls
 from wire.geo import LOCATIONS
 from wire.heartbeat import NAME_PATTERN
 
 MIN_TOKEN_LEN = 16
-_HTTP_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 _REDIS_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
 
 TlsMode = Literal["files", "self-signed", "plain"]
@@ -114,9 +114,11 @@ class GatewaySettings(BaseSettings):
             raise ValueError(
                 f"pop {self.pop!r} is not in the location table; known: {', '.join(LOCATIONS)}"
             )
-        if not _HTTP_URL.match(self.control_plane):
-            raise ValueError("control_plane must be an http(s):// URL")
-        if not _is_safe_control_plane(self.control_plane):
+        try:  # one URL, or the replicas' URLs comma-separated: the watches fail over
+            urls = ControlPlaneUrls.parse(self.control_plane)
+        except ValueError as exc:
+            raise ValueError(f"control_plane: {exc}") from exc
+        if not all(_is_safe_control_plane(url) for url in urls.urls):
             raise ValueError(
                 "control_plane must be https:// unless it is on loopback: the gateway's token "
                 "and every API key's hash would cross the network in the clear"
@@ -140,7 +142,8 @@ class GatewaySettings(BaseSettings):
 
     @property
     def control_plane_url(self) -> str:
-        return self.control_plane.rstrip("/")
+        """The control plane's URL(s), as given (for logs)."""
+        return str(ControlPlaneUrls.parse(self.control_plane))
 
     @property
     def scheme(self) -> str:

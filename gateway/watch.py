@@ -3,7 +3,9 @@
 `GET {url}?index=N&wait=30s` answers at once when the document's index differs from N, else when
 it changes or the wait ends. The loop applies each new version, keeps the last good one while the
 control plane is away (retrying with capped, jittered backoff), and adopts whatever index the
-server reports (a restarted control plane may start elsewhere).
+server reports (a restarted control plane may start elsewhere). Given several replicas' URLs
+(shared by the gateway's watches), a failed poll moves on to the next one at once; only when
+every replica has failed in a row does the loop back off.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Generic, Protocol, TypeVar
 
 import aiohttp
 from pydantic import ValidationError
+
+from wire.control_plane_urls import ControlPlaneUrls
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,8 @@ class Watch(Generic[D]):
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        url: str,
+        urls: ControlPlaneUrls,
+        path: str,
         token: str,
         parse: Callable[[bytes], D],
         apply: Callable[[D], None],
@@ -48,7 +53,8 @@ class Watch(Generic[D]):
         max_backoff_s: float,
     ) -> None:
         self._session = session
-        self._url = url
+        self._urls = urls
+        self._path = path
         self._headers = {"Authorization": f"Bearer {token}"}
         self._parse = parse
         self._apply = apply
@@ -65,7 +71,7 @@ class Watch(Generic[D]):
             try:
                 document = await self.poll()
             except (aiohttp.ClientError, TimeoutError, ValidationError, WatchRejectedError) as exc:
-                await self._back_off(exc)
+                await self._fail_over_or_back_off(exc)
                 continue
             if self.num_failures:
                 logger.info("watch %s is back after %d failures", self._url, self.num_failures)
@@ -75,6 +81,10 @@ class Watch(Generic[D]):
                 self.num_updates += 1
                 self.index = document.index
                 self.loaded.set()
+
+    @property
+    def _url(self) -> str:
+        return self._urls.current + self._path
 
     async def poll(self) -> D:
         wait_s = self._wait_s if self.loaded.is_set() else 0.0
@@ -88,8 +98,13 @@ class Watch(Generic[D]):
                 raise WatchRejectedError(f"HTTP {response.status}: {body[:200]!r}")
         return self._parse(body)
 
-    async def _back_off(self, exc: Exception) -> None:
+    async def _fail_over_or_back_off(self, exc: Exception) -> None:
         self.num_failures += 1
+        if self.num_failures % len(self._urls) != 0:  # a replica not yet tried in this streak
+            failed = self._url
+            logger.warning("watch %s failed (%s): trying %s", failed, exc, self._urls.rotate())
+            return
+        self._urls.rotate()
         ceiling_s = min(self._max_backoff_s, FIRST_BACKOFF_S * 2**self.num_failures)
         log = logger.warning if self.num_failures in (1, 10) else logger.debug
         log("watch %s failed (%d in a row): %s", self._url, self.num_failures, exc or type(exc))

@@ -44,7 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--region", help="region this node serves in (default local)")
     add("--node-id", help="this node's id (default: host name and port)")
     add("--advertise-url", help="URL others reach this node at (default http://HOST:PORT)")
-    add("--control-plane", help="control plane URL for heartbeats, e.g. http://127.0.0.1:8080")
+    add(
+        "--control-plane",
+        help="control plane URL for heartbeats, e.g. http://127.0.0.1:8080; replicas: URL,URL,...",
+    )
     add("--control-plane-ca", help="PEM CA file to verify an https:// control plane with")
     add("--tensor-parallel-size", type=int, help="GPUs per pipeline stage (default 1)")
     add("--pipeline-parallel-size", type=int, help="pipeline stages per replica (default 1)")

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from node_agent.consul import ConsulRegistration
 from node_agent.runtime import NodeRuntime
 from node_agent.settings import NodeAgentSettings
+from wire.control_plane_urls import ControlPlaneUrls, is_retryable_status
 from wire.heartbeat import HeartbeatReply
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ def control_plane_client(settings: NodeAgentSettings) -> httpx.AsyncClient:
 class HeartbeatRejectedError(Exception):
     """The control plane answered, but not with a reply we can use."""
 
+    def __init__(self, message: str, is_retryable: bool = True) -> None:
+        super().__init__(message)
+        self.is_retryable = is_retryable  # another replica may answer better (a 5xx)
+
 
 class HeartbeatLoop:
     def __init__(
@@ -56,7 +61,9 @@ class HeartbeatLoop:
         self._client = client
         self._consul = consul
         self._rng = rng or random.Random()
-        self._url = settings.control_plane.rstrip("/") + PATH if settings.control_plane else None
+        self._urls = (
+            ControlPlaneUrls.parse(settings.control_plane) if settings.control_plane else None
+        )
         token = settings.node_token.get_secret_value() if settings.node_token else ""
         self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         self._timeout_s = settings.heartbeat_timeout_s
@@ -81,38 +88,56 @@ class HeartbeatLoop:
             else:
                 reason = self._runtime.not_ready_reason()
                 await self._consul.report(reason is None, reason or "ready")
-        if self._url is not None and time.monotonic() >= self._next_beat_at:
+        if self._urls is not None and time.monotonic() >= self._next_beat_at:
             await self.beat()
 
     async def beat(self) -> bool:
-        """Send one beat now; True if the control plane took it."""
+        """Send one beat now, to each replica in turn until one takes it (an unreachable or 5xx
+        one is skipped at once); True if one did."""
         beat = self._runtime.heartbeat()
-        if beat is None or self._url is None:
+        if beat is None or self._urls is None:
             return False
-        try:
-            response = await self._client.post(
-                self._url,
-                content=beat.model_dump_json(),
-                headers=self._headers,
-                timeout=self._timeout_s,
-            )
-            if response.status_code != 200:
-                raise HeartbeatRejectedError(
-                    f"HTTP {response.status_code}: {response.text[:200]}"
-                )
-            reply = HeartbeatReply.model_validate_json(response.content)
-        except (httpx.HTTPError, HeartbeatRejectedError, ValidationError) as exc:
-            self._on_failure(exc)
+        body = beat.model_dump_json()
+        failure: Exception | None = None
+        reply: HeartbeatReply | None = None
+        for url in self._urls.in_turn():
+            try:
+                reply = await self._send(url, body)
+            except (httpx.HTTPError, HeartbeatRejectedError, ValidationError) as exc:
+                failure = exc
+                if isinstance(exc, HeartbeatRejectedError) and not exc.is_retryable:
+                    break  # the control plane's own answer (a bad credential): no other replica
+                continue
+            if url != self._urls.current:
+                logger.warning("heartbeats fail over to %s (%s)", url, failure)
+                self._urls.settle(url)
+            break
+        if reply is None:
+            assert failure is not None
+            self._on_failure(failure)
             return False
         self._on_success(reply)
         if self._consul is not None and self._runtime.consul_withdrawn:
             await self._consul.withdraw()  # at once: the control plane waits to see it gone
         return True
 
+    async def _send(self, url: str, body: str) -> HeartbeatReply:
+        response = await self._client.post(
+            url + PATH, content=body, headers=self._headers, timeout=self._timeout_s
+        )
+        if response.status_code != 200:
+            raise HeartbeatRejectedError(
+                f"HTTP {response.status_code}: {response.text[:200]}",
+                is_retryable=is_retryable_status(response.status_code),
+            )
+        return HeartbeatReply.model_validate_json(response.content)
+
     def _on_success(self, reply: HeartbeatReply) -> None:
         if self.num_failures:
             logger.info(
-                "control plane %s is back after %d failed heartbeats", self._url, self.num_failures
+                "control plane %s is back after %d failed heartbeats",
+                self._urls.current if self._urls else None,
+                self.num_failures,
             )
         self.num_sent += 1
         self.num_failures = 0
@@ -138,7 +163,7 @@ class HeartbeatLoop:
         log = logger.warning if self.num_failures == 1 else logger.debug
         log(
             "heartbeat to %s failed (%s: %s); still serving, next try in %.1f s",
-            self._url,
+            self._urls.current if self._urls else None,
             type(exc).__name__,
             exc,
             delay_s,

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.model_store import DEFAULT_MODEL
 from wire.addresses import is_loopback_host
 from wire.capacity import DEFAULT_MAX_NUM_WAITING_REQUESTS
+from wire.control_plane_urls import ControlPlaneUrls
 from wire.heartbeat import NAME_PATTERN
 
 MIN_TOKEN_LEN = 16
@@ -80,7 +81,7 @@ class NodeAgentSettings(BaseSettings):
     # exit (SIGTERM) waits for the control plane's `may_exit`.
     drain_timeout_s: float = Field(default=600.0, gt=0.0)
 
-    # Control plane.
+    # Control plane: a URL, or its replicas' URLs comma-separated (wire/control_plane_urls.py).
     control_plane: str | None = None
     # The CA that signed an https:// control plane's certificate (default: the system's CAs).
     control_plane_ca: FilePath | None = None
@@ -123,8 +124,10 @@ class NodeAgentSettings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> NodeAgentSettings:
         if self.control_plane is not None:
-            if not _HTTP_URL.match(self.control_plane):
-                raise ValueError("control_plane must be an http(s):// URL")
+            try:  # one URL, or the replicas' URLs comma-separated: heartbeats fail over
+                ControlPlaneUrls.parse(self.control_plane)
+            except ValueError as exc:
+                raise ValueError(f"control_plane: {exc}") from exc
             if self.node_token is None:
                 raise ValueError("MERIDIAN_NODE_TOKEN must be set to report to a control plane")
         if self.serving_token is None and not is_loopback_host(self.host):

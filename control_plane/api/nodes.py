@@ -49,7 +49,7 @@ def drain_view(sequence: DrainSequence) -> DrainView:
 
 def node_view(services: ControlPlane, node: Node) -> NodeView:
     view = view_of(node)
-    sequence = services.drains.sequences.get(node.node_id)
+    sequence = services.registry.drains.sequences.get(node.node_id)
     if sequence is not None:
         view.drain = drain_view(sequence)
     return view

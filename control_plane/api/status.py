@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -13,8 +12,9 @@ from control_plane.api.nodes import drain_view, node_view
 from control_plane.audit import AuditEntry
 from control_plane.auth import AdminAuth
 from control_plane.errors import ERROR_RESPONSES
-from control_plane.schemas import StatusView
+from control_plane.schemas import ReplicaView, StatusView
 from control_plane.services import ServicesDep
+from control_plane.store import Connection
 from control_plane.xds.status import status_of
 
 router = APIRouter(prefix="/v1", tags=["status"], responses=ERROR_RESPONSES)
@@ -31,7 +31,13 @@ async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
     summaries = services.summaries.current
     nodes = sorted(fleet.nodes.values(), key=lambda n: n.node_id)
     known = {node.identity.region for node in nodes}
+    leadership = services.registry.leadership
     return StatusView(
+        replica=ReplicaView(
+            id=services.settings.replica_id,
+            is_leader=leadership.is_leader,
+            epoch=leadership.epoch,
+        ),
         summary_index=summaries.index,
         keys_index=services.keys.feed.index,
         heartbeat_interval_s=services.settings.heartbeat_interval_s,
@@ -45,7 +51,9 @@ async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
         routing=summaries.routing,
         drains=[
             drain_view(sequence)
-            for sequence in sorted(services.drains.sequences.values(), key=lambda s: s.started_at)
+            for sequence in sorted(
+                services.registry.drains.sequences.values(), key=lambda s: s.started_at
+            )
         ],
         xds=status_of(services.xds) if services.xds is not None else None,
     )
@@ -60,7 +68,7 @@ async def get_audit(
 ) -> AuditPage:
     """Audit entries oldest first; page by passing the last id seen as `after_id`."""
 
-    def query(conn: sqlite3.Connection) -> list[AuditEntry]:
+    def query(conn: Connection) -> list[AuditEntry]:
         return audit.list_entries(conn, after_id, limit)
 
     return AuditPage(entries=await services.store.read(query))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -27,6 +29,7 @@ from control_plane.app import create_app
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
+from stack.postgres import LocalPostgres, PostgresNotFoundError, find_bin_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_START_S = 20.0
@@ -42,7 +45,7 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def make_settings(db_path: Path, tokens: TokenSet, **overrides: Any) -> Settings:
+def make_settings(db_path: Path | str, tokens: TokenSet, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "db_path": str(db_path),
         "admin_token": tokens.admin,
@@ -145,6 +148,36 @@ def no_meridian_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[LocalPostgres]:
+    """One real PostgreSQL (Debian's binaries) for the whole test run, in a temp directory."""
+    pytest.importorskip(
+        "psycopg", reason="psycopg is not installed (pip install meridian[postgres])"
+    )
+    try:
+        find_bin_dir()
+    except PostgresNotFoundError as exc:
+        pytest.skip(str(exc))
+    top = tempfile.mkdtemp(prefix="meridian-test-pg-")
+    os.chmod(top, 0o711)  # run by root, the server runs as `postgres` and must enter it
+    server = LocalPostgres(Path(top) / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database of each backend: a SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "cp.db")
+    server: LocalPostgres = request.getfixturevalue("postgres_server")
+    return server.create_database("test_" + secrets.token_hex(6))
+
+
 @pytest.fixture
 def tokens() -> TokenSet:
     return new_tokens()
@@ -153,6 +186,12 @@ def tokens() -> TokenSet:
 @pytest.fixture
 def settings(tmp_path: Path, tokens: TokenSet) -> Settings:
     return make_settings(tmp_path / "cp.db", tokens)
+
+
+def settings_on_each_db(db: str, tokens: TokenSet) -> Settings:
+    """A module that sets `settings = pytest.fixture(settings_on_each_db)` runs its `cp` tests
+    on SQLite and on PostgreSQL."""
+    return make_settings(db, tokens)
 
 
 @pytest_asyncio.fixture

@@ -8,11 +8,13 @@ import time
 from typing import Any
 
 import pytest
-from conftest import ControlPlaneClient, heartbeat
+from conftest import ControlPlaneClient, heartbeat, settings_on_each_db
 
 from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from wire.heartbeat import Heartbeat, HeartbeatReply
 from wire.region_summary import RegionSummaryIndex
+
+settings = pytest.fixture(settings_on_each_db)  # every test on SQLite and PostgreSQL
 
 
 async def summary(cp: ControlPlaneClient, **params: Any) -> RegionSummaryIndex:
@@ -111,24 +113,26 @@ async def test_drain_is_told_to_the_node_and_takes_it_out(cp: ControlPlaneClient
     assert (await cp.beat("n2"))["drain"] is False
     assert (await summary(cp)).regions[0].healthy_nodes == 2
     await cp.beat("n1", draining=True)
-    await cp.services.drains.step()  # no Envoy connected: EDS at once, then the summaries
+    await cp.services.registry.step_drains()  # no Envoy connected: EDS at once, then the summaries
     assert (await summary(cp)).regions[0].healthy_nodes == 1
 
     undrained = await cp.http.post("/v1/nodes/n1/undrain", headers=cp.admin)
     assert undrained.json()["drain_requested"] is False and undrained.json()["drain"] is None
     assert (await cp.beat("n1", draining=True))["drain"] is False  # made before it heard
     assert (await summary(cp)).regions[0].healthy_nodes == 2
-    await cp.services.drains.step()
-    assert cp.services.drains.sequences == {}  # that `draining` echoed ours: not a new drain
+    await cp.services.registry.step_drains()
+    assert (
+        cp.services.registry.drains.sequences == {}
+    )  # that `draining` echoed ours: not a new drain
     await cp.beat("n1", draining=False)
     node = (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()
     assert node["is_draining"] is False
 
     # A node draining on its own (SIGTERM at the agent) leaves routing too.
     await cp.beat("n2", draining=True)
-    await cp.services.drains.step()
+    await cp.services.registry.step_drains()
     assert (await summary(cp)).regions[0].healthy_nodes == 1
-    assert cp.services.drains.sequences["n2"].reason == "node"
+    assert cp.services.registry.drains.sequences["n2"].reason == "node"
     for path in ("/v1/nodes/zz/drain", "/v1/nodes/zz/undrain"):
         assert (await cp.http.post(path, headers=cp.admin)).status_code == 404
 
@@ -243,10 +247,10 @@ async def test_nodes_starting_together_register_in_a_few_writes(
     for i in range(40):
         await cp.mint(f"n{i}")  # an operator's writes, one by one, before the nodes start
 
-    async def counting(change: Any) -> Any:
+    async def counting(change: Any, changes: tuple[str, ...] = ()) -> Any:
         nonlocal num_writes
         num_writes += 1
-        return await original(change)
+        return await original(change, changes)
 
     monkeypatch.setattr(store, "write", counting)
     await cp.add_region("us-east")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import ControlPlaneClient
+from conftest import ControlPlaneClient, settings_on_each_db
+
+settings = pytest.fixture(settings_on_each_db)  # every test on SQLite and PostgreSQL
 
 
 @pytest.mark.asyncio

@@ -1,45 +1,73 @@
-"""The SQLite store: WAL, migrations by user_version, and all-or-nothing changes."""
+"""The store on both backends (SQLite, and a real PostgreSQL): migrations from the one list, a
+newer schema refused, all-or-nothing changes; SQLite in WAL mode; an unreachable PostgreSQL URL
+is one clear line and a non-zero exit."""
 
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import ControlPlaneClient
+from conftest import REPO_ROOT, ControlPlaneClient, settings_on_each_db
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.store import MIGRATIONS, Store, StoreError
+from control_plane.store import MIGRATIONS, Connection, SqliteStore, StoreError, open_store
+
+settings = pytest.fixture(settings_on_each_db)  # every test on SQLite and PostgreSQL
 
 ACTOR = Actor(kind="admin", client="test")
 
 
-def test_new_store_is_wal_and_migrated(tmp_path: Path) -> None:
-    store = Store(str(tmp_path / "cp.db"))
+def count(store_conn: Connection, table: str) -> int:
+    return int(store_conn.execute(f"SELECT COUNT(*) AS n FROM {table}").fetchone()["n"])
+
+
+def test_new_store_is_migrated_and_reopening_is_a_no_op(db: str) -> None:
+    store = open_store(db)
     try:
         assert store.schema_version == len(MIGRATIONS)
+        store.write_sync(lambda conn: audit.record(conn, ACTOR, "x", "y", {}))
+    finally:
+        store.close()
+    reopened = open_store(db)
+    try:
+        assert reopened.schema_version == len(MIGRATIONS)
+        assert reopened.read_sync(lambda conn: count(conn, "audit_log")) == 1
+    finally:
+        reopened.close()
+
+
+def test_sqlite_store_is_wal(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "cp.db"))
+    try:
         mode = store.read_sync(lambda conn: conn.execute("PRAGMA journal_mode").fetchone()[0])
         assert mode == "wal"
     finally:
         store.close()
-    reopened = Store(str(tmp_path / "cp.db"))  # migrating again is a no-op
-    assert reopened.schema_version == len(MIGRATIONS)
-    reopened.close()
 
 
-def test_newer_schema_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "cp.db"
-    with sqlite3.connect(path) as conn:
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+def test_newer_schema_is_refused(db: str) -> None:
+    if db.startswith("postgresql://"):
+        store = open_store(db)
+        newer = len(MIGRATIONS) + 1
+        store.write_sync(
+            lambda conn: conn.execute("UPDATE meridian_schema SET version = ?", (newer,))
+        )
+        store.close()
+    else:
+        with sqlite3.connect(db) as conn:
+            conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
     with pytest.raises(StoreError, match="newer than this control plane"):
-        Store(str(path))
+        open_store(db)
 
 
-def test_failed_change_writes_nothing(tmp_path: Path) -> None:
-    store = Store(str(tmp_path / "cp.db"))
+def test_failed_change_writes_nothing(db: str) -> None:
+    store = open_store(db)
 
-    def change(conn: sqlite3.Connection) -> None:
+    def change(conn: Connection) -> None:
         conn.execute(
             "INSERT INTO regions (name, lat, lon, ingress_url, weight, state, created_at, "
             "updated_at) VALUES ('r1', 0, 0, NULL, 1, 'active', 0, 0)",
@@ -47,22 +75,34 @@ def test_failed_change_writes_nothing(tmp_path: Path) -> None:
         audit.record(conn, ACTOR, "region.create", "r1", {})
         raise RuntimeError("crash after the audit row")
 
-    with pytest.raises(RuntimeError):
-        store.write_sync(change)
-    counts = store.read_sync(
-        lambda conn: (
-            conn.execute("SELECT COUNT(*) FROM regions").fetchone()[0],
-            conn.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0],
-        )
+    try:
+        with pytest.raises(RuntimeError):
+            store.write_sync(change)
+        counts = store.read_sync(lambda conn: (count(conn, "regions"), count(conn, "audit_log")))
+        assert counts == (0, 0)
+        # The connection is usable afterwards.
+        store.write_sync(lambda conn: audit.record(conn, ACTOR, "x", "y", {}))
+        assert store.read_sync(lambda conn: count(conn, "audit_log")) == 1
+    finally:
+        store.close()
+
+
+def test_unreachable_postgres_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
+    pytest.importorskip("psycopg")
+    url = "postgresql://meridian:hunter2@127.0.0.1:1/fleet"  # nothing listens on port 1
+    result = subprocess.run(
+        [sys.executable, "-m", "control_plane", "--db", url],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    assert counts == (0, 0)
-    # The connection is usable afterwards.
-    store.write_sync(lambda conn: audit.record(conn, ACTOR, "x", "y", {}))
-    assert (
-        store.read_sync(lambda conn: conn.execute("SELECT COUNT(*) FROM audit_log").fetchone())[0]
-        == 1
-    )
-    store.close()
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("control_plane: cannot connect to PostgreSQL at ")
+    assert "Connection refused" in lines[0] and "hunter2" not in lines[0]
 
 
 @pytest.mark.asyncio

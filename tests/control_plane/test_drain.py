@@ -1,6 +1,7 @@
-"""The drain sequence as a state machine (control_plane/drain.py), on real parts without servers:
-the registry, the fleet, the store, the summary publisher and an unstarted xDS server, with a fake
-clock. Order of the steps, idempotence, undrain, restart recovery, region drains and deletes."""
+"""The drain sequence (control_plane/drain.py, moved by control_plane/drain_book.py and written by
+the registry), on the app's own parts without servers: `control_plane.app.build` on a real store
+with an unstarted xDS server and a fake clock. Order of the steps, idempotence, undrain, restart
+recovery, region drains and deletes; each test runs on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -8,46 +9,32 @@ import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import heartbeat
+from conftest import heartbeat, make_settings, new_tokens
 from test_xds_plan import INGRESS
 
+from control_plane.app import build, load
 from control_plane.audit import Actor
-from control_plane.changes import ChangeFeed
-from control_plane.drain import (
-    ACTOR,
-    DONE,
-    PHASES,
-    STEPS,
-    Drainer,
-    DrainTimes,
-    has_reached,
-    load_drains,
-)
+from control_plane.drain import DONE, PHASES, STEPS, has_reached
+from control_plane.drain_book import DrainBook
 from control_plane.fleet import Fleet, Node
-from control_plane.node_credentials import CredentialRegistry
-from control_plane.registry import Registry, load_fleet
+from control_plane.fleet_store import load_drains
+from control_plane.registry import Registry
 from control_plane.schemas import RegionCreate, RegionPatch
-from control_plane.store import Store
+from control_plane.settings import DrainConfig, Settings
+from control_plane.store import Store, open_store
 from control_plane.summaries import SummaryPublisher
 from control_plane.xds.plan import plan_ingress
 from control_plane.xds.server import XdsServer
 from wire.heartbeat import Heartbeat
-from wire.routing_policy import RoutingPolicy
 
 ADMIN = Actor(kind="admin", client="test")
 NODE = Actor(kind="node", client="test")
 DNS_TTL_S = 5.0
-TIMES = DrainTimes(
-    unhealthy_after_s=3.0,
-    dns_ttl_s=DNS_TTL_S,
-    envoy_ack_timeout_s=2.0,
-    consul_timeout_s=4.0,
-    in_flight_timeout_s=30.0,
-)
+UNHEALTHY_AFTER_S = 3.0
+DRAIN = DrainConfig(envoy_ack_timeout_s=2.0, consul_timeout_s=4.0, in_flight_timeout_s=30.0)
 PORTS = {"a": 9001, "b": 9002}
 
 
@@ -61,13 +48,13 @@ class Clock:
 
 @dataclass
 class Rig:
-    """The control plane's parts that a drain moves, wired as the app wires them."""
+    """The control plane's parts that a drain moves, as the app builds them."""
 
     store: Store
     fleet: Fleet
     publisher: SummaryPublisher
     xds: XdsServer
-    drainer: Drainer
+    drains: DrainBook
     registry: Registry
     clock: Clock
 
@@ -83,47 +70,47 @@ class Rig:
         return region.healthy_nodes
 
     def phase(self, node_id: str) -> str:
-        return self.drainer.sequences[node_id].phase
+        return self.drains.sequences[node_id].phase
 
     def go_silent(self, node_id: str) -> None:
         self.fleet.nodes[node_id].is_beating = False  # what the sweep does after missed beats
 
     def audit(self) -> list[tuple[str, str, dict[str, Any]]]:
         rows = self.store.read_sync(
-            lambda conn: conn.execute("SELECT action, target, detail FROM audit_log").fetchall()
+            lambda conn: conn.execute(
+                "SELECT action, target, detail FROM audit_log ORDER BY id"
+            ).fetchall()
         )
         return [(row["action"], row["target"], json.loads(row["detail"])) for row in rows]
 
 
-def build(path: Path, clock: Clock) -> Rig:
-    store = Store(str(path))
-    fleet = store.read_sync(lambda conn: load_fleet(conn, TIMES.unhealthy_after_s))
-    feed = ChangeFeed(1)
-    publisher = SummaryPublisher(fleet, RoutingPolicy, feed)
-    xds = XdsServer(fleet, feed, refresh_interval_s=0.05)
-
-    async def finish_region_delete(name: str) -> None:
-        await registry.finish_region_delete(ACTOR, name)
-
-    def publish_now() -> None:
-        publisher.refresh()
-
-    drainer = Drainer(fleet, store, publisher, xds, TIMES, finish_region_delete, clock=clock)
-    drainer.restore(store.read_sync(load_drains))
-    registry = Registry(
-        store,
-        fleet,
-        CredentialRegistry(store, []),  # beats here skip auth: no credentials to check
-        on_change=publish_now,
-        on_capacity=publisher.mark_dirty,
-        note_drain=drainer.note,
+def settings_for(db: str) -> Settings:
+    return make_settings(
+        db,
+        new_tokens(),
+        heartbeat_interval_s=UNHEALTHY_AFTER_S / 3,
+        missed_beats=3,
+        dns={"ttl_s": int(DNS_TTL_S)},
+        drain=DRAIN,
     )
-    return Rig(store, fleet, publisher, xds, drainer, registry, clock)
+
+
+def build_rig(db: str, clock: Clock) -> Rig:
+    settings = settings_for(db)
+    store = open_store(db)
+    services = build(
+        settings, new_tokens(), store, store.read_sync(lambda c: load(c, settings)), clock
+    )
+    registry = services.registry
+    assert services.xds is not None
+    return Rig(
+        store, registry.fleet, services.summaries, services.xds, registry.drains, registry, clock
+    )
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    built = build(tmp_path / "cp.db", Clock())
+def rig(db: str) -> Iterator[Rig]:
+    built = build_rig(db, Clock())
     yield built
     built.store.close()
 
@@ -141,7 +128,7 @@ async def drive_to(rig: Rig, node_id: str, phase: str) -> None:
         if rig.phase(node_id) == phase:
             return
         await rig.beat(node_id, draining=True, num_running=0, num_waiting=0)
-        await rig.drainer.step()
+        await rig.registry.step_drains()
         if rig.phase(node_id) == "dns" and phase != "dns":
             rig.clock.now += DNS_TTL_S
     raise AssertionError(f"{node_id} is in {rig.phase(node_id)}, not {phase}")
@@ -151,29 +138,29 @@ async def drive_to(rig: Rig, node_id: str, phase: str) -> None:
 async def test_steps_run_in_order_each_after_the_one_before(rig: Rig) -> None:
     await two_nodes(rig)
     await rig.registry.set_drain(ADMIN, "b", drain=True)
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     # 1. Told to stop admitting; in routing until it says it has.
     assert rig.phase("b") == "admissions"
     assert rig.in_eds() == {"a", "b"} and rig.in_summary() == 2
     await rig.beat("b", draining=True, num_running=2, num_waiting=1)
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     # 2-3. No Envoy connected: EDS at once; then the summaries; 4. DNS waits one TTL.
     assert rig.phase("b") == "dns"
     assert rig.in_eds() == {"a"} and rig.in_summary() == 1
     rig.clock.now += DNS_TTL_S
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     # 5. No Consul; 6. three requests in flight.
     assert rig.phase("b") == "in_flight"
     await rig.beat("b", draining=True, num_running=0, num_waiting=0, num_in_flight=1)
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == "in_flight"  # the node's own count wins over the engine's
     await rig.beat("b", draining=True, num_running=0, num_waiting=0, num_in_flight=0)
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     # 7. Told it may exit; done once it stops beating.
     assert rig.phase("b") == "exit" and has_reached(rig.fleet.nodes["b"].drain_phase, "exit")
     rig.go_silent("b")
-    await rig.drainer.step()
-    sequence = rig.drainer.sequences["b"]
+    await rig.registry.step_drains()
+    sequence = rig.drains.sequences["b"]
     assert sequence.phase == DONE and sequence.may_exit
 
     records = [sequence.steps[name] for name in STEPS]
@@ -194,26 +181,26 @@ async def test_each_wait_is_bounded(rig: Rig, monkeypatch: pytest.MonkeyPatch) -
     await two_nodes(rig)
     await rig.registry.set_drain(ADMIN, "b", drain=True)
     # The node never says it stopped admitting: moved on after `unhealthy_after_s`.
-    rig.clock.now += TIMES.unhealthy_after_s
+    rig.clock.now += UNHEALTHY_AFTER_S
     monkeypatch.setattr(rig.xds, "lagging", lambda region, condition: ["envoy-7"])
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == "envoy"
     # An Envoy that never ACKs holds the drain for `envoy_ack_timeout_s`, no longer.
-    rig.clock.now += TIMES.envoy_ack_timeout_s - 0.1
-    await rig.drainer.step()
+    rig.clock.now += DRAIN.envoy_ack_timeout_s - 0.1
+    await rig.registry.step_drains()
     assert rig.phase("b") == "envoy"
     rig.clock.now += 0.1
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == "dns"
-    note = rig.drainer.sequences["b"].steps["envoy"].note
+    note = rig.drains.sequences["b"].steps["envoy"].note
     assert note == "timed out after 2.0 s: not ACKed by envoy-7"
     rig.clock.now += DNS_TTL_S
     await rig.beat("b", num_running=4)
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == "in_flight"
-    rig.clock.now += TIMES.in_flight_timeout_s
-    await rig.drainer.step()
-    assert rig.drainer.sequences["b"].steps["in_flight"].note.endswith("with 6 in flight")
+    rig.clock.now += DRAIN.in_flight_timeout_s
+    await rig.registry.step_drains()
+    assert rig.drains.sequences["b"].steps["in_flight"].note.endswith("with 6 in flight")
     assert rig.phase("b") == "exit"
 
 
@@ -225,13 +212,13 @@ async def test_envoy_step_ends_when_every_envoy_has_acked(
     lagging = ["envoy-1", "envoy-2"]
     monkeypatch.setattr(rig.xds, "lagging", lambda region, condition: list(lagging))
     await rig.beat("b", draining=True)  # on its own (SIGTERM): step 1 is done at once
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == "envoy" and rig.in_eds() == {"a"} and rig.in_summary() == 2
     lagging.pop()
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == "envoy"
     lagging.pop()
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == "dns" and rig.in_summary() == 1
 
 
@@ -239,14 +226,14 @@ async def test_envoy_step_ends_when_every_envoy_has_acked(
 async def test_drain_is_idempotent(rig: Rig) -> None:
     await two_nodes(rig)
     await rig.registry.set_drain(ADMIN, "b", drain=True)
-    first = rig.drainer.sequences["b"]
-    await rig.drainer.step()
+    first = rig.drains.sequences["b"]
+    await rig.registry.step_drains()
     num_entries = len(rig.audit())
     await rig.registry.set_drain(ADMIN, "b", drain=True)
-    rig.drainer.note(rig.fleet.nodes["b"])
-    await rig.drainer.step()
-    await rig.drainer.step()
-    assert rig.drainer.sequences["b"] is first and first.phase == "admissions"
+    rig.drains.note(rig.fleet.nodes["b"])
+    await rig.registry.step_drains()
+    await rig.registry.step_drains()
+    assert rig.drains.sequences["b"] is first and first.phase == "admissions"
     # Only the operator's second request is new in the log; the sequence did not restart.
     assert [action for action, _, _ in rig.audit()[num_entries:]] == ["node.drain"]
 
@@ -259,54 +246,54 @@ async def test_undrain_cancels_the_sequence_and_restores_routing(rig: Rig) -> No
     assert rig.in_eds() == {"a"} and rig.in_summary() == 1
 
     await rig.registry.set_drain(ADMIN, "b", drain=False)
-    assert "b" not in rig.drainer.sequences
+    assert "b" not in rig.drains.sequences
     assert rig.in_eds() == {"a", "b"} and rig.in_summary() == 2
     # The node's next beat still says draining (made before it heard): an echo, no new drain.
     node = await rig.beat("b", draining=True)
-    await rig.drainer.step()
-    assert rig.drainer.sequences == {} and not node.is_draining
+    await rig.registry.step_drains()
+    assert rig.drains.sequences == {} and not node.is_draining
     assert rig.store.read_sync(load_drains) == []
     assert [a for a, _, _ in rig.audit() if a.startswith("drain.")][-1] == "drain.cancel"
     # A beat after that saying draining is the node's own (it got SIGTERM): a new drain.
     await rig.beat("b", draining=True)
-    assert rig.drainer.sequences["b"].reason == "node"
+    assert rig.drains.sequences["b"].reason == "node"
 
 
 @pytest.mark.asyncio
-async def test_sequence_survives_a_restart(tmp_path: Path) -> None:
+async def test_sequence_survives_a_restart(db: str) -> None:
     clock = Clock()
-    rig = build(tmp_path / "cp.db", clock)
+    rig = build_rig(db, clock)
     await two_nodes(rig)
     await rig.registry.set_drain(ADMIN, "b", drain=True)
     await drive_to(rig, "b", "dns")
     await rig.beat("a", draining=True)  # a drains on its own too
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     before = {
-        n: (s.phase, s.steps["admissions"].completed_at) for n, s in rig.drainer.sequences.items()
+        n: (s.phase, s.steps["admissions"].completed_at) for n, s in rig.drains.sequences.items()
     }
     rig.store.close()
 
-    again = build(tmp_path / "cp.db", clock)
+    again = build_rig(db, clock)
     try:
         after = {
             n: (s.phase, s.steps["admissions"].completed_at)
-            for n, s in again.drainer.sequences.items()
+            for n, s in again.drains.sequences.items()
         }
         assert after == before == {"a": ("dns", after["a"][1]), "b": ("dns", after["b"][1])}
         b = again.fleet.nodes["b"]
         assert b.is_out_of_eds and b.is_out_of_summaries and b.drain_phase == "dns"
         # Nobody has beaten since the restart: the node's own drain is not taken as ended.
-        await again.drainer.step()
-        assert set(again.drainer.sequences) == {"a", "b"}
+        await again.registry.step_drains()
+        assert set(again.drains.sequences) == {"a", "b"}
         # b beats again: still out of EDS, and its sequence goes on where it was.
         await again.beat("b", draining=True, num_running=0, num_waiting=0)
         assert again.in_eds() == set()
         clock.now += DNS_TTL_S
-        await again.drainer.step()
+        await again.registry.step_drains()
         assert again.phase("b") == "exit"
         # a was restarted meanwhile and reports it is not draining: its drain ends.
         await again.beat("a", draining=False)
-        assert "a" not in again.drainer.sequences and again.in_eds() == {"a"}
+        assert "a" not in again.drains.sequences and again.in_eds() == {"a"}
     finally:
         again.store.close()
 
@@ -315,25 +302,25 @@ async def test_sequence_survives_a_restart(tmp_path: Path) -> None:
 async def test_a_node_drained_on_its_own_and_restarted_is_back(rig: Rig) -> None:
     await two_nodes(rig)
     await rig.beat("b", draining=True)
-    assert rig.drainer.sequences["b"].reason == "node"
+    assert rig.drains.sequences["b"].reason == "node"
     await drive_to(rig, "b", "exit")
     rig.go_silent("b")
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("b") == DONE
     await rig.beat("b", draining=False)  # a new process
-    assert "b" not in rig.drainer.sequences and rig.in_eds() == {"a", "b"}
+    assert "b" not in rig.drains.sequences and rig.in_eds() == {"a", "b"}
 
 
 @pytest.mark.asyncio
 async def test_region_drain_runs_every_node_and_active_cancels(rig: Rig) -> None:
     await two_nodes(rig)
     await rig.registry.update_region(ADMIN, "us-east", RegionPatch(state="draining"))
-    assert {n: s.reason for n, s in rig.drainer.sequences.items()} == {"a": "region", "b": "region"}
+    assert {n: s.reason for n, s in rig.drains.sequences.items()} == {"a": "region", "b": "region"}
     await rig.beat("a", draining=True)
-    await rig.drainer.step()
+    await rig.registry.step_drains()
     assert rig.phase("a") == "dns" and rig.phase("b") == "admissions"
     await rig.registry.update_region(ADMIN, "us-east", RegionPatch(state="active"))
-    assert rig.drainer.sequences == {} and rig.in_eds() == {"a", "b"}
+    assert rig.drains.sequences == {} and rig.in_eds() == {"a", "b"}
 
 
 @pytest.mark.asyncio
@@ -345,8 +332,8 @@ async def test_region_delete_drains_its_nodes_then_forgets_them(rig: Rig) -> Non
     await drive_to(rig, "a", "exit")
     assert "us-east" in rig.fleet.regions  # b has not been told to exit yet
     await drive_to(rig, "b", "exit")
-    await rig.drainer.step()
-    assert rig.fleet.regions == {} and rig.fleet.nodes == {} and rig.drainer.sequences == {}
+    await rig.registry.step_drains()
+    assert rig.fleet.regions == {} and rig.fleet.nodes == {} and rig.drains.sequences == {}
     assert rig.store.read_sync(load_drains) == []
     deleted = [(a, d) for a, t, d in rig.audit() if a.startswith("region.delete")]
     assert deleted == [

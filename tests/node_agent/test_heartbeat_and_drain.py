@@ -95,6 +95,40 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
         node.stop()
 
 
+def test_heartbeats_fail_over_between_control_plane_replicas(
+    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+) -> None:
+    other = FakeControlPlane(free_port(), interval_s=INTERVAL_S)
+    server_loop.run(other.start())
+    node = start_node(
+        server_loop,
+        shared_llm,
+        control_plane=f"{control_plane.url},{other.url}",
+        node_token=TOKEN,
+        heartbeat_interval_s=INTERVAL_S,
+        max_heartbeat_backoff_s=MAX_BACKOFF_S,
+        heartbeat_timeout_s=0.5,
+    )
+    try:
+        assert wait_until(lambda: len(control_plane.beats) >= 3)
+        assert other.beats == []  # the first URL while it answers
+        server_loop.run(control_plane.stop())
+        stopped_at = len(other.attempts)
+        assert wait_until(lambda: len(other.beats) >= stopped_at + 5)
+        # The same beat went on to the other replica: no backoff between them.
+        assert max(_gaps(other.attempts)) < 5 * INTERVAL_S
+        assert node.runtime.control_plane_reachable
+        # A refusal that is the control plane's own answer (a bad token) is not a reason to move.
+        server_loop.run(control_plane.start())
+        other.status = 401
+        num_attempts = len(control_plane.attempts)
+        assert wait_until(lambda: len(other.attempts) >= stopped_at + 10)
+        assert len(control_plane.attempts) == num_attempts
+    finally:
+        node.stop()
+        server_loop.run(other.stop())
+
+
 def _stream_lines(response: httpx.Response) -> Iterator[str]:
     return (line for line in response.iter_lines() if line)
 

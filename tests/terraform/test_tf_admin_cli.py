@@ -178,6 +178,17 @@ def test_unreachable_control_plane(
     assert err.startswith("admin_cli: error: cannot reach the control plane at http://127.0.0.1:9")
 
 
+def test_a_replica_that_cannot_be_reached_is_skipped_for_the_next(
+    cp: ControlPlane, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admin_cli, "TIMEOUT_S", 2.0)
+    monkeypatch.setenv("MERIDIAN_CONTROL_PLANE_URL", f"http://127.0.0.1:9,{cp.base_url}")
+    put = ("region", "put", "cli-r", "--lat=1", "--lon=2")
+    assert run_cli(capsys, *put) == (0, "region cli-r: created", "")
+    assert cp.regions()["cli-r"]["lat"] == 1.0
+    assert run_cli(capsys, "region", "delete", "cli-r")[0] == 0
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [

@@ -77,13 +77,13 @@ variable "model" {
 }
 
 variable "control_plane_url" {
-  description = "The control plane's admin API, e.g. http://127.0.0.1:8080 (no path)."
+  description = "The control plane's admin API, e.g. http://127.0.0.1:8080 (no path); replicas: their URLs comma-separated, tried in turn."
   type        = string
   nullable    = false
 
   validation {
-    condition     = can(regex("^https?://[^\\s/?#@]+/?$", var.control_plane_url))
-    error_message = "control_plane_url must be http(s)://HOST[:PORT] with no path."
+    condition     = can(regex("^https?://[^\\s/?#@,]+/?(,https?://[^\\s/?#@,]+/?)*$", var.control_plane_url))
+    error_message = "control_plane_url must be http(s)://HOST[:PORT] with no path (or several, comma-separated)."
   }
 }
 

@@ -1,0 +1,313 @@
+"""Every SQL statement on fleet state: regions, nodes, drain sequences and the nodes' last health.
+
+The registry (`control_plane.registry`) is the only caller of the writes; each is one transaction
+with its audit entry. The SQL is what SQLite and PostgreSQL both accept (`control_plane.store`), so
+the one `FleetStore` serves either backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from control_plane import audit
+from control_plane.audit import Actor
+from control_plane.drain import ACTOR as DRAIN_ACTOR
+from control_plane.drain import DrainSequence, StepRecord, is_known_phase
+from control_plane.errors import ConflictError, NotFoundError
+from control_plane.fleet import Fleet, Node, NodeIdentity, Region
+from control_plane.node_credentials import write_binding
+from control_plane.store import Connection, Row, Store
+from wire.heartbeat import Heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    actor: Actor
+    node_id: str
+    identity: NodeIdentity
+
+
+SavedBeats = list[tuple[str, Heartbeat, float]]  # node id, its latest beat, when it arrived
+
+
+def _region_of(row: Row) -> Region:
+    return Region(
+        name=row["name"],
+        lat=row["lat"],
+        lon=row["lon"],
+        ingress_url=row["ingress_url"],
+        weight=row["weight"],
+        state=row["state"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        is_deleting=bool(row["is_deleting"]),
+    )
+
+
+def _node_of(row: Row) -> Node:
+    identity = NodeIdentity(
+        region=row["region"], url=row["url"], model=row["model"], tp_size=row["tp_size"]
+    )
+    return Node(
+        node_id=row["node_id"],
+        identity=identity,
+        drain_requested=bool(row["drain_requested"]),
+        registered_at=row["registered_at"],
+    )
+
+
+def _drain_of(row: Row) -> DrainSequence:
+    steps = {
+        name: StepRecord(started_at=started, completed_at=completed, note=note)
+        for name, (started, completed, note) in json.loads(row["steps"]).items()
+    }
+    return DrainSequence(
+        node_id=row["node_id"],
+        region=row["region"],
+        reason=row["reason"],
+        started_at=row["started_at"],
+        phase=row["phase"],
+        steps=steps,
+    )
+
+
+def _drain_row(sequence: DrainSequence, now: float) -> tuple[object, ...]:
+    steps = {
+        name: [record.started_at, record.completed_at, record.note]
+        for name, record in sequence.steps.items()
+    }
+    return (
+        sequence.node_id,
+        sequence.region,
+        sequence.reason,
+        sequence.phase,
+        sequence.started_at,
+        json.dumps(steps),
+        now,
+    )
+
+
+def load_fleet(conn: Connection, unhealthy_after_s: float) -> Fleet:
+    fleet = Fleet(unhealthy_after_s=unhealthy_after_s)
+    for row in conn.execute("SELECT * FROM regions"):
+        fleet.regions[row["name"]] = _region_of(row)
+    for row in conn.execute("SELECT * FROM nodes"):
+        fleet.nodes[row["node_id"]] = _node_of(row)
+    return fleet
+
+
+def load_drains(conn: Connection) -> list[DrainSequence]:
+    rows = conn.execute("SELECT * FROM drains ORDER BY started_at").fetchall()
+    return [_drain_of(row) for row in rows if is_known_phase(row["phase"])]
+
+
+class NotLeaderError(Exception):
+    """A write only the leader may make came from a replica whose lease has moved on."""
+
+
+def check_epoch(conn: Connection, epoch: int | None) -> None:
+    """Inside a leader's write (`control_plane.leader`): refuse it if the lease has been taken
+    over since `epoch`. The row is read FOR SHARE, so a takeover waits for this transaction to
+    end: it commits before the takeover, or not at all."""
+    if epoch is None:
+        return
+    row = conn.execute("SELECT epoch FROM leader_lease WHERE one = 1 FOR SHARE").fetchone()
+    if row is None or int(row["epoch"]) != epoch:
+        raise NotLeaderError(f"the lease moved on from epoch {epoch}")
+
+
+def load_health(conn: Connection, seen_after: float = 0.0) -> SavedBeats:
+    """The beats saved by every replica (those that arrived after `seen_after`)."""
+    rows = conn.execute(
+        "SELECT node_id, beat, seen_at FROM node_health WHERE seen_at > ?", (seen_after,)
+    ).fetchall()
+    return [(r["node_id"], Heartbeat.model_validate_json(r["beat"]), r["seen_at"]) for r in rows]
+
+
+def _update_region(conn: Connection, region: Region) -> None:
+    cursor = conn.execute(
+        "UPDATE regions SET lat = ?, lon = ?, ingress_url = ?, weight = ?, state = ?, "
+        "is_deleting = ?, updated_at = ? WHERE name = ?",
+        (
+            region.lat,
+            region.lon,
+            region.ingress_url,
+            region.weight,
+            region.state,
+            int(region.is_deleting),
+            region.updated_at,
+            region.name,
+        ),
+    )
+    if cursor.rowcount != 1:
+        raise NotFoundError(f"region {region.name!r} not found", "region_not_found")
+
+
+def _register(conn: Connection, reg: Registration, now: float) -> None:
+    existed = conn.execute("SELECT 1 FROM nodes WHERE node_id = ?", (reg.node_id,)).fetchone()
+    identity = reg.identity
+    conn.execute(
+        "INSERT INTO nodes (node_id, region, url, model, tp_size, drain_requested, "
+        "registered_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?) "
+        "ON CONFLICT (node_id) DO UPDATE SET region = excluded.region, "
+        "url = excluded.url, model = excluded.model, tp_size = excluded.tp_size, "
+        "updated_at = excluded.updated_at",
+        (reg.node_id, identity.region, identity.url, identity.model, identity.tp_size, now, now),
+    )
+    # The beat matched its credential: this binds a URL that was left open.
+    write_binding(conn, reg.node_id, identity.region, identity.url)
+    detail: audit.AuditDetail = {
+        "region": identity.region,
+        "url": identity.url,
+        "model": identity.model,
+        "tp_size": identity.tp_size,
+    }
+    action = "node.update" if existed else "node.register"
+    audit.record(conn, reg.actor, action, reg.node_id, detail)
+
+
+class FleetStore:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def create_region(self, actor: Actor, region: Region, detail: audit.AuditDetail) -> None:
+        def change(conn: Connection) -> None:
+            # ON CONFLICT, not a caught IntegrityError: a race between replicas is a 409 too.
+            cursor = conn.execute(
+                "INSERT INTO regions (name, lat, lon, ingress_url, weight, state, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (name) DO NOTHING",
+                (
+                    region.name,
+                    region.lat,
+                    region.lon,
+                    region.ingress_url,
+                    region.weight,
+                    region.state,
+                    region.created_at,
+                    region.updated_at,
+                ),
+            )
+            if cursor.rowcount != 1:
+                raise ConflictError(f"region {region.name!r} exists", "region_exists")
+            audit.record(conn, actor, "region.create", region.name, detail)
+
+        await self.store.write(change, ("regions",))
+
+    async def update_region(
+        self, actor: Actor, region: Region, action: str, detail: audit.AuditDetail
+    ) -> None:
+        def change(conn: Connection) -> None:
+            _update_region(conn, region)
+            audit.record(conn, actor, action, region.name, detail)
+
+        await self.store.write(change, ("regions",))
+
+    async def delete_region(
+        self, actor: Actor, name: str, action: str, node_ids: Sequence[str] = ()
+    ) -> None:
+        """Delete a region; with it `node_ids` (the nodes drained out of it) and their drains."""
+
+        def change(conn: Connection) -> None:
+            if conn.execute("DELETE FROM regions WHERE name = ?", (name,)).rowcount != 1:
+                raise NotFoundError(f"region {name!r} not found", "region_not_found")
+            for node_id in node_ids:
+                conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
+                conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
+            detail: audit.AuditDetail = {"num_nodes_removed": len(node_ids)} if node_ids else {}
+            audit.record(conn, actor, action, name, detail)
+
+        await self.store.write(change, ("regions", "nodes", "drains") if node_ids else ("regions",))
+
+    async def register_nodes(self, batch: Sequence[Registration], now: float) -> None:
+        """Registrations (new nodes or new identities) and their credentials' bindings."""
+
+        def change(conn: Connection) -> None:
+            for reg in batch:
+                _register(conn, reg, now)
+
+        await self.store.write(change, ("nodes", "credentials"))
+
+    async def set_drain_requested(
+        self, actor: Actor, node_id: str, drain: bool, now: float
+    ) -> None:
+        def change(conn: Connection) -> None:
+            cursor = conn.execute(
+                "UPDATE nodes SET drain_requested = ?, updated_at = ? WHERE node_id = ?",
+                (int(drain), now, node_id),
+            )
+            if cursor.rowcount != 1:
+                raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
+            audit.record(conn, actor, "node.drain" if drain else "node.undrain", node_id, {})
+
+        await self.store.write(change, ("nodes",))
+
+    async def move_node(
+        self, actor: Actor, node_id: str, identity: NodeIdentity, now: float
+    ) -> None:
+        """An operator's move: the registration and the credential's binding change together."""
+
+        def change(conn: Connection) -> None:
+            conn.execute(
+                "UPDATE nodes SET region = ?, url = ?, updated_at = ? WHERE node_id = ?",
+                (identity.region, identity.url, now, node_id),
+            )
+            write_binding(conn, node_id, identity.region, identity.url)
+            detail: audit.AuditDetail = {"region": identity.region, "url": identity.url}
+            audit.record(conn, actor, "node.move", node_id, detail)
+
+        await self.store.write(change, ("nodes", "credentials"))
+
+    async def delete_node(self, actor: Actor, node_id: str) -> None:
+        def change(conn: Connection) -> None:
+            if conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)).rowcount != 1:
+                raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
+            conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
+            audit.record(conn, actor, "node.delete", node_id, {})
+
+        await self.store.write(change, ("nodes", "drains"))
+
+    async def write_drains(
+        self,
+        rows: dict[str, DrainSequence | None],
+        entries: Sequence[tuple[str, str, audit.AuditDetail]],
+        now: float,
+        epoch: int | None,
+    ) -> None:
+        """The sequences that moved (None: delete its row) and the drain's audit entries, from
+        the leader of `epoch` (None: the only control plane)."""
+        values = {n: None if s is None else _drain_row(s, now) for n, s in rows.items()}
+
+        def change(conn: Connection) -> None:
+            check_epoch(conn, epoch)
+            for node_id, row in values.items():
+                if row is None:
+                    conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
+                else:
+                    conn.execute(
+                        "INSERT INTO drains (node_id, region, reason, phase, started_at, steps, "
+                        "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE "
+                        "SET region = excluded.region, reason = excluded.reason, "
+                        "phase = excluded.phase, started_at = excluded.started_at, "
+                        "steps = excluded.steps, updated_at = excluded.updated_at",
+                        row,
+                    )
+            for node_id, action, detail in entries:
+                audit.record(conn, DRAIN_ACTOR, action, node_id, detail)
+
+        await self.store.write(change, ("drains",))
+
+    async def save_health(self, saved: SavedBeats) -> None:
+        """The latest beats this replica received (each row kept if it is the newest)."""
+
+        def change(conn: Connection) -> None:
+            conn.executemany(
+                "INSERT INTO node_health (node_id, beat, seen_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (node_id) DO UPDATE SET beat = excluded.beat, "
+                "seen_at = excluded.seen_at WHERE excluded.seen_at > node_health.seen_at",
+                [(node_id, beat.model_dump_json(), seen_at) for node_id, beat, seen_at in saved],
+            )
+
+        await self.store.write(change, ("beats",))
