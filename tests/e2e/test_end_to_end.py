@@ -82,7 +82,7 @@ def stack_config(tmp_path: Path) -> tuple[Path, StackLayout, int]:
         text = (
             "regions:\n  - name: us-east\n    nodes: 1\n  - name: eu-west\n    nodes: 1\n"
             "node: {kv_cache_gib: 0.25, max_num_seqs: 8}\n"
-            "gateway: {pop: new-york}\n"
+            "pops: [new-york]\nclients: []\nlimits: local\n"
             f"ports: {{control_plane: {base}, xds: {base + 1}, dns: {base + 2}, "
             f"gateway: {base + 3}, node_base: {base + 10}, envoy_base: {base + 20}, "
             f"envoy_admin_base: {base + 30}, rtt_proxy_base: {base + 40}}}\n"
