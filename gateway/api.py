@@ -298,7 +298,7 @@ class Handlers:
         started_s: float,
     ) -> web.StreamResponse:
         self._count_and_log(request, exc.status_code, NO_REGION, key, started_s, 0)
-        return error_response(exc, {HEADER: request_id})
+        return error_response(exc, {HEADER: request_id, POP_HEADER: self.settings.pop})
 
     def _count_and_log(
         self,

@@ -91,6 +91,15 @@ def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[
     return [*lines, "", *_table(rows)]
 
 
+def live_limits(state: StackState) -> str:
+    """The limits mode `up` set, unless its redis-server has gone (the gateways then limit on
+    their own until it is back)."""
+    redis = next((r for r in state.processes if r.kind == "redis"), None)
+    if redis is not None and not redis.is_running():
+        return "local for now: redis-server is DOWN, so each PoP limits keys on its own"
+    return state.limits
+
+
 def front_lines(state: StackState) -> list[str]:
     """Each PoP's health and tiers, and the Anycast front's routes."""
     if not state.pops:
@@ -126,7 +135,7 @@ def status(state_root: Path, say: Say) -> int:
     say(f"Meridian stack ({mode}, {phase}); state in {state_root}")
     say(f"  gateway {state.gateway_url}/v1   CA {state.ca_cert}")
     if state.limits:
-        say(f"  limits: {state.limits}")
+        say(f"  limits: {live_limits(state)}")
     if state.dns_name:
         say(f"  DNS: {state.dns_name} on udp 127.0.0.1:{state.dns_port}")
     say("")

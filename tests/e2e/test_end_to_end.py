@@ -278,7 +278,7 @@ def test_stack_terraform_openai_failover_and_down(
     _, region = chat(client, "What is the capital of France?")
     assert region in ("us-east", "eu-west")
     stream(client, "Name three colours.")
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, "auto"]  # and the alias
 
     # 3. Terraform provisions a third region; a node agent from its output serves it.
     tf_port = stack.tf_port

@@ -161,6 +161,29 @@ def test_cities_reach_their_nearest_pop_by_anycast_and_dns_edge_answers_light_au
         assert heavy.headers["x-meridian-tier"] == "region"
     status = meridian("status", "--state-dir", str(front.state_root))
     assert "edge+region" in status.stdout and "shared by every PoP through redis" in status.stdout
+    # One key's requests per minute are counted across PoPs (the shared redis-server).
+    admin = StateDir(front.state_root).read_tokens()["MERIDIAN_ADMIN_TOKEN"]
+    created = httpx.post(
+        front.layout.control_plane_url + "/v1/keys",
+        json={"name": "three-a-minute", "rpm": 3, "tpm": 100_000},
+        headers={"Authorization": f"Bearer {admin}"},
+    ).json()
+    statuses = []
+    for city in ("chicago", "paris", "chicago", "paris"):  # new-york, london, new-york, london
+        headers = {"Authorization": f"Bearer {created['secret']}"}
+        with httpx.Client(verify=front.verify, headers=headers, timeout=120) as client:
+            for _ in range(50):  # the new key reaches every gateway within about a second
+                body = {
+                    "model": "auto",
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "Hi"}],
+                }
+                response = client.post(front.city_url(city) + "/v1/chat/completions", json=body)
+                if response.status_code != 401:
+                    break
+                time.sleep(0.1)
+            statuses.append(response.status_code)
+    assert statuses == [200, 200, 200, 429]
     # London killed under 16 concurrent non-streamed requests from Paris.
     state = StateDir(front.state_root).read()
     assert state is not None

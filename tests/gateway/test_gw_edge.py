@@ -118,6 +118,8 @@ def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
     models = client.get("/v1/models")
     assert models.status_code == 200 and _where(models)[2] == "region"
     assert [m["id"] for m in models.json()["data"]] == ["fake-model", "auto"]
+    refused = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert refused.status_code == 401 and refused.headers["x-meridian-pop"] == "new-york"
     metrics = client.get("/metrics").text
     assert 'meridian_gateway_auto_requests_total{reason="light",tier="edge"} 1.0' in metrics
     assert 'meridian_gateway_auto_requests_total{reason="heavy",tier="region"} 1.0' in metrics
