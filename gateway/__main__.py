@@ -67,6 +67,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--plain", dest="tls_mode", action="store_const", const="plain", help="plain HTTP"
     )
     add("--tls-key", help="PEM private key for --tls-cert")
+    add(
+        "--region-ingress",
+        action="append",
+        metavar="REGION=URL",
+        help="this PoP's own path to a region, instead of its registered ingress (repeatable)",
+    )
+    add("--auto-model", help="the model the alias `auto` means at the regions")
+    add("--edge-url", help="an edge node agent beside this PoP, for light `auto` requests")
+    add("--edge-model", help="the model the edge serves (default: --auto-model)")
+    add("--edge-max-tokens", type=int, help="a light request's largest max_tokens (64)")
+    add("--edge-max-prompt-tokens", type=int, help="a light request's longest prompt (256)")
+    add("--edge-max-concurrency", type=int, help="edge requests at once before a region (4)")
+    add("--edge-policy", action="append", metavar="KEY_ID=forbid|force", help="per API key")
     add("--default-max-tokens", type=int, help="cap for chat requests without max_tokens (1024)")
     add("--request-deadline", dest="request_deadline_s", type=float, help="seconds (600)")
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

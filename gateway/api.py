@@ -17,6 +17,7 @@ from functools import partial
 from aiohttp import web
 
 from gateway.cache_salt import cache_salt_of
+from gateway.edge import AutoTier
 from gateway.errors import (
     BodyTooLargeError,
     GatewayError,
@@ -35,12 +36,15 @@ from gateway.resume import Resumer
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.sse import StreamReader, usage_of
+from gateway.tiers import Tier
 from wire.cache_salt import CACHE_SALT_HEADER
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("gateway.access")
 
 REGION_HEADER = "x-meridian-region"
+POP_HEADER = "x-meridian-pop"
+TIER_HEADER = "x-meridian-tier"  # edge or region
 NO_KEY = "-"
 
 
@@ -71,6 +75,7 @@ class Handlers:
     metrics: GatewayMetrics
     proxy: Proxy | None = None  # set by the lifespan
     limiter: Limiter | None = None
+    auto: AutoTier | None = None  # the `auto` alias and the edge tier, when configured
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "chat", "/v1/chat/completions")
@@ -101,9 +106,16 @@ class Handlers:
             return self._refuse(request, exc, key, request_id, started_s)
         opened.finish()
         region = opened.candidate.region
-        headers = {HEADER: request_id, REGION_HEADER: region, **opened.passed_headers()}
+        headers = {
+            HEADER: request_id,
+            **self._where(region, "region"),
+            **opened.passed_headers(),
+        }
         self._count_and_log(request, opened.status, region, key, started_s, opened.num_retries)
-        return web.Response(body=opened.body, status=opened.status, headers=headers)
+        body = opened.body
+        if self.auto is not None and opened.status == 200:
+            body = self.auto.with_alias(body)
+        return web.Response(body=body, status=opened.status, headers=headers)
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         is_ready = self.keys.is_loaded and self.router.is_loaded
@@ -123,6 +135,7 @@ class Handlers:
                 }
                 for name, state in sorted(self.router.regions.items())
             },
+            "edge": self.auto.edge_health() if self.auto is not None else None,
         }
         return web.json_response(body, status=200 if is_ready else 503)
 
@@ -160,14 +173,20 @@ class Handlers:
                     is_stream=parsed.is_stream,
                     max_tokens=parsed.max_tokens,
                 )
-                opened = await proxy.open(upstream, plan, deadline_s)
+                tier: Tier = "region"
+                if self.auto is not None and self.auto.is_auto(parsed):
+                    opened, tier = await self.auto.open(
+                        proxy, upstream, parsed, key, plan, deadline_s
+                    )
+                else:
+                    opened = await proxy.open(upstream, plan, deadline_s)
             except BaseException:
                 await limiter.settle(key, admission, parsed.reserved_tokens)
                 raise
         except GatewayError as exc:
             return self._refuse(request, exc, key, request_id, started_s)
         region = opened.candidate.region
-        headers = {HEADER: request_id, REGION_HEADER: region, **admission.headers()}
+        headers = {HEADER: request_id, **self._where(region, tier), **admission.headers()}
         if parsed.is_stream and opened.status == 200:
             reader = StreamReader(
                 strip_usage=not parsed.wants_usage, strip_token_ids=not parsed.wants_token_ids
@@ -241,6 +260,10 @@ class Handlers:
 
     # Helpers.
 
+    def _where(self, region: str, tier: Tier) -> dict[str, str]:
+        """The headers that say where a request went."""
+        return {POP_HEADER: self.settings.pop, REGION_HEADER: region, TIER_HEADER: tier}
+
     def _upstream_headers(self, key: ApiKey, request_id: str, has_body: bool) -> dict[str, str]:
         """Built afresh: the client's headers (its API key above all) never reach a node."""
         headers = {HEADER: request_id}
@@ -286,7 +309,7 @@ class Handlers:
         started_s: float,
     ) -> web.StreamResponse:
         self._count_and_log(request, exc.status_code, NO_REGION, key, started_s, 0)
-        return error_response(exc, {HEADER: request_id})
+        return error_response(exc, {HEADER: request_id, POP_HEADER: self.settings.pop})
 
     def _count_and_log(
         self,

@@ -19,11 +19,13 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api import Handlers
+from gateway.edge import AutoTier
 from gateway.errors import GatewayError, error_response
 from gateway.keys import KeyTable
 from gateway.limits import Limiter, LocalLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
+from gateway.region_ingress import with_region_ingress
 from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
 from gateway.tls import control_plane_ssl
@@ -77,7 +79,9 @@ def _watches(
         "/v1/regions/summary",
         token,
         RegionSummaryIndex.model_validate_json,
-        handlers.router.update,
+        lambda document: handlers.router.update(
+            with_region_ingress(document, settings.region_ingress)
+        ),
         settings.watch_wait_s,
         settings.max_watch_backoff_s,
     )
@@ -119,6 +123,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
     metrics = GatewayMetrics(settings.pop)
     router = Router(router_config(settings), locate(settings.pop))
     handlers = Handlers(settings, KeyTable(), router, metrics)
+    if settings.auto_model is not None:
+        handlers.auto = AutoTier(settings, metrics.registry)
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)

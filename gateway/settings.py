@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
+from pydantic import AliasChoices, Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from wire.addresses import is_loopback_host
@@ -102,14 +102,51 @@ class GatewaySettings(BaseSettings):
     # Absolute slack (on top of the policy's relative tolerance) for "near-best" regions.
     near_best_slack_s: float = Field(default=0.002, ge=0.0, le=10.0)
 
+    # This PoP's own path to each region (region → URL), over the registered ingress URL.
+    region_ingress: dict[str, str] = Field(default_factory=dict)
+    # The model alias `auto`: the model it means at the regions (unset: no alias).
+    auto_model: str | None = Field(default=None, min_length=1)
+    # An edge node agent beside this PoP for light `auto` requests (gateway/edge.py), the model
+    # it serves (default: auto_model) and the classifier's thresholds (gateway/tiers.py).
+    edge_url: str | None = None
+    edge_model: str | None = Field(default=None, min_length=1)
+    edge_max_tokens: int = Field(default=64, ge=1, le=1_000_000)
+    edge_max_prompt_tokens: int = Field(default=256, ge=1, le=10_000_000)
+    edge_max_concurrency: int = Field(default=4, ge=1, le=100_000)
+    # Per API key id: never the edge (forbid), or the edge whatever the size (force).
+    edge_policy: dict[str, Literal["forbid", "force"]] = Field(default_factory=dict)
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = True
     # Move what start-up allocated out of the garbage collector's way (off in tests, which run
     # many gateways in one process).
     freeze_gc: bool = True
 
+    @field_validator("region_ingress", "edge_policy", mode="before")
+    @classmethod
+    def _pairs(cls, value: object) -> object:
+        """`NAME=VALUE` strings (repeated flags) as a mapping."""
+        if not isinstance(value, list):
+            return value
+        pairs = {}
+        for item in value:
+            name, sep, rest = str(item).partition("=")
+            if not sep or not name or not rest:
+                raise ValueError(f"expected NAME=VALUE, got {item!r}")
+            pairs[name] = rest
+        return pairs
+
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
+        bad = [
+            url
+            for url in (*self.region_ingress.values(), self.edge_url or "")
+            if url and not _HTTP_URL.match(url)
+        ]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not an http(s):// URL")
+        if self.edge_url is not None and self.auto_model is None:
+            raise ValueError("--edge-url needs --auto-model (the edge answers only `auto`)")
         if self.pop not in LOCATIONS:
             raise ValueError(
                 f"pop {self.pop!r} is not in the location table; known: {', '.join(LOCATIONS)}"

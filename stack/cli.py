@@ -3,6 +3,8 @@
     meridian up [--config FILE] [--detach]   start the stack in stack/default.yaml (or FILE)
     meridian status                          the recorded processes and the fleet
     meridian down                            stop what `up` started, and nothing else
+    meridian anycast [withdraw|announce POP] the Anycast front: PoPs announced, cities' routes
+    meridian resolve --from CITY [--short]   the stack's DNS answer for a client in CITY
     meridian pull [NAME]                     fetch a model (default smollm2-135m-instruct)
     meridian chat|generate ...               the engine's own command line (python -m engine)
 
@@ -53,6 +55,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--detach", action="store_true", help="return once ready; `down` stops it")
     commands.add_parser("status", parents=[state], help="show the processes and the fleet")
     commands.add_parser("down", parents=[state], help="stop what `up` started")
+    anycast = commands.add_parser(
+        "anycast", parents=[state], help="show, withdraw or announce PoPs on the Anycast front"
+    )
+    anycast.add_argument("action", nargs="?", choices=["withdraw", "announce"])
+    anycast.add_argument("pop", nargs="?", help="the PoP to withdraw or announce")
+    resolve = commands.add_parser(
+        "resolve", parents=[state], help="the API name's DNS answer for a client city"
+    )
+    resolve.add_argument("--from", dest="city", required=True, help="a client city, e.g. tokyo")
+    resolve.add_argument("--short", action="store_true", help="print the address only")
     pull = commands.add_parser("pull", help="fetch a model into the model store")
     pull.add_argument("name", nargs="?", default=DEFAULT_MODEL)
     return parser.parse_args(argv)
@@ -79,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "pull":
         return _pull(args.name)
+    if args.command == "anycast" and (args.action is None) != (args.pop is None):
+        print(f"{PROG}: error: usage: meridian anycast [withdraw|announce POP]", file=sys.stderr)
+        return 2
     state_dir = (args.state_dir or default_state_dir()).expanduser().absolute()
     try:
         if args.command == "up":
@@ -89,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             from stack.status import status
 
             return status(state_dir, _say)
+        if args.command == "anycast":
+            from stack.front_cli import anycast
+
+            return anycast(state_dir, args.action, args.pop, _say)
+        if args.command == "resolve":
+            from stack.front_cli import resolve
+
+            return resolve(state_dir, args.city, args.short, _say)
         from stack.down import down
 
         return down(state_dir, _say)

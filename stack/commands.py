@@ -8,6 +8,7 @@ are dropped (they would override the services' settings); each service gets only
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from stack.certs import GatewayTls
 from stack.config import StackConfig
-from stack.layout import HOST, RegionLayout, StackLayout, default_num_threads
+from stack.layout import HOST, PopLayout, RegionLayout, StackLayout, default_num_threads
+from stack.summary import served_model
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "MERIDIAN_ADMIN_TOKEN"
@@ -30,7 +32,7 @@ KEPT_MERIDIAN_VARS = frozenset({"MERIDIAN_HOME"})  # where the model store is
 @dataclass(frozen=True, slots=True)
 class Command:
     name: str  # shown in progress and `status`; also the log file's name
-    kind: str  # control-plane, node, envoy, rtt-proxy, gateway
+    kind: str  # control-plane, node, envoy, rtt-proxy, gateway, anycast-front, redis
     argv: tuple[str, ...]
     env: Mapping[str, str]
     url: str | None = None
@@ -53,7 +55,20 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
     return (sys.executable, "-m", module, *args)
 
 
-def control_plane(layout: StackLayout, db_path: Path, tokens: Mapping[str, str]) -> Command:
+def dns_config(layout: StackLayout, ca_cert: Path) -> dict[str, object]:
+    """The control plane's DNS settings: the API name answered with the nearest healthy PoP
+    (each checked on its `/health`, over TLS verified with the stack CA)."""
+    zone = layout.dns_name.split(".", 1)[1] if "." in layout.dns_name else layout.dns_name
+    pops = [
+        {"name": pop.name, "address": pop.address, "health_url": f"{pop.url}/health"}
+        for pop in layout.pops
+    ]
+    return {"hostname": layout.dns_name, "zone": zone, "pops": pops, "pop_ca": str(ca_cert)}
+
+
+def control_plane(
+    layout: StackLayout, db_path: Path, tokens: Mapping[str, str], ca_cert: Path
+) -> Command:
     argv = _python(
         "control_plane",
         *("--host", HOST, "--port", str(layout.control_plane_port)),
@@ -61,6 +76,7 @@ def control_plane(layout: StackLayout, db_path: Path, tokens: Mapping[str, str])
         *("--db", str(db_path)),
     )
     env = base_env() | {name: tokens[name] for name in (ADMIN_TOKEN, GATEWAY_TOKEN)}
+    env["MERIDIAN_CP_DNS"] = json.dumps(dns_config(layout, ca_cert))
     return Command("control-plane", "control-plane", argv, env, layout.control_plane_url)
 
 
@@ -72,12 +88,7 @@ def node_agents(
     node_tokens: Mapping[str, str],
 ) -> list[Command]:
     """Every node agent; `node_tokens`: each one's own control-plane credential, by node id."""
-    threads = config.node.num_threads or default_num_threads(config.num_nodes)
-    env = base_env() | {
-        SERVING_TOKEN: tokens[SERVING_TOKEN],
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-    }
+    env = _node_env(config, tokens)
     commands = []
     for region in layout.regions:
         for node in region.nodes:
@@ -91,6 +102,36 @@ def node_agents(
             )
             node_env = env | {NODE_TOKEN: node_tokens[node.node_id]}
             commands.append(Command(f"node {node.node_id}", "node", argv, node_env, node.url))
+    return commands
+
+
+def _node_env(config: StackConfig, tokens: Mapping[str, str]) -> dict[str, str]:
+    threads = config.node.num_threads or default_num_threads(config.num_nodes)
+    return base_env() | {
+        SERVING_TOKEN: tokens[SERVING_TOKEN],
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+    }
+
+
+def edge_nodes(
+    config: StackConfig, layout: StackLayout, edge_model: str, tokens: Mapping[str, str]
+) -> list[Command]:
+    """The edge node agents beside PoPs: no control plane (no region routes to them), only
+    their PoP's gateway, for light `auto` requests."""
+    commands = []
+    for pop in layout.pops:
+        if pop.edge_port is None or config.edge is None:
+            continue
+        argv = _python(
+            "node_agent",
+            *("--model", edge_model, "--host", HOST, "--port", str(pop.edge_port)),
+            *("--region", f"edge-{pop.name}", "--node-id", f"edge-{pop.name}"),
+            *("--kv-cache-gib", f"{config.node.kv_cache_gib:g}"),
+            *("--max-num-seqs", str(config.edge.max_concurrency)),
+        )
+        env = _node_env(config, tokens)
+        commands.append(Command(f"edge {pop.name}", "node", argv, env, pop.edge_url))
     return commands
 
 
@@ -118,21 +159,73 @@ def envoy(envoy_path: str, region: RegionLayout, bootstrap: Path) -> Command:
 
 
 def rtt_proxy(layout: StackLayout) -> Command:
+    """One process for every PoP's path to every region."""
     routes = []
     for region in layout.regions:
-        if region.rtt_proxy_port is None:
-            continue
         upstreams = ",".join(url.removeprefix("http://") for url in region.upstream_urls)
-        routes += ["--route", f"{HOST}:{region.rtt_proxy_port}={upstreams}@{region.rtt_ms:g}"]
+        for path in region.paths:
+            if path.rtt_proxy_port is not None:
+                routes += ["--route", f"{HOST}:{path.rtt_proxy_port}={upstreams}@{path.rtt_ms:g}"]
     return Command("rtt-proxy", "rtt-proxy", _python("stack.rtt_proxy", *routes), base_env())
 
 
-def gateway(layout: StackLayout, tls: GatewayTls, tokens: Mapping[str, str]) -> Command:
+def gateway(
+    config: StackConfig,
+    layout: StackLayout,
+    pop: PopLayout,
+    tls: GatewayTls,
+    tokens: Mapping[str, str],
+    model: str,
+) -> Command:
+    """The PoP's gateway, on its own address, told its own paths to the regions; `auto` means
+    the stack's model, answered by the PoP's edge node when it has one and the request is light."""
+    ingress = (
+        arg for region, url in pop.region_ingress for arg in ("--region-ingress", f"{region}={url}")
+    )
     argv = _python(
         "gateway",
-        *("--pop", layout.gateway_pop, "--host", HOST, "--port", str(layout.gateway_port)),
+        *("--pop", pop.name, "--host", pop.address, "--port", str(pop.port)),
         *("--control-plane", layout.control_plane_url),
         *("--tls-cert", str(tls.cert), "--tls-key", str(tls.key)),
+        *ingress,
+        *(("--redis", layout.redis_url) if layout.redis_url is not None else ()),
+        *("--auto-model", served_model(model)),
+        *_edge_args(config, pop),
     )
     env = base_env() | {name: tokens[name] for name in (GATEWAY_TOKEN, SERVING_TOKEN)}
-    return Command("gateway", "gateway", argv, env, layout.gateway_url)
+    return Command(f"gateway {pop.name}", "gateway", argv, env, pop.url)
+
+
+def _edge_args(config: StackConfig, pop: PopLayout) -> tuple[str, ...]:
+    if config.edge is None or pop.edge_url is None:
+        return ()
+    edge = config.edge
+    return (
+        *("--edge-url", pop.edge_url, "--edge-model", served_model(edge.model)),
+        *("--edge-max-tokens", str(edge.max_tokens)),
+        *("--edge-max-prompt-tokens", str(edge.max_prompt_tokens)),
+        *("--edge-max-concurrency", str(edge.max_concurrency)),
+    )
+
+
+def redis_server(path: str, layout: StackLayout, directory: Path) -> Command:
+    """The shared limits' store: in memory only (limits are minutes long; nothing to keep)."""
+    assert layout.redis_port is not None
+    argv = (
+        path,
+        *("--port", str(layout.redis_port), "--bind", HOST),
+        *("--save", "", "--appendonly", "no", "--dir", str(directory)),
+    )
+    return Command("redis", "redis", argv, base_env(), layout.redis_url)
+
+
+def anycast_front(layout: StackLayout, ca_cert: Path) -> Command:
+    """The Anycast front: a port per client city, forwarding to the nearest announced PoP."""
+    assert layout.anycast_admin_port is not None
+    argv = _python(
+        "stack.front",
+        *("--admin", f"{HOST}:{layout.anycast_admin_port}", "--health-ca", str(ca_cert)),
+        *(arg for pop in layout.pops for arg in ("--pop", f"{pop.name}={pop.address}:{pop.port}")),
+        *(arg for c in layout.clients for arg in ("--client", f"{c.city}={HOST}:{c.port}")),
+    )
+    return Command("anycast-front", "anycast-front", argv, base_env(), layout.anycast_admin_url)

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from control_plane.dns.config import DnsName
 from stack.errors import StackConfigError
 from wire.geo import LOCATIONS, REGIONS
 from wire.heartbeat import NAME_PATTERN
@@ -20,6 +21,9 @@ from wire.validation import one_line
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 DEFAULT_MODEL = "smollm2-135m-instruct"  # engine.model_store.DEFAULT_MODEL (not imported: torch)
 MAX_NODES_PER_REGION = 16
+MAX_POPS = 20
+DEFAULT_POPS = ("new-york", "london", "singapore")
+DEFAULT_CLIENTS = ("tokyo", "paris", "chicago")
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 RegionName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=56)]
@@ -67,15 +71,29 @@ class NodeConfig(_Section):
     num_threads: int | None = Field(default=None, ge=1, le=1024)
 
 
-class GatewayConfig(_Section):
-    pop: str = "new-york"  # a place in wire/geo.py: where this gateway stands
+def _known_places(names: list[str], what: str) -> list[str]:
+    unknown = [name for name in names if name not in LOCATIONS]
+    if unknown:
+        raise ValueError(
+            f"{what} {unknown[0]!r} is not a place in wire/geo.py (e.g. new-york, london, tokyo)"
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{what}s must be unique; repeated: {', '.join(repeated)}")
+    return names
 
-    @field_validator("pop")
-    @classmethod
-    def _known_place(cls, pop: str) -> str:
-        if pop not in LOCATIONS:
-            raise ValueError(f"{pop!r} is not a place in wire/geo.py (e.g. new-york, london)")
-        return pop
+
+class EdgeConfig(_Section):
+    """Edge node agents beside some PoPs, for light requests to the model alias `auto`."""
+
+    pops: list[str] = Field(min_length=1, max_length=MAX_POPS)
+    model: str = Field(default=DEFAULT_MODEL, min_length=1)
+    # A light request asks for at most this many tokens (the classifier's threshold).
+    max_tokens: int = Field(default=64, ge=1, le=100_000)
+    # Its prompt has at most this many (estimated) tokens.
+    max_prompt_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    # Requests one edge node takes at once; beyond that the edge is saturated (region instead).
+    max_concurrency: int = Field(default=4, ge=1, le=4096)
 
 
 class ApiKeyConfig(_Section):
@@ -95,7 +113,16 @@ class PortsConfig(_Section):
     control_plane: Port = 8080
     xds: Port = 18000
     dns: Port = 8053  # UDP
+    # Every PoP's gateway listens on this port, PoP i on its own loopback address 127.0.1.(i+1)
+    # (a DNS answer is an address: the port must be the same everywhere).
     gateway: Port = 8443
+    # The Anycast front: client city k listens on `anycast_base + k`; its admin HTTP on
+    # `anycast_admin`.
+    anycast_base: Port = 8601
+    anycast_admin: Port = 8600
+    redis: Port = 6390  # the shared limits' redis-server (`limits: shared`)
+    # Edge node agent beside PoP i: `edge_base + i`.
+    edge_base: Port = 9501
     node_base: Port = 9001
     envoy_base: Port = 10001
     envoy_admin_base: Port = 10101
@@ -106,7 +133,16 @@ class StackConfig(_Section):
     model: str = Field(default=DEFAULT_MODEL, min_length=1)
     regions: list[RegionConfig] = Field(min_length=1, max_length=20)
     node: NodeConfig = Field(default_factory=NodeConfig)
-    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    # Points of presence: one gateway process each, named for where it stands (wire/geo.py).
+    pops: list[str] = Field(default=list(DEFAULT_POPS), min_length=1, max_length=MAX_POPS)
+    # Simulated client cities: one Anycast front port each.
+    clients: list[str] = Field(default=list(DEFAULT_CLIENTS), max_length=100)
+    # The API's name, answered by the control plane's DNS with the nearest healthy PoP.
+    dns_name: DnsName = "api.meridian.test"
+    # shared: per-key limits across PoPs through one local redis-server (when installed);
+    # local: each gateway limits on its own.
+    limits: Literal["shared", "local"] = "shared"
+    edge: EdgeConfig | None = None
     api_key: ApiKeyConfig = Field(default_factory=ApiKeyConfig)
     ports: PortsConfig = Field(default_factory=PortsConfig)
     # auto: an ingress Envoy per region when `envoy` is installed (else a warning, and the node
@@ -133,9 +169,30 @@ class StackConfig(_Section):
             raise ValueError(f"region names must be unique; repeated: {', '.join(repeated)}")
         return regions
 
+    @field_validator("pops")
+    @classmethod
+    def _known_pops(cls, pops: list[str]) -> list[str]:
+        return _known_places(pops, "pop")
+
+    @field_validator("clients")
+    @classmethod
+    def _known_clients(cls, clients: list[str]) -> list[str]:
+        return _known_places(clients, "client city")
+
+    @model_validator(mode="after")
+    def _edges_at_pops(self) -> StackConfig:
+        if self.edge is not None:
+            _known_places(self.edge.pops, "edge pop")
+            stray = [pop for pop in self.edge.pops if pop not in self.pops]
+            if stray:
+                raise ValueError(f"edge pop {stray[0]!r} is not one of `pops`")
+        return self
+
     @property
     def num_nodes(self) -> int:
-        return sum(region.nodes for region in self.regions)
+        """Node agents (each loads a model): the regions' and the edges'."""
+        num_edges = len(self.edge.pops) if self.edge is not None else 0
+        return sum(region.nodes for region in self.regions) + num_edges
 
 
 def parse_config(text: str, source: str = "<string>") -> StackConfig:

@@ -1,9 +1,15 @@
 """Where every part of the stack listens, and how traffic reaches each region.
 
 A pure function of the config (and of whether Envoy is used), so it can be checked before anything
-starts: each region's path is gateway → RTT proxy (if `simulate_rtt`) → ingress Envoy (if used)
-→ node agents. The region's `ingress_url`, registered with the control plane, is the first hop
-of that path after the gateway.
+starts: each region's path from a PoP is gateway → RTT proxy (if `simulate_rtt`; one route per
+PoP and region, delayed by the RTT between them) → ingress Envoy (if used) → node agents. The
+region's `ingress_url`, registered with the control plane, is the first hop of that path from the
+first PoP; every gateway is told its own paths (`--region-ingress`).
+
+In front of the PoPs: the Anycast front (one port per client city, to the nearest announced PoP)
+and the control plane's DNS (the API name → the nearest healthy PoP's address). A DNS answer is
+an address without a port, so each PoP listens on its own loopback address (127.0.1.1, 127.0.1.2,
+...), all on the same port.
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ from stack.errors import StackError
 from wire.geo import Location, locate, rtt_ms
 
 HOST = "127.0.0.1"
+POP_ADDRESS_PREFIX = "127.0.1."  # PoP i listens on 127.0.1.(i+1)
+POP_STRIDE = 100  # PoP p's RTT proxy route to region i: rtt_proxy_base + POP_STRIDE*p + i
+
+
+def pop_address(index: int) -> str:
+    return f"{POP_ADDRESS_PREFIX}{index + 1}"
 
 
 def url_of(port: int, scheme: str = "http") -> str:
@@ -34,15 +46,25 @@ class NodeLayout:
 
 
 @dataclass(frozen=True, slots=True)
+class RegionPath:
+    """How one PoP reaches one region."""
+
+    pop: str
+    rtt_ms: float  # the delay the RTT proxy adds (when on)
+    rtt_proxy_port: int | None  # None: no RTT proxy
+
+
+@dataclass(frozen=True, slots=True)
 class RegionLayout:
     name: str
     lat: float
     lon: float
-    rtt_ms: float  # the delay the RTT proxy adds (when on)
+    rtt_ms: float  # the delay the RTT proxy adds (when on) from the first PoP
     nodes: tuple[NodeLayout, ...]
     envoy_port: int | None  # None: no Envoy; the node agents are reached directly
     envoy_admin_port: int | None
-    rtt_proxy_port: int | None  # None: no RTT proxy
+    rtt_proxy_port: int | None  # the first PoP's RTT proxy route; None: no RTT proxy
+    paths: tuple[RegionPath, ...] = ()  # one per PoP, in PoP order (the first is the above)
 
     @property
     def upstream_urls(self) -> tuple[str, ...]:
@@ -53,10 +75,46 @@ class RegionLayout:
 
     @property
     def ingress_url(self) -> str:
-        """Where the gateway sends this region's requests."""
-        if self.rtt_proxy_port is not None:
-            return url_of(self.rtt_proxy_port)
+        """Where the first PoP's gateway sends this region's requests (as registered)."""
+        return self.ingress_url_of(self.rtt_proxy_port)
+
+    def ingress_url_of(self, rtt_proxy_port: int | None) -> str:
+        if rtt_proxy_port is not None:
+            return url_of(rtt_proxy_port)
         return self.upstream_urls[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PopLayout:
+    """One point of presence: a gateway on its own address (and maybe an edge node beside it)."""
+
+    name: str
+    lat: float
+    lon: float
+    address: str
+    port: int
+    region_ingress: tuple[tuple[str, str], ...]  # (region, URL through this PoP's RTT path)
+    edge_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.address}:{self.port}"
+
+    @property
+    def edge_url(self) -> str | None:
+        return url_of(self.edge_port) if self.edge_port is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLayout:
+    """A simulated client city: its port on the Anycast front."""
+
+    city: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"https://{HOST}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +123,12 @@ class StackLayout:
     xds_port: int
     dns_port: int
     gateway_port: int
-    gateway_pop: str
     regions: tuple[RegionLayout, ...]
+    pops: tuple[PopLayout, ...] = ()
+    clients: tuple[ClientLayout, ...] = ()
+    anycast_admin_port: int | None = None  # None: no clients, no Anycast front
+    redis_port: int | None = None  # None: no shared limits
+    dns_name: str = "api.meridian.test"
 
     @property
     def control_plane_url(self) -> str:
@@ -74,7 +136,19 @@ class StackLayout:
 
     @property
     def gateway_url(self) -> str:
-        return url_of(self.gateway_port, "https")
+        """The first PoP's."""
+        return self.pops[0].url
+
+    @property
+    def anycast_admin_url(self) -> str | None:
+        return url_of(self.anycast_admin_port) if self.anycast_admin_port is not None else None
+
+    @property
+    def redis_url(self) -> str | None:
+        return f"redis://{HOST}:{self.redis_port}/0" if self.redis_port is not None else None
+
+    def pop(self, name: str) -> PopLayout:
+        return next(pop for pop in self.pops if pop.name == name)
 
     @property
     def has_envoy(self) -> bool:
@@ -89,82 +163,125 @@ class StackLayout:
         return tuple(node for region in self.regions for node in region.nodes)
 
     def tcp_ports(self) -> list[tuple[int, str]]:
-        """Every TCP port the stack listens on, with what listens there."""
+        """Every TCP port the stack listens on at 127.0.0.1, with what listens there."""
         ports = [
             (self.control_plane_port, "control plane"),
             (self.xds_port, "control plane xDS"),
-            (self.gateway_port, "gateway"),
         ]
         for region in self.regions:
             ports += [(node.port, f"node agent {node.node_id}") for node in region.nodes]
             if region.envoy_port is not None and region.envoy_admin_port is not None:
                 ports.append((region.envoy_port, f"Envoy {region.name}"))
                 ports.append((region.envoy_admin_port, f"Envoy {region.name} admin"))
-            if region.rtt_proxy_port is not None:
-                ports.append((region.rtt_proxy_port, f"RTT proxy {region.name}"))
+            for path in region.paths:
+                if path.rtt_proxy_port is not None:
+                    owner = f"RTT proxy {path.pop} → {region.name}"
+                    ports.append((path.rtt_proxy_port, owner))
+        ports += [(p.edge_port, f"edge node {p.name}") for p in self.pops if p.edge_port]
+        ports += [(client.port, f"Anycast front {client.city}") for client in self.clients]
+        if self.anycast_admin_port is not None:
+            ports.append((self.anycast_admin_port, "Anycast front admin"))
+        if self.redis_port is not None:
+            ports.append((self.redis_port, "redis-server"))
         return ports
 
+    def tcp_sockets(self) -> list[tuple[str, int, str]]:
+        """Every TCP (address, port) the stack listens on, with what listens there."""
+        sockets = [(HOST, port, owner) for port, owner in self.tcp_ports()]
+        return sockets + [(pop.address, pop.port, f"gateway {pop.name}") for pop in self.pops]
 
-def plan_layout(config: StackConfig, use_envoy: bool) -> StackLayout:
-    """Ports and URLs for every part; StackError if two parts would share a port."""
-    ports = config.ports
-    pop = locate(config.gateway.pop)
-    regions = []
-    for i, region in enumerate(config.regions):
-        lat, lon = region.location
-        nodes = tuple(
-            NodeLayout(f"{region.name}-{j:02d}", ports.node_base + 100 * i + j)
-            for j in range(region.nodes)
-        )
+
+def _region_layout(config: StackConfig, i: int, use_envoy: bool) -> RegionLayout:
+    ports, region = config.ports, config.regions[i]
+    lat, lon = region.location
+    nodes = tuple(
+        NodeLayout(f"{region.name}-{j:02d}", ports.node_base + 100 * i + j)
+        for j in range(region.nodes)
+    )
+    paths = []
+    for p, pop in enumerate(config.pops):
         simulated_rtt_ms = region.rtt_ms
         if simulated_rtt_ms is None:
-            simulated_rtt_ms = round(rtt_ms(pop, Location(region.name, lat, lon)), 1)
-        regions.append(
-            RegionLayout(
-                name=region.name,
-                lat=lat,
-                lon=lon,
-                rtt_ms=simulated_rtt_ms,
-                nodes=nodes,
-                envoy_port=ports.envoy_base + i if use_envoy else None,
-                envoy_admin_port=ports.envoy_admin_base + i if use_envoy else None,
-                rtt_proxy_port=ports.rtt_proxy_base + i if config.simulate_rtt else None,
-            )
-        )
+            simulated_rtt_ms = round(rtt_ms(locate(pop), Location(region.name, lat, lon)), 1)
+        port = ports.rtt_proxy_base + POP_STRIDE * p + i if config.simulate_rtt else None
+        paths.append(RegionPath(pop, simulated_rtt_ms, port))
+    return RegionLayout(
+        name=region.name,
+        lat=lat,
+        lon=lon,
+        rtt_ms=paths[0].rtt_ms,
+        nodes=nodes,
+        envoy_port=ports.envoy_base + i if use_envoy else None,
+        envoy_admin_port=ports.envoy_admin_base + i if use_envoy else None,
+        rtt_proxy_port=paths[0].rtt_proxy_port,
+        paths=tuple(paths),
+    )
+
+
+def _pop_layout(config: StackConfig, p: int, regions: tuple[RegionLayout, ...]) -> PopLayout:
+    name = config.pops[p]
+    place = locate(name)
+    has_edge = config.edge is not None and name in config.edge.pops
+    return PopLayout(
+        name=name,
+        lat=place.lat,
+        lon=place.lon,
+        address=pop_address(p),
+        port=config.ports.gateway,
+        region_ingress=tuple(
+            (region.name, region.ingress_url_of(region.paths[p].rtt_proxy_port))
+            for region in regions
+        ),
+        edge_port=config.ports.edge_base + p if has_edge else None,
+    )
+
+
+def plan_layout(config: StackConfig, use_envoy: bool, has_redis: bool = False) -> StackLayout:
+    """Ports and URLs for every part; StackError if two parts would share a port.
+    `has_redis`: shared limits are on and a redis-server is installed."""
+    ports = config.ports
+    regions = tuple(_region_layout(config, i, use_envoy) for i in range(len(config.regions)))
+    clients = tuple(
+        ClientLayout(city, ports.anycast_base + k) for k, city in enumerate(config.clients)
+    )
     layout = StackLayout(
         control_plane_port=ports.control_plane,
         xds_port=ports.xds,
         dns_port=ports.dns,
         gateway_port=ports.gateway,
-        gateway_pop=config.gateway.pop,
-        regions=tuple(regions),
+        regions=regions,
+        pops=tuple(_pop_layout(config, p, regions) for p in range(len(config.pops))),
+        clients=clients,
+        anycast_admin_port=ports.anycast_admin if clients else None,
+        redis_port=ports.redis if has_redis and config.limits == "shared" else None,
+        dns_name=config.dns_name,
     )
     _check_distinct(layout)
     return layout
 
 
 def _check_distinct(layout: StackLayout) -> None:
-    owners: dict[int, str] = {}
-    for port, owner in layout.tcp_ports():
+    owners: dict[tuple[str, int], str] = {}
+    for host, port, owner in layout.tcp_sockets():
         if not 1 <= port <= 65535:
             raise StackError(
                 f"{owner} would listen on port {port}, outside 1-65535: lower the base"
             )
-        if port in owners:
+        if (host, port) in owners:
             raise StackError(
-                f"{owners[port]} and {owner} would both listen on port {port}: "
+                f"{owners[host, port]} and {owner} would both listen on port {port}: "
                 "move the bases in the config's `ports` apart"
             )
-        owners[port] = owner
+        owners[host, port] = owner
 
 
-def _is_free(port: int, kind: int) -> bool:
+def _is_free(host: str, port: int, kind: int) -> bool:
     with socket.socket(socket.AF_INET, kind) as sock:
         if kind == socket.SOCK_STREAM:
             # As the services themselves bind: a port in TIME_WAIT is free, a listener is not.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((HOST, port))
+            sock.bind((host, port))
         except OSError:
             return False
     return True
@@ -173,17 +290,17 @@ def _is_free(port: int, kind: int) -> bool:
 def check_ports_free(layout: StackLayout) -> None:
     """StackError naming the first port something else already holds."""
     busy = [
-        (port, owner)
-        for port, owner in layout.tcp_ports()
-        if not _is_free(port, socket.SOCK_STREAM)
+        (host, port, owner)
+        for host, port, owner in layout.tcp_sockets()
+        if not _is_free(host, port, socket.SOCK_STREAM)
     ]
-    if not _is_free(layout.dns_port, socket.SOCK_DGRAM):
-        busy.append((layout.dns_port, "control plane DNS (UDP)"))
+    if not _is_free(HOST, layout.dns_port, socket.SOCK_DGRAM):
+        busy.append((HOST, layout.dns_port, "control plane DNS (UDP)"))
     if busy:
-        port, owner = busy[0]
+        host, port, owner = busy[0]
         more = f" (and {len(busy) - 1} more)" if len(busy) > 1 else ""
         raise StackError(
-            f"port {port} ({owner}) is already in use on {HOST}{more}: stop what holds it, "
+            f"port {port} ({owner}) is already in use on {host}{more}: stop what holds it, "
             "or change `ports` in the stack config"
         )
 

@@ -36,6 +36,20 @@ def find_envoy(mode: str, say: Say) -> str | None:
     return found
 
 
+def find_redis(limits: str, say: Say) -> str | None:
+    """The `redis-server` for shared limits; None (with a warning) if not installed or not
+    wanted: each gateway then limits on its own."""
+    if limits != "shared":
+        return None
+    found = shutil.which("redis-server")
+    if found is None:
+        say(
+            "warning: redis-server not found (e.g. `apt-get install redis-server`); each PoP "
+            "limits keys on its own (limits: local)"
+        )
+    return found
+
+
 def ensure_model(name: str, say: Say) -> str:
     """The model the node agents will load: a path as is, a known name pulled if missing."""
     if Path(name).expanduser().exists():

@@ -20,7 +20,15 @@ from stack.state import ProcessRecord, process_start_time
 
 # Stopping order: traffic in front first, the control plane last (node agents drain on SIGTERM
 # and report it; Envoys and the gateway watch the control plane until they go).
-STOP_ORDER: Final = ("gateway", "rtt-proxy", "node", "envoy", "control-plane")
+STOP_ORDER: Final = (
+    "anycast-front",
+    "gateway",
+    "redis",
+    "rtt-proxy",
+    "node",
+    "envoy",
+    "control-plane",
+)
 STOP_TIMEOUT_S: Final = {"node": 20.0, "gateway": 10.0}
 DEFAULT_STOP_TIMEOUT_S: Final = 10.0
 KILL_TIMEOUT_S: Final = 5.0

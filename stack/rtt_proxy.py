@@ -36,7 +36,7 @@ class Route:
     rtt_ms: float
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
@@ -52,8 +52,8 @@ def parse_route(text: str) -> Route:
         if not 0.0 <= rtt_ms <= 10_000.0:
             raise ValueError("RTT must be 0-10000 ms")
         return Route(
-            _host_port(listen),
-            tuple(_host_port(up) for up in upstreams.split(",")),
+            host_port(listen),
+            tuple(host_port(up) for up in upstreams.split(",")),
             rtt_ms,
         )
     except ValueError as exc:
@@ -97,6 +97,49 @@ async def _delayed_pipe(
             await reading
 
 
+async def close_writer(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+async def connect(upstream: tuple[str, int]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the upstream; OSError or TimeoutError if it cannot be had in time."""
+    return await asyncio.wait_for(asyncio.open_connection(*upstream), CONNECT_TIMEOUT_S)
+
+
+async def pipe_delayed(
+    client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    one_way_s: float,
+) -> None:
+    """Bytes both ways, each `one_way_s` late, until both sides are done; then both closed."""
+    (client_reader, client_writer), (up_reader, up_writer) = client, upstream
+    try:
+        await asyncio.gather(
+            _delayed_pipe(client_reader, up_writer, one_way_s),
+            _delayed_pipe(up_reader, client_writer, one_way_s),
+        )
+    finally:
+        for writer in (up_writer, client_writer):
+            await close_writer(writer)
+
+
+async def relay(
+    client_reader: asyncio.StreamReader,
+    client_writer: asyncio.StreamWriter,
+    upstream: tuple[str, int],
+    one_way_s: float,
+) -> None:
+    try:
+        opened = await connect(upstream)
+    except (OSError, TimeoutError) as exc:
+        logger.warning("cannot reach %s:%d: %s", *upstream, exc)
+        await close_writer(client_writer)
+        return
+    await pipe_delayed((client_reader, client_writer), opened, one_way_s)
+
+
 class RttProxy:
     def __init__(self, routes: list[Route]) -> None:
         self.routes = routes
@@ -117,7 +160,7 @@ class RttProxy:
                 assert task is not None
                 self._relays.add(task)
                 try:
-                    await self._relay(reader, writer, next(upstreams), route.rtt_ms / 2000.0)
+                    await relay(reader, writer, next(upstreams), route.rtt_ms / 2000.0)
                 finally:
                     self._relays.discard(task)
 
@@ -129,34 +172,6 @@ class RttProxy:
                 ", ".join(f"{h}:{p}" for h, p in route.upstreams),
                 route.rtt_ms,
             )
-
-    async def _relay(
-        self,
-        client_reader: asyncio.StreamReader,
-        client_writer: asyncio.StreamWriter,
-        upstream: tuple[str, int],
-        one_way_s: float,
-    ) -> None:
-        try:
-            up_reader, up_writer = await asyncio.wait_for(
-                asyncio.open_connection(*upstream), CONNECT_TIMEOUT_S
-            )
-        except (OSError, TimeoutError) as exc:
-            logger.warning("cannot reach %s:%d: %s", *upstream, exc)
-            client_writer.close()
-            with contextlib.suppress(ConnectionError):
-                await client_writer.wait_closed()
-            return
-        try:
-            await asyncio.gather(
-                _delayed_pipe(client_reader, up_writer, one_way_s),
-                _delayed_pipe(up_reader, client_writer, one_way_s),
-            )
-        finally:
-            for writer in (up_writer, client_writer):
-                writer.close()
-                with contextlib.suppress(ConnectionError):
-                    await writer.wait_closed()
 
     async def close(self) -> None:
         """Stop listening and end every open connection."""

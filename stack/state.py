@@ -75,7 +75,7 @@ class ProcessRecord:
     """One process `up` started."""
 
     name: str  # e.g. "node us-east-00"
-    kind: str  # control-plane, node, envoy, rtt-proxy, gateway
+    kind: str  # control-plane, node, envoy, rtt-proxy, redis, gateway, anycast-front
     pid: int
     start_time: str
     log: str
@@ -97,6 +97,12 @@ class StackState:
     gateway_url: str = ""
     ca_cert: str = ""
     ready: bool = False
+    pops: dict[str, str] = field(default_factory=dict)  # PoP → its gateway's URL
+    clients: dict[str, str] = field(default_factory=dict)  # client city → its Anycast URL
+    anycast_url: str = ""  # the Anycast front's admin
+    dns_name: str = ""
+    dns_port: int = 0
+    limits: str = ""  # which limits mode is live, in words
     processes: list[ProcessRecord] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, Final
 import httpx
 
 from stack.commands import ADMIN_TOKEN
+from stack.front_cli import anycast_lines
 from stack.state import StackState, StateDir
 from stack.summary import count
 from stack.supervisor import Say
@@ -90,6 +91,39 @@ def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[
     return [*lines, "", *_table(rows)]
 
 
+def live_limits(state: StackState) -> str:
+    """The limits mode `up` set, unless its redis-server has gone (the gateways then limit on
+    their own until it is back)."""
+    redis = next((r for r in state.processes if r.kind == "redis"), None)
+    if redis is not None and not redis.is_running():
+        return "local for now: redis-server is DOWN, so each PoP limits keys on its own"
+    return state.limits
+
+
+def front_lines(state: StackState) -> list[str]:
+    """Each PoP's health and tiers, and the Anycast front's routes."""
+    if not state.pops:
+        return []
+    context = ssl.create_default_context(cafile=state.ca_cert) if state.ca_cert else None
+    rows = [["POP", "URL", "HEALTH", "TIERS"]]
+    for name, url in state.pops.items():
+        health = _get_json(f"{url}/health", verify=context) if context is not None else "no CA"
+        if isinstance(health, str):
+            rows.append([name, url, health, "-"])
+        else:
+            tiers = "edge+region" if health.get("edge") else "region"
+            rows.append([name, url, str(health.get("status", "?")), tiers])
+    lines = ["", *_table(rows)]
+    if state.anycast_url:
+        front = _get_json(f"{state.anycast_url}/v1/anycast")
+        lines.append("")
+        if isinstance(front, str):
+            lines.append(f"Anycast front {state.anycast_url}: {front}")
+        else:
+            lines += anycast_lines(front)
+    return lines
+
+
 def status(state_root: Path, say: Say) -> int:
     state_dir = StateDir(state_root)
     state = state_dir.read()
@@ -100,6 +134,10 @@ def status(state_root: Path, say: Say) -> int:
     phase = "ready" if state.ready else "starting"
     say(f"Meridian stack ({mode}, {phase}); state in {state_root}")
     say(f"  gateway {state.gateway_url}/v1   CA {state.ca_cert}")
+    if state.limits:
+        say(f"  limits: {live_limits(state)}")
+    if state.dns_name:
+        say(f"  DNS: {state.dns_name} on udp 127.0.0.1:{state.dns_port}")
     say("")
     for line in process_lines(state):
         say(line)
@@ -126,5 +164,7 @@ def status(state_root: Path, say: Say) -> int:
         say(f"gateway {state.gateway_url}: {gateway}")
     elif isinstance(gateway, dict):
         say(f"gateway {state.gateway_url}: {gateway.get('status', '?')}")
+    for line in front_lines(state):
+        say(line)
     is_all_up = all(record.is_running() for record in state.processes)
     return 0 if is_all_up else 1

@@ -1,15 +1,63 @@
-"""What `meridian up` prints once the stack is ready: what runs, where, the key, and examples to
-copy and paste (curl, and the `openai` client verifying the stack's CA)."""
+"""What `meridian up` prints once the stack is ready: what runs, where (regions, PoPs, client
+cities, tiers), the key, and examples to copy and paste (a curl per client city through the
+Anycast front, one through DNS, and the `openai` client verifying the stack's CA)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stack.layout import StackLayout
+from gateway.anycast import Anycast, pops_at
+from stack.layout import HOST, StackLayout
+from wire.geo import LOCATIONS, locate
 
 
 def count(num: int, noun: str) -> str:
     return f"{num} {noun}" + ("" if num == 1 else "s")
+
+
+def limits_mode(layout: StackLayout) -> str:
+    """Which per-key limits are live, in words (also in `meridian status`)."""
+    if layout.redis_url is not None:
+        return f"shared by every PoP through redis at {layout.redis_url}"
+    return "local: each PoP's gateway limits keys on its own"
+
+
+def catchments(layout: StackLayout) -> dict[str, tuple[str, float]]:
+    """Client city → the PoP the Anycast front sends it to with everything announced, and the
+    RTT between them."""
+    if not layout.pops:
+        return {}
+    table = Anycast(pops_at([pop.name for pop in layout.pops], LOCATIONS))
+    routes = {client.city: table.reach(locate(client.city)) for client in layout.clients}
+    return {city: (route.pop, route.rtt_ms) for city, route in routes.items()}
+
+
+def _front_lines(layout: StackLayout) -> list[str]:
+    lines = []
+    for i, pop in enumerate(layout.pops):
+        tier = f"tiers edge ({pop.edge_url}) + region" if pop.edge_url else "tier region"
+        head = "  PoPs      " if i == 0 else "            "
+        lines.append(f"{head}{pop.name:<14}{pop.url}/v1   ({tier})")
+    reached = catchments(layout)
+    for i, client in enumerate(layout.clients):
+        nearest, rtt = reached[client.city]
+        head = "  Cities    " if i == 0 else "            "
+        lines.append(
+            f"{head}{client.city:<14}{client.url}/v1   (Anycast → {nearest}, {rtt:.0f} ms)"
+        )
+    lines.append(
+        f"  DNS       {layout.dns_name} on udp {HOST}:{layout.dns_port}   "
+        "(`meridian resolve --from CITY`)"
+    )
+    return lines
+
+
+def _curl(url: str, ca_cert: str, api_key: str, model: str, extra: str = "") -> str:
+    message = '[{"role": "user", "content": "Hello!"}]'
+    body = f'{{"model": "{model}", "max_tokens": 16, "messages": {message}}}'
+    return f"""curl -si --cacert {ca_cert}{extra} {url}/v1/chat/completions \\
+  -H "Authorization: Bearer {api_key}" -H "Content-Type: application/json" \\
+  -d '{body}' | grep -i -e '^x-meridian' -e content"""
 
 
 def render_summary(
@@ -20,17 +68,41 @@ def render_summary(
     base = layout.gateway_url + "/v1"
     num_envoys = sum(region.envoy_port is not None for region in layout.regions)
     names = ", ".join(region.name for region in layout.regions)
+    pops = ", ".join(pop.name for pop in layout.pops)
+    num_edges = sum(pop.edge_port is not None for pop in layout.pops)
+    edges = f", {count(num_edges, 'edge node')}" if num_edges else ""
+    cities = "".join(
+        f"\n# from {client.city}:\n{_curl(client.url, ca_cert, api_key, 'auto')}\n"
+        for client in layout.clients
+    )
+    first_city = layout.clients[0].city if layout.clients else "new-york"
+    resolved = f"$(meridian resolve --from {first_city} --short)"
+    by_dns = _curl(
+        f"https://{layout.dns_name}:{layout.gateway_port}",
+        ca_cert,
+        api_key,
+        model,
+        f" \\\n  --resolve {layout.dns_name}:{layout.gateway_port}:{resolved}",
+    )
+    front = "\n".join(_front_lines(layout))
     return f"""{count(len(layout.regions), "region")} ({names}), \
 {count(len(layout.nodes), "node agent")}, {count(num_envoys, "Envoy")}, \
-gateway at PoP {layout.gateway_pop}.
+{count(len(layout.pops), "PoP")} ({pops}){edges}, \
+{len(layout.clients)} client {"city" if len(layout.clients) == 1 else "cities"}.
 
-  Gateway   {base}
+  Gateway   {base}   (PoP {layout.pops[0].name})
+{front}
+  Limits    {limits_mode(layout)}
+  Models    {model}, and `auto` (light requests at an edge node where there is one)
   API key   {api_key}   (shown once; a new one on every `meridian up`)
   CA cert   {ca_cert}
   Admin     {layout.control_plane_url}   (tokens in {state_dir / "tokens.env"})
   Logs      {state_dir / "logs"}/
 
-Try it:
+Try it (the x-meridian-pop, -region and -tier headers say where each request went):
+{cities}
+# through DNS (the nearest healthy PoP for {first_city}'s subnet):
+{by_dns}
 
 curl --cacert {ca_cert} {base}/chat/completions \\
   -H "Authorization: Bearer {api_key}" -H "Content-Type: application/json" \\
@@ -49,7 +121,8 @@ for chunk in client.chat.completions.create(
 print()
 EOF
 
-`meridian status` shows the fleet; `meridian down` stops it."""
+`meridian status` shows the fleet; `meridian anycast withdraw|announce POP` moves clients;
+`meridian down` stops it."""
 
 
 def served_model(model: str) -> str:

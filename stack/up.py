@@ -4,11 +4,13 @@
    every port free, the model (pulled if missing, with progress);
 2. the control plane (a fresh SQLite database: the YAML is the fleet's source of truth), then
    the regions registered through its admin API with their ingress URLs;
-3. the node agents, the region Envoys (bootstrapped by `envoy-bootstrap`), the RTT proxy and the
-   gateway (HTTPS, with the stack CA's certificate), all at once; each is ready when its health
-   says so (`/ready`, a heartbeat seen by the control plane, a request through Envoy and the RTT
-   proxy, the gateway's `/health` with every region healthy);
-4. a fresh API key, checked through the gateway; then the URL, key, CA path and examples.
+3. the node agents (and edge node agents beside PoPs), the region Envoys (bootstrapped by
+   `envoy-bootstrap`), the RTT proxy (a route per PoP and region), the redis-server of shared
+   limits, a gateway per PoP (HTTPS on its own loopback address, with its certificate from the
+   stack CA) and the Anycast front, all at once; each is ready when its health says so (`/ready`,
+   a heartbeat seen by the control plane, a request through Envoy and the RTT proxy, each
+   gateway's `/health` with every region healthy, the front's admin);
+4. a fresh API key, checked through every PoP; then the URLs, key, CA path and examples.
 
 Then it stays in the foreground, saying when a process exits, until Ctrl-C or SIGTERM (which
 `meridian down` sends) stops everything it started, in order; with `--detach` it returns instead
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import time
@@ -39,13 +42,20 @@ from control_plane.admin_cli import (
     put_region,
 )
 from stack import commands
-from stack.certs import GatewayTls, ensure_gateway_tls
+from stack.certs import GatewayTls, ensure_pop_tls
 from stack.config import DEFAULT_CONFIG, StackConfig, load_config
 from stack.errors import StackError
-from stack.layout import StackLayout, check_ports_free, plan_layout
-from stack.preflight import check_not_running, ensure_model, find_envoy, fresh_tokens, locked
+from stack.layout import PopLayout, StackLayout, check_ports_free, plan_layout
+from stack.preflight import (
+    check_not_running,
+    ensure_model,
+    find_envoy,
+    find_redis,
+    fresh_tokens,
+    locked,
+)
 from stack.state import ProcessRecord, StackState, StateDir, process_start_time
-from stack.summary import render_summary, served_model
+from stack.summary import limits_mode, render_summary, served_model
 from stack.supervisor import ReadyCheck, Say, Supervisor
 
 CONTROL_PLANE_TIMEOUT_S: Final = 60.0
@@ -99,14 +109,18 @@ class StackStarter:
         self.say = say
         self.state_dir = StateDir(options.state_dir)
         self.envoy_path = find_envoy(config.envoy, say)
-        self.layout: StackLayout = plan_layout(config, use_envoy=self.envoy_path is not None)
+        self.redis_path = find_redis(config.limits, say)
+        self.layout: StackLayout = plan_layout(
+            config, use_envoy=self.envoy_path is not None, has_redis=self.redis_path is not None
+        )
         self.tokens = fresh_tokens()
         self.node_tokens: dict[str, str] = {}  # each node agent's own, minted at registration
         self.http = httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False)
         self.gateway_http: httpx.Client | None = None
-        self.tls: GatewayTls | None = None
+        self.tls: dict[str, GatewayTls] = {}  # by PoP
         self.api_key = ""
         self.model = config.model
+        self.edge_model = config.model
 
     def close(self) -> None:
         self.http.close()
@@ -119,10 +133,16 @@ class StackStarter:
         check_not_running(self.state_dir)
         check_ports_free(self.layout)
         self.model = ensure_model(self.config.model, self.say)
-        self.tls = ensure_gateway_tls(self.state_dir.tls_dir)
+        edge = self.config.edge
+        self.edge_model = ensure_model(edge.model, self.say) if edge is not None else self.model
+        names = {
+            pop.name: (pop.address, self.layout.dns_name, f"{pop.name}.{self.layout.dns_name}")
+            for pop in self.layout.pops
+        }
+        self.tls = ensure_pop_tls(self.state_dir.tls_dir, names)
         self.gateway_http = httpx.Client(
             timeout=PROBE_TIMEOUT_S,
-            verify=ssl.create_default_context(cafile=str(self.tls.ca_cert)),
+            verify=ssl.create_default_context(cafile=str(self.ca_cert)),
             trust_env=False,
         )
         _remove_database(self.state_dir.db_path)
@@ -136,10 +156,20 @@ class StackStarter:
             detached=self.options.detach,
             control_plane_url=self.layout.control_plane_url,
             gateway_url=self.layout.gateway_url,
-            ca_cert=str(self.tls.ca_cert),
+            ca_cert=str(self.ca_cert),
+            pops={pop.name: pop.url for pop in self.layout.pops},
+            clients={client.city: client.url for client in self.layout.clients},
+            anycast_url=self.layout.anycast_admin_url or "",
+            dns_name=self.layout.dns_name,
+            dns_port=self.layout.dns_port,
+            limits=limits_mode(self.layout),
         )
         self.state_dir.write(state)
         return state
+
+    @property
+    def ca_cert(self) -> Path:
+        return next(iter(self.tls.values())).ca_cert
 
     # --- probes ---
 
@@ -170,20 +200,25 @@ class StackStarter:
 
         return probe
 
-    def _gateway_is_ready(self) -> bool:
-        response = self._get(self.layout.gateway_url + "/health", self.gateway_http)
-        if response is None or response.status_code != 200:
-            return False
-        regions = response.json().get("regions", {})
-        return all(
-            regions.get(region.name, {}).get("healthy_nodes", 0) >= len(region.nodes)
-            for region in self.layout.regions
-        )
+    def _gateway_is_ready(self, pop: PopLayout) -> Callable[[], bool]:
+        def probe() -> bool:
+            response = self._get(pop.url + "/health", self.gateway_http)
+            if response is None or response.status_code != 200:
+                return False
+            regions = response.json().get("regions", {})
+            return all(
+                regions.get(region.name, {}).get("healthy_nodes", 0) >= len(region.nodes)
+                for region in self.layout.regions
+            )
+
+        return probe
 
     # --- the steps ---
 
     def start_control_plane(self, supervisor: Supervisor) -> None:
-        command = commands.control_plane(self.layout, self.state_dir.db_path, self.tokens)
+        command = commands.control_plane(
+            self.layout, self.state_dir.db_path, self.tokens, self.ca_cert
+        )
         child = supervisor.start(command)
         url = f"{self.layout.control_plane_url}/v1/status"
 
@@ -199,10 +234,10 @@ class StackStarter:
             for region in self.layout.regions:
                 spec = RegionSpec(region.name, region.lat, region.lon, region.ingress_url, 1.0)
                 put_region(client, spec)
+                rtts = ", ".join(f"{path.pop} {path.rtt_ms:g}" for path in region.paths)
                 self.say(
                     f"  region {region.name} registered ({region.lat:g}, {region.lon:g}; "
-                    f"ingress {region.ingress_url}; RTT from {self.layout.gateway_pop} "
-                    f"{region.rtt_ms:g} ms)"
+                    f"ingress {region.ingress_url}; RTT ms from {rtts})"
                 )
                 for node in region.nodes:
                     self.node_tokens[node.node_id] = mint_node_credential(
@@ -241,8 +276,8 @@ class StackStarter:
         return paths
 
     def start_fleet(self, supervisor: Supervisor) -> None:
-        """Node agents, Envoys, the RTT proxy and the gateway, all at once; then wait for all."""
-        assert self.tls is not None
+        """Node agents, Envoys, the RTT proxy, redis, the gateways and the Anycast front, all at
+        once; then wait for all."""
         checks = []
         node_commands = commands.node_agents(
             self.config, self.layout, self.model, self.tokens, self.node_tokens
@@ -252,6 +287,10 @@ class StackStarter:
             node_id = command.name.removeprefix("node ")
             assert command.url is not None
             probe = self._node_is_ready(node_id, command.url)
+            checks.append(ReadyCheck(command.name, probe, NODE_TIMEOUT_S, child))
+        for command in commands.edge_nodes(self.config, self.layout, self.edge_model, self.tokens):
+            child = supervisor.start(command)
+            probe = self._probe_ok(f"{command.url}/ready")
             checks.append(ReadyCheck(command.name, probe, NODE_TIMEOUT_S, child))
         if self.envoy_path is not None:
             bootstraps = self._envoy_bootstraps()
@@ -264,13 +303,41 @@ class StackStarter:
         if self.layout.has_rtt_proxy:
             child = supervisor.start(commands.rtt_proxy(self.layout))
             for region in self.layout.regions:
-                probe = self._probe_ok(f"{region.ingress_url}/ready")
-                label = f"rtt-proxy {region.name} (+{region.rtt_ms:g} ms)"
-                checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
-        child = supervisor.start(commands.gateway(self.layout, self.tls, self.tokens))
-        label = "gateway (every region healthy)"
-        checks.append(ReadyCheck(label, self._gateway_is_ready, DOWNSTREAM_TIMEOUT_S, child))
+                for path in region.paths:
+                    url = region.ingress_url_of(path.rtt_proxy_port)
+                    label = f"rtt-proxy {path.pop} → {region.name} (+{path.rtt_ms:g} ms)"
+                    checks.append(
+                        ReadyCheck(
+                            label, self._probe_ok(f"{url}/ready"), DOWNSTREAM_TIMEOUT_S, child
+                        )
+                    )
+        if self.redis_path is not None and self.layout.redis_port is not None:
+            command = commands.redis_server(self.redis_path, self.layout, self.state_dir.root)
+            child = supervisor.start(command)
+            checks.append(ReadyCheck("redis (shared limits)", self._redis_is_up, 30.0, child))
+        for pop in self.layout.pops:
+            command = commands.gateway(
+                self.config, self.layout, pop, self.tls[pop.name], self.tokens, self.model
+            )
+            child = supervisor.start(command)
+            label = f"{command.name} (every region healthy)"
+            checks.append(
+                ReadyCheck(label, self._gateway_is_ready(pop), DOWNSTREAM_TIMEOUT_S, child)
+            )
+        if self.layout.anycast_admin_url is not None:
+            child = supervisor.start(commands.anycast_front(self.layout, self.ca_cert))
+            probe = self._probe_ok(f"{self.layout.anycast_admin_url}/v1/anycast")
+            label = f"anycast-front ({len(self.layout.clients)} client cities)"
+            checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
         supervisor.wait_ready(checks)
+
+    def _redis_is_up(self) -> bool:
+        assert self.layout.redis_port is not None
+        try:
+            socket.create_connection(("127.0.0.1", self.layout.redis_port), 0.5).close()
+        except OSError:
+            return False
+        return True
 
     def _probe_ok(self, url: str) -> Callable[[], bool]:
         return lambda: self._is_ok(url)
@@ -293,19 +360,27 @@ class StackStarter:
         if response.status_code != 201:
             raise StackError(f"creating an API key: {response.status_code} {response.text[:200]}")
         self.api_key = response.json()["secret"]
-        url = self.layout.gateway_url + "/v1/models"
         headers = {"Authorization": f"Bearer {self.api_key}"}
 
-        def probe() -> bool:
-            answer = self._get(url, self.gateway_http, headers=headers)
-            return answer is not None and answer.status_code == 200
+        def probe(url: str) -> Callable[[], bool]:
+            def seen() -> bool:
+                answer = self._get(url, self.gateway_http, headers=headers)
+                return answer is not None and answer.status_code == 200
 
-        supervisor.wait_ready([ReadyCheck("API key (through the gateway)", probe, KEY_TIMEOUT_S)])
+            return seen
+
+        supervisor.wait_ready(
+            [
+                ReadyCheck(
+                    f"API key (through {pop.name})", probe(f"{pop.url}/v1/models"), KEY_TIMEOUT_S
+                )
+                for pop in self.layout.pops
+            ]
+        )
 
     def summary(self, ready_s: float) -> str:
-        assert self.tls is not None
         model = served_model(self.model)
-        ca_cert = str(self.tls.ca_cert)
+        ca_cert = str(self.ca_cert)
         head = f"Meridian is up (in {ready_s:.1f} s): "
         return head + render_summary(self.layout, model, self.api_key, ca_cert, self.state_dir.root)
 

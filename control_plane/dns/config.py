@@ -25,6 +25,22 @@ Share = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)]
 
 
+class PopEndpoint(BaseModel):
+    """A gateway PoP the API name may resolve to, and where its health is checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str  # a place in wire/geo.py: where the PoP stands
+    address: IPvAnyAddress
+    health_url: Annotated[str, Field(pattern=r"^https?://\S+$")]
+
+    @model_validator(mode="after")
+    def _known_place(self) -> PopEndpoint:
+        if self.name not in LOCATIONS:
+            raise ValueError(f"dns.pops: {self.name!r} is not a place in wire/geo.py")
+        return self
+
+
 class DnsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -53,6 +69,15 @@ class DnsConfig(BaseModel):
     leave_kv_margin: Share = 0.1
     enter_queue_delay_s: Seconds = 5.0
     leave_queue_delay_s: Seconds = 2.0
+    # Gateway PoPs: when listed, the hostname answers with the nearest healthy PoP (each one's
+    # `health_url` checked every `pop_check_interval_s`; down after `pop_failures_down` failed
+    # checks in a row, so a dead or draining PoP leaves the answers well within one TTL) instead
+    # of the nearest region.
+    pops: list[PopEndpoint] = Field(default_factory=list)
+    pop_ca: str | None = None  # PEM CA file for https health URLs (default: the system's)
+    pop_check_interval_s: float = Field(default=0.5, gt=0.0, le=60.0)
+    pop_check_timeout_s: float = Field(default=1.0, gt=0.0, le=60.0)
+    pop_failures_down: int = Field(default=2, ge=1, le=100)
 
     @model_validator(mode="after")
     def _consistent(self) -> DnsConfig:
@@ -62,6 +87,9 @@ class DnsConfig(BaseModel):
             raise ValueError(f"dns.default_location: unknown location {self.default_location!r}")
         if self.leave_queue_delay_s > self.enter_queue_delay_s:
             raise ValueError("dns.leave_queue_delay_s must not exceed dns.enter_queue_delay_s")
+        names = [pop.name for pop in self.pops]
+        if len(set(names)) != len(names):
+            raise ValueError("dns.pops: PoP names must be unique")
         self.locator()  # a bad subnet or location name fails at start, with its name
         return self
 

@@ -1,9 +1,10 @@
 """DNS messages in and out (dnslib): the authoritative answers for our one zone.
 
-- The API hostname: A / AAAA (ANY: both) with the address of the region `Steering` picks for the
-  client's subnet — the EDNS Client Subnet option when the query has one (echoed back with the
-  scope our answer is valid for), else the source address. A chosen region without an address
-  of the asked family gives NOERROR with no answer (NODATA).
+- The API hostname: A / AAAA (ANY: both) with the address of the region (or, when PoPs are
+  configured, the gateway PoP) `Steering` picks for the client's subnet — the EDNS Client Subnet
+  option when the query has one (echoed back with the scope our answer is valid for), else the
+  source address; an ECS option we cannot read is ignored (the source address decides). A
+  chosen region without an address of the asked family gives NOERROR with no answer (NODATA).
 - The zone apex: SOA and NS (one name server, `ns1.<zone>`, whose address is ours).
 - Other names in the zone: NXDOMAIN with the SOA. Names outside it: REFUSED (we are not
   authoritative for them and do not recurse). Non-QUERY opcodes: NOTIMP. Classes other than IN
@@ -138,9 +139,15 @@ class Responder:
         return reply, max_size
 
     def _client_subnet(self, opt: RR) -> ClientSubnet | None:
+        """The query's ECS option; None without one, or with one we cannot read: that query
+        is answered as if it had none (by the source address, no ECS echoed), never refused."""
         for option in opt.rdata:
             if option.code == ECS_OPTION:
-                return parse_ecs(bytes(option.data))
+                try:
+                    return parse_ecs(bytes(option.data))
+                except MalformedQuery as exc:
+                    logger.debug("DNS: ignoring a malformed ECS option: %s", exc)
+                    return None
         return None
 
     def _answer_query(

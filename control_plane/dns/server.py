@@ -12,6 +12,7 @@ import logging
 from typing import cast
 
 from control_plane.dns.config import DnsConfig
+from control_plane.dns.pops import PopHealth
 from control_plane.dns.responder import Responder
 from control_plane.dns.steering import Steering
 from control_plane.summaries import SummaryPublisher
@@ -59,10 +60,12 @@ class DnsServer:
 
     def __init__(self, config: DnsConfig, publisher: SummaryPublisher) -> None:
         self.config = config
-        self.steering = Steering(config, lambda: publisher.current)
+        self.pops = PopHealth(config) if config.pops else None
+        self.steering = Steering(config, lambda: publisher.current, self.pops)
         self.host = ""
         self.port = 0  # the bound port once started (useful when asked for port 0)
         self._transport: asyncio.DatagramTransport | None = None
+        self._checking: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); returns the port."""
@@ -77,6 +80,8 @@ class DnsServer:
             raise DnsStartError(f"DNS server cannot listen on udp {host}:{port}: {exc}") from exc
         self._transport = transport
         self.host, self.port = transport.get_extra_info("sockname")[:2]
+        if self.pops is not None:
+            self._checking = asyncio.create_task(self.pops.run())
         logger.info(
             "DNS: authoritative for %s on udp %s:%d (%s, TTL %d s)",
             self.config.zone,
@@ -88,6 +93,9 @@ class DnsServer:
         return self.port
 
     def stop(self) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
+            self._checking = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None

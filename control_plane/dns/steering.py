@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from control_plane.dns import decision
 from control_plane.dns.config import DnsConfig
 from control_plane.dns.decision import Decision, ShedMarks, Target
+from control_plane.dns.pops import PopHealth
 from wire.geo import IPAddress, IPNetwork, Location, locate
 from wire.region_summary import RegionSummary, RegionSummaryIndex
 
@@ -77,8 +78,14 @@ def shed_marks(config: DnsConfig, saturation_threshold: float) -> ShedMarks:
 class Steering:
     """Answers "which region for this client?" from the latest region summaries."""
 
-    def __init__(self, config: DnsConfig, read_summaries: Callable[[], RegionSummaryIndex]):
+    def __init__(
+        self,
+        config: DnsConfig,
+        read_summaries: Callable[[], RegionSummaryIndex],
+        pops: PopHealth | None = None,
+    ):
         self.config = config
+        self.pops = pops  # when set, the hostname answers with PoPs instead of regions
         self._read_summaries = read_summaries
         self._locator = config.locator()
         self._default_location = locate(config.default_location)
@@ -113,6 +120,9 @@ class Steering:
         return self._locator.locate(network.network_address) or self._default_location
 
     def decide(self, network: IPNetwork) -> Decision | None:
+        if self.pops is not None:  # PoPs do not shed: the gateways spread load over regions
+            client = self.locate(network)
+            return decision.choose(client, 0.0, self.pops.targets(), frozenset(), 0.0)
         view = self.view()
         return decision.choose(
             self.locate(network),

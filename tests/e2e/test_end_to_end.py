@@ -82,7 +82,7 @@ def stack_config(tmp_path: Path) -> tuple[Path, StackLayout, int]:
         text = (
             "regions:\n  - name: us-east\n    nodes: 1\n  - name: eu-west\n    nodes: 1\n"
             "node: {kv_cache_gib: 0.25, max_num_seqs: 8}\n"
-            "gateway: {pop: new-york}\n"
+            "pops: [new-york]\nclients: []\nlimits: local\n"
             f"ports: {{control_plane: {base}, xds: {base + 1}, dns: {base + 2}, "
             f"gateway: {base + 3}, node_base: {base + 10}, envoy_base: {base + 20}, "
             f"envoy_admin_base: {base + 30}, rtt_proxy_base: {base + 40}}}\n"
@@ -278,7 +278,7 @@ def test_stack_terraform_openai_failover_and_down(
     _, region = chat(client, "What is the capital of France?")
     assert region in ("us-east", "eu-west")
     stream(client, "Name three colours.")
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, "auto"]  # and the alias
 
     # 3. Terraform provisions a third region; a node agent from its output serves it.
     tf_port = stack.tf_port

@@ -38,21 +38,22 @@ def _free_ports(count: int) -> list[int]:
 
 @pytest.fixture
 def listener() -> Iterator[socket.socket]:
-    """Something else already listening on a loopback port."""
+    """Something else already listening on a loopback port of the first PoP's address."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.1.1", 0))
         sock.listen()
         yield sock
 
 
 def _config_text(gateway_port: int | None = None, dns_port: int | None = None) -> str:
     """One region, one node; every port free except those given."""
-    cp, xds, dns, gateway, node, envoy, admin, proxy = _free_ports(8)
+    cp, xds, dns, gateway, node, envoy, admin, proxy, anycast, front, redis = _free_ports(11)
     return (
-        "regions: [{name: us-east}]\n"
+        "regions: [{name: us-east}]\nclients: [tokyo]\npops: [new-york]\n"
         f"ports: {{gateway: {gateway_port or gateway}, control_plane: {cp}, xds: {xds}, "
         f"dns: {dns_port or dns}, node_base: {node}, envoy_base: {envoy}, "
-        f"envoy_admin_base: {admin}, rtt_proxy_base: {proxy}}}\n"
+        f"envoy_admin_base: {admin}, rtt_proxy_base: {proxy}, anycast_base: {anycast}, "
+        f"anycast_admin: {front}, redis: {redis}}}\n"
     )
 
 
@@ -62,7 +63,7 @@ def test_a_port_in_use_is_named_in_one_line(listener: socket.socket) -> None:
     with pytest.raises(StackError) as caught:
         check_ports_free(layout)
     assert str(caught.value) == (
-        f"port {port} (gateway) is already in use on 127.0.0.1: stop what holds it, "
+        f"port {port} (gateway new-york) is already in use on 127.0.1.1: stop what holds it, "
         "or change `ports` in the stack config"
     )
 
@@ -97,8 +98,8 @@ def test_up_with_a_port_in_use_fails_in_one_line_and_starts_nothing(
     done = _meridian("up", "--config", str(config), "--state-dir", str(state))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        f"meridian: error: port {port} (gateway) is already in use on 127.0.0.1: stop what "
-        "holds it, or change `ports` in the stack config"
+        f"meridian: error: port {port} (gateway new-york) is already in use on 127.0.1.1: stop "
+        "what holds it, or change `ports` in the stack config"
     ]
     assert not (state / "state.json").exists()
     assert not list((state / "logs").iterdir())
@@ -182,21 +183,28 @@ def test_every_node_agent_and_the_gateway_get_the_fleets_one_serving_token() -> 
     node_tokens = {node_id: f"mnode-{node_id}" for node_id in node_ids}
     nodes = commands.node_agents(config, layout, "smollm2-135m-instruct", tokens, node_tokens)
     tls = GatewayTls(Path("/s/ca.pem"), Path("/s/cert.pem"), Path("/s/key.pem"))
-    gateway = commands.gateway(layout, tls, tokens)
+    gateway = commands.gateway(config, layout, layout.pops[0], tls, tokens, "m")
     assert len(nodes) == 2
     assert all(c.env[commands.SERVING_TOKEN] == serving for c in [*nodes, gateway])
     assert all(serving not in " ".join(c.argv) for c in [*nodes, gateway])
     # ... and each node agent its own control-plane credential, which nothing else gets.
     assert [c.env[commands.NODE_TOKEN] for c in nodes] == [node_tokens[i] for i in node_ids]
-    control_plane = commands.control_plane(layout, Path("/s/cp.db"), tokens)
+    control_plane = commands.control_plane(layout, Path("/s/cp.db"), tokens, Path("/s/ca.pem"))
     assert commands.NODE_TOKEN not in gateway.env and commands.NODE_TOKEN not in control_plane.env
 
 
 def test_the_printed_examples_can_be_pasted() -> None:
     layout = plan_layout(parse_config("regions: [{name: us-east}, {name: eu-west}]"), True)
     text = render_summary(layout, "smollm2-135m-instruct", "mer-KEY", "/s/tls/ca.pem", Path("/s"))
-    assert text.startswith("2 regions (us-east, eu-west), 2 node agents, 2 Envoys, gateway at")
-    assert "curl --cacert /s/tls/ca.pem https://127.0.0.1:8443/v1/chat/completions \\\n" in text
+    assert text.startswith(
+        "2 regions (us-east, eu-west), 2 node agents, 2 Envoys, 3 PoPs (new-york, london, "
+        "singapore), 3 client cities."
+    )
+    assert "curl --cacert /s/tls/ca.pem https://127.0.1.1:8443/v1/chat/completions \\\n" in text
+    # A curl per client city, through its Anycast port, asking for `auto`.
+    for port in (8601, 8602, 8603):
+        assert f"curl -si --cacert /s/tls/ca.pem https://127.0.0.1:{port}/v1/chat" in text
+    assert "--resolve api.meridian.test:8443:$(meridian resolve --from tokyo --short)" in text
     assert '-H "Authorization: Bearer mer-KEY"' in text
     script = text.split("python - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     compile(script, "example", "exec")  # unindented, valid Python
@@ -206,3 +214,16 @@ def test_the_printed_examples_can_be_pasted() -> None:
 def test_engine_commands_still_work_through_meridian() -> None:
     done = _meridian("generate", "--help")
     assert done.returncode == 0 and "--prompt" in done.stdout
+
+
+def test_front_commands_say_what_is_wrong_in_one_line(tmp_path: Path) -> None:
+    state = str(tmp_path / "none")
+    unknown = _meridian("resolve", "--from", "mars", "--state-dir", state)
+    assert unknown.returncode == 1
+    assert unknown.stderr.startswith("meridian: error: unknown city 'mars'; known: new-york")
+    assert unknown.stderr.count("\n") == 1
+    nothing = _meridian("anycast", "--state-dir", state)
+    assert nothing.returncode == 1
+    assert nothing.stderr.startswith("meridian: error: no stack is running")
+    half = _meridian("anycast", "withdraw", "--state-dir", state)
+    assert half.returncode == 2 and "usage: meridian anycast [withdraw|announce POP]" in half.stderr

@@ -22,7 +22,10 @@ def test_default_config_is_the_three_local_regions_with_one_node_each() -> None:
         ("ap-southeast", 1),
     ]
     assert config.model == DEFAULT_MODEL
-    assert config.gateway.pop == "new-york"
+    assert config.pops == ["new-york", "london", "singapore"]
+    assert config.clients == ["tokyo", "paris", "chicago"]
+    assert config.limits == "shared" and config.edge is None
+    assert config.dns_name == "api.meridian.test"
     assert config.envoy == "auto" and config.simulate_rtt
     assert config.ports.gateway == 8443 and config.ports.control_plane == 8080
     # The YAML spells out every default: what a reader sees is what runs.
@@ -55,7 +58,12 @@ def test_a_region_outside_the_table_needs_its_location() -> None:
         ("regions: [{name: lab, lat: 1}]", "give both lat and lon, or neither"),
         ("regions: [{name: us-east, nodes: 0}]", "regions.0.nodes: Input should be greater"),
         ("regions: [{name: us-east}, {name: us-east}]", "unique; repeated: us-east"),
-        ("regions: [{name: us-east}]\ngateway: {pop: atlantis}", "'atlantis' is not a place"),
+        ("regions: [{name: us-east}]\npops: [atlantis]", "pop 'atlantis' is not a place"),
+        ("regions: [{name: us-east}]\npops: [london, london]", "unique; repeated: london"),
+        ("regions: [{name: us-east}]\nclients: [mars]", "client city 'mars' is not a place"),
+        ("regions: [{name: us-east}]\nedge: {pops: [tokyo]}", "edge pop 'tokyo' is not one of"),
+        ("regions: [{name: us-east}]\nlimits: global", "limits: Input should be 'shared'"),
+        ("regions: [{name: us-east}]\ndns_name: Bad_Name", "dns_name: String should match"),
         ("regions: [{name: us-east}]\nenvoy: maybe", "envoy: Input should be 'auto', 'on'"),
         ("regions: [{name: us-east}]\nports: {gateway: 70000}", "ports.gateway: Input should"),
         ("regions: [{name: us-east}", "not valid YAML (line 1)"),
@@ -117,8 +125,8 @@ def test_without_envoy_the_proxy_spreads_over_nodes_and_without_proxy_node_zero_
 
 
 def test_ports_that_collide_are_refused_before_anything_starts() -> None:
-    config = parse_config("regions: [{name: us-east}]\nports: {gateway: 9001}")
-    with pytest.raises(StackError, match="gateway and node agent us-east-00 would both listen"):
+    config = parse_config("regions: [{name: us-east}]\nports: {anycast_admin: 9001}")
+    with pytest.raises(StackError, match="node agent us-east-00 and Anycast front admin would"):
         plan_layout(config, use_envoy=False)
     many = "".join(f"  - {{name: r{i}, lat: 0, lon: 0}}\n" for i in range(3))
     crowded = parse_config(f"regions:\n{many}ports: {{node_base: 65400}}")
@@ -129,3 +137,66 @@ def test_ports_that_collide_are_refused_before_anything_starts() -> None:
 def test_default_config_file_is_shipped_inside_the_package() -> None:
     repo_root = Path(__file__).resolve().parents[2]
     assert repo_root / "stack" / "default.yaml" == DEFAULT_CONFIG
+
+
+def test_each_pop_has_its_own_address_certificate_names_and_paths_to_the_regions() -> None:
+    config = parse_config(
+        "regions: [{name: us-east}, {name: eu-west}]\n"
+        "pops: [new-york, london, singapore]\nclients: [tokyo, paris]\n"
+        "edge: {pops: [singapore], max_tokens: 32}\n"
+        "ports: {rtt_proxy_base: 10201, gateway: 8443, anycast_base: 8601, edge_base: 9501}\n"
+    )
+    layout = plan_layout(config, use_envoy=False, has_redis=True)
+    assert [(p.name, p.url) for p in layout.pops] == [
+        ("new-york", "https://127.0.1.1:8443"),
+        ("london", "https://127.0.1.2:8443"),
+        ("singapore", "https://127.0.1.3:8443"),
+    ]
+    us_east, eu_west = layout.regions
+    # PoP p reaches region i through its own RTT proxy route, delayed by their own distance.
+    assert [(path.pop, path.rtt_proxy_port) for path in eu_west.paths] == [
+        ("new-york", 10202),
+        ("london", 10302),
+        ("singapore", 10402),
+    ]
+    for path in eu_west.paths:
+        assert path.rtt_ms == pytest.approx(rtt_ms(locate(path.pop), REGIONS["eu-west"]), abs=0.05)
+    assert layout.pop("london").region_ingress == (
+        ("us-east", "http://127.0.0.1:10301"),
+        ("eu-west", "http://127.0.0.1:10302"),
+    )
+    assert us_east.ingress_url == "http://127.0.0.1:10201"  # registered: the first PoP's path
+    assert [(p.name, p.edge_url) for p in layout.pops if p.edge_url] == [
+        ("singapore", "http://127.0.0.1:9503")
+    ]
+    assert [(c.city, c.url) for c in layout.clients] == [
+        ("tokyo", "https://127.0.0.1:8601"),
+        ("paris", "https://127.0.0.1:8602"),
+    ]
+    assert layout.redis_url == "redis://127.0.0.1:6390/0"
+    assert config.num_nodes == 3  # two regions' nodes and the edge's
+    local = plan_layout(parse_config("regions: [{name: us-east}]\nlimits: local"), False, True)
+    assert local.redis_url is None
+
+
+def test_stack_certificates_name_each_pop_and_the_api_and_follow_their_names(
+    tmp_path: Path,
+) -> None:
+    from cryptography import x509
+
+    from stack.certs import ensure_pop_tls
+
+    names = {"london": ("127.0.1.2", "api.meridian.test")}
+    first = ensure_pop_tls(tmp_path, names)["london"]
+    cert = x509.load_pem_x509_certificate(first.cert.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "api.meridian.test" in san.get_values_for_type(x509.DNSName)
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == [
+        "127.0.0.1",
+        "::1",
+        "127.0.1.2",
+    ]
+    pem = first.cert.read_bytes()
+    assert ensure_pop_tls(tmp_path, names)["london"].cert.read_bytes() == pem  # kept
+    ensure_pop_tls(tmp_path, {"london": ("127.0.1.9",)})
+    assert first.cert.read_bytes() != pem  # re-issued for its new address

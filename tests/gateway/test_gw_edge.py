@@ -1,0 +1,173 @@
+"""The edge tier and the PoP's headers: the pure classifier, and a real gateway with a fake edge
+node beside it (an OpenAI-speaking upstream, no RTT) and fake regions behind simulated RTTs.
+`auto` requests that are light go to the edge, the rest (and all of them while the edge is
+saturated or down) to a region; explicit models behave as before; every answer says where it
+went; the thresholds and the share per tier are metrics."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from gw_fakes import FakeUpstream
+from gw_fleet import Fleet, GatewayThread, wait_until
+
+from gateway.tiers import EdgeThresholds, classify
+
+THRESHOLDS = EdgeThresholds(max_prompt_tokens=50, max_tokens=32)
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "max_tokens", "policy", "is_up", "is_saturated", "expected"),
+    [
+        (10, 16, "auto", True, False, ("edge", "light")),
+        (10, 33, "auto", True, False, ("region", "heavy")),
+        (51, 16, "auto", True, False, ("region", "heavy")),
+        (10, 16, "forbid", True, False, ("region", "forbidden")),
+        (500, 1000, "force", True, False, ("edge", "forced")),
+        (10, 16, "auto", False, False, ("region", "down")),
+        (10, 16, "auto", True, True, ("region", "saturated")),
+        (500, 1000, "force", True, True, ("region", "saturated")),
+        (500, 1000, "auto", False, True, ("region", "heavy")),
+    ],
+)
+def test_classifier(
+    prompt_tokens: int,
+    max_tokens: int,
+    policy: str,
+    is_up: bool,
+    is_saturated: bool,
+    expected: tuple[str, str],
+) -> None:
+    choice = classify(prompt_tokens, max_tokens, THRESHOLDS, policy, is_up, is_saturated)  # type: ignore[arg-type]
+    assert (choice.tier, choice.reason) == expected
+
+
+LIGHT = {"model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+HEAVY = {"model": "auto", "max_tokens": 200, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.fixture
+def edge(two_regions: Fleet) -> Iterator[FakeUpstream]:
+    upstream = FakeUpstream("edge")
+    two_regions.loop.run(upstream.start())
+    yield upstream
+    two_regions.loop.run(upstream.stop())
+
+
+@pytest.fixture
+def policy_keys(two_regions: Fleet) -> dict[str, tuple[str, str]]:
+    """Keys whose policy forbids or forces the edge: policy → (id, secret)."""
+    return {policy: two_regions.create_key() for policy in ("forbid", "force")}
+
+
+@pytest.fixture
+def edge_gateway(
+    two_regions: Fleet, edge: FakeUpstream, policy_keys: dict[str, tuple[str, str]]
+) -> GatewayThread:
+    gateway = two_regions.start_gateway(
+        edge_policy={key_id: policy for policy, (key_id, _) in policy_keys.items()},
+        auto_model="region-model",
+        edge_url=edge.url,
+        edge_model="edge-model",
+        edge_max_tokens=32,
+        edge_max_prompt_tokens=50,
+        edge_max_concurrency=2,
+    )
+    two_regions.wait_for_gateway(gateway)
+    return gateway
+
+
+@pytest.fixture
+def client(
+    edge_gateway: GatewayThread, two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> Iterator[httpx.Client]:
+    _, secret = two_regions.create_key()
+    keys = edge_gateway.handlers.keys
+    wait_until(lambda: len(keys) >= 3, 5.0, "the key snapshot")
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(
+        base_url=edge_gateway.base_url, verify=client_ssl, headers=headers, timeout=30.0
+    ) as http:
+        yield http
+
+
+def _where(response: httpx.Response) -> tuple[str, str, str]:
+    headers = response.headers
+    return headers["x-meridian-pop"], headers["x-meridian-region"], headers["x-meridian-tier"]
+
+
+def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
+    client: httpx.Client, two_regions: Fleet, edge: FakeUpstream
+) -> None:
+    light = client.post("/v1/chat/completions", json=LIGHT)
+    assert light.status_code == 200, light.text
+    assert _where(light) == ("new-york", "edge-new-york", "edge")
+    assert edge.seen[-1].body["model"] == "edge-model"  # the alias resolved upstream
+    heavy = client.post("/v1/chat/completions", json=HEAVY)
+    assert heavy.status_code == 200
+    pop, region, tier = _where(heavy)
+    assert (pop, tier) == ("new-york", "region") and region in two_regions.regions
+    assert two_regions.regions[region].upstream.seen[-1].body["model"] == "region-model"
+    explicit = client.post("/v1/chat/completions", json=LIGHT | {"model": "fake-model"})
+    assert explicit.status_code == 200 and _where(explicit)[2] == "region"
+    assert len(edge.seen) == 1
+    models = client.get("/v1/models")
+    assert models.status_code == 200 and _where(models)[2] == "region"
+    assert [m["id"] for m in models.json()["data"]] == ["fake-model", "auto"]
+    refused = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert refused.status_code == 401 and refused.headers["x-meridian-pop"] == "new-york"
+    metrics = client.get("/metrics").text
+    assert 'meridian_gateway_auto_requests_total{reason="light",tier="edge"} 1.0' in metrics
+    assert 'meridian_gateway_auto_requests_total{reason="heavy",tier="region"} 1.0' in metrics
+    assert 'meridian_gateway_auto_tier_share{tier="edge"} 0.5' in metrics
+    assert 'meridian_gateway_edge_threshold{setting="max_tokens"} 32.0' in metrics
+
+
+def test_a_dead_edge_falls_back_to_a_region_within_the_request(
+    client: httpx.Client, two_regions: Fleet, edge: FakeUpstream, edge_gateway: GatewayThread
+) -> None:
+    two_regions.loop.run(edge.stop())
+    for _ in range(3):
+        response = client.post("/v1/chat/completions", json=LIGHT)
+        assert response.status_code == 200  # nothing lost
+        assert _where(response)[2] == "region"
+    health = client.get("/health").json()
+    assert health["edge"]["url"] == edge.url
+
+
+def test_a_saturated_edge_sends_the_rest_to_a_region(
+    client: httpx.Client, edge: FakeUpstream, edge_gateway: GatewayThread
+) -> None:
+    edge.behavior.delay_s = 1.0
+    tiers: list[str] = []
+
+    def send() -> None:
+        tiers.append(client.post("/v1/chat/completions", json=LIGHT).headers["x-meridian-tier"])
+
+    threads = [threading.Thread(target=send) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(tiers) == ["edge", "edge", "region", "region", "region"]  # concurrency 2
+    assert edge_gateway.handlers.auto is not None
+    assert edge_gateway.handlers.auto.edge is not None
+    assert edge_gateway.handlers.auto.edge.num_in_flight == 0  # every edge request finished
+
+
+def test_a_keys_policy_forbids_or_forces_the_edge(
+    client: httpx.Client, policy_keys: dict[str, tuple[str, str]]
+) -> None:
+    forbid = {"Authorization": f"Bearer {policy_keys['forbid'][1]}"}
+    force = {"Authorization": f"Bearer {policy_keys['force'][1]}"}
+    light = client.post("/v1/chat/completions", json=LIGHT, headers=forbid)
+    assert light.status_code == 200 and _where(light)[2] == "region"
+    heavy = client.post("/v1/chat/completions", json=HEAVY, headers=force)
+    assert heavy.status_code == 200 and _where(heavy)[2] == "edge"
+    metrics = client.get("/metrics").text
+    assert 'meridian_gateway_auto_requests_total{reason="forbidden",tier="region"} 1.0' in metrics
+    assert 'meridian_gateway_auto_requests_total{reason="forced",tier="edge"} 1.0' in metrics

@@ -1,0 +1,53 @@
+"""`meridian status` for the global front end: the limits mode that is live (a dead
+redis-server means each PoP limits on its own), each PoP's health, and an unreachable Anycast
+front named in one line."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from stack.certs import ensure_gateway_tls
+from stack.state import ProcessRecord, StackState, StateDir
+from stack.status import status
+
+Sleeper = Callable[..., tuple[ProcessRecord, subprocess.Popen[bytes]]]  # conftest's `sleeper`
+SHARED = "shared by every PoP through redis at redis://127.0.0.1:6390/0"
+
+
+def _state(records: list[ProcessRecord], ca_cert: Path) -> StackState:
+    me = ProcessRecord("meridian up", "supervisor", 999_999_999, "gone", "")
+    return StackState(
+        supervisor=me,
+        config="test.yaml",
+        detached=True,
+        control_plane_url="http://127.0.0.1:1",
+        gateway_url="https://127.0.1.1:1",
+        pops={"new-york": "https://127.0.1.1:1", "london": "https://127.0.1.2:1"},
+        anycast_url="http://127.0.0.1:1",
+        dns_name="api.meridian.test",
+        dns_port=8053,
+        limits=SHARED,
+        ca_cert=str(ca_cert),
+        processes=records,
+    )
+
+
+def test_status_says_which_limits_are_live_and_what_of_the_front_answers(
+    state_dir: StateDir, sleeper: Sleeper
+) -> None:
+    redis, popen = sleeper("redis", "redis")
+    state_dir.write(_state([redis], ensure_gateway_tls(state_dir.tls_dir).ca_cert))
+    said: list[str] = []
+    status(state_dir.root, said.append)
+    text = "\n".join(said)
+    assert f"limits: {SHARED}" in text
+    assert "DNS: api.meridian.test on udp 127.0.0.1:8053" in text
+    assert "new-york  https://127.0.1.1:1  not reachable (ConnectError)" in text
+    assert "Anycast front http://127.0.0.1:1: not reachable (ConnectError)" in text
+    popen.kill()
+    popen.wait()
+    said.clear()
+    status(state_dir.root, said.append)
+    assert "limits: local for now: redis-server is DOWN" in "\n".join(said)
