@@ -21,6 +21,7 @@ from wire.geo import LOCATIONS
 from wire.heartbeat import NAME_PATTERN
 
 MIN_TOKEN_LEN = 16
+_HTTP_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 _REDIS_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
 
 TlsMode = Literal["files", "self-signed", "plain"]
