@@ -17,11 +17,16 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
+_QUANTIZATIONS = ("auto", "none", "int8")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"  # auto: bf16 where the hardware computes in it natively, else fp32
+    # Weights kept as "int8" (weight-only, one scale per row; CPU only) or as `dtype` ("none").
+    # auto: int8 where dtype is auto and the CPU lacks native bf16, so it would read fp32.
+    quantization: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     # KV cache size: on CUDA a share of the free memory, on CPU a fixed budget.
@@ -43,6 +48,12 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"dtype must be auto or one of {sorted(_DTYPES)}, not {self.dtype!r}"
             )
+        if self.quantization not in _QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"quantization must be one of {list(_QUANTIZATIONS)}, not {self.quantization!r}"
+            )
+        if self.quantization == "int8" and self.torch_device().type != "cpu":
+            raise InvalidRequestError("quantization int8 runs on CPU only")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError(
                 "block_size, max_num_seqs and max_num_batched_tokens must be >= 1"
@@ -66,6 +77,13 @@ class EngineConfig:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+    def int8_weights(self) -> bool:
+        if self.quantization != "auto":
+            return self.quantization == "int8"
+        return self.dtype == "auto" and self.torch_device().type == "cpu" and not (
+            _cpu_has_native_bf16()
+        )
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -35,6 +35,7 @@ class LLM:
         model: str,
         *,
         dtype: str = "auto",
+        quantization: str = "auto",
         device: str = "auto",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
@@ -51,6 +52,7 @@ class LLM:
             EngineConfig(
                 model=model,
                 dtype=dtype,
+                quantization=quantization,
                 device=device,
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,

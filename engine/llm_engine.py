@@ -67,7 +67,9 @@ class LLMEngine:
             config.max_model_len or self.model_config.max_position_embeddings,
         )
         started = time.monotonic()
-        shape = RunnerShape(device, dtype, config.block_size, context_len)
+        shape = RunnerShape(
+            device, dtype, config.block_size, context_len, config.int8_weights()
+        )
         self.executor = ModelExecutor(
             checkpoint,
             shape,
@@ -88,9 +90,10 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
         logger.info(
-            "loaded %s (%s, %s) in %.1f s; context %d tokens",
+            "loaded %s (%s%s, %s) in %.1f s; context %d tokens",
             config.model,
             dtype,
+            ", int8 weights" if shape.int8_weights else "",
             device,
             time.monotonic() - started,
             self.max_model_len,

@@ -5,17 +5,26 @@ inputs; every rank runs them."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from engine.distributed import TPGroup
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
+from engine.model.int8_weights import Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
+from engine.model.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.step_threads import StepThreadPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +37,7 @@ class RunnerShape:
     dtype: torch.dtype
     block_size: int
     max_model_len: int
+    int8_weights: bool = False  # weight-only int8 matmuls (CPU): see model/int8_weights.py
 
 
 @dataclass(slots=True)
@@ -75,12 +85,37 @@ class ModelRunner:
         self.model = model.to(shape.dtype).to_empty(device=device)
         self.model.load_weights(checkpoint.tensors(model.wants))
         self.model.eval()
+        if shape.int8_weights:
+            self._quantize_int8()
         self.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, shape.max_model_len, device, config.rope_scaling
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Decodes read the paged cache in place where a kernel exists (C++ on CPU, Triton on CUDA).
         self.use_decode_kernel = paged_decode_kernel(device) is not None
+        # Alone on a CPU, each step picks its thread count (see step_threads.py); TP ranks
+        # wait on each other in every all-reduce, so they keep the share they were given.
+        self.step_threads = (
+            StepThreadPolicy.for_this_process()
+            if device.type == "cpu" and self.tp.size == 1
+            else None
+        )
+
+    def _quantize_int8(self) -> None:
+        c = self.config
+        max_gemv_tokens = measure_max_gemv_tokens(
+            c.hidden_size, 2 * c.intermediate_size, self.dtype
+        )
+        quantizable = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+        layers = [m for m in self.model.modules() if isinstance(m, quantizable)]
+        for layer in layers:
+            layer.int8 = Int8Weight.quantize(layer.weight.data, max_gemv_tokens)
+            layer.weight = nn.Parameter(layer.weight.data.new_empty(0), requires_grad=False)
+        logger.info(
+            "weights: int8 weight-only in %d layers (int8 matmul up to %d tokens a step)",
+            len(layers),
+            max_gemv_tokens,
+        )
 
     @property
     def kv_bytes_per_block_per_layer(self) -> int:
@@ -105,7 +140,16 @@ class ModelRunner:
         """Run this rank's layers over the step, from the token ids on the first stage and from
         the previous stage's `hidden` on the others. The last stage returns fp32 logits (sampled
         rows, vocab), the same on each of its TP ranks; the others, what the next stage takes."""
-        inputs = inputs.to(self.device)
+        policy = self.step_threads
+        if policy is None:
+            return self._forward(inputs.to(self.device), hidden)
+        threads = policy.apply(inputs.num_tokens)
+        started = time.perf_counter()
+        out = self._forward(inputs, hidden)
+        policy.record(inputs.num_tokens, threads, time.perf_counter() - started)
+        return out
+
+    def _forward(self, inputs: StepInputs, hidden: torch.Tensor | None) -> torch.Tensor:
         out = self.model(
             inputs.input_ids, inputs.positions, self.rope, self.kv_caches, inputs.meta, hidden
         )

@@ -158,14 +158,16 @@ def test_the_triton_kernel_is_chosen_for_cuda_only() -> None:
     assert paged_decode_kernel(torch.device("meta")) is None
 
 
-def test_kernels_are_built_per_cpu() -> None:
-    """-march=native objects must never load on another CPU: the module is named for this one."""
+def test_kernels_are_built_per_cpu_and_version() -> None:
+    """-march=native objects must never load on another CPU: the module is named for this one,
+    and for its sources, so that two versions of the engine do not rebuild it in turn."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the native CPU kernel could not be built here")
     digest = cpu_feature_digest()
     assert len(digest) == 12 and digest == cpu_feature_digest()
-    assert kernels.__name__ == f"meridian_cpu_kernels_{digest}"
+    name = kernels.__name__
+    assert name.startswith(f"meridian_cpu_kernels_{digest}_") and len(name) == len(digest) + 30
 
 
 def test_a_build_killed_midway_does_not_hang_later_loads() -> None:

@@ -7,6 +7,8 @@ They are built with `-march=native`, so an object built on one CPU may hold inst
 lacks (AVX-512 on a machine without it: SIGILL). torch's build cache is keyed by the sources and
 flags only, so the module's name carries a digest of the CPU's feature flags: a home directory
 shared between machines (or a container image moved to another host) gets one build per CPU.
+It also carries a digest of the sources, so that two versions of the engine on one machine do
+not rebuild the same module in turn.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def cpu_feature_digest() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
+def _source_digest() -> str:
+    """Checkouts of different versions (worktrees, upgrades) each keep their own build: torch
+    rebuilds a module whose sources changed, so sharing one name makes them rebuild in turn."""
+    sources = sorted(_SOURCE_DIR.glob("*.[ch]*"))
+    text = b"".join(path.read_bytes() for path in sources) + " ".join(_CFLAGS).encode()
+    return hashlib.sha256(text).hexdigest()[:8]
+
+
 @cache
 def cpu_kernels() -> ModuleType | None:
     """The CPU kernels' module, or None where they are off or cannot be built.
@@ -56,7 +66,7 @@ def cpu_kernels() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    name = f"meridian_cpu_kernels_{cpu_feature_digest()}"
+    name = f"meridian_cpu_kernels_{cpu_feature_digest()}_{_source_digest()}"
     torch_lib = Path(torch.__file__).parent / "lib"
     logger.info("loading the CPU kernels (the first build on a CPU takes about a minute)")
     try:

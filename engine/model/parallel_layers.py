@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TPGroup
+from engine.model.int8_weights import Int8Weight, linear
 
 
 class ColumnParallelLinear(nn.Module):
@@ -32,13 +33,14 @@ class ColumnParallelLinear(nn.Module):
             offset += stop - start
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
+        self.int8: Int8Weight | None = None  # set by quantize_int8, which frees `weight`
 
     def _shard_of(self, name: str, size: int) -> tuple[int, int]:
         shard = size // self.tp.size
         return self.tp.rank * shard, (self.tp.rank + 1) * shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.int8)
 
     def load(self, part: str, param_name: str, full: torch.Tensor) -> None:
         start, stop = self.part_shards[part]
@@ -78,9 +80,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_shard = in_features // tp.size
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard))
+        self.int8: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.int8))
 
     def load(self, full: torch.Tensor) -> None:
         start = self.tp.rank * self.in_shard
@@ -98,14 +101,20 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden))
+        self.int8: Int8Weight | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.shard)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._rows(local.masked_fill(outside, 0))
         return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+    def _rows(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.int8 is None:
+            return F.embedding(local_ids, self.weight)
+        return self.int8.rows(local_ids)
 
     def load(self, full: torch.Tensor) -> None:
         rows = full[self.start : self.start + self.shard]
@@ -115,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> fp32 logits over the whole vocabulary (N, vocab)."""
-        local = F.linear(hidden, self.weight).float()
+        local = linear(hidden, self.weight, None, self.int8).float()
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
 

@@ -1,0 +1,127 @@
+"""The time of one decode step, A/B in one process: rounds of steps alternate between variants,
+so that the load of a shared machine falls on each about evenly.
+
+    python -m bench.engine_step [--batch 1] [--context 256] [--rounds 5] [--steps 8]
+        [--variants adaptive threads=1 threads=2 int8]
+
+Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
+`ignore_eos`). `adaptive` is the default engine (the thread count chosen per step, see
+engine/step_threads.py); `threads=N` pins it; `int8` is `quantization="int8"` with adaptive
+threads; `eager` is the default with the fused CPU layer ops swapped for their eager twins.
+Prints each round's median step time per variant and, per round, each variant against the
+first; the load average and CPU flags beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from bench.engine_throughput import cpu_vector_flags, load_average
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_store import DEFAULT_MODEL, pull
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Variant:
+    name: str
+    engine: LLMEngine
+    context: Callable[[], AbstractContextManager[object]] = nullcontext
+
+
+def build(name: str, model: str, batch: int, context: int) -> Variant:
+    config = EngineConfig(
+        model, cpu_kv_cache_gib=0.25, quantization="int8" if name == "int8" else "auto"
+    )
+    engine = LLMEngine(config)
+    runner = engine.executor.runner
+    pinned = None
+    if name.startswith("threads="):
+        runner.step_threads, pinned = None, int(name.split("=")[1])
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [100 + (7 * i + j) % 40_000 for j in range(context)]
+        engine.add_request(f"{name}-{i}", prompt, params)
+    while engine.scheduler.waiting or any(
+        s.num_output_tokens == 0 for s in engine.scheduler.running
+    ):
+        engine.step()
+    if name == "eager":
+        return Variant(
+            name, engine, lambda: mock.patch("engine.model.layer_ops._kernels_for", lambda x: None)
+        )
+    if pinned is not None:
+        return Variant(name, engine, lambda: threads(pinned))
+    return Variant(name, engine)
+
+
+@contextmanager
+def threads(num_threads: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def time_steps(variant: Variant, num_steps: int) -> float:
+    times = []
+    with variant.context():
+        for _ in range(num_steps):
+            started = time.perf_counter()
+            variant.engine.step()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8, help="steps per round and variant")
+    parser.add_argument("--variants", nargs="+", default=["adaptive", "threads=1", "threads=2"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    model = str(pull(DEFAULT_MODEL))
+    variants = [build(name, model, args.batch, args.context) for name in args.variants]
+    load_before = load_average()
+    rounds = []
+    for _ in range(args.rounds):
+        ms = {v.name: time_steps(v, args.steps) for v in variants}
+        rounds.append(ms)
+        first = args.variants[0]
+        print(
+            "  ".join(f"{n} {t:.1f} ms ({ms[first] / t:.2f}x)" for n, t in ms.items()),
+            flush=True,
+        )
+    report = {
+        "batch": args.batch,
+        "context": args.context,
+        "rounds_ms": rounds,
+        "median_ms": {n: statistics.median(r[n] for r in rounds) for n in args.variants},
+        "load_average": [load_before, load_average()],
+        "cpu_flags": cpu_vector_flags(),
+    }
+    print(json.dumps({k: report[k] for k in ("median_ms", "load_average")}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    for v in variants:
+        v.engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
