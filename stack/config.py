@@ -22,6 +22,7 @@ DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 DEFAULT_MODEL = "smollm2-135m-instruct"  # engine.model_store.DEFAULT_MODEL (not imported: torch)
 MAX_NODES_PER_REGION = 16
 MAX_POPS = 20
+MAX_CP_REPLICAS = 5
 DEFAULT_POPS = ("new-york", "london", "singapore")
 DEFAULT_CLIENTS = ("tokyo", "paris", "chicago")
 
@@ -104,6 +105,23 @@ class ApiKeyConfig(_Section):
     tpm: int = Field(default=1_000_000, ge=1)
 
 
+class ControlPlaneConfig(_Section):
+    """The control plane's replicas, all on one database: one on SQLite (the default), or
+    `replicas` on a PostgreSQL that `up` starts in the state directory (`db: postgres`)."""
+
+    replicas: int = Field(default=1, ge=1, le=MAX_CP_REPLICAS)
+    db: Literal["sqlite", "postgres"] = "sqlite"
+
+    @model_validator(mode="after")
+    def _replicas_share_postgres(self) -> ControlPlaneConfig:
+        if self.replicas > 1 and self.db != "postgres":
+            raise ValueError(
+                f"{self.replicas} replicas need `db: postgres` (replicas share one database; "
+                "SQLite is one process's)"
+            )
+        return self
+
+
 class PortsConfig(_Section):
     """Everything listens on 127.0.0.1. Region i (from 0, in file order) uses `node_base +
     100*i + j` for its node j (as terraform/examples/local lays them out), `envoy_base + i` for
@@ -144,6 +162,7 @@ class StackConfig(_Section):
     limits: Literal["shared", "local"] = "shared"
     edge: EdgeConfig | None = None
     api_key: ApiKeyConfig = Field(default_factory=ApiKeyConfig)
+    control_plane: ControlPlaneConfig = Field(default_factory=ControlPlaneConfig)
     ports: PortsConfig = Field(default_factory=PortsConfig)
     # auto: an ingress Envoy per region when `envoy` is installed (else a warning, and the node
     # agents are the ingresses); on: Envoy is required; off: never.

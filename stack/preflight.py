@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import secrets
 import shutil
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from stack import commands
 from stack.errors import StackError
+from stack.postgres import PostgresNotFoundError, find_bin_dir
 from stack.state import StateDir
 from stack.supervisor import Say
 
@@ -48,6 +50,23 @@ def find_redis(limits: str, say: Say) -> str | None:
             "limits keys on its own (limits: local)"
         )
     return found
+
+
+def find_postgres(db: str) -> Path | None:
+    """The PostgreSQL server binaries' directory for `control_plane.db: postgres` (None for
+    SQLite); StackError, in one line, if they or the control plane's driver are missing."""
+    if db != "postgres":
+        return None
+    try:
+        bin_dir = find_bin_dir()
+    except PostgresNotFoundError as exc:
+        raise StackError(f"control_plane.db is postgres, but {exc}") from exc
+    if importlib.util.find_spec("psycopg") is None:
+        raise StackError(
+            "control_plane.db is postgres, but psycopg is not installed "
+            "(`pip install 'meridian[postgres]'`)"
+        )
+    return bin_dir
 
 
 def ensure_model(name: str, say: Say) -> str:

@@ -50,6 +50,7 @@ from stack.preflight import (
     check_not_running,
     ensure_model,
     find_envoy,
+    find_postgres,
     find_redis,
     fresh_tokens,
     locked,
@@ -110,6 +111,13 @@ class StackStarter:
         self.state_dir = StateDir(options.state_dir)
         self.envoy_path = find_envoy(config.envoy, say)
         self.redis_path = find_redis(config.limits, say)
+        if find_postgres(config.control_plane.db) is not None:
+            # Checked first, so that a machine without PostgreSQL hears that; starting the
+            # replicas on it is issue 14's step 5, not done yet.
+            raise StackError(
+                "control_plane.db: postgres (replicas) is not started by `meridian up` yet; "
+                "leave `control_plane` out for one control plane on SQLite"
+            )
         self.layout: StackLayout = plan_layout(
             config, use_envoy=self.envoy_path is not None, has_redis=self.redis_path is not None
         )

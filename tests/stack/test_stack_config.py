@@ -8,9 +8,17 @@ from pathlib import Path
 import pytest
 
 from engine.model_store import DEFAULT_MODEL
-from stack.config import DEFAULT_CONFIG, StackConfig, load_config, parse_config
+from stack import postgres
+from stack.config import (
+    DEFAULT_CONFIG,
+    ControlPlaneConfig,
+    StackConfig,
+    load_config,
+    parse_config,
+)
 from stack.errors import StackConfigError, StackError
 from stack.layout import plan_layout
+from stack.preflight import find_postgres
 from wire.geo import REGIONS, locate, rtt_ms
 
 
@@ -200,3 +208,38 @@ def test_stack_certificates_name_each_pop_and_the_api_and_follow_their_names(
     assert ensure_pop_tls(tmp_path, names)["london"].cert.read_bytes() == pem  # kept
     ensure_pop_tls(tmp_path, {"london": ("127.0.1.9",)})
     assert first.cert.read_bytes() != pem  # re-issued for its new address
+
+
+def test_the_control_plane_is_one_replica_on_sqlite_unless_told() -> None:
+    assert load_config().control_plane == ControlPlaneConfig(replicas=1, db="sqlite")
+    config = parse_config("regions: [{name: eu-west}]\ncontrol_plane: {replicas: 2, db: postgres}")
+    assert config.control_plane == ControlPlaneConfig(replicas=2, db="postgres")
+
+
+@pytest.mark.parametrize(
+    ("section", "error"),
+    [
+        ("{replicas: 0}", "control_plane.replicas: Input should be greater than or equal to 1"),
+        (
+            "{replicas: 2}",
+            "control_plane: Value error, 2 replicas need `db: postgres` (replicas share one "
+            "database; SQLite is one process's)",
+        ),
+        ("{db: mysql}", "control_plane.db: Input should be 'sqlite' or 'postgres'"),
+    ],
+)
+def test_a_bad_control_plane_section_is_one_line(section: str, error: str) -> None:
+    with pytest.raises(StackConfigError) as caught:
+        parse_config(f"regions: [{{name: eu-west}}]\ncontrol_plane: {section}\n", "s.yaml")
+    assert str(caught.value) == f"s.yaml: {error}"
+
+
+def test_postgres_without_its_binaries_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert find_postgres("sqlite") is None
+    monkeypatch.setattr(postgres, "BIN_GLOB", "/nonexistent-meridian/postgresql/*/bin")
+    with pytest.raises(StackError) as caught:
+        find_postgres("postgres")
+    assert str(caught.value) == (
+        "control_plane.db is postgres, but no PostgreSQL server binaries in "
+        "/nonexistent-meridian/postgresql/*/bin (apt-get install postgresql)"
+    )
