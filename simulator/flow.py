@@ -1,12 +1,14 @@
 """A request's way through the world: client → PoP → region → node, with failover.
 
-The attempt loop follows `gateway/proxy.py`: try the policy's regions in order, at most
-`max_attempts`, within the request's deadline; an attempt fails over when the region does not
-connect in `connect_timeout_s` (it is down), answers 429 (its node's waiting queue is full) or
-sends no first byte within `first_byte_timeout_s`; once the first byte has come, the stream is
-committed and a failure after it is the client's error. Timeouts and limits are the gateway's
-default settings. Each outcome is reported to the policy (breakers, in-flight counts, observed
-TTFT), which is where the real gateway code learns.
+Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts.py), driven on
+the simulated clock as `gateway/proxy.py` drives it on the real one: the policy's regions in
+order, at most `max_attempts`, within the request's deadline. An attempt fails over when the
+region does not connect in `connect_timeout_s` (it is down), answers 429 (its node's waiting
+queue is full) or sends no first byte within `first_byte_timeout_s`; once the first byte has
+come, the stream is committed and a failure after it ends the stream (the gateway's resume of a
+broken stream, gateway/resume.py, is not modelled: a node carries no partial output to resume
+from). Timeouts and limits are the gateway's default settings. Each outcome is reported to the
+policy (breakers, in-flight counts, observed TTFT), which is where the real gateway code learns.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
+from gateway.routing import Candidate
 from gateway.settings import GatewaySettings
 from simulator.access import Access, make_access
 from simulator.events import EventLoop
@@ -36,6 +40,7 @@ def _gateway_default(name: str) -> float:
 @dataclass(frozen=True, slots=True)
 class GatewayTiming:
     max_attempts: int = int(_gateway_default("max_attempts"))
+    max_resumes: int = int(_gateway_default("max_resumes"))
     connect_timeout_s: float = _gateway_default("connect_timeout_s")
     first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
     request_deadline_s: float = _gateway_default("request_deadline_s")
@@ -48,7 +53,8 @@ class Flight:
     pop: str  # "" when the client goes to a region directly
     client_delay_s: float  # client ↔ origin, one way
     picks: list[Pick] = field(default_factory=list)
-    attempt: int = -1
+    attempts: AttemptSequence | None = None  # the gateway's sequencer over `picks`
+    attempt: int = -1  # the index in `picks` of the attempt under way
     sent_s: float = 0.0
     pick: Pick | None = None
     job: Job | None = None
@@ -77,6 +83,7 @@ class Traffic:
         self.recorder = recorder
         self.timing = timing
         self.max_attempts = chooser.max_attempts or timing.max_attempts
+        self.limits = AttemptLimits(self.max_attempts, timing.max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
         self._delays: dict[tuple[str, str], float] = {}
         self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
@@ -116,16 +123,19 @@ class Traffic:
         if not flight.picks:
             self._end(flight, Outcome.NO_CAPACITY)
             return
+        candidates = [Candidate(p.region, "", 0.0, p.predicted_ttft_s) for p in flight.picks]
+        started_s = flight.request.arrival_s + flight.client_delay_s
+        deadline_s = started_s + self.timing.request_deadline_s
+        flight.attempts = AttemptSequence(candidates, self.limits, deadline_s)
         self._try_next(flight)
 
     def _try_next(self, flight: Flight) -> None:
         now_s = self.loop.now_s
-        flight.attempt += 1
-        started_s = flight.request.arrival_s + flight.client_delay_s
-        deadline_s = started_s + self.timing.request_deadline_s
-        if flight.attempt >= len(flight.picks) or now_s >= deadline_s:
+        assert flight.attempts is not None
+        if isinstance(flight.attempts.next(now_s), GiveUp):
             self._end(flight, Outcome.FAILED)
             return
+        flight.attempt = flight.attempts.num_tried - 1
         pick = flight.picks[flight.attempt]
         flight.num_attempts += 1
         flight.pick, flight.sent_s, flight.job, flight.node = pick, now_s, None, None
