@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from gateway.tiers import EdgeThresholds
 from simulator.access import ACCESSES
 from simulator.calibration import (
     CalibrationError,
@@ -28,6 +29,13 @@ from simulator.calibration import (
     load_bench_report,
 )
 from simulator.compare import ScenarioResult, run_scenario
+from simulator.edge import (
+    DEFAULT_AUTO_SHARE,
+    DEFAULT_MAX_CONCURRENCY,
+    EDGE_CALIBRATION,
+    EdgeSpec,
+    default_edge_thresholds,
+)
 from simulator.policies import POLICIES
 from simulator.report import table
 from simulator.scenarios import SCENARIOS
@@ -66,6 +74,16 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within 0-1, not {value}")
+    return value
+
+
 def _routing_policy(text: str) -> RoutingPolicy:
     try:
         return RoutingPolicy.model_validate_json(text)
@@ -95,6 +113,18 @@ def parser() -> OneLineParser:
         default="anycast",
         help="how clients find their PoP: anycast (default) or dns (nearest stays on DNS)",
     )
+    thresholds = default_edge_thresholds()
+    edge = run.add_argument_group("edge tier (gateway/tiers.py; defaults: the gateway's)")
+    edge.add_argument("--edge", action="store_true", help="an edge node beside every PoP")
+    edge.add_argument(
+        "--auto-share", type=_share, default=DEFAULT_AUTO_SHARE, help="of requests sent as auto"
+    )
+    edge.add_argument(
+        "--edge-max-prompt-tokens", type=_positive, default=thresholds.max_prompt_tokens
+    )
+    edge.add_argument("--edge-max-tokens", type=_positive, default=thresholds.max_tokens)
+    edge.add_argument("--edge-max-concurrency", type=_positive, default=DEFAULT_MAX_CONCURRENCY)
+    edge.add_argument("--edge-calibration", type=Path, help="the edge node's calibration file")
     run.add_argument(
         "--jobs",
         type=_positive,
@@ -142,7 +172,22 @@ def _run_with_bars(
             args.jobs,
             args.routing,
             args.access,
+            _edge_spec(args),
         )
+
+
+def _edge_spec(args: argparse.Namespace) -> EdgeSpec | None:
+    if not args.edge:
+        return None
+    calibration = EDGE_CALIBRATION
+    if args.edge_calibration is not None:
+        calibration = _load_calibration(args.edge_calibration)
+    return EdgeSpec(
+        auto_share=args.auto_share,
+        thresholds=EdgeThresholds(args.edge_max_prompt_tokens, args.edge_max_tokens),
+        max_concurrency=args.edge_max_concurrency,
+        calibration=calibration,
+    )
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
@@ -176,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 110)  # a table in a log file keeps its columns
+        console.width = max(console.width, 132)  # a table in a log file keeps its columns
     try:
         if args.command == "calibrate":
             report = load_bench_report(args.report)

@@ -16,6 +16,7 @@ from typing import Any
 
 from simulator.access import Access
 from simulator.calibration import ServiceCalibration
+from simulator.edge import EdgeSpec
 from simulator.results import PolicyStats, Recorder
 from simulator.run import World, WorldSpec
 from simulator.scenarios import Scenario, workload_of
@@ -35,6 +36,7 @@ class ScenarioResult:
     wall_s: float
     stats: dict[str, PolicyStats]
     recorders: dict[str, Recorder]
+    has_edge: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -42,6 +44,7 @@ class ScenarioResult:
             "seed": self.seed,
             "requests": self.num_requests,
             "wall_s": round(self.wall_s, 2),
+            "edge": self.has_edge,
             "policies": {name: stats.to_json() for name, stats in self.stats.items()},
         }
 
@@ -53,12 +56,13 @@ def world_spec(
     calibration: ServiceCalibration,
     routing_policy: RoutingPolicy | None = None,
     access: Access = "anycast",
+    edge: EdgeSpec | None = None,
 ) -> WorldSpec:
     geography = build_geography(seed)
     workload = workload_of(scenario, num_requests, calibration)
     requests = make_requests(workload, geography.population_shares(), seed)
     policy = routing_policy or RoutingPolicy()
-    return WorldSpec(scenario, geography, calibration, requests, seed, policy, access)
+    return WorldSpec(scenario, geography, calibration, requests, seed, policy, access, edge)
 
 
 # The slowest worlds first, so that parallel workers finish together.
@@ -128,13 +132,15 @@ def run_scenario(
     jobs: int = 1,
     routing_policy: RoutingPolicy | None = None,
     access: Access = "anycast",
+    edge: EdgeSpec | None = None,
 ) -> ScenarioResult:
     started_s = time.perf_counter()
-    spec = world_spec(scenario, seed, num_requests, calibration, routing_policy, access)
+    spec = world_spec(scenario, seed, num_requests, calibration, routing_policy, access, edge)
     if jobs > 1 and len(policies) > 1:
         recorders = _run_parallel(spec, policies, min(jobs, len(policies)), progress)
     else:
         recorders = _run_serial(spec, policies, progress)
     stats = {policy: recorder.stats() for policy, recorder in recorders.items()}
     wall_s = time.perf_counter() - started_s
-    return ScenarioResult(scenario.name, seed, num_requests, wall_s, stats, recorders)
+    has_edge = edge is not None
+    return ScenarioResult(scenario.name, seed, num_requests, wall_s, stats, recorders, has_edge)

@@ -1,12 +1,15 @@
 """A request's way through the world: client → PoP → region → node, with failover.
 
-The attempt loop follows `gateway/proxy.py`: try the policy's regions in order, at most
-`max_attempts`, within the request's deadline; an attempt fails over when the region does not
-connect in `connect_timeout_s` (it is down), answers 429 (its node's waiting queue is full) or
-sends no first byte within `first_byte_timeout_s`; once the first byte has come, the stream is
-committed and a failure after it is the client's error. Timeouts and limits are the gateway's
-default settings. Each outcome is reported to the policy (breakers, in-flight counts, observed
-TTFT), which is where the real gateway code learns.
+Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts.py), driven on
+the simulated clock as `gateway/proxy.py` drives it on the real one: the policy's regions in
+order, at most `max_attempts`, within the request's deadline. An attempt fails over when the
+region does not connect in `connect_timeout_s` (it is down), answers 429 (its node's waiting
+queue is full) or sends no first byte within `first_byte_timeout_s`; once the first byte has
+come, the stream is committed and a failure after it ends the stream (the gateway's resume of a
+broken stream, gateway/resume.py, is not modelled: a node carries no partial output to resume
+from). Timeouts and limits are the gateway's default settings. Each outcome is reported to the
+policy (breakers, in-flight counts, observed TTFT), which is where the real gateway code learns.
+With an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
+from gateway.routing import Candidate
 from gateway.settings import GatewaySettings
 from simulator.access import Access, make_access
+from simulator.edge import POP_TO_EDGE_MS, EdgeTier
 from simulator.events import EventLoop
 from simulator.node import Job, Node
 from simulator.policies import Chooser, Pick
-from simulator.results import Outcome, Recorder
+from simulator.results import TIER_EDGE, TIER_NONE, TIER_REGION, Outcome, Recorder
 from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
@@ -36,6 +42,7 @@ def _gateway_default(name: str) -> float:
 @dataclass(frozen=True, slots=True)
 class GatewayTiming:
     max_attempts: int = int(_gateway_default("max_attempts"))
+    max_resumes: int = int(_gateway_default("max_resumes"))
     connect_timeout_s: float = _gateway_default("connect_timeout_s")
     first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
     request_deadline_s: float = _gateway_default("request_deadline_s")
@@ -48,15 +55,21 @@ class Flight:
     pop: str  # "" when the client goes to a region directly
     client_delay_s: float  # client ↔ origin, one way
     picks: list[Pick] = field(default_factory=list)
-    attempt: int = -1
+    is_edge: bool = False  # the attempts under way are the edge's
+    attempts: AttemptSequence | None = None  # the gateway's sequencer over `picks`
+    attempt: int = -1  # the index in `picks` of the attempt under way
     sent_s: float = 0.0
     pick: Pick | None = None
+    site: Site | None = None  # the pick's
     job: Job | None = None
     node: Node | None = None
     first_byte_s: float = 0.0  # at the origin
     num_attempts: int = 0
     is_committed: bool = False
     is_ended: bool = False
+
+
+EDGE_LIMITS = AttemptLimits(max_attempts=1, max_resumes=0)  # the edge is one candidate
 
 
 class Traffic:
@@ -69,6 +82,7 @@ class Traffic:
         recorder: Recorder,
         timing: GatewayTiming,
         access: Access = "anycast",
+        edge: EdgeTier | None = None,
     ) -> None:
         self.loop = loop
         self.geography = geography
@@ -77,10 +91,17 @@ class Traffic:
         self.recorder = recorder
         self.timing = timing
         self.max_attempts = chooser.max_attempts or timing.max_attempts
+        self.limits = AttemptLimits(self.max_attempts, timing.max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
         self._delays: dict[tuple[str, str], float] = {}
         self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
         self._is_deadline_armed = False
+        self.edge = edge
+        if edge is not None:  # the edge is one hop from its gateway, whatever the paths' jitter
+            for pop, site in edge.sites.items():
+                self._delays[(pop, site.name)] = self._delays[(site.name, pop)] = (
+                    POP_TO_EDGE_MS / 1000.0
+                )
 
     def delay_s(self, a: Location, b: Location) -> float:
         """One way between two places (half the true RTT), memoised."""
@@ -111,34 +132,61 @@ class Traffic:
             self._at_origin(Flight(request, city, "", 0.0))
 
     def _at_origin(self, flight: Flight) -> None:
+        edge = self.edge
+        if edge is not None:
+            choice = edge.choose(flight.pop, flight.request)
+            if choice is not None and choice.tier == "edge":
+                flight.is_edge = True
+                edge.in_flight[flight.pop] += 1
+                self._open(flight, [Pick(edge.sites[flight.pop].name)], EDGE_LIMITS)
+                return
+        self._open_regions(flight)
+
+    def _open_regions(self, flight: Flight) -> None:
         now_s = self.loop.now_s
-        flight.picks = self.chooser.order(flight.pop, flight.request, now_s, self.max_attempts)
-        if not flight.picks:
+        picks = self.chooser.order(flight.pop, flight.request, now_s, self.max_attempts)
+        if not picks:
             self._end(flight, Outcome.NO_CAPACITY)
             return
+        self._open(flight, picks, self.limits)
+
+    def _open(self, flight: Flight, picks: list[Pick], limits: AttemptLimits) -> None:
+        flight.picks = picks
+        candidates = [Candidate(p.region, "", 0.0, p.predicted_ttft_s) for p in picks]
+        started_s = flight.request.arrival_s + flight.client_delay_s
+        deadline_s = started_s + self.timing.request_deadline_s
+        flight.attempts = AttemptSequence(candidates, limits, deadline_s)
         self._try_next(flight)
 
     def _try_next(self, flight: Flight) -> None:
         now_s = self.loop.now_s
-        flight.attempt += 1
-        started_s = flight.request.arrival_s + flight.client_delay_s
-        deadline_s = started_s + self.timing.request_deadline_s
-        if flight.attempt >= len(flight.picks) or now_s >= deadline_s:
+        assert flight.attempts is not None
+        if isinstance(flight.attempts.next(now_s), GiveUp):
+            if flight.is_edge:  # the edge failed it: the regions, within the same deadline
+                self._leave_edge(flight)
+                self._open_regions(flight)
+                return
             self._end(flight, Outcome.FAILED)
             return
+        flight.attempt = flight.attempts.num_tried - 1
         pick = flight.picks[flight.attempt]
         flight.num_attempts += 1
         flight.pick, flight.sent_s, flight.job, flight.node = pick, now_s, None, None
-        self.chooser.on_attempt(flight.pop, pick.region, now_s)
-        site = self.sites[pick.region]
+        if flight.is_edge:
+            assert self.edge is not None
+            site = self.edge.sites[flight.pop]
+        else:
+            self.chooser.on_attempt(flight.pop, pick.region, now_s)
+            site = self.sites[pick.region]
+        flight.site = site
         arrive_s = now_s + self.delay_s(flight.origin, site.location)
         self.loop.at(arrive_s, self._at_region, (flight, flight.attempt))
 
     def _at_region(self, event: tuple[Flight, int]) -> None:
         flight = event[0]
         now_s = self.loop.now_s
-        assert flight.pick is not None
-        site = self.sites[flight.pick.region]
+        assert flight.pick is not None and flight.site is not None
+        site = flight.site
         node = flight.pick.node if flight.pick.node is not None else site.pick_node()
         if not site.is_up or node is None or not node.is_up:
             self.loop.at(flight.sent_s + self.timing.connect_timeout_s, self._failed, event)
@@ -164,9 +212,8 @@ class Traffic:
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
             return  # an attempt the gateway gave up on: the node worked for nobody
-        assert flight.pick is not None
-        region = self.sites[flight.pick.region].location
-        back_s = self.loop.now_s + self.delay_s(region, flight.origin)
+        assert flight.site is not None
+        back_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
         self.loop.at(back_s, self._first_byte, (flight, flight.attempt))
 
     def _first_byte(self, event: tuple[Flight, int]) -> None:
@@ -176,21 +223,24 @@ class Traffic:
         assert flight.pick is not None
         flight.is_committed = True
         flight.first_byte_s = self.loop.now_s
-        self.chooser.on_first_byte(flight.pop, flight.pick.region, self.loop.now_s)
+        if not flight.is_edge:
+            self.chooser.on_first_byte(flight.pop, flight.pick.region, self.loop.now_s)
 
     def on_finished(self, job: Job) -> None:
         flight = job.owner
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
             return
-        assert flight.pick is not None
+        assert flight.pick is not None and flight.site is not None
         now_s = self.loop.now_s
-        region = self.sites[flight.pick.region].location
-        done_s = now_s + self.delay_s(region, flight.origin)
+        done_s = now_s + self.delay_s(flight.site.location, flight.origin)
         if not flight.is_committed:  # the last token comes with the first (1-token answers)
             flight.is_committed, flight.first_byte_s = True, done_s
-            self.chooser.on_first_byte(flight.pop, flight.pick.region, now_s)
-        self.chooser.on_done(flight.pop, flight.pick, flight.first_byte_s - flight.sent_s, now_s)
+            if not flight.is_edge:
+                self.chooser.on_first_byte(flight.pop, flight.pick.region, now_s)
+        if not flight.is_edge:
+            ttft_s = flight.first_byte_s - flight.sent_s
+            self.chooser.on_done(flight.pop, flight.pick, ttft_s, now_s)
         self._end(flight, Outcome.OK, done_s + flight.client_delay_s)
 
     def _expire_deadlines(self, _: None) -> None:
@@ -217,7 +267,8 @@ class Traffic:
         if attempt != flight.attempt or flight.is_ended:
             return
         assert flight.pick is not None
-        self.chooser.on_failure(flight.pop, flight.pick.region, self.loop.now_s)
+        if not flight.is_edge:
+            self.chooser.on_failure(flight.pop, flight.pick.region, self.loop.now_s)
         self._try_next(flight)
 
     def cut(self, job: Job) -> None:
@@ -228,18 +279,30 @@ class Traffic:
             return
         assert flight.pick is not None
         if flight.is_committed:
-            ttft_s = flight.first_byte_s - flight.sent_s
-            self.chooser.on_done(flight.pop, flight.pick, ttft_s, self.loop.now_s)
+            if not flight.is_edge:
+                ttft_s = flight.first_byte_s - flight.sent_s
+                self.chooser.on_done(flight.pop, flight.pick, ttft_s, self.loop.now_s)
             self._end(flight, Outcome.CUT)
         else:  # its first byte is on the way but nothing will follow: the gateway times out
             flight.job = None
 
+    def _leave_edge(self, flight: Flight) -> None:
+        assert self.edge is not None
+        flight.is_edge = False
+        self.edge.in_flight[flight.pop] -= 1
+
     def _end(self, flight: Flight, outcome: Outcome, done_s: float = 0.0) -> None:
         flight.is_ended = True
+        is_edge = flight.is_edge
+        if is_edge:
+            self._leave_edge(flight)
         request = flight.request
         ttft_s = e2e_s = float("nan")
         if outcome is Outcome.OK:
             ttft_s = flight.first_byte_s + flight.client_delay_s - request.arrival_s
             e2e_s = done_s - request.arrival_s
         region = flight.pick.region if flight.pick is not None else ""
-        self.recorder.record(request, outcome, region, flight.num_attempts, ttft_s, e2e_s)
+        tier = TIER_NONE
+        if self.edge is not None and self.edge.is_auto(request):
+            tier = TIER_EDGE if is_edge else TIER_REGION
+        self.recorder.record(request, outcome, region, flight.num_attempts, ttft_s, e2e_s, tier)

@@ -13,6 +13,9 @@ COLUMNS = (
 )  # fmt: skip
 
 
+EDGE_COLUMNS = ("at edge", "auto p99 s")  # with an edge tier
+
+
 def _s(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds:.3f}"
 
@@ -23,9 +26,11 @@ def table(result: ScenarioResult) -> Table:
         f"{result.wall_s:.1f} s"
     )
     out = Table(title=title)
-    for i, column in enumerate(COLUMNS):
+    columns = COLUMNS + EDGE_COLUMNS if result.has_edge else COLUMNS
+    for i, column in enumerate(columns):
         out.add_column(column, justify="left" if i == 0 else "right")
     for policy, stats in result.stats.items():
+        edge = [f"{stats.edge_share:.1%}", _s(stats.auto_ttft_p99_s)] if result.has_edge else []
         out.add_row(
             policy,
             _s(stats.ttft_p50_s),
@@ -36,5 +41,6 @@ def table(result: ScenarioResult) -> Table:
             f"{stats.failed:,}",
             f"{stats.retried:,}",
             f"{stats.lost:,}",
+            *edge,
         )
     return out

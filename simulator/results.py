@@ -4,11 +4,13 @@
 take them, or their stream was cut by a dying node). `retried`: requests that needed more than
 one attempt, whatever their end. `lost`: requests that never ended when the world ran dry (an
 accounting check: it must be 0). `goodput`: the share of all requests whose first token reached
-the client within `GOODPUT_TTFT_S`.
+the client within `GOODPUT_TTFT_S`. With an edge tier: `edge_share`, the share of all requests
+the edge answered, and `auto_ttft_p99_s`, the p99 TTFT of the requests sent as `auto`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
@@ -20,6 +22,10 @@ from simulator.workload import Request
 
 GOODPUT_TTFT_S: Final = 1.0
 NOT_ENDED: Final = -1
+# Which tier answered a request (`auto` requests only, in a world with an edge tier).
+TIER_NONE: Final = -1
+TIER_REGION: Final = 0
+TIER_EDGE: Final = 1
 
 
 class Outcome(IntEnum):
@@ -39,8 +45,10 @@ class PolicyStats:
     failed: int
     retried: int
     lost: int
+    edge_share: float = 0.0
+    auto_ttft_p99_s: float = float("nan")
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> dict[str, float | int | None]:
         return {
             "ttft_p50_s": round(self.ttft_p50_s, 4),
             "ttft_p95_s": round(self.ttft_p95_s, 4),
@@ -50,6 +58,10 @@ class PolicyStats:
             "failed": self.failed,
             "retried": self.retried,
             "lost": self.lost,
+            "edge_share": round(self.edge_share, 4),
+            "auto_ttft_p99_s": (
+                None if math.isnan(self.auto_ttft_p99_s) else round(self.auto_ttft_p99_s, 4)
+            ),
         }
 
 
@@ -63,6 +75,7 @@ class Recorder:
         self.arrival_s = np.zeros(num_requests)
         self.ttft_s = np.full(num_requests, np.nan)
         self.e2e_s = np.full(num_requests, np.nan)
+        self.tier = np.full(num_requests, TIER_NONE, dtype=np.int8)
         self.num_ended = 0
 
     def record(
@@ -73,6 +86,7 @@ class Recorder:
         num_attempts: int,
         ttft_s: float,
         e2e_s: float,
+        tier: int = TIER_NONE,
     ) -> None:
         i = request.request_id
         assert self.outcome[i] == NOT_ENDED, f"request {i} ended twice"
@@ -83,6 +97,7 @@ class Recorder:
         self.arrival_s[i] = request.arrival_s
         self.ttft_s[i] = ttft_s
         self.e2e_s[i] = e2e_s
+        self.tier[i] = tier
 
     def ok_ttfts_s(self) -> npt.NDArray[np.float64]:
         return self.ttft_s[self.outcome == Outcome.OK]
@@ -104,4 +119,6 @@ class Recorder:
             failed=int(np.count_nonzero((self.outcome != Outcome.OK) & (self.outcome >= 0))),
             retried=int(np.count_nonzero(self.num_attempts > 1)),
             lost=int(np.count_nonzero(self.outcome == NOT_ENDED)),
+            edge_share=float(np.count_nonzero(ok & (self.tier == TIER_EDGE))) / len(self.outcome),
+            auto_ttft_p99_s=pct(self.ttft_s[ok & (self.tier != TIER_NONE)], 99),
         )

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from control_plane.fleet import Region
 from simulator.access import Access
 from simulator.calibration import ServiceCalibration
 from simulator.control import ControlTiming, PopWatch, SimControlPlane
+from simulator.edge import EdgeSpec, EdgeTier, auto_requests, edge_site_name
 from simulator.events import EventLoop
 from simulator.flow import GatewayTiming, Traffic
-from simulator.node import Node
+from simulator.node import Job, Node
 from simulator.policies import (
     Chooser,
     LeastLoadedChooser,
@@ -49,6 +50,7 @@ class WorldSpec:
     seed: int
     routing_policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     access: Access = "anycast"  # how clients find their PoP
+    edge: EdgeSpec | None = None  # the edge tier (None: none)
 
 
 def _ingress_url(index: int) -> str:
@@ -97,6 +99,7 @@ class World:
         self.sites: dict[str, Site] = {}
         self.chooser = _chooser(policy, spec, self.control, watches, self.sites)
         self.recorder = Recorder(len(spec.requests), sorted(regions))
+        self.edge = self._edge_tier() if spec.edge is not None else None
         self.traffic = Traffic(
             self.loop,
             geography,
@@ -105,6 +108,7 @@ class World:
             self.recorder,
             GatewayTiming(),
             spec.access,
+            self.edge,
         )
         for name, region in regions.items():
             place = geography.regions[name]
@@ -124,6 +128,29 @@ class World:
             delay_s = geography.true_rtt_ms(place, cp) / 2000.0
             for node in nodes:
                 self.control.add_node(node, f"http://{node.name}.{name}.sim:9001", delay_s)
+
+    def _edge_tier(self) -> EdgeTier:
+        """An edge site of one node at each PoP that has one (outside the regions' fleet: no
+        heartbeats, no summaries; only its own gateway sends it work)."""
+        spec = self.spec.edge
+        assert spec is not None
+        pops = self.spec.geography.pops
+        sites = {}
+        for pop in spec.pops if spec.pops is not None else sorted(pops):
+            name = edge_site_name(pop)
+            place = replace(pops[pop], name=name)
+            node = Node(
+                f"{name}-0", name, spec.calibration, self.loop, self._on_first_token,
+                self._on_finished,
+            )  # fmt: skip
+            sites[pop] = Site(name, place, "", [node])
+        return EdgeTier(spec, sites, auto_requests(spec, self.spec.requests, self.spec.seed))
+
+    def _on_first_token(self, job: Job) -> None:
+        self.traffic.on_first_token(job)
+
+    def _on_finished(self, job: Job) -> None:
+        self.traffic.on_finished(job)
 
     def _schedule_outages(self) -> None:
         requests = self.spec.requests

@@ -19,6 +19,8 @@ from simulator.scenarios import SCENARIOS
         (["run", "--scenario", "steady", "--requests", "-5"], "must be at least 1"),
         (["run", "--scenario", "steady", "--policies", "fastest"], "unknown policy 'fastest'"),
         (["run"], "required: --scenario"),
+        (["run", "--scenario", "steady", "--edge", "--auto-share", "2"], "must be within 0-1"),
+        (["run", "--scenario", "steady", "--edge-max-tokens", "0"], "must be at least 1"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(
@@ -52,8 +54,10 @@ def test_a_run_prints_the_table_and_writes_the_json(
     assert set(result["policies"]) == {"meridian", "oracle"}
     assert set(result["policies"]["meridian"]) == {
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "e2e_p99_s", "goodput", "failed", "retried",
-        "lost",
+        "lost", "edge_share", "auto_ttft_p99_s",
     }  # fmt: skip
+    assert result["edge"] is False and result["policies"]["meridian"]["edge_share"] == 0.0
+    assert result["policies"]["meridian"]["auto_ttft_p99_s"] is None  # no `auto` requests
 
 
 def test_all_runs_every_scenario_and_writes_a_list(tmp_path: Path) -> None:
