@@ -23,6 +23,7 @@ from gateway.errors import (
     GatewayError,
     NotReadyError,
     RateLimitError,
+    UpstreamError,
     error_response,
 )
 from gateway.keys import ApiKey, KeyTable
@@ -37,6 +38,7 @@ from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.sse import StreamReader, usage_of
 from gateway.tiers import Tier
+from gateway.whole import BodySink, whole_body
 from wire.cache_salt import CACHE_SALT_HEADER
 
 logger = logging.getLogger(__name__)
@@ -170,7 +172,7 @@ class Handlers:
                     path=path,
                     body=parsed.upstream_body,
                     headers=self._upstream_headers(key, request_id, has_body=True),
-                    is_stream=parsed.is_stream,
+                    is_stream=True,  # a non-stream's answer is assembled from it
                     max_tokens=parsed.max_tokens,
                 )
                 tier: Tier = "region"
@@ -187,16 +189,35 @@ class Handlers:
             return self._refuse(request, exc, key, request_id, started_s)
         region = opened.candidate.region
         headers = {HEADER: request_id, **self._where(region, tier), **admission.headers()}
-        if parsed.is_stream and opened.status == 200:
-            reader = StreamReader(
-                strip_usage=not parsed.wants_usage, strip_token_ids=not parsed.wants_token_ids
+        if opened.status != 200:
+            return await self._answer_whole(
+                request, opened, key, admission, parsed, headers, started_s
             )
-            on_end = partial(self._end_stream, request, key, admission, parsed, started_s)
-            resumer = None
-            if self.settings.max_resumes:
-                resumer = Resumer(proxy, self.router, self.metrics, upstream)
-            return await StreamRelay(opened, reader, on_end, resumer).run(request, headers)
-        return await self._answer_whole(request, opened, key, admission, parsed, headers, started_s)
+        reader = StreamReader(
+            strip_usage=parsed.is_stream and not parsed.wants_usage,
+            strip_token_ids=not parsed.wants_token_ids,
+        )
+        on_end = partial(self._end_stream, request, key, admission, parsed, started_s)
+        resumer = None
+        if self.settings.max_resumes:
+            resumer = Resumer(proxy, self.router, self.metrics, upstream)
+        relay = StreamRelay(opened, reader, on_end, resumer)
+        if parsed.is_stream:
+            return await relay.run(request, headers)
+        sink = BodySink()
+        await relay.collect(sink)
+        if relay.error is not None:
+            # As when a region fails before answering and no other one can (no resume).
+            error = UpstreamError("no region could be reached", "upstream_unreachable")
+            return error_response(error, {HEADER: request_id, POP_HEADER: self.settings.pop})
+        try:
+            body = whole_body(sink.events)
+        except ValueError:
+            error = UpstreamError("the region's answer could not be read", "stream_interrupted")
+            return error_response(error, {HEADER: request_id, POP_HEADER: self.settings.pop})
+        return web.Response(
+            body=body, status=200, headers={**headers, "content-type": "application/json"}
+        )
 
     async def _answer_whole(
         self,
@@ -235,8 +256,12 @@ class Handlers:
     ) -> None:
         first, candidate = relay.first.candidate, relay.opened.candidate
         if relay.ttft_s is not None:
-            self.metrics.observe_ttft(first.region, "stream", relay.ttft_s)
-            self.router.observe_ttft(first.region, relay.ttft_s, first.predicted_ttft_s)
+            if parsed.is_stream:
+                self.metrics.observe_ttft(first.region, "stream", relay.ttft_s)
+                self.router.observe_ttft(first.region, relay.ttft_s, first.predicted_ttft_s)
+            else:  # as before: a non-stream's TTFT is its whole answer's, and not the router's
+                whole_s = time.monotonic() - relay.first.sent_at_s
+                self.metrics.observe_ttft(first.region, "whole", whole_s)
         for gap_s in relay.resume_gaps_s:
             self.metrics.observe_resume_gap(candidate.region, gap_s)
         reader = relay.reader
@@ -254,6 +279,8 @@ class Handlers:
             if state is not None:
                 state.breaker.on_failure(time.monotonic())
         status = 499 if relay.is_client_gone else 200
+        if relay.error is not None and not parsed.is_stream:
+            status = 502  # the non-stream's answer (`_complete`)
         self._count_and_log(
             request, status, candidate.region, key, started_s, relay.first.num_retries, num_used
         )

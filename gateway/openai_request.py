@@ -9,8 +9,9 @@ The upstream body is always re-serialized from what was parsed, never the client
 node must see exactly the `max_tokens` the gateway reserved (a `null`, or a duplicate key that
 another JSON parser would read differently, would let it generate past the reservation), and
 re-encoding is also what finds lone surrogates, which are valid JSON escapes but not text.
-Streams always ask the node for their output token ids (`return_token_ids`), which a resume
-continues from; the relay removes them unless the client asked too.
+Every request goes to the node as a stream (a non-stream's answer is assembled from it by
+gateway/whole.py) that asks for usage and for its output token ids (`return_token_ids`), which a
+resume continues from; the relay removes them unless the client asked too.
 
 Prompt tokens are estimated from characters (about 4 per token for English with BPE tokenizers,
 plus a few per message for the chat template); the estimate only sizes the reservation, and the
@@ -45,7 +46,7 @@ class ParsedRequest:
     prompt_tokens: int  # estimated
     max_tokens: int  # the client's, or the gateway's default cap
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
-    upstream_body: bytes  # what goes to the node (usage requested, max_tokens = the reservation's)
+    upstream_body: bytes  # to the node: a stream, usage and ids, the reserved max_tokens
 
     @property
     def reserved_tokens(self) -> int:
@@ -171,11 +172,12 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
     body["max_tokens"] = max_tokens
     # The gateway alone decides whose prefix cache a request may share (see `cache_salt.py`).
     body.pop("cache_salt", None)
-    if is_stream and not wants_usage:
+    # A non-stream goes upstream as a stream too, so that it can resume (gateway/whole.py).
+    body["stream"] = True
+    if not wants_usage:
         body["stream_options"] = {**(options or {}), "include_usage": True}
     wants_token_ids = body.get(RETURN_TOKEN_IDS) is True
-    if is_stream:  # what a resume continues from
-        body[RETURN_TOKEN_IDS] = True
+    body[RETURN_TOKEN_IDS] = True  # what a resume continues from
     return ParsedRequest(
         endpoint=endpoint,
         model=model,

@@ -5,11 +5,13 @@ the connection fails, the region does not answer in time, or it answers 5xx or 4
 is the first-byte timeout: a stream's first chunk, or a non-stream's whole answer (the timeout
 plus its max_tokens at the slowest decode rate expected). A non-stream is read whole before
 anything is sent to the client, so any failure while reading it still fails over; a stream is
-committed once its first chunk arrives. Other statuses (400, 404, 413, 422, ...) are the node's
-judgement of the request itself: they go back to the client as they are, are not retried
-elsewhere (every region would say the same) and count as the region's success, never towards
-opening its breaker. Every attempt feeds the region's circuit breaker; all of them together
-stay within the request's deadline and `max_attempts`. When every region failed with a status,
+committed once its first chunk arrives. Every completion goes upstream as a stream, a
+non-streamed one too (its body is assembled by gateway/whole.py), so that it can resume.
+Other statuses (400, 404, 413, 422, ...) are the node's judgement of the request itself: they
+go back to the client as they are, are not retried elsewhere (every region would say the same)
+and count as the region's success, never towards opening its breaker. Every attempt feeds the
+region's circuit breaker; all of them together stay within the request's deadline and
+`max_attempts`. When every region failed with a status,
 the last such answer goes back to the client (a 429 keeps its Retry-After); when none answered
 at all, 502 (504 if the deadline passed first). Which region comes next is decided by the pure
 `AttemptSequence` (gateway/attempts.py); this module does the I/O. A committed stream that breaks

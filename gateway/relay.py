@@ -8,7 +8,8 @@ can be had, the client gets an SSE error event and `[DONE]` (the upstream's own 
 sent one; never a silent cut). If the client goes away (a failed write, or the server cancelling
 the handler when the connection drops), the upstream request is closed at once so the node stops
 generating. However the stream ends, `on_end` runs once with what was learnt (usage, TTFT,
-error).
+error). A non-streamed request's internal stream is relayed the same way into a buffer
+(`collect`; gateway/whole.py makes its body).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +32,14 @@ SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 
 # Given the broken attempt and why it broke: a continuation already answering, or None.
 Resume = Callable[[Opened, StreamReader, str], Awaitable[Opened | None]]
+
+
+class Sink(Protocol):
+    """Where the relayed events go: the client's response, or a non-stream's buffer."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self) -> None: ...
 
 
 class StreamRelay:
@@ -68,12 +78,23 @@ class StreamRelay:
             await self._on_end(self)
         return response
 
+    async def collect(self, sink: Sink) -> None:
+        """Relay into `sink` instead of a client's stream (a non-stream's internal stream)."""
+        try:
+            await self._pump(sink)
+        except BaseException:  # cancelled: the client's connection dropped
+            self.is_client_gone = True
+            raise
+        finally:
+            self._release()
+            await self._on_end(self)
+
     def _release(self) -> None:
         if not self._has_read_all:
             self.opened.response.close()  # stop the node generating for nobody
         self.opened.finish()
 
-    async def _pump(self, response: web.StreamResponse) -> None:
+    async def _pump(self, response: Sink) -> None:
         await self._forward(self.opened.body, response)
         while True:
             error = await self._read_attempt(response)
@@ -111,7 +132,7 @@ class StreamRelay:
                 await response.write(sse_error_event(502, message, "stream_interrupted"))
         await response.write_eof()
 
-    async def _read_attempt(self, response: web.StreamResponse) -> str | None:
+    async def _read_attempt(self, response: Sink) -> str | None:
         """Relay the current attempt to its end: None if it ended well, else why it broke."""
         if self.reader.upstream_error is not None:
             return "the region sent an error event"
@@ -130,7 +151,7 @@ class StreamRelay:
             if self.reader.upstream_error is not None:
                 return "the region sent an error event"
 
-    async def _forward(self, chunk: bytes, response: web.StreamResponse) -> None:
+    async def _forward(self, chunk: bytes, response: Sink) -> None:
         out = self.reader.feed(chunk)
         if self.ttft_s is None and self.reader.has_first_token:
             self.ttft_s = time.monotonic() - self.first.sent_at_s

@@ -169,6 +169,7 @@ class FakeUpstream:
             "object": "chat.completion.chunk" if is_chat else "text_completion",
             "created": len(self.seen),
             "model": body.get("model"),
+            "served_by": self.name,
         }
 
         def chunk(choice: JSON) -> bytes:

@@ -25,7 +25,16 @@ def test_chat_without_max_tokens_is_capped_upstream() -> None:
 
 def test_other_fields_go_upstream_as_the_client_sent_them() -> None:
     raw = chat(max_tokens=5, temperature=0.5, user="ü", tools=[{"type": "function"}])
-    assert json.loads(parse_request(raw, "chat", 256).upstream_body) == json.loads(raw)
+    # What the gateway adds to every request: a stream with usage and ids (gateway/whole.py).
+    added = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    assert json.loads(parse_request(raw, "chat", 256).upstream_body) == json.loads(raw) | added
+
+
+def test_a_non_stream_goes_upstream_as_a_stream_but_is_remembered_as_one() -> None:
+    parsed = parse_request(chat(max_tokens=5, logprobs=True), "chat", 256)
+    assert not parsed.is_stream and not parsed.wants_token_ids
+    upstream = json.loads(parsed.upstream_body)
+    assert upstream["stream"] is True and upstream["return_token_ids"] is True
 
 
 @pytest.mark.parametrize(

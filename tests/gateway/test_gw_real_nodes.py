@@ -113,6 +113,12 @@ def test_openai_client_through_the_gateway_to_real_nodes(
         assert raw.headers["x-meridian-region"] == "us-east"  # the nearer one
         assert completion.choices[0].message.content
         assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 8
+        # Read upstream as a stream (gateway/whole.py), answered in the node's non-stream shape.
+        answer = raw.http_response.json()
+        assert list(answer) == ["id", "object", "created", "model", "choices", "usage"]
+        assert answer["object"] == "chat.completion"
+        assert list(answer["choices"][0]) == ["index", "message", "logprobs", "finish_reason"]
+        assert answer["choices"][0]["message"]["role"] == "assistant"
         assert "real-node-1" in (tmp_path / "node-us-east.log").read_text()
 
         # Drain the near region: the far one's real node streams the next answer.

@@ -185,3 +185,113 @@ def test_resumes_stop_at_max_resumes(client: tuple[Fleet, str, ssl.SSLContext]) 
     assert 'reason="max_resumes"} 1.0' in metric(
         gateway, "meridian_gateway_stream_resumes_refused_total"
     )
+
+
+# Non-streamed requests: the gateway reads them upstream as streams and resumes them the same way.
+
+COMPLETION = {"model": "fake-model", "prompt": "hello there", "max_tokens": 50}
+
+
+def post_whole(
+    gateway: GatewayThread, secret: str, verify: ssl.SSLContext, path: str, body: object
+) -> httpx.Response:
+    keys = gateway.handlers.keys
+    wait_until(lambda: len(keys) > 0, 5.0, "the key snapshot")
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=gateway.base_url, verify=verify, timeout=30.0) as http:
+        return http.post(path, json=body, headers=headers)
+
+
+def whole_request(endpoint: str) -> tuple[str, dict[str, object]]:
+    if endpoint == "chat":
+        return "/v1/chat/completions", {**CHAT, "stream": False}
+    return "/v1/completions", COMPLETION
+
+
+def text_of_whole(body: dict[str, object]) -> str:
+    [choice] = body["choices"]  # type: ignore[misc]
+    return choice["message"]["content"] if "message" in choice else choice["text"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_an_unbroken_non_stream_gets_the_body_the_node_would_answer(
+    client: tuple[Fleet, str, ssl.SSLContext], endpoint: str
+) -> None:
+    fleet, secret, verify = client
+    gateway = start(fleet)
+    path, body = whole_request(endpoint)
+    response = post_whole(gateway, secret, verify, path, body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/json")
+    answer = response.json()
+    near = fleet.regions["us-east"].upstream
+    expected = near._whole(endpoint == "chat", NUM_TOKENS, {"model": "fake-model"})
+    # The node's whole body, field for field (its id and created are the stream's).
+    assert answer.keys() == expected.keys()
+    assert answer["choices"] == expected["choices"]
+    assert answer["usage"] == expected["usage"]
+    assert answer["object"] == expected["object"] and answer["served_by"] == "us-east"
+    assert "meridian_resumes" not in answer
+    assert near.seen[-1].body["stream"] is True
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize(
+    "failure", ["die_after_chunks", "error_after_chunks", "stall_after_chunks"]
+)
+def test_a_non_stream_broken_mid_way_continues_in_the_next_region_as_one_body(
+    client: tuple[Fleet, str, ssl.SSLContext], endpoint: str, failure: str
+) -> None:
+    fleet, secret, verify = client
+    gateway = start(fleet, stream_idle_timeout_s=0.5)
+    near, far = fleet.regions["us-east"].upstream, fleet.regions["eu-west"].upstream
+    setattr(near.behavior, failure, 2)
+    path, body = whole_request(endpoint)
+    response = post_whole(gateway, secret, verify, path, body)
+    assert response.status_code == 200
+    answer = response.json()
+    assert text_of_whole(answer) == WHOLE_TEXT  # every token once, in order
+    assert answer["object"] == ("chat.completion" if endpoint == "chat" else "text_completion")
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert "token_ids" not in answer["choices"][0]
+    assert answer["meridian_resumes"] == 1
+    assert far.seen[-1].body["resume_token_ids"] == [100, 101]
+    assert answer["usage"] == {
+        "prompt_tokens": 2 * PROMPT_TOKENS + 2,
+        "completion_tokens": NUM_TOKENS,
+        "total_tokens": 2 * PROMPT_TOKENS + 2 + NUM_TOKENS,
+    }
+    assert 'from_region="us-east",to_region="eu-west"} 1.0' in metric(
+        gateway, "meridian_gateway_stream_resumes_total"
+    )
+
+
+def test_a_resumed_non_stream_that_asks_for_token_ids_gets_all_of_them(
+    client: tuple[Fleet, str, ssl.SSLContext],
+) -> None:
+    fleet, secret, verify = client
+    gateway = start(fleet)
+    fleet.regions["us-east"].upstream.behavior.die_after_chunks = 3
+    path, body = whole_request("chat")
+    answer = post_whole(gateway, secret, verify, path, {**body, "return_token_ids": True}).json()
+    assert answer["choices"][0]["token_ids"] == [100 + i for i in range(NUM_TOKENS)]
+    assert answer["meridian_resumes"] == 1
+
+
+def test_without_another_region_a_broken_non_stream_gets_the_error_as_before(
+    client: tuple[Fleet, str, ssl.SSLContext],
+) -> None:
+    fleet, secret, verify = client
+    gateway = start(fleet)
+    fleet.set_region_state("eu-west", "disabled")
+    router = gateway.handlers.router
+    wait_until(lambda: router.regions.get("eu-west") is None
+               or router.regions["eu-west"].summary.state == "disabled", 5.0)
+    fleet.regions["us-east"].upstream.behavior.die_after_chunks = 2
+    path, body = whole_request("chat")
+    response = post_whole(gateway, secret, verify, path, body)
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_unreachable"
+    assert 'reason="exhausted"} 1.0' in metric(
+        gateway, "meridian_gateway_stream_resumes_refused_total"
+    )
