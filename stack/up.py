@@ -35,7 +35,6 @@ from types import FrameType
 from typing import Any, Final
 
 import httpx
-import psycopg
 
 from control_plane.admin_cli import (
     AdminClient,
@@ -243,6 +242,8 @@ class StackStarter:
             as_root = " (as root it runs as `postgres`, which must be able to enter it)"
             hint = as_root if os.geteuid() == 0 else ""
             raise StackError(f"PostgreSQL in {server.data_dir}{hint}: {exc}") from exc
+        import psycopg  # the `postgres` extra, only here: find_postgres has checked it is there
+
         child = supervisor.start(commands.postgres(server.server_argv(), self.layout))
         url = self.layout.postgres_url
 
