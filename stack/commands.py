@@ -32,7 +32,7 @@ KEPT_MERIDIAN_VARS = frozenset({"MERIDIAN_HOME"})  # where the model store is
 @dataclass(frozen=True, slots=True)
 class Command:
     name: str  # shown in progress and `status`; also the log file's name
-    kind: str  # control-plane, node, envoy, rtt-proxy, gateway, anycast-front, redis
+    kind: str  # postgres, control-plane, node, envoy, rtt-proxy, gateway, anycast-front, redis
     argv: tuple[str, ...]
     env: Mapping[str, str]
     url: str | None = None
@@ -66,18 +66,29 @@ def dns_config(layout: StackLayout, ca_cert: Path) -> dict[str, object]:
     return {"hostname": layout.dns_name, "zone": zone, "pops": pops, "pop_ca": str(ca_cert)}
 
 
-def control_plane(
+def control_planes(
     layout: StackLayout, db_path: Path, tokens: Mapping[str, str], ca_cert: Path
-) -> Command:
-    argv = _python(
-        "control_plane",
-        *("--host", HOST, "--port", str(layout.control_plane_port)),
-        *("--xds-port", str(layout.xds_port), "--dns-port", str(layout.dns_port)),
-        *("--db", str(db_path)),
-    )
+) -> list[Command]:
+    """Every replica: the one on SQLite at `db_path`, or each on the stack's PostgreSQL."""
+    db = layout.postgres_url or str(db_path)
     env = base_env() | {name: tokens[name] for name in (ADMIN_TOKEN, GATEWAY_TOKEN)}
     env["MERIDIAN_CP_DNS"] = json.dumps(dns_config(layout, ca_cert))
-    return Command("control-plane", "control-plane", argv, env, layout.control_plane_url)
+    commands = []
+    for replica in layout.control_planes:
+        argv = _python(
+            "control_plane",
+            *("--host", HOST, "--port", str(replica.port)),
+            *("--xds-port", str(replica.xds_port), "--dns-port", str(replica.dns_port)),
+            *("--db", db),
+        )
+        replica_env = env | {"MERIDIAN_CP_REPLICA_ID": replica.name.replace(" ", "-")}
+        commands.append(Command(replica.name, "control-plane", argv, replica_env, replica.url))
+    return commands
+
+
+def postgres(server_argv: list[str], layout: StackLayout) -> Command:
+    """The control plane's PostgreSQL (`stack/postgres.py` builds the server's command line)."""
+    return Command("postgres", "postgres", tuple(server_argv), base_env(), layout.postgres_url)
 
 
 def node_agents(
@@ -96,7 +107,7 @@ def node_agents(
                 "node_agent",
                 *("--model", model, "--host", HOST, "--port", str(node.port)),
                 *("--region", region.name, "--node-id", node.node_id),
-                *("--control-plane", layout.control_plane_url),
+                *("--control-plane", layout.control_plane_urls),
                 *("--kv-cache-gib", f"{config.node.kv_cache_gib:g}"),
                 *("--max-num-seqs", str(config.node.max_num_seqs)),
             )
@@ -136,13 +147,15 @@ def edge_nodes(
 
 
 def envoy_bootstrap(layout: StackLayout, region: RegionLayout) -> tuple[str, ...]:
-    """`python -m control_plane envoy-bootstrap` for the region's ingress Envoy."""
+    """`python -m control_plane envoy-bootstrap` for the region's ingress Envoy (every replica's
+    xDS: Envoy fails over between them)."""
     assert region.envoy_port is not None and region.envoy_admin_port is not None
     return _python(
         "control_plane",
         "envoy-bootstrap",
         *("--region", region.name, "--listen", f"{HOST}:{region.envoy_port}"),
-        *("--xds", f"{HOST}:{layout.xds_port}", "--admin", f"{HOST}:{region.envoy_admin_port}"),
+        *(arg for address in layout.xds_addresses for arg in ("--xds", address)),
+        *("--admin", f"{HOST}:{region.envoy_admin_port}"),
         *("--node-id", f"meridian-stack-ingress-{region.name}"),
     )
 
@@ -185,7 +198,7 @@ def gateway(
     argv = _python(
         "gateway",
         *("--pop", pop.name, "--host", pop.address, "--port", str(pop.port)),
-        *("--control-plane", layout.control_plane_url),
+        *("--control-plane", layout.control_plane_urls),
         *("--tls-cert", str(tls.cert), "--tls-key", str(tls.key)),
         *ingress,
         *(("--redis", layout.redis_url) if layout.redis_url is not None else ()),

@@ -139,6 +139,9 @@ class PortsConfig(_Section):
     anycast_base: Port = 8601
     anycast_admin: Port = 8600
     redis: Port = 6390  # the shared limits' redis-server (`limits: shared`)
+    # PostgreSQL for `control_plane.db: postgres`; replica k (from 0) of the control plane
+    # listens on `control_plane + k`, `xds + k` and `dns + k`.
+    postgres: Port = 5433
     # Edge node agent beside PoP i: `edge_base + i`.
     edge_base: Port = 9501
     node_base: Port = 9001

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 from stack.config import StackConfig
 from stack.errors import StackError
+from stack.postgres import SUPERUSER
 from wire.geo import Location, locate, rtt_ms
 
 HOST = "127.0.0.1"
+POSTGRES_DATABASE = "postgres"
 POP_ADDRESS_PREFIX = "127.0.1."  # PoP i listens on 127.0.1.(i+1)
 POP_STRIDE = 100  # PoP p's RTT proxy route to region i: rtt_proxy_base + POP_STRIDE*p + i
 
@@ -118,10 +120,29 @@ class ClientLayout:
 
 
 @dataclass(frozen=True, slots=True)
-class StackLayout:
-    control_plane_port: int
+class ReplicaLayout:
+    """One control-plane replica: replica k listens on the configured ports + k."""
+
+    name: str  # "control-plane", or "control-plane 1", "control-plane 2"... among replicas
+    port: int
     xds_port: int
-    dns_port: int
+    dns_port: int  # UDP
+
+    @property
+    def url(self) -> str:
+        return url_of(self.port)
+
+    @property
+    def owner(self) -> str:
+        """As port conflicts name it: "control plane", "control plane 2"."""
+        return self.name.replace("-", " ")
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayout:
+    control_plane_port: int  # the first replica's (the others' follow it, one apart)
+    xds_port: int
+    dns_port: int  # the first replica's: what the summary and `meridian resolve` use
     gateway_port: int
     regions: tuple[RegionLayout, ...]
     pops: tuple[PopLayout, ...] = ()
@@ -129,10 +150,40 @@ class StackLayout:
     anycast_admin_port: int | None = None  # None: no clients, no Anycast front
     redis_port: int | None = None  # None: no shared limits
     dns_name: str = "api.meridian.test"
+    replicas: int = 1  # control-plane replicas; more than one share `postgres_port`'s server
+    postgres_port: int | None = None  # None: the control plane is on SQLite
+
+    @property
+    def control_planes(self) -> tuple[ReplicaLayout, ...]:
+        if self.replicas == 1:
+            names = ["control-plane"]
+        else:
+            names = [f"control-plane {k + 1}" for k in range(self.replicas)]
+        return tuple(
+            ReplicaLayout(name, self.control_plane_port + k, self.xds_port + k, self.dns_port + k)
+            for k, name in enumerate(names)
+        )
 
     @property
     def control_plane_url(self) -> str:
+        """The first replica's."""
         return url_of(self.control_plane_port)
+
+    @property
+    def control_plane_urls(self) -> str:
+        """Every replica's, comma-separated, as clients take them (`--control-plane`)."""
+        return ",".join(replica.url for replica in self.control_planes)
+
+    @property
+    def xds_addresses(self) -> tuple[str, ...]:
+        """Every replica's xDS `HOST:PORT`, for Envoy's bootstrap."""
+        return tuple(f"{HOST}:{replica.xds_port}" for replica in self.control_planes)
+
+    @property
+    def postgres_url(self) -> str | None:
+        if self.postgres_port is None:
+            return None
+        return f"postgresql://{SUPERUSER}@{HOST}:{self.postgres_port}/{POSTGRES_DATABASE}"
 
     @property
     def gateway_url(self) -> str:
@@ -164,10 +215,11 @@ class StackLayout:
 
     def tcp_ports(self) -> list[tuple[int, str]]:
         """Every TCP port the stack listens on at 127.0.0.1, with what listens there."""
-        ports = [
-            (self.control_plane_port, "control plane"),
-            (self.xds_port, "control plane xDS"),
-        ]
+        ports = []
+        for replica in self.control_planes:
+            ports += [(replica.port, replica.owner), (replica.xds_port, f"{replica.owner} xDS")]
+        if self.postgres_port is not None:
+            ports.append((self.postgres_port, "postgres"))
         for region in self.regions:
             ports += [(node.port, f"node agent {node.node_id}") for node in region.nodes]
             if region.envoy_port is not None and region.envoy_admin_port is not None:
@@ -255,6 +307,8 @@ def plan_layout(config: StackConfig, use_envoy: bool, has_redis: bool = False) -
         anycast_admin_port=ports.anycast_admin if clients else None,
         redis_port=ports.redis if has_redis and config.limits == "shared" else None,
         dns_name=config.dns_name,
+        replicas=config.control_plane.replicas,
+        postgres_port=ports.postgres if config.control_plane.db == "postgres" else None,
     )
     _check_distinct(layout)
     return layout
@@ -294,8 +348,9 @@ def check_ports_free(layout: StackLayout) -> None:
         for host, port, owner in layout.tcp_sockets()
         if not _is_free(host, port, socket.SOCK_STREAM)
     ]
-    if not _is_free(HOST, layout.dns_port, socket.SOCK_DGRAM):
-        busy.append((HOST, layout.dns_port, "control plane DNS (UDP)"))
+    for replica in layout.control_planes:
+        if not _is_free(HOST, replica.dns_port, socket.SOCK_DGRAM):
+            busy.append((HOST, replica.dns_port, f"{replica.owner} DNS (UDP)"))
     if busy:
         host, port, owner = busy[0]
         more = f" (and {len(busy) - 1} more)" if len(busy) > 1 else ""

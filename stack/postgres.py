@@ -3,6 +3,8 @@ control plane's replicas in `meridian up`, its tests and its benchmark.
 
 `LocalPostgres(data_dir).start()` runs `initdb` once (trust authentication, loopback and a unix
 socket in the data directory only), then `pg_ctl start`; `stop()` is `pg_ctl stop -m fast`.
+`meridian up` instead runs `server_argv()` (the `postgres` server in the foreground) as one of
+its supervised children, after `initdb()`.
 PostgreSQL refuses to run as root: run by root, the server runs as the `postgres` user that
 Debian's package creates, and owns its data directory (whose parents it must be able to enter).
 """
@@ -78,7 +80,8 @@ class LocalPostgres:
     def _log(self) -> Path:
         return self.data_dir / "server.log"
 
-    def start(self) -> None:
+    def initdb(self) -> None:
+        """Create the cluster in `data_dir` unless it is there."""
         bin_dir = find_bin_dir()
         if not (self.data_dir / "PG_VERSION").exists():
             self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -96,13 +99,29 @@ class LocalPostgres:
                     "--no-sync",  # a scratch database: speed over durability of the cluster
                 ]
             )
+
+    def _settings(self) -> list[str]:
+        return [
+            *("-c", "listen_addresses=127.0.0.1", "-c", f"port={self.port}"),
+            *("-c", f"unix_socket_directories={self.data_dir}", "-c", "fsync=off"),
+            *("-c", "max_connections=200", "-c", "shared_buffers=32MB"),
+        ]
+
+    def server_argv(self) -> list[str]:
+        """The server in the foreground (it stops on SIGTERM); as root, as the `postgres` user
+        (`setpriv` execs it, so the recorded PID is the server's own)."""
+        server = [str(find_bin_dir() / "postgres"), "-D", str(self.data_dir), *self._settings()]
+        if os.geteuid() != 0:
+            return server
+        user = SERVER_USER_WHEN_ROOT
+        return ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--", *server]
+
+    def start(self) -> None:
+        self.initdb()
         if self.port == 0:
             self.port = free_port()
-        options = (
-            f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-            f"-c unix_socket_directories={self.data_dir} -c fsync=off "
-            "-c max_connections=200 -c shared_buffers=32MB"
-        )
+        options = " ".join(self._settings())
+        bin_dir = find_bin_dir()
         _run(
             [
                 str(bin_dir / "pg_ctl"),

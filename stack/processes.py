@@ -18,8 +18,8 @@ from typing import Final
 
 from stack.state import ProcessRecord, process_start_time
 
-# Stopping order: traffic in front first, the control plane last (node agents drain on SIGTERM
-# and report it; Envoys and the gateway watch the control plane until they go).
+# Stopping order: traffic in front first, the control plane and its database last (node agents
+# drain on SIGTERM and report it; Envoys and the gateway watch the control plane until they go).
 STOP_ORDER: Final = (
     "anycast-front",
     "gateway",
@@ -28,6 +28,7 @@ STOP_ORDER: Final = (
     "node",
     "envoy",
     "control-plane",
+    "postgres",  # after every replica has closed its connections
 )
 STOP_TIMEOUT_S: Final = {"node": 20.0, "gateway": 10.0}
 DEFAULT_STOP_TIMEOUT_S: Final = 10.0

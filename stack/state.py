@@ -5,6 +5,7 @@
       tokens.env       the admin, gateway and serving tokens (mode 0600; each node agent's
                        own control-plane credential is minted at start and only in its env)
       control-plane.db the fleet registry (SQLite)
+      postgres/        or its PostgreSQL cluster (`control_plane: {db: postgres}`)
       tls/             the local CA and the gateway's certificate
       envoy/           each region Envoy's bootstrap
       logs/            one log file per process
@@ -75,7 +76,7 @@ class ProcessRecord:
     """One process `up` started."""
 
     name: str  # e.g. "node us-east-00"
-    kind: str  # control-plane, node, envoy, rtt-proxy, redis, gateway, anycast-front
+    kind: str  # postgres, control-plane, node, envoy, rtt-proxy, redis, gateway, anycast-front
     pid: int
     start_time: str
     log: str
@@ -93,7 +94,8 @@ class StackState:
     supervisor: ProcessRecord  # the `meridian up` process itself
     config: str
     detached: bool = False
-    control_plane_url: str = ""
+    control_plane_url: str = ""  # the first replica's
+    control_planes: dict[str, str] = field(default_factory=dict)  # each replica → its URL
     gateway_url: str = ""
     ca_cert: str = ""
     ready: bool = False
@@ -138,6 +140,10 @@ class StateDir:
     @property
     def db_path(self) -> Path:
         return self.root / "control-plane.db"
+
+    @property
+    def postgres_dir(self) -> Path:
+        return self.root / "postgres"
 
     @property
     def tls_dir(self) -> Path:

@@ -91,6 +91,22 @@ def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[
     return [*lines, "", *_table(rows)]
 
 
+def replica_lines(answers: dict[str, tuple[str, dict[str, Any] | str]]) -> list[str]:
+    """Each control-plane replica (name → its URL and its `GET /v1/status` or why not), and which
+    one leads."""
+    rows = [["REPLICA", "URL", "ROLE", "ID", "EPOCH"]]
+    for name, (url, answer) in answers.items():
+        replica = answer.get("replica") if isinstance(answer, dict) else None
+        if not isinstance(replica, dict):
+            reason = answer if isinstance(answer, str) else "unexpected answer"
+            rows.append([name, url, reason, "-", "-"])
+            continue
+        role = "leader" if replica["is_leader"] else "follower"
+        epoch = replica.get("epoch")
+        rows.append([name, url, role, replica["id"], "-" if epoch is None else str(epoch)])
+    return _table(rows)
+
+
 def live_limits(state: StackState) -> str:
     """The limits mode `up` set, unless its redis-server has gone (the gateways then limit on
     their own until it is back)."""
@@ -142,8 +158,19 @@ def status(state_root: Path, say: Say) -> int:
     for line in process_lines(state):
         say(line)
     token = state_dir.read_tokens().get(ADMIN_TOKEN, "")
-    fleet = _get_json(
-        f"{state.control_plane_url}/v1/status", headers={"Authorization": f"Bearer {token}"}
+    replicas = state.control_planes or {"control-plane": state.control_plane_url}
+    answers = {
+        name: (url, _get_json(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}))
+        for name, url in replicas.items()
+    }
+    if len(answers) > 1:
+        say("")
+        for line in replica_lines(answers):
+            say(line)
+    # The fleet as the first replica that answers sees it (every replica serves the same).
+    fleet_url, fleet = next(
+        (answer for answer in answers.values() if isinstance(answer[1], dict)),
+        (state.control_plane_url, next(iter(answers.values()))[1]),
     )
     gateway: dict[str, Any] | str | None = None
     if state.ca_cert and Path(state.ca_cert).exists():
@@ -152,7 +179,7 @@ def status(state_root: Path, say: Say) -> int:
     say("")
     if isinstance(fleet, str) or "regions" not in fleet:
         reason = fleet if isinstance(fleet, str) else f"unexpected answer {fleet}"
-        say(f"control plane {state.control_plane_url}: {reason}")
+        say(f"control plane {fleet_url}: {reason}")
     else:
         say(
             f"Fleet: {count(len(fleet['regions']), 'region')}, {fleet['num_healthy_nodes']}/"

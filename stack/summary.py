@@ -96,7 +96,7 @@ def render_summary(
   Models    {model}, and `auto` (light requests at an edge node where there is one)
   API key   {api_key}   (shown once; a new one on every `meridian up`)
   CA cert   {ca_cert}
-  Admin     {layout.control_plane_url}   (tokens in {state_dir / "tokens.env"})
+  Admin     {layout.control_plane_urls}   (tokens in {state_dir / "tokens.env"})
   Logs      {state_dir / "logs"}/
 
 Try it (the x-meridian-pop, -region and -tier headers say where each request went):

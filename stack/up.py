@@ -2,8 +2,9 @@
 
 1. checks: the config, Envoy (auto: warn and go on without it), no stack already running,
    every port free, the model (pulled if missing, with progress);
-2. the control plane (a fresh SQLite database: the YAML is the fleet's source of truth), then
-   the regions registered through its admin API with their ingress URLs;
+2. the control plane (a fresh SQLite database: the YAML is the fleet's source of truth), or with
+   `control_plane: {replicas: N, db: postgres}` a fresh PostgreSQL in the state directory and N
+   replicas on it; then the regions registered through its admin API with their ingress URLs;
 3. the node agents (and edge node agents beside PoPs), the region Envoys (bootstrapped by
    `envoy-bootstrap`), the RTT proxy (a route per PoP and region), the redis-server of shared
    limits, a gateway per PoP (HTTPS on its own loopback address, with its certificate from the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -46,6 +48,7 @@ from stack.certs import GatewayTls, ensure_pop_tls
 from stack.config import DEFAULT_CONFIG, StackConfig, load_config
 from stack.errors import StackError
 from stack.layout import PopLayout, StackLayout, check_ports_free, plan_layout
+from stack.postgres import LocalPostgres
 from stack.preflight import (
     check_not_running,
     ensure_model,
@@ -111,13 +114,7 @@ class StackStarter:
         self.state_dir = StateDir(options.state_dir)
         self.envoy_path = find_envoy(config.envoy, say)
         self.redis_path = find_redis(config.limits, say)
-        if find_postgres(config.control_plane.db) is not None:
-            # Checked first, so that a machine without PostgreSQL hears that; starting the
-            # replicas on it is issue 14's step 5, not done yet.
-            raise StackError(
-                "control_plane.db: postgres (replicas) is not started by `meridian up` yet; "
-                "leave `control_plane` out for one control plane on SQLite"
-            )
+        find_postgres(config.control_plane.db)  # a machine without it hears so before anything
         self.layout: StackLayout = plan_layout(
             config, use_envoy=self.envoy_path is not None, has_redis=self.redis_path is not None
         )
@@ -154,6 +151,7 @@ class StackStarter:
             trust_env=False,
         )
         _remove_database(self.state_dir.db_path)
+        shutil.rmtree(self.state_dir.postgres_dir, ignore_errors=True)
         self.state_dir.write_tokens(self.tokens)
         me = ProcessRecord(
             "meridian up", "supervisor", os.getpid(), process_start_time(os.getpid()) or "", ""
@@ -163,6 +161,7 @@ class StackStarter:
             config=str(self.options.config_path or DEFAULT_CONFIG),
             detached=self.options.detach,
             control_plane_url=self.layout.control_plane_url,
+            control_planes={replica.name: replica.url for replica in self.layout.control_planes},
             gateway_url=self.layout.gateway_url,
             ca_cert=str(self.ca_cert),
             pops={pop.name: pop.url for pop in self.layout.pops},
@@ -196,14 +195,19 @@ class StackStarter:
         response = self._get(url)
         return response is not None and response.status_code == 200
 
+    def _control_plane_get(self, path: str) -> httpx.Response | None:
+        """The admin answer of the first replica that gives one (as clients fail over)."""
+        for replica in self.layout.control_planes:
+            response = self._get(replica.url + path, headers=self._admin_headers())
+            if response is not None and response.status_code < 500:
+                return response
+        return None
+
     def _node_is_ready(self, node_id: str, url: str) -> Callable[[], bool]:
         def probe() -> bool:
             if not self._is_ok(url + "/ready"):
                 return False
-            seen = self._get(
-                f"{self.layout.control_plane_url}/v1/nodes/{node_id}",
-                headers=self._admin_headers(),
-            )
+            seen = self._control_plane_get(f"/v1/nodes/{node_id}")
             return seen is not None and seen.status_code == 200 and seen.json()["is_healthy"]
 
         return probe
@@ -223,21 +227,66 @@ class StackStarter:
 
     # --- the steps ---
 
-    def start_control_plane(self, supervisor: Supervisor) -> None:
-        command = commands.control_plane(
-            self.layout, self.state_dir.db_path, self.tokens, self.ca_cert
-        )
-        child = supervisor.start(command)
-        url = f"{self.layout.control_plane_url}/v1/status"
+    def start_postgres(self, supervisor: Supervisor) -> None:
+        """A fresh cluster in the state directory, its server a supervised child."""
+        port = self.layout.postgres_port
+        assert port is not None and self.layout.postgres_url is not None
+        server = LocalPostgres(self.state_dir.postgres_dir, port)
+        if os.geteuid() == 0:
+            # The server runs as `postgres`: it must enter the state directory (entering only,
+            # not listing; the tokens file stays 0600).
+            self.state_dir.root.chmod(0o711)
+        try:
+            server.initdb()
+        except RuntimeError as exc:
+            as_root = " (as root it runs as `postgres`, which must be able to enter it)"
+            hint = as_root if os.geteuid() == 0 else ""
+            raise StackError(f"PostgreSQL in {server.data_dir}{hint}: {exc}") from exc
+        import psycopg  # the `postgres` extra, only here: find_postgres has checked it is there
 
+        child = supervisor.start(commands.postgres(server.server_argv(), self.layout))
+        url = self.layout.postgres_url
+
+        def probe() -> bool:
+            try:
+                psycopg.connect(url, connect_timeout=1).close()
+            except psycopg.Error:
+                return False
+            return True
+
+        supervisor.wait_ready([ReadyCheck("postgres", probe, CONTROL_PLANE_TIMEOUT_S, child)])
+
+    def start_control_plane(self, supervisor: Supervisor) -> None:
+        """Every replica at once (on PostgreSQL, once it is up), each ready on its own status."""
+        if self.layout.postgres_port is not None:
+            self.start_postgres(supervisor)
+        checks = []
+        for command in commands.control_planes(
+            self.layout, self.state_dir.db_path, self.tokens, self.ca_cert
+        ):
+            child = supervisor.start(command)
+            checks.append(
+                ReadyCheck(
+                    command.name,
+                    self._probe_ok_as_admin(f"{command.url}/v1/status"),
+                    CONTROL_PLANE_TIMEOUT_S,
+                    child,
+                )
+            )
+        supervisor.wait_ready(checks)
+
+    def _probe_ok_as_admin(self, url: str) -> Callable[[], bool]:
         def probe() -> bool:
             response = self._get(url, headers=self._admin_headers())
             return response is not None and response.status_code == 200
 
-        supervisor.wait_ready([ReadyCheck("control plane", probe, CONTROL_PLANE_TIMEOUT_S, child)])
+        return probe
+
+    def _admin_client(self) -> AdminClient:
+        return AdminClient(self.layout.control_plane_urls, self.tokens[commands.ADMIN_TOKEN])
 
     def register_regions(self) -> None:
-        client = AdminClient(self.layout.control_plane_url, self.tokens[commands.ADMIN_TOKEN])
+        client = self._admin_client()
         try:
             for region in self.layout.regions:
                 spec = RegionSpec(region.name, region.lat, region.lon, region.ingress_url, 1.0)
@@ -356,15 +405,13 @@ class StackStarter:
             "rpm": self.config.api_key.rpm,
             "tpm": self.config.api_key.tpm,
         }
+        client = self._admin_client()
         try:
-            response = self.http.post(
-                f"{self.layout.control_plane_url}/v1/keys",
-                json=body,
-                headers=self._admin_headers(),
-                timeout=10.0,
-            )
-        except httpx.HTTPError as exc:
+            response = client.call("POST", "/v1/keys", body)
+        except AdminCliError as exc:
             raise StackError(f"creating an API key: {exc}") from exc
+        finally:
+            client.close()
         if response.status_code != 201:
             raise StackError(f"creating an API key: {response.status_code} {response.text[:200]}")
         self.api_key = response.json()["secret"]

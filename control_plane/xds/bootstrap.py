@@ -5,6 +5,9 @@ tells the ADS server which snapshot this Envoy gets (role, region, and the addre
 binds); everything else (listener, routes, cluster, endpoints) arrives over ADS from `--xds`.
 With `--xds-ca FILE` Envoy speaks TLS to the xDS port and accepts only a certificate that chains
 to that CA and names the `--xds` host (a control plane started with `--tls-cert/--tls-key`).
+`--xds` given more than once (the control plane's replicas) puts every address in the xDS
+cluster: when the ADS stream's replica goes, Envoy reconnects to another (with TLS they must
+share one host name, the certificate's).
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ UPSTREAM_TLS = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 @dataclass(frozen=True, slots=True)
 class BootstrapConfig:
     group: EnvoyGroup
-    xds_host: str
-    xds_port: int
+    xds: tuple[tuple[str, int], ...]  # (host, port) of each replica's ADS
     admin_host: str
     admin_port: int
     node_id: str
@@ -74,15 +76,13 @@ def _xds_tls(host: str, ca_file: str) -> dict[str, Any]:
 
 
 def _xds_cluster(config: BootstrapConfig) -> dict[str, Any]:
-    endpoint = {"endpoint": {"address": _socket(config.xds_host, config.xds_port)}}
-    tls = (
-        {}
-        if config.xds_ca is None
-        else {"transport_socket": _xds_tls(config.xds_host, config.xds_ca)}
-    )
+    endpoints = [{"endpoint": {"address": _socket(host, port)}} for host, port in config.xds]
+    first_host = config.xds[0][0]
+    tls = {} if config.xds_ca is None else {"transport_socket": _xds_tls(first_host, config.xds_ca)}
+    is_static = all(_is_ip(host) for host, _ in config.xds)
     return {
         "name": XDS_CLUSTER,
-        "type": "STATIC" if _is_ip(config.xds_host) else "STRICT_DNS",
+        "type": "STATIC" if is_static else "STRICT_DNS",
         "connect_timeout": "1s",
         "typed_extension_protocol_options": {
             HTTP_OPTIONS: {
@@ -96,7 +96,7 @@ def _xds_cluster(config: BootstrapConfig) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": XDS_CLUSTER,
-            "endpoints": [{"lb_endpoints": [endpoint]}],
+            "endpoints": [{"lb_endpoints": endpoints}],
         },
         **tls,
     }
@@ -164,7 +164,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--role", choices=[r.value for r in Role], default=Role.INGRESS.value)
     add("--region", help="the region an ingress Envoy fronts (not for the edge)")
     add("--listen", type=host_port, required=True, metavar="IP:PORT", help="for traffic")
-    add("--xds", type=host_port, required=True, metavar="HOST:PORT", help="the control plane's ADS")
+    add(
+        "--xds",
+        type=host_port,
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="the control plane's ADS (again for each replica: Envoy fails over between them)",
+    )
     add(
         "--xds-ca",
         metavar="FILE",
@@ -206,13 +213,19 @@ def config_of(args: argparse.Namespace) -> BootstrapConfig:
         raise ValueError(
             f"--admin must be a loopback address (Envoy's admin has no auth), got {admin_host!r}"
         )
+    xds = tuple(args.xds)
+    if len(set(xds)) != len(xds):
+        raise ValueError("an --xds address is given twice")
+    if args.xds_ca is not None and len({host for host, _ in xds}) > 1:
+        raise ValueError(
+            "with --xds-ca every --xds must name the same host (one certificate, one SNI)"
+        )
     listen_host, listen_port = args.listen
     group = EnvoyGroup(role, args.region, listen_host, listen_port)
     default_id = f"{group.label.replace('/', '-')}-{socket.gethostname()}-{listen_port}"
     return BootstrapConfig(
         group=group,
-        xds_host=args.xds[0],
-        xds_port=args.xds[1],
+        xds=xds,
         admin_host=admin_host,
         admin_port=admin_port,
         node_id=args.node_id or default_id,

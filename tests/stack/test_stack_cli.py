@@ -189,7 +189,7 @@ def test_every_node_agent_and_the_gateway_get_the_fleets_one_serving_token() -> 
     assert all(serving not in " ".join(c.argv) for c in [*nodes, gateway])
     # ... and each node agent its own control-plane credential, which nothing else gets.
     assert [c.env[commands.NODE_TOKEN] for c in nodes] == [node_tokens[i] for i in node_ids]
-    control_plane = commands.control_plane(layout, Path("/s/cp.db"), tokens, Path("/s/ca.pem"))
+    (control_plane,) = commands.control_planes(layout, Path("/s/cp.db"), tokens, Path("/s/ca.pem"))
     assert commands.NODE_TOKEN not in gateway.env and commands.NODE_TOKEN not in control_plane.env
 
 
