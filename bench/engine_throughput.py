@@ -253,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="our engine's dtype")
+    parser.add_argument(
+        "--quantization",
+        choices=("auto", "none", "int8"),
+        default="auto",
+        help="our engine's weights (int8: weight-only, CPU)",
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument(
@@ -301,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         model=str(gguf),
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_seqs=args.concurrency,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -320,14 +327,20 @@ def main(argv: list[str] | None = None) -> int:
         engine,
         workload,
         args.concurrency,
-        f"meridian c={args.concurrency} ({engine.executor.runner.dtype})",
+        f"meridian c={args.concurrency} ({engine.executor.runner.dtype}, "
+        f"{args.quantization} quantization)",
         kv_use.sample,
     )
     runs.append(ours)
 
     cached = shared_prefix_ttfts(engine, engine, 16, "shared prefix, cache on")
     uncached_engine = LLMEngine(
-        EngineConfig(model=str(gguf), dtype=args.dtype, enable_prefix_caching=False)
+        EngineConfig(
+            model=str(gguf),
+            dtype=args.dtype,
+            quantization=args.quantization,
+            enable_prefix_caching=False,
+        )
     )
     uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
     engine.shutdown()
