@@ -7,8 +7,10 @@ They are built with `-march=native`, so an object built on one CPU may hold inst
 lacks (AVX-512 on a machine without it: SIGILL). torch's build cache is keyed by the sources and
 flags only, so the module's name carries a digest of the CPU's feature flags: a home directory
 shared between machines (or a container image moved to another host) gets one build per CPU.
-It also carries a digest of the sources, so that two versions of the engine on one machine do
-not rebuild the same module in turn.
+It also carries a digest of the sources and of the torch it builds against, so that two versions
+of the engine (or two virtual environments) on one machine do not rebuild the same module in turn;
+and torch compiles copies of the sources kept in the build directory, since its ninja file names
+each source by its absolute path: two checkouts of one version then share one build.
 """
 
 from __future__ import annotations
@@ -49,12 +51,26 @@ def cpu_feature_digest() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
-def _source_digest() -> str:
-    """Checkouts of different versions (worktrees, upgrades) each keep their own build: torch
-    rebuilds a module whose sources changed, so sharing one name makes them rebuild in turn."""
+def _build_digest() -> str:
+    """Checkouts of different versions (worktrees, upgrades) and different torch installs each
+    keep their own build: torch rebuilds a module whose inputs changed, so sharing one name makes
+    them rebuild in turn."""
     sources = sorted(_SOURCE_DIR.glob("*.[ch]*"))
     text = b"".join(path.read_bytes() for path in sources) + " ".join(_CFLAGS).encode()
+    text += str(Path(torch.__file__).parent).encode()
     return hashlib.sha256(text).hexdigest()[:8]
+
+
+def _copy_sources(build_dir: Path) -> list[str]:
+    """The sources copied into the build directory, rewritten only when they differ: ninja
+    rebuilds whatever is newer than its objects."""
+    copies = build_dir / "src"
+    copies.mkdir(exist_ok=True)
+    for source in sorted(_SOURCE_DIR.glob("*.[ch]*")):
+        copy = copies / source.name
+        if not copy.exists() or copy.read_bytes() != source.read_bytes():
+            copy.write_bytes(source.read_bytes())
+    return [str(copies / source) for source in _SOURCES]
 
 
 @cache
@@ -66,7 +82,7 @@ def cpu_kernels() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    name = f"meridian_cpu_kernels_{cpu_feature_digest()}_{_source_digest()}"
+    name = f"meridian_cpu_kernels_{cpu_feature_digest()}_{_build_digest()}"
     torch_lib = Path(torch.__file__).parent / "lib"
     logger.info("loading the CPU kernels (the first build on a CPU takes about a minute)")
     try:
@@ -74,7 +90,7 @@ def cpu_kernels() -> ModuleType | None:
         with _only_builder(build_dir):
             return load(
                 name=name,
-                sources=[str(_SOURCE_DIR / source) for source in _SOURCES],
+                sources=_copy_sources(build_dir),
                 extra_cflags=_CFLAGS,
                 # Link torch's own OpenMP runtime: a second one would fight it for the cores.
                 extra_ldflags=[f"-L{torch_lib}", "-l:libgomp.so.1"],
