@@ -133,6 +133,7 @@ class AutoTier:
             is_edge_up=edge is not None and edge.breaker.is_available(now_s),
             is_edge_saturated=edge is not None
             and edge.num_in_flight >= self._settings.edge_max_concurrency,
+            has_edge=edge is not None,
         )
 
     async def open(

@@ -16,7 +16,7 @@ from typing import Literal
 
 Tier = Literal["edge", "region"]
 EdgePolicy = Literal["auto", "forbid", "force"]
-Reason = Literal["light", "heavy", "forced", "forbidden", "saturated", "down"]
+Reason = Literal["light", "heavy", "forced", "forbidden", "saturated", "down", "no_edge"]
 
 AUTO_MODEL = "auto"
 
@@ -44,12 +44,16 @@ def classify(
     policy: EdgePolicy = "auto",
     is_edge_up: bool = True,
     is_edge_saturated: bool = False,
+    has_edge: bool = True,
 ) -> TierChoice:
-    """The tier for an `auto` request of `prompt_tokens` (estimated) and `max_tokens`."""
+    """The tier for an `auto` request of `prompt_tokens` (estimated) and `max_tokens`.
+    `has_edge` False: this PoP runs no edge node (the request is light, not refused by one)."""
     if policy == "forbid":
         return TierChoice("region", "forbidden")
     if policy != "force" and not is_light(prompt_tokens, max_tokens, thresholds):
         return TierChoice("region", "heavy")
+    if not has_edge:
+        return TierChoice("region", "no_edge")
     if not is_edge_up:
         return TierChoice("region", "down")
     if is_edge_saturated:

@@ -21,17 +21,20 @@ THRESHOLDS = EdgeThresholds(max_prompt_tokens=50, max_tokens=32)
 
 
 @pytest.mark.parametrize(
-    ("prompt_tokens", "max_tokens", "policy", "is_up", "is_saturated", "expected"),
+    ("prompt_tokens", "max_tokens", "policy", "is_up", "is_saturated", "has_edge", "expected"),
     [
-        (10, 16, "auto", True, False, ("edge", "light")),
-        (10, 33, "auto", True, False, ("region", "heavy")),
-        (51, 16, "auto", True, False, ("region", "heavy")),
-        (10, 16, "forbid", True, False, ("region", "forbidden")),
-        (500, 1000, "force", True, False, ("edge", "forced")),
-        (10, 16, "auto", False, False, ("region", "down")),
-        (10, 16, "auto", True, True, ("region", "saturated")),
-        (500, 1000, "force", True, True, ("region", "saturated")),
-        (500, 1000, "auto", False, True, ("region", "heavy")),
+        (10, 16, "auto", True, False, True, ("edge", "light")),
+        (10, 33, "auto", True, False, True, ("region", "heavy")),
+        (51, 16, "auto", True, False, True, ("region", "heavy")),
+        (10, 16, "forbid", True, False, True, ("region", "forbidden")),
+        (500, 1000, "force", True, False, True, ("edge", "forced")),
+        (10, 16, "auto", False, False, True, ("region", "down")),
+        (10, 16, "auto", True, True, True, ("region", "saturated")),
+        (500, 1000, "force", True, True, True, ("region", "saturated")),
+        (500, 1000, "auto", False, True, True, ("region", "heavy")),
+        (10, 16, "auto", False, False, False, ("region", "no_edge")),
+        (500, 1000, "force", False, False, False, ("region", "no_edge")),
+        (10, 16, "forbid", False, False, False, ("region", "forbidden")),
     ],
 )
 def test_classifier(
@@ -40,9 +43,12 @@ def test_classifier(
     policy: str,
     is_up: bool,
     is_saturated: bool,
+    has_edge: bool,
     expected: tuple[str, str],
 ) -> None:
-    choice = classify(prompt_tokens, max_tokens, THRESHOLDS, policy, is_up, is_saturated)  # type: ignore[arg-type]
+    choice = classify(
+        prompt_tokens, max_tokens, THRESHOLDS, policy, is_up, is_saturated, has_edge  # type: ignore[arg-type]
+    )
     assert (choice.tier, choice.reason) == expected
 
 
