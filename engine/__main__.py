@@ -1,4 +1,4 @@
-"""Command line for a person: `python -m engine pull|generate|chat`."""
+"""Command line for a person: `python -m engine pull|kernels|generate|chat`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.kernels import cpu_kernels
 from engine.llm_engine import LLMEngine
 from engine.model_store import DEFAULT_MODEL, pull
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pull":
             pull(args.name)
+        elif args.command == "kernels":
+            return _kernels(args.device)
         elif args.command == "generate":
             _generate(args)
         else:
@@ -40,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     pull_cmd = commands.add_parser("pull", help="fetch a known model into the model cache")
     pull_cmd.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    kernels_cmd = commands.add_parser(
+        "kernels", help="build this CPU's native kernels now (else the first engine start does)"
+    )
+    kernels_cmd.add_argument("--device", default="auto")
     for name, text in (("generate", "continue one prompt"), ("chat", "talk with the model")):
         cmd = commands.add_parser(name, help=text)
         cmd.add_argument("--model", default=DEFAULT_MODEL, help="a pulled name or a path")
@@ -56,6 +63,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands.choices["chat"].add_argument("--system", default=None, help="a system prompt")
     return parser
+
+
+def _kernels(device: str) -> int:
+    if EngineConfig(model="", device=device).torch_device().type != "cpu":
+        print("not a CPU device: the CPU kernels are not used there")
+        return 0
+    module = cpu_kernels()
+    if module is None:
+        print("CPU kernels off (MERIDIAN_CPU_KERNELS=0) or unavailable (the warning above): "
+              "the engine uses PyTorch ops")
+        return 1
+    print(f"CPU kernels ready: {module.__file__}")
+    return 0
 
 
 def _engine(args: argparse.Namespace) -> LLMEngine:

@@ -1,5 +1,6 @@
-"""Checks made before `meridian up` starts anything: Envoy, the model, no other stack running
-here (and one `up` at a time), fresh tokens. Each failure is one line (StackError)."""
+"""Checks made before `meridian up` starts anything: Envoy, the model, the CPU kernels built, no
+other stack running here (and one `up` at a time), fresh tokens. Each failure is one line
+(StackError)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import fcntl
 import importlib.util
 import secrets
 import shutil
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +93,33 @@ def ensure_model(name: str, say: Say) -> str:
     except (EngineError, OSError, ValueError) as exc:
         raise StackError(f"cannot pull model {name}: {exc}") from exc
     return name
+
+
+KERNEL_BUILD_TIMEOUT_S = 1200.0  # a first build on a busy 2-core machine
+
+
+def ensure_kernels(say: Say) -> None:
+    """Build the engine's CPU kernels once, here, before the node agents start: else each node
+    waits on one build inside its ready timeout, and a first start on a slow or busy machine
+    fails for want of a minute. A build that fails is a warning: the nodes use PyTorch ops."""
+    say("  CPU kernels: checking (a first start on a CPU builds them, a minute or more)…")
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "engine", "kernels"],
+            capture_output=True,
+            text=True,
+            timeout=KERNEL_BUILD_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        say(f"  warning: the CPU kernels did not build in {KERNEL_BUILD_TIMEOUT_S:g} s; the "
+            "node agents build them as they start")
+        return
+    last_line = (done.stdout.strip() or done.stderr.strip() or "no output").splitlines()[-1]
+    if done.returncode != 0:
+        say(f"  warning: {last_line}")
+        return
+    say(f"  {last_line} ({time.monotonic() - started:.1f} s)")
 
 
 def check_not_running(state_dir: StateDir) -> None:

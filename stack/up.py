@@ -51,6 +51,7 @@ from stack.layout import PopLayout, StackLayout, check_ports_free, plan_layout
 from stack.postgres import LocalPostgres
 from stack.preflight import (
     check_not_running,
+    ensure_kernels,
     ensure_model,
     find_envoy,
     find_postgres,
@@ -140,6 +141,7 @@ class StackStarter:
         self.model = ensure_model(self.config.model, self.say)
         edge = self.config.edge
         self.edge_model = ensure_model(edge.model, self.say) if edge is not None else self.model
+        ensure_kernels(self.say)
         names = {
             pop.name: (pop.address, self.layout.dns_name, f"{pop.name}.{self.layout.dns_name}")
             for pop in self.layout.pops
