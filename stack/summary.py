@@ -4,6 +4,7 @@ Anycast front, one through DNS, and the `openai` client verifying the stack's CA
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from gateway.anycast import Anycast, pops_at
@@ -60,6 +61,13 @@ def _curl(url: str, ca_cert: str, api_key: str, model: str, extra: str = "") -> 
   -d '{body}' | grep -i -e '^x-meridian' -e content"""
 
 
+def commands_here() -> tuple[str, str]:
+    """`meridian` and `python` as a pasted example must run them: this install's own (after
+    `make up` the virtual environment is not on PATH, and a bare `python` lacks `openai`)."""
+    meridian = Path(sys.executable).with_name("meridian")
+    return (str(meridian) if meridian.exists() else "meridian"), sys.executable
+
+
 def render_summary(
     layout: StackLayout, model: str, api_key: str, ca_cert: str, state_dir: Path
 ) -> str:
@@ -76,7 +84,8 @@ def render_summary(
         for client in layout.clients
     )
     first_city = layout.clients[0].city if layout.clients else "new-york"
-    resolved = f"$(meridian resolve --from {first_city} --short)"
+    meridian, python = commands_here()
+    resolved = f"$({meridian} resolve --from {first_city} --short)"
     by_dns = _curl(
         f"https://{layout.dns_name}:{layout.gateway_port}",
         ca_cert,
@@ -108,7 +117,7 @@ curl --cacert {ca_cert} {base}/chat/completions \\
   -H "Authorization: Bearer {api_key}" -H "Content-Type: application/json" \\
   -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
-python - <<'EOF'
+{python} - <<'EOF'
 import ssl, httpx, openai
 client = openai.OpenAI(
     base_url="{base}", api_key="{api_key}",
@@ -121,8 +130,8 @@ for chunk in client.chat.completions.create(
 print()
 EOF
 
-`meridian status` shows the fleet; `meridian anycast withdraw|announce POP` moves clients;
-`meridian down` stops it."""
+`{meridian} status` shows the fleet; `{meridian} anycast withdraw|announce POP` moves
+clients; `{meridian} down` stops it."""
 
 
 def served_model(model: str) -> str:

@@ -18,7 +18,7 @@ from stack.errors import StackError
 from stack.layout import check_ports_free, plan_layout
 from stack.preflight import find_envoy, fresh_tokens
 from stack.state import StateDir
-from stack.summary import render_summary
+from stack.summary import commands_here, render_summary
 from stack.supervisor import ReadyCheck, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -204,9 +204,11 @@ def test_the_printed_examples_can_be_pasted() -> None:
     # A curl per client city, through its Anycast port, asking for `auto`.
     for port in (8601, 8602, 8603):
         assert f"curl -si --cacert /s/tls/ca.pem https://127.0.0.1:{port}/v1/chat" in text
-    assert "--resolve api.meridian.test:8443:$(meridian resolve --from tokyo --short)" in text
+    meridian, python = commands_here()
+    assert Path(meridian).is_file() and Path(python).is_file()  # paste-able as printed
+    assert f"--resolve api.meridian.test:8443:$({meridian} resolve --from tokyo --short)" in text
     assert '-H "Authorization: Bearer mer-KEY"' in text
-    script = text.split("python - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    script = text.split(f"{python} - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     compile(script, "example", "exec")  # unindented, valid Python
     assert 'verify=ssl.create_default_context(cafile="/s/tls/ca.pem")' in script
 
