@@ -281,7 +281,11 @@ class ControlPlaneProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # not handed to the fixture, which would stop it: stop it here
+            self.kill()
+            raise
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + MAX_START_S
