@@ -23,6 +23,8 @@ from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from google.protobuf import message_factory
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
 from control_plane.xds.proto_rules import proto_violations
@@ -86,15 +88,15 @@ def _skeleton(assignment: endpoint_pb2.ClusterLoadAssignment) -> endpoint_pb2.Cl
 
 
 @functools.lru_cache(maxsize=256)
-def _walk(message_type: type[Message], wire: bytes) -> tuple[str, ...]:
-    return tuple(proto_violations(message_type.FromString(wire)))
+def _walk(descriptor: Descriptor, wire: bytes) -> tuple[str, ...]:
+    return tuple(proto_violations(message_factory.GetMessageClass(descriptor).FromString(wire)))
 
 
 def _rule_violations(message: Message) -> list[str]:
     """`proto_violations`, remembered by the message's bytes: the generic walk costs tens of
     milliseconds for an edge snapshot, and most resources come back unchanged in every rebuild
     (a rebuild follows every capacity change)."""
-    return list(_walk(type(message), message.SerializeToString(deterministic=True)))
+    return list(_walk(message.DESCRIPTOR, message.SerializeToString(deterministic=True)))
 
 
 def _endpoint_violations(assignment: endpoint_pb2.ClusterLoadAssignment) -> list[str]:
