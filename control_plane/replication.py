@@ -32,7 +32,7 @@ from control_plane.store_postgres import CHANNEL
 
 logger = logging.getLogger(__name__)
 
-COALESCE_S: Final = 0.02  # a write announces several kinds at once: read them back together
+COALESCE_S: Final = 0.005  # a write announces its kinds together, on commit: read them back at once
 RECONNECT_S: Final = 1.0
 FLEET_KINDS: Final = frozenset({"regions", "nodes", "drains", "beats"})
 ALL_KINDS: Final = FLEET_KINDS | {"keys", "routing", "credentials"}
