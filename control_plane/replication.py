@@ -58,10 +58,12 @@ class Notices:
 
 
 def _seconds(text: str) -> float:
+    """A save's oldest beat; 0.0 (read them all) for none, or for anything but a finite number."""
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
         return 0.0
+    return seconds if math.isfinite(seconds) else 0.0
 
 
 def everything() -> Notices:
