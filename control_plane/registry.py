@@ -408,7 +408,7 @@ class Registry:
         beats, self._local_beats = self._local_beats, {}
         return [(node_id, beat, seen_at) for node_id, (beat, seen_at) in beats.items()]
 
-    async def follow(self, kinds: set[str], beats_since: float = 0.0) -> None:
+    async def follow(self, kinds: set[str], beats_since: float) -> None:
         """Another replica changed `kinds` of fleet state: memory follows the store. For
         "beats", the rows saved from `beats_since` on (Unix seconds) are read; the summaries are
         published at once, not at the next tick, since the beats have already waited for the
