@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import signal
 import statistics
 import subprocess
@@ -42,18 +41,19 @@ from typing import Any
 
 import aiohttp
 
-from bench.control_plane_fleet import (
-    REPO_ROOT,
+from bench.control_plane_fleet import REPO_ROOT, envoys, free_port, wait_until
+from bench.fleet_measure import (
+    BenchTokens,
     Envoy,
     Fleet,
     Simulation,
     beat_body,
-    envoys,
-    free_port,
+    changes_to_envoy,
+    healthy_nodes,
     mint_credentials,
-    percentile,
+    p50_and,
     register_regions,
-    wait_until,
+    wait_ready,
 )
 from stack.postgres import LocalPostgres
 from wire.control_plane_urls import ControlPlaneUrls
@@ -208,19 +208,6 @@ async def admin_writer(
         await asyncio.sleep(1 / KEY_WRITES_PER_S)
 
 
-async def changes_to_envoy(
-    sim: FailoverSimulation, session: aiohttp.ClientSession, ingress: Envoy, count: int
-) -> list[float]:
-    cluster = f"meridian_{sim.fleet.region(0)}_nodes"
-    seen: list[float] = []
-    for change in range(count):
-        took = await sim.change_capacity(session, ingress, cluster, node=0)
-        if took is not None:
-            seen.append(took)
-        await asyncio.sleep(0.5 + 0.05 * change)
-    return seen
-
-
 async def _leader_first(session: aiohttp.ClientSession, cps: list[Replica]) -> list[Replica]:
     """The replicas, the one that leads first (the nodes beat to it; it is the one killed)."""
     deadline = time.monotonic() + 30.0
@@ -239,11 +226,9 @@ async def _healthy_at(
     MAX_SHARE_WAIT_S; how many it counts."""
     deadline = time.monotonic() + MAX_SHARE_WAIT_S
     while True:
-        async with session.get(url + "/v1/regions/summary", headers=gateway) as response:
-            regions = (await response.json())["regions"]
-        healthy = sum(region["healthy_nodes"] for region in regions)
+        healthy = await healthy_nodes(session, url, gateway)
         if healthy >= num_nodes or time.monotonic() > deadline:
-            return int(healthy)
+            return healthy
         await asyncio.sleep(0.2)
 
 
@@ -256,20 +241,18 @@ async def status(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 async def run_failover(args: argparse.Namespace) -> FailoverResults:
     fleet = Fleet(args.nodes, args.regions)
     results = FailoverResults(args.nodes, args.replicas, args.duration_s)
-    tokens = {
-        "MERIDIAN_ADMIN_TOKEN": "adm-" + secrets.token_urlsafe(24),
-        "MERIDIAN_GATEWAY_TOKEN": "gw-" + secrets.token_urlsafe(24),
-    }
-    admin = {"Authorization": f"Bearer {tokens['MERIDIAN_ADMIN_TOKEN']}"}
-    gateway = {"Authorization": f"Bearer {tokens['MERIDIAN_GATEWAY_TOKEN']}"}
+    tokens = BenchTokens.new()
     with tempfile.TemporaryDirectory(prefix="cp-fleet-") as tmp:
         workdir = Path(tmp)
-        with postgres(workdir) as db_url, replicas(workdir, tokens, db_url, args.replicas) as cps:
+        with (
+            postgres(workdir) as db_url,
+            replicas(workdir, tokens.env, db_url, args.replicas) as cps,
+        ):
             connector = aiohttp.TCPConnector(limit=args.connections + 16)
             timeout = aiohttp.ClientTimeout(total=5)
             async with (
                 aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-                aiohttp.ClientSession(headers=admin, timeout=timeout) as admin_session,
+                aiohttp.ClientSession(headers=tokens.admin, timeout=timeout) as admin_session,
             ):
                 for cp in cps:
 
@@ -284,15 +267,9 @@ async def run_failover(args: argparse.Namespace) -> FailoverResults:
                 urls = ControlPlaneUrls([cp.url for cp in cps])
                 sim = FailoverSimulation(fleet, urls, node_tokens, args)
                 with envoys(workdir, survivor.xds, fleet.region(0)) as (ingress, edge):
-                    for envoy in (ingress, edge):
-
-                        async def is_ready(envoy: Envoy = envoy) -> bool:
-                            async with session.get(envoy.admin_url + "/ready") as response:
-                                return response.status == 200
-
-                        await wait_until(is_ready, "envoy")
+                    await wait_ready(session, (ingress, edge), wait_until)
                     await _measure(
-                        args, sim, session, admin_session, gateway, ingress, cps, results
+                        args, sim, session, admin_session, tokens.gateway, ingress, cps, results
                     )
     results.load_average = [round(x, 2) for x in os.getloadavg()]
     return results
@@ -354,16 +331,11 @@ async def _measure(
     if waits:
         results.failover_p50_s = round(statistics.median(waits), 2)
         results.failover_max_s = round(max(waits), 2)
-    for name, values in (("", sim.latencies_s), ("_after_kill", sim.after_kill_s)):
-        ms = [s * 1000 for s in values]
-        setattr(results, f"heartbeat{name}_p50_ms", round(statistics.median(ms), 2))
-        setattr(results, f"heartbeat{name}_p99_ms", round(percentile(ms, 0.99), 2))
-    if before:
-        results.change_to_envoy_p50_ms = round(1000 * statistics.median(before), 1)
-        results.change_to_envoy_max_ms = round(1000 * max(before), 1)
-    if after:
-        results.change_after_kill_p50_ms = round(1000 * statistics.median(after), 1)
-        results.change_after_kill_max_ms = round(1000 * max(after), 1)
+    results.heartbeat_p50_ms, results.heartbeat_p99_ms = p50_and(sim.latencies_s, 0.99)
+    after_kill = p50_and(sim.after_kill_s, 0.99)
+    results.heartbeat_after_kill_p50_ms, results.heartbeat_after_kill_p99_ms = after_kill
+    results.change_to_envoy_p50_ms, results.change_to_envoy_max_ms = p50_and(before, None)
+    results.change_after_kill_p50_ms, results.change_after_kill_max_ms = p50_and(after, None)
 
     async with admin_session.get(survivor.url + "/v1/keys") as response:
         present = {key["id"] for key in (await response.json())["keys"]}

@@ -175,15 +175,23 @@ def _enter(sequence: DrainSequence, phase: str, now: float) -> DrainSequence:
 Check = Callable[[DrainSequence, Node, DrainFacts, float], str | None]
 
 
+def cannot_answer(node: Node, facts: DrainFacts, nothing_to: str) -> str | None:
+    """The note of a step that waits for the node's answer, when none can come: the node is
+    known from Consul only (`nothing_to` says what there is nothing to do), or it is silent."""
+    if not node.is_from_heartbeats:
+        return f"known from Consul only: nothing to {nothing_to}"
+    if facts.is_silent:
+        return "the node is not heartbeating"
+    return None
+
+
 def check_admissions(
     sequence: DrainSequence, node: Node, facts: DrainFacts, waited_s: float
 ) -> str | None:
-    if not node.is_from_heartbeats:
-        return "known from Consul only: nothing to tell it"
-    if node.reports_draining:
+    if node.is_from_heartbeats and node.reports_draining:
         return "the node reports draining"
-    if facts.is_silent:
-        return "the node is not heartbeating"
+    if (note := cannot_answer(node, facts, "tell it")) is not None:
+        return note
     if waited_s >= facts.times.unhealthy_after_s:
         return f"timed out after {waited_s:.1f} s: the node does not report draining"
     return None
@@ -246,10 +254,8 @@ def should_deregister_from_consul(
 def check_in_flight(
     sequence: DrainSequence, node: Node, facts: DrainFacts, waited_s: float
 ) -> str | None:
-    if not node.is_from_heartbeats:
-        return "known from Consul only: nothing to wait for"
-    if facts.is_silent:
-        return "the node is not heartbeating"
+    if (note := cannot_answer(node, facts, "wait for")) is not None:
+        return note
     if node.last_beat is None:
         return None
     count = num_in_flight(node.last_beat)

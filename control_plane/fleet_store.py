@@ -118,10 +118,10 @@ def check_epoch(conn: Connection, epoch: int | None) -> None:
         raise NotLeaderError(f"the lease moved on from epoch {epoch}")
 
 
-def load_health(conn: Connection, seen_after: float = 0.0) -> SavedBeats:
-    """The beats saved by every replica (those that arrived after `seen_after`)."""
+def load_health(conn: Connection, seen_since: float = 0.0) -> SavedBeats:
+    """The beats saved by every replica (those that arrived at `seen_since` or later)."""
     rows = conn.execute(
-        "SELECT node_id, beat, seen_at FROM node_health WHERE seen_at > ?", (seen_after,)
+        "SELECT node_id, beat, seen_at FROM node_health WHERE seen_at >= ?", (seen_since,)
     ).fetchall()
     return [(r["node_id"], Heartbeat.model_validate_json(r["beat"]), r["seen_at"]) for r in rows]
 
@@ -300,7 +300,10 @@ class FleetStore:
         await self.store.write(change, ("drains",))
 
     async def save_health(self, saved: SavedBeats) -> None:
-        """The latest beats this replica received (each row kept if it is the newest)."""
+        """The latest beats this replica received (each row kept if it is the newest). The
+        change announced names the oldest of them, `beats=<seen_at>`: the other replicas read
+        the rows from there on (`control_plane.replication`), not the whole table."""
+        oldest = min((seen_at for _, _, seen_at in saved), default=0.0)
 
         def change(conn: Connection) -> None:
             conn.executemany(
@@ -310,4 +313,4 @@ class FleetStore:
                 [(node_id, beat.model_dump_json(), seen_at) for node_id, beat, seen_at in saved],
             )
 
-        await self.store.write(change, ("beats",))
+        await self.store.write(change, (f"beats={oldest!r}",))

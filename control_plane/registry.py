@@ -51,8 +51,6 @@ from wire.heartbeat import Heartbeat
 logger = logging.getLogger(__name__)
 
 CONSUL_CALL_TIMEOUT_S: Final = 5.0
-# Replicas' health saves may commit out of their beats' order: reread this far back.
-BEAT_READ_OVERLAP_S: Final = 0.5
 
 
 @dataclass(slots=True)
@@ -96,7 +94,6 @@ class Registry:
         self.leadership: Leadership = SoleLeader()  # a LeaderLease between replicas
         # The beats this replica received since the last health save (other replicas read them).
         self._local_beats: dict[str, tuple[Heartbeat, float]] = {}
-        self._beats_read_until = 0.0  # Unix seconds: the newest saved beat read from the store
 
     def _on_change(self) -> None:
         """Something routing-relevant changed: publish now."""
@@ -411,15 +408,17 @@ class Registry:
         beats, self._local_beats = self._local_beats, {}
         return [(node_id, beat, seen_at) for node_id, (beat, seen_at) in beats.items()]
 
-    async def follow(self, kinds: set[str]) -> None:
-        """Another replica changed `kinds` of fleet state: memory follows the store."""
+    async def follow(self, kinds: set[str], beats_since: float) -> None:
+        """Another replica changed `kinds` of fleet state: memory follows the store. For
+        "beats", the rows saved from `beats_since` on (Unix seconds) are read; the summaries are
+        published at once, not at the next tick, since the beats have already waited for the
+        other replica's save."""
         unhealthy_after_s = self.fleet.unhealthy_after_s
-        read_after = self._beats_read_until - BEAT_READ_OVERLAP_S
 
         def read(conn: Connection) -> tuple[Fleet | None, list[DrainSequence] | None, SavedBeats]:
             fresh = load_fleet(conn, unhealthy_after_s) if kinds & {"regions", "nodes"} else None
             drains = load_drains(conn) if "drains" in kinds else None
-            beats = load_health(conn, read_after) if "beats" in kinds else []
+            beats = load_health(conn, beats_since) if "beats" in kinds else []
             return fresh, drains, beats
 
         async with self._lock:
@@ -430,13 +429,12 @@ class Registry:
                 self.drains.adopt(drains)
             now_mono, now_unix = time.monotonic(), time.time()
             for node_id, beat, seen_at in beats:
-                self._beats_read_until = max(self._beats_read_until, seen_at)
                 node = self.fleet.nodes.get(node_id)
                 is_newer = node is not None and (node.last_seen_unix or 0.0) < seen_at
                 if node is not None and node.is_from_heartbeats and is_newer:
                     seen_mono = now_mono - max(0.0, now_unix - seen_at)
                     self._apply_beat(node, beat, seen_mono, seen_at)
-        if fresh is not None or drains is not None:
+        if fresh is not None or drains is not None or beats:
             self._on_change()
 
     def _merge(self, fresh: Fleet) -> None:

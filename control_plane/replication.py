@@ -3,11 +3,14 @@
 Every write names the kinds of state it changed, and on PostgreSQL each kind is announced on the
 channel `meridian_changes` when the write commits (`control_plane.store_postgres`), signed with
 the writer's replica id. `follow_changes` listens on a connection of its own; the kinds announced
-by other replicas are gathered for `COALESCE_S` and then read back from the store: fleet state
-(regions, nodes, drains, the beats other replicas received) by the registry, keys, the routing
-policy and node credentials by their owners. Each replica then publishes its summaries and xDS
-as for a change of its own. Once listening (at start, and after the connection was lost and is
-back) everything is read again: a notification sent before was missed.
+by other replicas are gathered for `COALESCE_S` and then read back from the store, each kind
+alone: fleet state (regions, nodes, drains, the beats other replicas received) by the registry,
+keys, the routing policy and node credentials by their owners. Each replica then publishes its
+summaries and xDS as for a change of its own. A health save announces `beats=<t>`, `t` the
+oldest beat it wrote, so that only the rows from `t` on are read back (the beats are an
+incremental feed: a save commits hundreds of them ten times a second). Once listening (at start,
+and after the connection was lost and is back) everything is read again: a notification sent
+before was missed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+from dataclasses import dataclass, field
 from typing import Final
 
 import psycopg
@@ -27,30 +32,56 @@ from control_plane.store_postgres import CHANNEL
 
 logger = logging.getLogger(__name__)
 
-COALESCE_S: Final = 0.02  # a write announces several kinds at once: read them back together
+COALESCE_S: Final = 0.005  # a write announces its kinds together, on commit: read them back at once
 RECONNECT_S: Final = 1.0
 FLEET_KINDS: Final = frozenset({"regions", "nodes", "drains", "beats"})
 ALL_KINDS: Final = FLEET_KINDS | {"keys", "routing", "credentials"}
 
 
-async def apply_changes(services: ControlPlane, kinds: set[str]) -> None:
-    """Memory follows the store for `kinds` changed by another replica."""
+@dataclass(slots=True)
+class Notices:
+    """What other replicas announced since the last read: the kinds, and the oldest beat any
+    of their health saves wrote (0.0: read every saved beat, as after a reconnect, or for a save
+    that names none)."""
+
+    kinds: set[str] = field(default_factory=set)
+    beats_since: float = math.inf
+
+    def note(self, payload: str, replica_id: str) -> None:
+        kind, _, origin = payload.partition(" ")
+        kind, _, since = kind.partition("=")
+        if origin == replica_id or kind not in ALL_KINDS:
+            return
+        self.kinds.add(kind)
+        if kind == "beats":
+            self.beats_since = min(self.beats_since, _seconds(since))
+
+
+def _seconds(text: str) -> float:
+    """A save's oldest beat; 0.0 (read them all) for none, or for anything but a finite number."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        return 0.0
+    return seconds if math.isfinite(seconds) else 0.0
+
+
+def everything() -> Notices:
+    return Notices(set(ALL_KINDS), beats_since=0.0)
+
+
+async def apply_changes(services: ControlPlane, notices: Notices) -> None:
+    """Memory follows the store for the kinds another replica changed; each kind is read only
+    when it was named (a key minted elsewhere must not cost a read of every node credential)."""
+    kinds = notices.kinds
     if kinds & FLEET_KINDS:
-        await services.registry.follow(kinds & FLEET_KINDS)
-    if kinds & {"keys", "routing", "credentials"}:
-        index, policy, credentials = await services.store.read(
-            lambda conn: (
-                key_store.read_index(conn),
-                load_policy(conn),
-                load_credentials(conn),
-            )
-        )
-        if "keys" in kinds:
-            services.keys.follow(index)
-        if "routing" in kinds:
-            services.routing.follow(policy)
-        if "credentials" in kinds:
-            services.registry.credentials.reset(credentials)
+        await services.registry.follow(kinds & FLEET_KINDS, notices.beats_since)
+    if "keys" in kinds:
+        services.keys.follow(await services.store.read(key_store.read_index))
+    if "routing" in kinds:
+        services.routing.follow(await services.store.read(load_policy))
+    if "credentials" in kinds:
+        services.registry.credentials.reset(await services.store.read(load_credentials))
 
 
 async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> None:
@@ -66,7 +97,7 @@ async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> N
             await conn.execute(f"LISTEN {CHANNEL}")
             # What committed before we listened (since the start's load, or while the
             # connection was down) was announced to nobody here: read everything once.
-            await apply_changes(services, set(ALL_KINDS))
+            await apply_changes(services, everything())
             await _listen(services, conn, replica_id)
         except (psycopg.Error, OSError) as exc:
             logger.warning("lost the connection that listens for other replicas: %s", exc)
@@ -79,20 +110,15 @@ async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> N
 async def _listen(
     services: ControlPlane, conn: psycopg.AsyncConnection[tuple[object, ...]], replica_id: str
 ) -> None:
+    pending = Notices()  # kept across a failed read: read again, all of it, with the next change
     while True:
-        pending: set[str] = set()
         async for notify in conn.notifies(stop_after=1):  # wait for the first ...
-            _note(pending, notify.payload, replica_id)
+            pending.note(notify.payload, replica_id)
         async for notify in conn.notifies(timeout=COALESCE_S):  # ... and what comes with it
-            _note(pending, notify.payload, replica_id)
-        if pending:
+            pending.note(notify.payload, replica_id)
+        if pending.kinds:
             try:
                 await apply_changes(services, pending)
-            except Exception:  # the next change reads everything of its kinds again
-                logger.exception("could not follow another replica's change (%s)", pending)
-
-
-def _note(pending: set[str], payload: str, replica_id: str) -> None:
-    kind, _, origin = payload.partition(" ")
-    if origin != replica_id and kind in ALL_KINDS:
-        pending.add(kind)
+                pending = Notices()
+            except Exception:
+                logger.exception("could not follow another replica's change (%s)", pending.kinds)

@@ -33,7 +33,8 @@ T = TypeVar("T")
 MEMORY_PATH = ":memory:"
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
-# The kinds of state a write changes: regions, nodes, drains, beats, keys, routing, credentials.
+# The kinds of state a write changes: regions, nodes, drains, beats, keys, routing, credentials;
+# a kind may carry where the change starts after "=" (a health save: "beats=<oldest seen_at>").
 Changes = tuple[str, ...]
 Row = Any  # a mapping of column name to value (sqlite3.Row or psycopg's dict row)
 Params = Sequence[object]

@@ -26,6 +26,7 @@ from stack.supervisor import Say
 from wire.geo import CITIES, client_subnet_of
 
 TIMEOUT_S: Final = 5.0
+DNS_TRY_S: Final = 2.0  # per replica: on loopback an answer comes in milliseconds
 
 
 def _running(state_root: Path) -> StackState:
@@ -83,6 +84,18 @@ def anycast_lines(body: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ask_replicas(query: dns.message.Message, ports: list[int]) -> dns.message.Message:
+    """The first answer from the control-plane replicas' DNS ports, tried in turn (each answers
+    the same; one that is down costs DNS_TRY_S)."""
+    errors: list[str] = []
+    for port in ports:
+        try:
+            return dns.query.udp(query, "127.0.0.1", timeout=DNS_TRY_S, port=port)
+        except (dns.exception.DNSException, OSError) as exc:
+            errors.append(f"udp 127.0.0.1:{port}: {exc or type(exc).__name__}")
+    raise StackError(f"no answer from the DNS ({'; '.join(errors)})")
+
+
 def resolve(state_root: Path, city: str, is_short: bool, say: Say) -> int:
     """Ask the stack's DNS for its API name as a client in `city` would (ECS: the city's subnet)."""
     if city not in CITIES:
@@ -93,12 +106,7 @@ def resolve(state_root: Path, city: str, is_short: bool, say: Say) -> int:
     subnet = ipaddress.ip_network(client_subnet_of(city))
     option = dns.edns.ECSOption(str(subnet.network_address), subnet.prefixlen)
     query = dns.message.make_query(state.dns_name, "A", use_edns=0, options=[option])
-    try:
-        reply = dns.query.udp(query, "127.0.0.1", timeout=TIMEOUT_S, port=state.dns_port)
-    except (dns.exception.DNSException, OSError) as exc:
-        raise StackError(
-            f"no answer from the DNS on udp 127.0.0.1:{state.dns_port}: {exc}"
-        ) from exc
+    reply = _ask_replicas(query, state.dns_ports or [state.dns_port])
     records = [
         (rrset.ttl, str(rr))
         for rrset in reply.answer

