@@ -18,8 +18,10 @@ gateway process (so that the second does not avoid us-east from what it learnt i
 
 The killed node is started again for the next round. Reported per run: streams completed of
 `--streams`, texts identical to the unbroken run's, the longest gap between two content chunks of
-each stream (p50 / max over the streams; the wait for the first token is TTFT, not a gap), and
-for the broken run the resume latency: from the break being detected to the first resumed chunk
+each stream (p50 / max over the streams; the wait for the first token is TTFT, not a gap); for
+the unbroken run the serving node's mean TTFT (all the prompts prefilled at once: the baseline
+for the continuations'); for the broken run the resume latency: from the break being detected
+to the first resumed chunk
 (the gateway's `meridian_gateway_stream_resume_latency_seconds`, split at the continuation's
 first byte), from the kill to each resumed stream's next chunk (as the client saw it), and the
 continuing node's TTFT for the continuations (`meridian:time_to_first_token_seconds`, arrival to
@@ -306,9 +308,12 @@ def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         fleet.start_node(NEAR)
     fleet.start_gateway()
     fleet.wait_until_ready()
+    near_url = f"http://127.0.0.1:{fleet.node_ports[NEAR]}"
+    near_before = fleet.metrics(near_url)
     started_s = time.monotonic()
     unbroken = asyncio.run(run_streams(fleet, args.streams, args.max_tokens, None))
     unbroken_s = time.monotonic() - started_s
+    near_after = fleet.metrics(near_url)
     fleet.start_gateway()  # fresh: no TTFT learnt from the unbroken run
     fleet.wait_until_ready()
     far_url = f"http://127.0.0.1:{fleet.node_ports[FAR]}"
@@ -325,11 +330,16 @@ def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         near.kill()
         near.wait(timeout=10)
     latency = "meridian_gateway_stream_resume_latency_seconds"
+    ttft = "meridian:time_to_first_token_seconds"
     after_kill = [g for r in broken if r.num_resumes and broken_at_s is not None
                   and (g := r.gap_after_s(broken_at_s)) is not None]
     return {
         "load_average": [load_before, load_average()],
-        "unbroken": {**summary(unbroken, None), "wall_s": round(unbroken_s, 1)},
+        "unbroken": {
+            **summary(unbroken, None),
+            "wall_s": round(unbroken_s, 1),
+            "node_ttft_mean_s": mean_of(near_after, near_before, ttft),
+        },
         "broken": {
             **summary(broken, unbroken),
             "wall_s": round(broken_s, 1),
@@ -337,8 +347,7 @@ def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             "gateway_resume_latency_mean_s": mean_of(gateway_metrics, "", latency,
                                                      phase="first_chunk"),
             "gateway_reopen_mean_s": mean_of(gateway_metrics, "", latency, phase="reopen"),
-            "far_node_ttft_mean_s": mean_of(far_after, far_before,
-                                            "meridian:time_to_first_token_seconds"),
+            "far_node_ttft_mean_s": mean_of(far_after, far_before, ttft),
             "far_node_queue_mean_s": mean_of(far_after, far_before,
                                              "meridian:request_queue_time_seconds"),
         },
@@ -350,7 +359,8 @@ def print_round(i: int, result: dict[str, Any], rtt_far_ms: float) -> None:
     print(f"round {i + 1} (load average {result['load_average'][0]} -> "
           f"{result['load_average'][1]})")
     print(f"  unbroken: {u['completed']}/{u['streams']} completed in {u['wall_s']} s, longest "
-          f"gap p50 {u['max_gap_s']['p50']} s, max {u['max_gap_s']['max']} s")
+          f"gap p50 {u['max_gap_s']['p50']} s, max {u['max_gap_s']['max']} s; {NEAR} node TTFT "
+          f"{_s(u['node_ttft_mean_s'])} (mean, the prompts' prefill)")
     print(f"  broken:   {b['completed']}/{b['streams']} completed in {b['wall_s']} s, "
           f"{b['identical']}/{b['streams']} identical, {b['resumed']} resumed "
           f"({b['began_near']} began in {NEAR}), longest gap p50 {b['max_gap_s']['p50']} s, "
