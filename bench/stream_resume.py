@@ -14,7 +14,8 @@ gateway process (so that the second does not avoid us-east from what it learnt i
 2. broken: the same streams, and once every stream has had `--kill-after` content chunks the
    `us-east` node is SIGKILLed (`--failure kill`: its sockets close, the gateway sees the
    connection end) or SIGSTOPped (`--failure stop`: its sockets stay open, the gateway waits for
-   its stream idle timeout, `--stall-timeout-s`).
+   its stream idle timeout, `--stall-timeout-s`, set for both runs: below the unbroken run's
+   longest gap it would resume healthy streams too).
 
 The killed node is started again for the next round. Reported per run: streams completed of
 `--streams`, texts identical to the unbroken run's, the longest gap between two content chunks of
