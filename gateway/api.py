@@ -206,18 +206,31 @@ class Handlers:
             return await relay.run(request, headers)
         sink = BodySink()
         await relay.collect(sink)
+        status, answer = self._whole_answer(relay, sink, headers, request_id)
+        num_used = self._num_used(parsed, relay.reader)
+        region, num_retries = relay.opened.candidate.region, relay.first.num_retries
+        self._count_and_log(request, status, region, key, started_s, num_retries, num_used)
+        return answer
+
+    def _whole_answer(
+        self, relay: StreamRelay, sink: BodySink, headers: dict[str, str], request_id: str
+    ) -> tuple[int, web.Response]:
+        """A non-stream's answer, from its relayed stream: the body, or why there is none."""
         if relay.error is not None:
             # As when a region fails before answering and no other one can (no resume).
             error = UpstreamError("no region could be reached", "upstream_unreachable")
-            return error_response(error, {HEADER: request_id, POP_HEADER: self.settings.pop})
-        try:
-            body = whole_body(sink.events)
-        except ValueError:
-            error = UpstreamError("the region's answer could not be read", "stream_interrupted")
-            return error_response(error, {HEADER: request_id, POP_HEADER: self.settings.pop})
-        return web.Response(
-            body=body, status=200, headers={**headers, "content-type": "application/json"}
-        )
+        else:
+            try:
+                body = whole_body(sink.events)
+            except ValueError:
+                error = UpstreamError(
+                    "the region's answer could not be read", "stream_interrupted"
+                )
+            else:
+                headers = {**headers, "content-type": "application/json"}
+                return 200, web.Response(body=body, status=200, headers=headers)
+        answer = error_response(error, {HEADER: request_id, POP_HEADER: self.settings.pop})
+        return answer.status, answer
 
     async def _answer_whole(
         self,
@@ -262,28 +275,37 @@ class Handlers:
             else:  # as before: a non-stream's TTFT is its whole answer's, and not the router's
                 whole_s = time.monotonic() - relay.first.sent_at_s
                 self.metrics.observe_ttft(first.region, "whole", whole_s)
-        for gap_s in relay.resume_gaps_s:
-            self.metrics.observe_resume_gap(candidate.region, gap_s)
-        reader = relay.reader
-        usage = reader.usage  # summed over the attempts when the stream was resumed
-        if usage is not None:
-            num_used = usage.total_tokens
-        else:  # cut short: the prompt once per attempt, and the tokens relayed
-            num_prompts = parsed.prompt_tokens * len(reader.starts) + sum(reader.starts)
-            num_relayed = max(len(reader.token_ids), reader.num_events)
-            num_used = min(parsed.reserved_tokens, num_prompts + num_relayed)
+        for resume in relay.resumes:
+            if resume.first_chunk_s is None or resume.gap_s is None:
+                continue  # the continuation sent nothing the client saw
+            self.metrics.observe_resume_gap(candidate.region, resume.gap_s)
+            reopen_s = resume.reopened_s - resume.detected_s
+            self.metrics.observe_resume_latency(candidate.region, "reopen", reopen_s)
+            first_chunk_s = resume.first_chunk_s - resume.detected_s
+            self.metrics.observe_resume_latency(candidate.region, "first_chunk", first_chunk_s)
+        num_used = self._num_used(parsed, relay.reader)
         await self._limiter().settle(key, admission, parsed.reserved_tokens - num_used)
         if relay.error is not None:
             self.metrics.count_stream_error(candidate.region)
             state = self.router.state_of(candidate.region)
             if state is not None:
                 state.breaker.on_failure(time.monotonic())
-        status = 499 if relay.is_client_gone else 200
-        if relay.error is not None and not parsed.is_stream:
-            status = 502  # the non-stream's answer (`_complete`)
-        self._count_and_log(
-            request, status, candidate.region, key, started_s, relay.first.num_retries, num_used
-        )
+        if parsed.is_stream or relay.is_client_gone:  # else `_complete` logs the answer it built
+            status = 499 if relay.is_client_gone else 200
+            self._count_and_log(
+                request, status, candidate.region, key, started_s, relay.first.num_retries,
+                num_used,
+            )
+
+    @staticmethod
+    def _num_used(parsed: ParsedRequest, reader: StreamReader) -> int:
+        """The tokens a stream used: its usage (summed over attempts), else an estimate."""
+        if reader.usage is not None:
+            return reader.usage.total_tokens
+        # Cut short: the prompt once per attempt, and the tokens relayed.
+        num_prompts = parsed.prompt_tokens * len(reader.starts) + sum(reader.starts)
+        num_relayed = max(len(reader.token_ids), reader.num_events)
+        return min(parsed.reserved_tokens, num_prompts + num_relayed)
 
     # Helpers.
 

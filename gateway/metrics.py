@@ -74,6 +74,15 @@ class GatewayMetrics:
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         )
+        self._resume_latency = Histogram(
+            "meridian_gateway_stream_resume_latency_seconds",
+            "Where a resume's time goes, from the break being detected: to the continuation's "
+            "first byte (phase reopen) and to its first chunk to the client (phase "
+            "first_chunk), by the continuing region.",
+            ["region", "phase"],
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "meridian_gateway_in_flight_requests",
             "Requests being proxied now.",
@@ -126,6 +135,9 @@ class GatewayMetrics:
 
     def observe_resume_gap(self, region: str, seconds: float) -> None:
         self._histogram(self._resume_gap, region).observe(seconds)
+
+    def observe_resume_latency(self, region: str, phase: str, seconds: float) -> None:
+        self._histogram(self._resume_latency, region, phase).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

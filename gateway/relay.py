@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import aiohttp
@@ -32,6 +34,21 @@ SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 
 # Given the broken attempt and why it broke: a continuation already answering, or None.
 Resume = Callable[[Opened, StreamReader, str], Awaitable[Opened | None]]
+
+
+@dataclass(slots=True)
+class ResumeTiming:
+    """When one resume's steps happened (monotonic seconds): where a resume's latency goes."""
+
+    last_chunk_s: float  # the broken attempt's last chunk to the client
+    detected_s: float  # the break seen (connection ended, stall timeout, error event)
+    reopened_s: float  # the continuation answered (its first byte)
+    first_chunk_s: float | None = None  # its first chunk to the client
+
+    @property
+    def gap_s(self) -> float | None:
+        """What the client saw: the last chunk before the break to the first after."""
+        return None if self.first_chunk_s is None else self.first_chunk_s - self.last_chunk_s
 
 
 class Sink(Protocol):
@@ -60,28 +77,27 @@ class StreamRelay:
         self.is_client_gone = False
         self._has_read_all = False
         self.last_chunk_s = time.monotonic()  # when bytes last went to the client
-        self.resume_gaps_s: list[float] = []  # per resume: last chunk before to first after
-        self._gap_started_s: float | None = None
+        self.resumes: list[ResumeTiming] = []
 
     async def run(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+        """Relay to the client's stream (its headers sent at once)."""
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
-        try:
-            await response.prepare(request)
-            await self._pump(response)
-        except ConnectionResetError:
-            self.is_client_gone = True
-        except BaseException:  # cancelled: the client's connection dropped
-            self.is_client_gone = True
-            raise
-        finally:
-            self._release()
-            await self._on_end(self)
+        await self._relay(response, partial(response.prepare, request))
         return response
 
     async def collect(self, sink: Sink) -> None:
         """Relay into `sink` instead of a client's stream (a non-stream's internal stream)."""
+        await self._relay(sink)
+
+    async def _relay(
+        self, sink: Sink, prepare: Callable[[], Awaitable[object]] | None = None
+    ) -> None:
         try:
+            if prepare is not None:
+                await prepare()
             await self._pump(sink)
+        except ConnectionResetError:
+            self.is_client_gone = True
         except BaseException:  # cancelled: the client's connection dropped
             self.is_client_gone = True
             raise
@@ -101,13 +117,13 @@ class StreamRelay:
             if error is None:
                 break
             if self.reader.is_finished:  # only the usage and `[DONE]` were lost
-                await response.write(DONE_EVENT + EVENT_END)
+                await response.write(self.reader.end_without_usage() + DONE_EVENT + EVENT_END)
                 break
             if self._resume is None:
                 self.error = error
                 break
             logger.warning("stream from %s broke: %s", self.opened.candidate.region, error)
-            broken_at_s = self.last_chunk_s
+            detected_s = time.monotonic()
             continuation = await self._resume(self.opened, self.reader, error)
             if continuation is None:
                 self.error = error
@@ -115,7 +131,7 @@ class StreamRelay:
             self._release()
             self.opened, self._has_read_all = continuation, False
             self.reader.begin_continuation()
-            self._gap_started_s = broken_at_s
+            self.resumes.append(ResumeTiming(self.last_chunk_s, detected_s, time.monotonic()))
             await self._forward(continuation.body, response)
         tail = self.reader.flush()
         if tail and self.error is None:
@@ -158,6 +174,5 @@ class StreamRelay:
         if out:
             await response.write(out)
             self.last_chunk_s = time.monotonic()
-            if self._gap_started_s is not None:
-                self.resume_gaps_s.append(self.last_chunk_s - self._gap_started_s)
-                self._gap_started_s = None
+            if self.resumes and self.resumes[-1].first_chunk_s is None:
+                self.resumes[-1].first_chunk_s = self.last_chunk_s

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from wire.resume import RESUMES_FIELD
@@ -35,6 +36,7 @@ _NULL_USAGES = (b',"usage":null', b', "usage": null')
 ERROR_PREFIX = b'data: {"error"'
 # Keys only: inside JSON string values a quote is escaped, so these never match content.
 _TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
+_PROMPT_IDS = re.compile(rb',\s*"prompt_token_ids":\s*\[([0-9,\s]*)\]')
 _ID = re.compile(rb'"id":\s*"[^"]*"')
 _CREATED = re.compile(rb'"created":\s*[0-9]+')
 _FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
@@ -73,6 +75,34 @@ def _has_finish(events: bytes) -> bool:
     return _FINISHED[0] in events or _FINISHED[1] in events
 
 
+def _encode(payload: dict[str, object]) -> bytes:
+    return DATA_PREFIX + json.dumps(payload, separators=(",", ":")).encode()
+
+
+def _rewrite(
+    events: bytes, needle: bytes, change: Callable[[dict[str, object]], bool | None]
+) -> bytes:
+    """`events` with each event that holds `needle` parsed and handed to `change`, which edits
+    the payload in place and says what to send: True the edited payload, False the event as it
+    was, None nothing (the event is dropped). Events that are not JSON objects pass as they are.
+    """
+    kept: list[bytes] = []
+    for event in events.split(EVENT_END)[:-1]:
+        if needle in event and event.startswith(DATA_PREFIX):
+            try:
+                payload = json.loads(event[len(DATA_PREFIX) :])
+            except ValueError:
+                payload = None
+            if isinstance(payload, dict):
+                verdict = change(payload)
+                if verdict is None:
+                    continue
+                if verdict:
+                    event = _encode(payload)
+        kept.append(event + EVENT_END)
+    return b"".join(kept)
+
+
 def summed_usage(last: Usage, starts: list[int]) -> Usage:
     """The usage of a request resumed over several attempts, from the last attempt's own.
 
@@ -106,6 +136,12 @@ class StreamReader:
         self._id_field: bytes | None = None  # the first attempt's `"id":"..."`
         self._created_field: bytes | None = None
         self._is_continuation = False
+        self._num_prompt_tokens: int | None = None  # the attempt's, from its first chunk
+        self._finish_event: bytes | None = None  # the chunk with the finish_reason, as sent
+        # Legacy completions' logprobs: `text_offset` counts the output's characters from
+        # each attempt's own start; the client's count from the first attempt's.
+        self._text_end = 0  # characters of output the offsets have covered so far
+        self._text_base = 0  # what to add to the current attempt's offsets
 
     @property
     def num_resumes(self) -> int:
@@ -117,6 +153,8 @@ class StreamReader:
         self.upstream_error = None
         self.starts.append(len(self.token_ids))
         self._is_continuation = True
+        self._num_prompt_tokens = None
+        self._text_base = self._text_end
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
@@ -136,16 +174,21 @@ class StreamReader:
             return b""  # after an error event, only its `[DONE]` can follow
         if ERROR_PREFIX in events:
             events = self._hold_error(events)
+        if self._num_prompt_tokens is None and b'"prompt_token_ids"' in events:
+            events = self._take_prompt_ids(events)
         if self._id_field is None:
             self._learn_id(events)
         if self._is_continuation:
             events = self._as_first_attempt(events)
         if b'"token_ids"' in events:
             events = self._take_token_ids(events)
+        if b'"text_offset"' in events:
+            events = _rewrite(events, b'"text_offset"', self._count_on_offsets)
         if _has_finish(events):
             self.is_finished = True
             if self.num_resumes:
-                events = self._mark_finish(events)
+                events = _rewrite(events, b'"finish_reason"', self._mark_finish)
+            self._finish_event = next((e for e in events.split(EVENT_END) if _has_finish(e)), None)
         self.num_events += events.count(EVENT_END)
         if not self.has_first_token:
             self.has_first_token = any(is_first_token(e) for e in events.split(EVENT_END))
@@ -197,42 +240,70 @@ class StreamReader:
         kept.append(events[at:])
         return b"".join(kept)
 
-    def _mark_finish(self, events: bytes) -> bytes:
-        kept: list[bytes] = []
-        for event in events.split(EVENT_END)[:-1]:
-            if _has_finish(event) and event.startswith(DATA_PREFIX):
-                try:
-                    payload = json.loads(event[len(DATA_PREFIX) :])
-                except ValueError:
-                    payload = None
-                if isinstance(payload, dict):
-                    payload[RESUMES_FIELD] = self.num_resumes
-                    event = DATA_PREFIX + json.dumps(payload, separators=(",", ":")).encode()
-            kept.append(event + EVENT_END)
-        return b"".join(kept)
+    def _take_prompt_ids(self, events: bytes) -> bytes:
+        found = _PROMPT_IDS.search(events)
+        if found is None:
+            return events
+        ids = found.group(1).strip()
+        self._num_prompt_tokens = ids.count(b",") + 1 if ids else 0
+        if not self._strip_token_ids and not self._is_continuation:
+            return events  # the client asked for ids: it gets its prompt's, once
+        return events[: found.start()] + events[found.end() :]
+
+    def _count_on_offsets(self, payload: dict[str, object]) -> bool:
+        choices = payload.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+            offsets = logprobs.get("text_offset") if isinstance(logprobs, dict) else None
+            tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+            if not isinstance(offsets, list) or not isinstance(tokens, list) or not offsets:
+                continue
+            offsets[:] = [o + self._text_base if isinstance(o, int) else o for o in offsets]
+            last_offset, last_token = offsets[-1], tokens[-1]
+            if isinstance(last_offset, int) and isinstance(last_token, str):
+                self._text_end = last_offset + len(last_token)
+        return self._text_base > 0
+
+    def _mark_finish(self, payload: dict[str, object]) -> bool:
+        payload[RESUMES_FIELD] = self.num_resumes
+        return True
 
     def _take_usage(self, events: bytes) -> bytes:
-        kept: list[bytes] = []
-        for event in events.split(EVENT_END)[:-1]:
-            if b'"usage"' in event and event.startswith(DATA_PREFIX):
-                try:
-                    payload = json.loads(event[len(DATA_PREFIX) :])
-                except ValueError:
-                    payload = None
-                usage = usage_of(payload)
-                if usage is not None and isinstance(payload, dict):
-                    self.usage = usage
-                    if self.num_resumes:
-                        self.usage = summed_usage(usage, self.starts)
-                        payload["usage"] = {**payload["usage"], **self.usage.to_json()}
-                        event = DATA_PREFIX + json.dumps(payload, separators=(",", ":")).encode()
-                    if self._strip_usage:
-                        if not payload.get("choices"):
-                            continue  # the usage-only chunk: drop it
-                        del payload["usage"]
-                        event = DATA_PREFIX + json.dumps(payload, separators=(",", ":")).encode()
-            kept.append(event + EVENT_END)
-        return b"".join(kept)
+        return _rewrite(events, b'"usage"', self._settle_usage)
+
+    def _settle_usage(self, payload: dict[str, object]) -> bool | None:
+        usage = usage_of(payload)
+        if usage is None:
+            return False
+        self.usage = summed_usage(usage, self.starts)
+        is_changed = False
+        if self.num_resumes:
+            payload["usage"] = {**payload["usage"], **self.usage.to_json()}  # type: ignore[dict-item]
+            is_changed = True
+        if self._strip_usage:
+            if not payload.get("choices"):
+                return None  # the usage-only chunk: drop it
+            del payload["usage"]
+            is_changed = True
+        return is_changed
+
+    def end_without_usage(self) -> bytes:
+        """The upstream ended after the finish chunk but before its usage chunk: the usage
+        from what this reader learnt (the prompt's size from the attempt's first chunk, the
+        ids relayed), and the usage chunk for a client that asked for one (else b"")."""
+        if self.usage is not None or self._num_prompt_tokens is None:
+            return b""
+        num_completion = len(self.token_ids) - self.starts[-1]
+        self.usage = summed_usage(Usage(self._num_prompt_tokens, num_completion), self.starts)
+        if self._strip_usage or self._finish_event is None:
+            return b""
+        try:
+            payload = json.loads(self._finish_event[len(DATA_PREFIX) :])
+        except ValueError:
+            return b""
+        payload.pop(RESUMES_FIELD, None)
+        payload["choices"], payload["usage"] = [], self.usage.to_json()
+        return _encode(payload) + EVENT_END
 
     def flush(self) -> bytes:
         """Whatever partial event is left when the upstream ends."""

@@ -7,8 +7,9 @@ client until that stream is done; its events, as the relay passes them on (one `
 over the attempts, the finish marked with the number of resumes), are then folded into the one
 body the node answers for a non-stream: the first chunk's top-level fields, one choice with the
 text (chat: a `message`), the choice's `logprobs` lists joined (a resumed completion's
-`text_offset` counted on from the first attempt's start), `finish_reason`, `token_ids` if
-the client asked for them, `usage`, and `meridian_resumes` when it was resumed.
+`text_offset` is counted on from the first attempt's start by gateway/sse.py already),
+`finish_reason`, `token_ids` if the client asked for them, `usage`, and `meridian_resumes` when
+it was resumed.
 """
 
 from __future__ import annotations
@@ -62,17 +63,6 @@ def _join_logprobs(into: JSON, logprobs: object) -> None:
                 joined.extend(values)
 
 
-def _rebase_offsets(offsets: list[object], tokens: object) -> None:
-    """Legacy completions' `text_offset` counts characters of the output from each attempt's
-    own start; across a resume it counts from the first attempt's, as an unbroken run does."""
-    if not isinstance(tokens, list) or len(tokens) != len(offsets):
-        return
-    at = 0
-    for i, token in enumerate(tokens):
-        offsets[i] = at
-        at += len(token) if isinstance(token, str) else 0
-
-
 def whole_body(events: bytes) -> bytes:
     """The non-stream body for a completed stream's relayed events (ValueError if malformed)."""
     payloads = _payloads(events)
@@ -124,9 +114,6 @@ def whole_body(events: bytes) -> bytes:
         choice_out["message"] = {"role": role, "content": text}
     else:
         choice_out["text"] = text
-    offsets = logprobs.get("text_offset")
-    if num_resumes is not None and isinstance(offsets, list):
-        _rebase_offsets(offsets, logprobs.get("tokens"))
     if "logprobs" in choice_keys:
         choice_out["logprobs"] = logprobs or None
     choice_out["finish_reason"] = finish_reason

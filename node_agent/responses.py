@@ -15,7 +15,7 @@ from functools import cache
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from wire.errors import error_body
-from wire.resume import TOKEN_IDS
+from wire.resume import PROMPT_TOKEN_IDS, TOKEN_IDS
 
 JSON = dict[str, object]
 DONE = b"data: [DONE]\n\n"
@@ -128,8 +128,12 @@ class ResponseHeader:
     model: str
     include_usage: bool = False
     return_token_ids: bool = False  # each choice carries its output's ids (wire/resume.py)
+    # With ids asked for: what the engine prefills (the prompt, then any resumed output), sent
+    # in the first chunk (wire/resume.py) and in a whole body.
+    prompt_token_ids: list[int] | None = None
     _chat_chunk: JSON = field(init=False)
     _text_chunk: JSON = field(init=False)
+    _has_sent_prompt_ids: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         base: JSON = {"id": self.response_id, "created": self.created, "model": self.model}
@@ -158,6 +162,7 @@ class ResponseHeader:
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
+            **self._prompt_ids(),
             "choices": [choice],
             "usage": usage.to_json(),
         }
@@ -194,6 +199,7 @@ class ResponseHeader:
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
+            **self._prompt_ids(),
             "choices": [choice],
             "usage": usage.to_json(),
         }
@@ -217,8 +223,17 @@ class ResponseHeader:
         if self.return_token_ids:
             choice[TOKEN_IDS] = token_ids
 
+    def _prompt_ids(self) -> JSON:
+        if not self.return_token_ids or self.prompt_token_ids is None:
+            return {}
+        return {PROMPT_TOKEN_IDS: self.prompt_token_ids}
+
     def _chunk(self, base: JSON, choices: list[JSON]) -> bytes:
-        payload: JSON = {**base, "choices": choices}
+        payload: JSON = {**base}
+        if not self._has_sent_prompt_ids:
+            self._has_sent_prompt_ids = True
+            payload |= self._prompt_ids()
+        payload["choices"] = choices
         if self.include_usage:
             payload["usage"] = None
         return sse(payload)

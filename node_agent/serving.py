@@ -171,7 +171,12 @@ class Serving:
             raise BadRequestError(str(exc), param=param) from exc
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         header = ResponseHeader(
-            request_id, int(time.time()), body.model, body.include_usage, body.return_token_ids
+            request_id,
+            int(time.time()),
+            body.model,
+            body.include_usage,
+            body.return_token_ids,
+            token_ids + resumed,
         )
         return PreparedRequest(
             request_id,

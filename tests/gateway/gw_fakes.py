@@ -31,6 +31,8 @@ class Behavior:
     die_after_chunks: int | None = None  # drop the connection mid-stream after this many
     error_after_chunks: int | None = None  # send an error event mid-stream after this many
     stall_after_chunks: int | None = None  # go silent (connection open) after this many
+    malformed_after_chunks: int | None = None  # send an event that is not JSON after this many
+    die_after_finish: bool = False  # drop the connection after the finish, before the usage
     put_usage_in_last_choice: bool = False
 
 
@@ -172,8 +174,18 @@ class FakeUpstream:
             "served_by": self.name,
         }
 
+        # As the node agent: with ids asked for, the first chunk says what was prefilled.
+        resumed = body.get("resume_token_ids") or []
+        assert isinstance(resumed, list)
+        prompt_ids = [7] * PROMPT_TOKENS + resumed
+        is_first = [with_ids]
+
         def chunk(choice: JSON) -> bytes:
-            payload: JSON = {**base, "choices": [choice]}
+            payload: JSON = {**base}
+            if is_first[0]:
+                payload["prompt_token_ids"] = prompt_ids
+                is_first[0] = False
+            payload["choices"] = [choice]
             if include_usage:
                 payload["usage"] = None
             return _sse(payload)
@@ -200,6 +212,8 @@ class FakeUpstream:
                 return response
             if behavior.stall_after_chunks is not None and n >= behavior.stall_after_chunks:
                 await asyncio.sleep(3600)
+            if n == behavior.malformed_after_chunks:
+                await response.write(b'data: {"id": "chunk", "choices": [\n\n')
             if behavior.chunk_delay_s:
                 await asyncio.sleep(behavior.chunk_delay_s)
             text = f"t{i} "
@@ -216,6 +230,10 @@ class FakeUpstream:
             await response.write(_sse({**base, "choices": [final], "usage": usage}))
         else:
             await response.write(chunk(final))
+            if behavior.die_after_finish:
+                assert request.transport is not None
+                request.transport.abort()
+                return response
             if include_usage:
                 await response.write(_sse({**base, "choices": [], "usage": usage}))
         await response.write(b"data: [DONE]\n\n")

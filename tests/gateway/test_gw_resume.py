@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
-from gw_fakes import PROMPT_TOKENS
+from gw_fakes import PROMPT_TOKENS, FakeUpstream
 from gw_fleet import Fleet, GatewayThread, wait_until
 
 CHAT = {
@@ -19,6 +20,7 @@ CHAT = {
     "stream": True,
     "max_tokens": 50,
 }
+CHAT_PATH = "/v1/chat/completions"
 NUM_TOKENS = 6
 WHOLE_TEXT = "".join(f"t{i} " for i in range(NUM_TOKENS))
 
@@ -39,35 +41,48 @@ def text_of(chunks: list[dict[str, object]]) -> str:
     return "".join(parts)
 
 
+@dataclass
+class Resumable:
+    """Two fake regions of streams of NUM_TOKENS tokens (us-east the nearer) and a key."""
+
+    fleet: Fleet
+    secret: str
+    verify: ssl.SSLContext
+
+    @property
+    def near(self) -> FakeUpstream:
+        return self.fleet.regions["us-east"].upstream
+
+    @property
+    def far(self) -> FakeUpstream:
+        return self.fleet.regions["eu-west"].upstream
+
+    def gateway(self, **settings: Any) -> GatewayThread:
+        gateway = self.fleet.start_gateway(**settings)
+        self.fleet.wait_for_gateway(gateway)
+        keys = gateway.handlers.keys
+        wait_until(lambda: len(keys) > 0, 5.0, "the key snapshot")
+        return gateway
+
+    def without_far(self, gateway: GatewayThread) -> None:
+        """eu-west disabled, and `gateway` knows it: no region left to resume in."""
+        self.fleet.set_region_state("eu-west", "disabled")
+        router = gateway.handlers.router
+        wait_until(lambda: router.regions.get("eu-west") is None
+                   or router.regions["eu-west"].summary.state == "disabled", 5.0)
+
+    def post(self, gateway: GatewayThread, body: object, path: str = CHAT_PATH) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.secret}"}
+        with httpx.Client(base_url=gateway.base_url, verify=self.verify, timeout=30.0) as http:
+            return http.post(path, json=body, headers=headers)
+
+
 @pytest.fixture
-def regions(two_regions: Fleet) -> Fleet:
+def resumable(two_regions: Fleet, client_ssl: ssl.SSLContext) -> Resumable:
     for region in two_regions.regions.values():
         region.upstream.behavior.num_chunks = NUM_TOKENS
-    return two_regions
-
-
-def start(fleet: Fleet, **settings: object) -> GatewayThread:
-    gateway = fleet.start_gateway(**settings)
-    fleet.wait_for_gateway(gateway)
-    return gateway
-
-
-@pytest.fixture
-def client(
-    regions: Fleet, client_ssl: ssl.SSLContext
-) -> Iterator[tuple[Fleet, str, ssl.SSLContext]]:
-    _, secret = regions.create_key()
-    yield regions, secret, client_ssl
-
-
-def post(
-    gateway: GatewayThread, secret: str, verify: ssl.SSLContext, body: object
-) -> httpx.Response:
-    keys = gateway.handlers.keys
-    wait_until(lambda: len(keys) > 0, 5.0, "the key snapshot")
-    headers = {"Authorization": f"Bearer {secret}"}
-    with httpx.Client(base_url=gateway.base_url, verify=verify, timeout=30.0) as http:
-        return http.post("/v1/chat/completions", json=body, headers=headers)
+    _, secret = two_regions.create_key()
+    return Resumable(two_regions, secret, client_ssl)
 
 
 def metric(gateway: GatewayThread, name: str) -> str:
@@ -79,14 +94,13 @@ def metric(gateway: GatewayThread, name: str) -> str:
     "failure", ["die_after_chunks", "error_after_chunks", "stall_after_chunks"]
 )
 def test_a_stream_broken_mid_way_continues_in_the_next_region_as_one_stream(
-    client: tuple[Fleet, str, ssl.SSLContext], failure: str
+    resumable: Resumable, failure: str
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet, stream_idle_timeout_s=0.5)
-    near, far = fleet.regions["us-east"].upstream, fleet.regions["eu-west"].upstream
+    gateway = resumable.gateway(stream_idle_timeout_s=0.5)
+    near, far = resumable.near, resumable.far
     setattr(near.behavior, failure, 2)
     body = {**CHAT, "stream_options": {"include_usage": True}}
-    response = post(gateway, secret, verify, body)
+    response = resumable.post(gateway, body)
     assert response.status_code == 200
     chunks = chunks_of(response.text)
     assert events_of(response.text)[-1] == "[DONE]"
@@ -119,12 +133,11 @@ def test_a_stream_broken_mid_way_continues_in_the_next_region_as_one_stream(
 
 
 def test_the_client_that_asks_for_token_ids_gets_them_across_the_resume(
-    client: tuple[Fleet, str, ssl.SSLContext],
+    resumable: Resumable,
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet)
-    fleet.regions["us-east"].upstream.behavior.die_after_chunks = 3
-    response = post(gateway, secret, verify, {**CHAT, "return_token_ids": True})
+    gateway = resumable.gateway()
+    resumable.near.behavior.die_after_chunks = 3
+    response = resumable.post(gateway, {**CHAT, "return_token_ids": True})
     chunks = chunks_of(response.text)
     ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]  # type: ignore[attr-defined]
     assert ids == [100 + i for i in range(NUM_TOKENS)]
@@ -132,17 +145,13 @@ def test_the_client_that_asks_for_token_ids_gets_them_across_the_resume(
 
 
 def test_without_another_region_the_stream_ends_with_the_error_event(
-    client: tuple[Fleet, str, ssl.SSLContext],
+    resumable: Resumable,
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet)
-    fleet.set_region_state("eu-west", "disabled")
-    router = gateway.handlers.router
-    wait_until(lambda: router.regions.get("eu-west") is None
-               or router.regions["eu-west"].summary.state == "disabled", 5.0)
-    near = fleet.regions["us-east"].upstream
+    gateway = resumable.gateway()
+    resumable.without_far(gateway)
+    near = resumable.near
     near.behavior.die_after_chunks = 2
-    response = post(gateway, secret, verify, CHAT)
+    response = resumable.post(gateway, CHAT)
     events = events_of(response.text)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "stream_interrupted"
@@ -152,36 +161,34 @@ def test_without_another_region_the_stream_ends_with_the_error_event(
     )
     # The node's own error event passes as it is when no resume can happen.
     near.behavior.die_after_chunks, near.behavior.error_after_chunks = None, 1
-    events = events_of(post(gateway, secret, verify, CHAT).text)
+    events = events_of(resumable.post(gateway, CHAT).text)
     assert json.loads(events[-2])["error"]["code"] == "engine_dead"
 
 
 def test_with_resumes_off_a_broken_stream_ends_with_an_error_event(
-    client: tuple[Fleet, str, ssl.SSLContext],
+    resumable: Resumable,
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet, max_resumes=0)
-    fleet.regions["us-east"].upstream.behavior.die_after_chunks = 1
-    response = post(gateway, secret, verify, CHAT)
+    gateway = resumable.gateway(max_resumes=0)
+    resumable.near.behavior.die_after_chunks = 1
+    response = resumable.post(gateway, CHAT)
     events = events_of(response.text)
     assert json.loads(events[1])["choices"][0]["delta"]["content"] == "t0 "
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "stream_interrupted"
-    assert fleet.regions["eu-west"].upstream.num_requests == 0
+    assert resumable.far.num_requests == 0
 
 
-def test_resumes_stop_at_max_resumes(client: tuple[Fleet, str, ssl.SSLContext]) -> None:
-    fleet, secret, verify = client
-    fleet.add_region("us-west")
+def test_resumes_stop_at_max_resumes(resumable: Resumable) -> None:
+    resumable.fleet.add_region("us-west")
     for name in ("us-east", "eu-west", "us-west"):
-        fleet.regions[name].upstream.behavior.num_chunks = NUM_TOKENS
-        fleet.regions[name].upstream.behavior.die_after_chunks = 1
-    gateway = start(fleet, max_resumes=1)
-    response = post(gateway, secret, verify, CHAT)
+        resumable.fleet.regions[name].upstream.behavior.num_chunks = NUM_TOKENS
+        resumable.fleet.regions[name].upstream.behavior.die_after_chunks = 1
+    gateway = resumable.gateway(max_resumes=1)
+    response = resumable.post(gateway, CHAT)
     events = events_of(response.text)
     assert json.loads(events[-2])["error"]["code"] == "stream_interrupted"
     assert text_of(chunks_of(response.text)[:-1]) == "t0 t1 "
-    assert sum(r.upstream.num_requests for r in fleet.regions.values()) == 2
+    assert sum(r.upstream.num_requests for r in resumable.fleet.regions.values()) == 2
     assert 'reason="max_resumes"} 1.0' in metric(
         gateway, "meridian_gateway_stream_resumes_refused_total"
     )
@@ -192,19 +199,9 @@ def test_resumes_stop_at_max_resumes(client: tuple[Fleet, str, ssl.SSLContext]) 
 COMPLETION = {"model": "fake-model", "prompt": "hello there", "max_tokens": 50}
 
 
-def post_whole(
-    gateway: GatewayThread, secret: str, verify: ssl.SSLContext, path: str, body: object
-) -> httpx.Response:
-    keys = gateway.handlers.keys
-    wait_until(lambda: len(keys) > 0, 5.0, "the key snapshot")
-    headers = {"Authorization": f"Bearer {secret}"}
-    with httpx.Client(base_url=gateway.base_url, verify=verify, timeout=30.0) as http:
-        return http.post(path, json=body, headers=headers)
-
-
 def whole_request(endpoint: str) -> tuple[str, dict[str, object]]:
     if endpoint == "chat":
-        return "/v1/chat/completions", {**CHAT, "stream": False}
+        return CHAT_PATH, {**CHAT, "stream": False}
     return "/v1/completions", COMPLETION
 
 
@@ -215,16 +212,15 @@ def text_of_whole(body: dict[str, object]) -> str:
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_an_unbroken_non_stream_gets_the_body_the_node_would_answer(
-    client: tuple[Fleet, str, ssl.SSLContext], endpoint: str
+    resumable: Resumable, endpoint: str
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet)
+    gateway = resumable.gateway()
     path, body = whole_request(endpoint)
-    response = post_whole(gateway, secret, verify, path, body)
+    response = resumable.post(gateway, body, path)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("application/json")
     answer = response.json()
-    near = fleet.regions["us-east"].upstream
+    near = resumable.near
     expected = near._whole(endpoint == "chat", NUM_TOKENS, {"model": "fake-model"})
     # The node's whole body, field for field (its id and created are the stream's).
     assert answer.keys() == expected.keys()
@@ -240,14 +236,13 @@ def test_an_unbroken_non_stream_gets_the_body_the_node_would_answer(
     "failure", ["die_after_chunks", "error_after_chunks", "stall_after_chunks"]
 )
 def test_a_non_stream_broken_mid_way_continues_in_the_next_region_as_one_body(
-    client: tuple[Fleet, str, ssl.SSLContext], endpoint: str, failure: str
+    resumable: Resumable, endpoint: str, failure: str
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet, stream_idle_timeout_s=0.5)
-    near, far = fleet.regions["us-east"].upstream, fleet.regions["eu-west"].upstream
+    gateway = resumable.gateway(stream_idle_timeout_s=0.5)
+    near, far = resumable.near, resumable.far
     setattr(near.behavior, failure, 2)
     path, body = whole_request(endpoint)
-    response = post_whole(gateway, secret, verify, path, body)
+    response = resumable.post(gateway, body, path)
     assert response.status_code == 200
     answer = response.json()
     assert text_of_whole(answer) == WHOLE_TEXT  # every token once, in order
@@ -267,31 +262,67 @@ def test_a_non_stream_broken_mid_way_continues_in_the_next_region_as_one_body(
 
 
 def test_a_resumed_non_stream_that_asks_for_token_ids_gets_all_of_them(
-    client: tuple[Fleet, str, ssl.SSLContext],
+    resumable: Resumable,
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet)
-    fleet.regions["us-east"].upstream.behavior.die_after_chunks = 3
+    gateway = resumable.gateway()
+    resumable.near.behavior.die_after_chunks = 3
     path, body = whole_request("chat")
-    answer = post_whole(gateway, secret, verify, path, {**body, "return_token_ids": True}).json()
+    answer = resumable.post(gateway, {**body, "return_token_ids": True}, path).json()
     assert answer["choices"][0]["token_ids"] == [100 + i for i in range(NUM_TOKENS)]
     assert answer["meridian_resumes"] == 1
 
 
 def test_without_another_region_a_broken_non_stream_gets_the_error_as_before(
-    client: tuple[Fleet, str, ssl.SSLContext],
+    resumable: Resumable,
 ) -> None:
-    fleet, secret, verify = client
-    gateway = start(fleet)
-    fleet.set_region_state("eu-west", "disabled")
-    router = gateway.handlers.router
-    wait_until(lambda: router.regions.get("eu-west") is None
-               or router.regions["eu-west"].summary.state == "disabled", 5.0)
-    fleet.regions["us-east"].upstream.behavior.die_after_chunks = 2
+    gateway = resumable.gateway()
+    resumable.without_far(gateway)
+    resumable.near.behavior.die_after_chunks = 2
     path, body = whole_request("chat")
-    response = post_whole(gateway, secret, verify, path, body)
+    response = resumable.post(gateway, body, path)
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_unreachable"
     assert 'reason="exhausted"} 1.0' in metric(
         gateway, "meridian_gateway_stream_resumes_refused_total"
     )
+
+
+def test_a_non_stream_whose_stream_is_malformed_is_a_502_in_the_access_log_too(
+    resumable: Resumable, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway = resumable.gateway(access_log=True)
+    resumable.near.behavior.malformed_after_chunks = 2
+    path, body = whole_request("chat")
+    with caplog.at_level("INFO", logger="gateway.access"):
+        response = resumable.post(gateway, body, path)
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "stream_interrupted"
+    [line] = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert line.startswith(f"POST {path} 502 region=us-east")
+    assert 'region="us-east",status="502"' in metric(gateway, "meridian_gateway_requests_total")
+
+
+@pytest.mark.parametrize("endpoint", ["stream", "chat", "completions"])
+def test_a_stream_cut_between_its_finish_and_its_usage_still_has_its_usage(
+    resumable: Resumable, endpoint: str
+) -> None:
+    gateway = resumable.gateway()
+    resumable.near.behavior.die_after_finish = True
+    if endpoint == "stream":
+        path, body = CHAT_PATH, {**CHAT, "stream_options": {"include_usage": True}}
+    else:
+        path, body = whole_request(endpoint)
+    response = resumable.post(gateway, body, path)
+    assert response.status_code == 200
+    expected = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": NUM_TOKENS,
+                "total_tokens": PROMPT_TOKENS + NUM_TOKENS}
+    if endpoint == "stream":
+        chunks = chunks_of(response.text)
+        assert text_of(chunks) == WHOLE_TEXT and events_of(response.text)[-1] == "[DONE]"
+        assert chunks[-1]["usage"] == expected and chunks[-1]["choices"] == []
+        assert all("prompt_token_ids" not in c for c in chunks)
+    else:
+        answer = response.json()
+        assert text_of_whole(answer) == WHOLE_TEXT and answer["usage"] == expected
+        assert "prompt_token_ids" not in answer
+    assert resumable.far.num_requests == 0  # nothing was left to resume

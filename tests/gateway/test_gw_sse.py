@@ -137,3 +137,62 @@ def test_a_continuation_looks_like_the_first_attempt() -> None:
 def test_summed_usage_counts_each_attempts_prompt_and_every_output_token_once() -> None:
     last = Usage(prompt_tokens=10 + 5, completion_tokens=4)  # resumed after 5 relayed
     assert summed_usage(last, [0, 2, 5]) == Usage(10 + 12 + 15, 9)
+
+
+def with_prompt_ids(event: bytes, ids: list[int]) -> bytes:
+    """`event` as a node's first chunk: the ids it prefilled at the top level."""
+    encoded = json.dumps(ids, separators=(",", ":")).encode()
+    return event.replace(b'"choices"', b'"prompt_token_ids":' + encoded + b', "choices"', 1)
+
+
+def test_the_prompts_ids_are_counted_and_shown_once_only_to_a_client_that_asked() -> None:
+    first = with_prompt_ids(role("c-1"), [1, 2, 3])
+    hidden = StreamReader(strip_usage=False)
+    assert b"prompt_token_ids" not in feed_all(hidden, [first + chunk("a", [7])])
+    shown = StreamReader(strip_usage=False, strip_token_ids=False)
+    assert b'"prompt_token_ids":[1,2,3]' in feed_all(shown, [first + chunk("a", [7])])
+    shown.begin_continuation()  # the continuation's prompt (3 + the resumed 7) is not theirs
+    again = with_prompt_ids(role("c-2"), [1, 2, 3, 7])
+    assert b"prompt_token_ids" not in feed_all(shown, [again + chunk("b", [8])])
+
+
+def test_a_stream_cut_between_finish_and_usage_gets_its_usage_from_what_was_read() -> None:
+    reader = StreamReader(strip_usage=False)
+    feed_all(reader, [with_prompt_ids(role("c-1"), [1, 2, 3]) + chunk("a", [7])])
+    reader.begin_continuation()
+    feed_all(reader, [with_prompt_ids(role("c-2"), [1, 2, 3, 7]) + chunk("b c", [8, 9])
+                      + finish("c-2")])
+    assert reader.is_finished and reader.usage is None
+    [event] = [e for e in reader.end_without_usage().split(b"\n\n") if e]
+    payload = json.loads(event[len(b"data: "):])
+    # Attempt 1: prompt 3, 1 token; attempt 2: prompt 3 + 1 resumed, 2 tokens.
+    assert payload["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert payload["choices"] == [] and payload["id"] == "c-1"
+    assert "meridian_resumes" not in payload
+    assert reader.usage == Usage(7, 3)
+    hidden = StreamReader(strip_usage=True)
+    feed_all(hidden, [with_prompt_ids(role("c-1"), [1, 2]) + chunk("a", [7]) + finish("c-1")])
+    assert hidden.end_without_usage() == b"" and hidden.usage == Usage(2, 1)
+
+
+def completion_chunk(tokens: list[str], offsets: list[int], cid: str) -> bytes:
+    logprobs = {"tokens": tokens, "token_logprobs": [-0.5] * len(tokens),
+                "top_logprobs": None, "text_offset": offsets}
+    choice = {"index": 0, "text": "".join(tokens), "logprobs": logprobs, "finish_reason": None}
+    return b"data: " + json.dumps({"id": cid, "choices": [choice]}).encode() + b"\n\n"
+
+
+def offsets_of(out: bytes) -> list[int]:
+    events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+    return [o for e in events for c in e["choices"] for o in c["logprobs"]["text_offset"]]
+
+
+def test_a_resumed_completions_text_offset_counts_from_the_first_attempts_start() -> None:
+    reader = StreamReader(strip_usage=False)
+    first = feed_all(reader, [completion_chunk(["ab"], [0], "c-1")
+                              + completion_chunk(["c"], [2], "c-1")])
+    assert offsets_of(first) == [0, 2]
+    reader.begin_continuation()  # the continuation's node counts from its own start: 0 again
+    out = feed_all(reader, [completion_chunk(["de", "f"], [0, 2], "c-2")
+                            + completion_chunk(["g"], [3], "c-2")])
+    assert offsets_of(out) == [3, 5, 6]

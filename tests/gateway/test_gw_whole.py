@@ -49,19 +49,6 @@ def test_a_completion_is_folded_with_its_logprobs_joined() -> None:
     }
 
 
-def test_a_resumed_completion_counts_text_offset_from_the_first_attempt() -> None:
-    # The continuation's node counts its offsets from its own start (0 again).
-    events = sse(
-        {**HEAD, "choices": [{"index": 0, "text": "ab", "logprobs": logprobs(["ab"], 0),
-                              "finish_reason": None}]},
-        {**HEAD, "choices": [{"index": 0, "text": "cd", "logprobs": logprobs(["c", "d"], 0),
-                              "finish_reason": "stop"}], "meridian_resumes": 1},
-    )
-    body = json.loads(whole_body(events))
-    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 2, 3]
-    assert body["meridian_resumes"] == 1
-
-
 def test_a_chat_stream_becomes_one_message_with_its_logprobs_content() -> None:
     head = {**HEAD, "object": "chat.completion.chunk"}
     entry = {"token": "hi", "logprob": -0.1, "bytes": [104, 105], "top_logprobs": []}

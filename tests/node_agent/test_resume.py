@@ -99,15 +99,23 @@ def test_a_resumed_stream_continues_exactly_as_the_unbroken_one(
     prompt = stream(node, {**body, "max_tokens": 1})[-1]["usage"]["prompt_tokens"]  # type: ignore[index]
     assert usage["prompt_tokens"] == prompt + num_sent  # type: ignore[index]
     assert usage["completion_tokens"] == len(ids) - num_sent  # type: ignore[index]
+    # The first chunk says what the node prefilled: the prompt, then the resumed ids.
+    prompt_ids = resumed_chunks[0]["prompt_token_ids"]
+    assert len(prompt_ids) == usage["prompt_tokens"]  # type: ignore[arg-type,index]
+    assert prompt_ids[-num_sent:] == ids[:num_sent]  # type: ignore[index]
+    assert all("prompt_token_ids" not in c for c in resumed_chunks[1:])
 
 
 def test_token_ids_are_returned_only_when_asked(node: NodeHandle) -> None:
     url = node.base_url + "/v1/chat/completions"
     body = {**CHAT, "temperature": 0, "max_tokens": 6}
     plain = httpx.post(url, json=body, timeout=60.0).json()
-    assert "token_ids" not in plain["choices"][0]
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
     assert all("token_ids" not in c["choices"][0] for c in stream(node, body) if c["choices"])
+    assert all("prompt_token_ids" not in c for c in stream(node, body))
     with_ids = httpx.post(url, json={**body, "return_token_ids": True}, timeout=60.0).json()
+    assert list(with_ids)[:5] == ["id", "object", "created", "model", "prompt_token_ids"]
+    assert len(with_ids["prompt_token_ids"]) == with_ids["usage"]["prompt_tokens"]
     streamed = [t for _, p in content_and_ids(stream(node, {**body, "return_token_ids": True}))
                 for t in p]
     assert with_ids["choices"][0]["token_ids"] == streamed and len(streamed) == 6
