@@ -1,13 +1,18 @@
 """The bf16 GEMV kernel (engine/kernels/gemv_cpu.cpp) against fp32 matmuls of the same
 weights, on odd shapes (row counts that leave a partial group of four, K that leaves a partial
 vector, several threads' worth of rows) and 1-8 tokens (partial tiles of four tokens); and the
-layers' `linear` choosing it or its PyTorch twin."""
+layers' `linear` choosing it or its PyTorch twin; and the real model's bf16 decode through
+both."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
+from engine.chat_template import ChatMessage
 from engine.kernels import cpu_kernels
 from engine.model import int8_weights
 from engine.model.int8_weights import BF16_GEMV_MAX_TOKENS, Int8Weight, linear
@@ -93,3 +98,23 @@ def test_linear_takes_the_kernel_for_few_bf16_tokens_only(monkeypatch: pytest.Mo
         linear(torch.randn(num_tokens, 16, dtype=torch.bfloat16), weight, None, None)
     linear(torch.randn(1, 16), weight.float(), None, None)  # fp32: F.linear
     assert calls == [1, BF16_GEMV_MAX_TOKENS]
+
+
+@pytest.mark.slow
+def test_the_real_model_decodes_the_same_with_the_kernel_and_with_f_linear(
+    monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
+) -> None:
+    """bf16 decode steps (one token) through the kernel and through F.linear: the same greedy
+    tokens, log-probabilities within bf16's noise (sums in another order, rounded to bf16 at
+    every layer, over 30 layers)."""
+    llm = LLM(str(smollm2_gguf), dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
+    question: list[ChatMessage] = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    [ours] = llm.chat(question, params)
+    monkeypatch.setattr(int8_weights, "_kernels_for", lambda x: None)
+    [reference] = llm.chat(question, params)
+    assert ours.outputs[0].text == "The capital of France is Paris."
+    assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert ours.outputs[0].logprobs is not None and reference.outputs[0].logprobs is not None
+    for a, b in zip(ours.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=0.1)
