@@ -7,7 +7,8 @@ so that the load of a shared machine falls on each about evenly.
 Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
 `ignore_eos`). `adaptive` is the default engine (the thread count chosen per step, see
 engine/step_threads.py); `threads=N` pins it; `int8` is `quantization="int8"` with adaptive
-threads; `eager` is the default with the fused CPU layer ops swapped for their eager twins.
+threads; `eager` is the default with the fused CPU layer ops swapped for their eager twins;
+`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`.
 Prints each round's median step time per variant and, per round, each variant against the
 first; the load average and CPU flags beside them.
 """
@@ -59,6 +60,12 @@ def build(name: str, model: str, batch: int, context: int) -> Variant:
     if name == "eager":
         return Variant(
             name, engine, lambda: mock.patch("engine.model.layer_ops._kernels_for", lambda x: None)
+        )
+    if name == "torch-mm":
+        return Variant(
+            name,
+            engine,
+            lambda: mock.patch("engine.model.int8_weights._kernels_for", lambda x: None),
         )
     if pinned is not None:
         return Variant(name, engine, lambda: threads(pinned))

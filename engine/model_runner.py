@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from engine.distributed import TPGroup
+from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
-from engine.model.int8_weights import Int8Weight, measure_max_gemv_tokens
+from engine.model.int8_weights import BF16_GEMV_MAX_TOKENS, Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel_layers import (
@@ -87,6 +88,11 @@ class ModelRunner:
         self.model.eval()
         if shape.int8_weights:
             self._quantize_int8()
+        elif device.type == "cpu" and shape.dtype == torch.bfloat16 and cpu_kernels():
+            logger.info(
+                "matmuls: the bf16 GEMV kernel for steps of up to %d tokens, F.linear above",
+                BF16_GEMV_MAX_TOKENS,
+            )
         self.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, shape.max_model_len, device, config.rope_scaling
         )

@@ -10,4 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_write_kv", &meridian::rope_and_write_kv,
         "Rotate Q and K in place in the fused QKV rows, then write K and V to their cache slots");
   m.def("silu_and_mul", &meridian::silu_and_mul, "silu(gate) * up of the fused gate-up rows");
+  m.def("bf16_linear", &meridian::bf16_linear, "x W^T for few tokens, x and W bf16");
 }

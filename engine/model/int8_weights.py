@@ -6,6 +6,11 @@ of fp32's (the dtype CPUs without AVX-512 BF16 compute in) and half of bf16's. t
 few tokens; it is not a tiled GEMM, so a step of many tokens (a prefill chunk) is faster
 dequantizing the weight first and running the ordinary matmul. Where the two cross depends on
 the CPU, so it is measured once per process (`measure_max_gemv_tokens`).
+
+bf16 weights (no int8) take our GEMV kernel for steps of few tokens where the kernels built
+(engine/kernels/gemv_cpu.cpp): it reads each weight row once, where `F.linear`'s AMX GEMM is
+tiled for many tokens; `F.linear` is its twin when the kernels are off. An int8 twin of that
+kernel was no faster than `_weight_int8pack_mm` and was dropped.
 """
 
 from __future__ import annotations
@@ -16,13 +21,23 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 _PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+# bf16 steps of up to this many tokens take the GEMV kernel: at 1-4 tokens it took 0.5-0.9x
+# F.linear's time on the model's shapes, at 8 about 1.1x (bench/linear_small_m.py).
+BF16_GEMV_MAX_TOKENS = 4
+
+
+def _kernels_for(x: torch.Tensor) -> ModuleType | None:
+    return cpu_kernels() if x.device.type == "cpu" else None
 
 
 @dataclass(slots=True)
@@ -55,10 +70,18 @@ class Int8Weight:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, int8: Int8Weight | None
 ) -> torch.Tensor:
-    """F.linear, through the int8 weight where the layer holds one."""
-    if int8 is None:
+    """F.linear, through the int8 weight where the layer holds one, and through the GEMV
+    kernel for few tokens of bf16."""
+    if int8 is not None:
+        out = int8.linear(x)
+    elif (
+        weight.dtype == torch.bfloat16
+        and x.shape[0] <= BF16_GEMV_MAX_TOKENS
+        and (kernels := _kernels_for(x))
+    ):
+        out = kernels.bf16_linear(x.contiguous(), weight)
+    else:
         return F.linear(x, weight, bias)
-    out = int8.linear(x)
     return out if bias is None else out + bias
 
 

@@ -1,0 +1,120 @@
+"""The bf16 GEMV kernel (engine/kernels/gemv_cpu.cpp) against fp32 matmuls of the same
+weights, on odd shapes (row counts that leave a partial group of four, K that leaves a partial
+vector, several threads' worth of rows) and 1-8 tokens (partial tiles of four tokens); and the
+layers' `linear` choosing it or its PyTorch twin; and the real model's bf16 decode through
+both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.chat_template import ChatMessage
+from engine.kernels import cpu_kernels
+from engine.model import int8_weights
+from engine.model.int8_weights import BF16_GEMV_MAX_TOKENS, Int8Weight, linear
+
+kernels = cpu_kernels() or pytest.skip(
+    "the CPU kernels could not be built", allow_module_level=True
+)
+
+# (N, K): one row; a partial group and a partial vector; the model's shapes; many rows.
+SHAPES = [(1, 1), (5, 17), (7, 33), (576, 576), (130, 1536), (2051, 100)]
+TOKENS = [1, 2, 3, 8]
+
+
+def _bf16_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    # Both round an fp32 sum once to bf16; the sums differ in order only, so at most the last
+    # bf16 bit of a result moves (relative 2^-8), and results near zero by the fp32 noise.
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(ours.float(), expected, atol=1e-4 * scale, rtol=2**-7)
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_bf16_linear_equals_the_fp32_matmul(n: int, k: int, num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(n + k * num_tokens)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, k, generator=gen).to(torch.bfloat16)
+    ours = kernels.bf16_linear(x, weight)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (num_tokens, n)
+    _bf16_close(ours, x.float() @ weight.float().T)
+
+
+def test_the_kernel_refuses_mismatched_inputs() -> None:
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K = 16"):
+        kernels.bf16_linear(x, torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16 x and weight"):
+        kernels.bf16_linear(x.float(), torch.zeros(4, 16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous x"):
+        kernels.bf16_linear(x.T, torch.zeros(4, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("num_tokens", [1, 4, 5, 9])
+def test_linear_gives_the_same_result_with_kernels_on_and_off(
+    monkeypatch: pytest.MonkeyPatch, kernels_on: bool, num_tokens: int
+) -> None:
+    """bf16 weights: up to BF16_GEMV_MAX_TOKENS through our kernel (on) or F.linear (off), above
+    it through F.linear. int8 weights: int8pack up to max_gemv_tokens, then the dequantized
+    matmul, with the kernels on or off."""
+    if not kernels_on:
+        monkeypatch.setattr(int8_weights, "_kernels_for", lambda x: None)
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(70, 48, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(70, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 48, generator=gen).to(torch.bfloat16)
+    int8 = Int8Weight.quantize(weight, max_gemv_tokens=8)
+    # Above max_gemv_tokens (8) the weight is dequantized to bf16 first, rounding each element.
+    dequantized = (
+        int8.dequantized().float()
+        if num_tokens > 8
+        else int8.qweight.float() * int8.scales.float()[:, None]
+    )
+    _bf16_close(linear(x, weight, None, int8), x.float() @ dequantized.T)
+    # The kernel's path rounds x W^T to bf16 before adding the bias: half an ulp of x W^T more.
+    product = x.float() @ weight.float().T
+    rounding = 2**-8 * product.abs().max().item()
+    torch.testing.assert_close(
+        linear(x, weight, bias, None).float(), product + bias.float(), atol=rounding, rtol=2**-7
+    )
+
+
+def test_linear_takes_the_kernel_for_few_bf16_tokens_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    class Recording:
+        def bf16_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return kernels.bf16_linear(x, weight)
+
+    monkeypatch.setattr(int8_weights, "_kernels_for", lambda x: Recording())
+    weight = torch.randn(8, 16, dtype=torch.bfloat16)
+    for num_tokens in (1, BF16_GEMV_MAX_TOKENS, BF16_GEMV_MAX_TOKENS + 1):
+        linear(torch.randn(num_tokens, 16, dtype=torch.bfloat16), weight, None, None)
+    linear(torch.randn(1, 16), weight.float(), None, None)  # fp32: F.linear
+    assert calls == [1, BF16_GEMV_MAX_TOKENS]
+
+
+@pytest.mark.slow
+def test_the_real_model_decodes_the_same_with_the_kernel_and_with_f_linear(
+    monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
+) -> None:
+    """bf16 decode steps (one token) through the kernel and through F.linear: the same greedy
+    tokens, log-probabilities within bf16's noise (sums in another order, rounded to bf16 at
+    every layer, over 30 layers)."""
+    llm = LLM(str(smollm2_gguf), dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
+    question: list[ChatMessage] = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    [ours] = llm.chat(question, params)
+    monkeypatch.setattr(int8_weights, "_kernels_for", lambda x: None)
+    [reference] = llm.chat(question, params)
+    assert ours.outputs[0].text == "The capital of France is Paris."
+    assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert ours.outputs[0].logprobs is not None and reference.outputs[0].logprobs is not None
+    for a, b in zip(ours.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=0.1)
