@@ -43,8 +43,8 @@ class Site:
         attempt = 1
         while True:
             node = self._least_loaded(tried)
-            if node is None:  # every live node deflected: Envoy's last pick takes it
-                return tried[-1] if tried else None
+            if node is None:  # every live node was tried: Envoy's plain pick, not deflected
+                return self._least_loaded([])
             if not should_deflect(node.num_not_started, attempt, self.deflect_at_waiting):
                 return node
             self.num_deflected += 1

@@ -17,8 +17,10 @@ from typing import Final
 
 ATTEMPT_COUNT_HEADER: Final = "x-envoy-attempt-count"  # Envoy's, 1 for the first attempt
 DEFLECTED_HEADER: Final = "x-meridian-deflected"
-# Envoy attempts a node may deflect; later ones are taken (Envoy retries more than this often).
-MAX_DEFLECTIONS: Final = 1
+# Envoy attempts a node may deflect; later ones are taken (Envoy retries more than this often,
+# so that a draining node's 503 is still retried after them). Two, not one: in the simulator a
+# second deflection took the `stale` p99 at seed 2 from 0.406 s to 0.393 s.
+MAX_DEFLECTIONS: Final = 2
 # Requests without a first token (queued or in prefill) that make a node deflect; 0: never.
 DEFAULT_DEFLECT_AT_WAITING: Final = 1
 
