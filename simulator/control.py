@@ -116,9 +116,7 @@ class SimControlPlane:
         while samples[0][0] < now_s - DECODE_RATE_WINDOW_S:
             samples.popleft()
         calibration = node.calibration
-        # Built without validation (it costs as much as the rest of a beat): every value is the
-        # node model's own, within the schema by construction (tests/simulator check one).
-        beat = Heartbeat.model_construct(
+        beat = Heartbeat(
             node_id=node.name,
             region=node.region,
             url=beating.url,
