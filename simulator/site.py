@@ -3,9 +3,10 @@
 The ingress is the region's Envoy with the control plane's config (control_plane/xds): it sends
 a request to the live node with the fewest requests in flight (least-request with equal
 weights), and a node that deflects the attempt (wire/deflection.py: another request there is
-still waiting for its first token) makes it try the least-loaded node not tried yet, as Envoy's
-retry with the previous-hosts predicate does. The retry's in-region hop (about a millisecond,
-Envoy's back-off included) is not charged. A region that is down answers nothing.
+still waiting for its first token, but not a deep queue) makes it try the least-loaded node not
+tried yet, as Envoy's retry with the previous-hosts predicate does. The retry's in-region hop
+(about a millisecond, Envoy's back-off included) is not charged. A region that is down answers
+nothing.
 """
 
 from __future__ import annotations

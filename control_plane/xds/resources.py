@@ -57,7 +57,7 @@ RETRY_ON: Final = (
     "connect-failure,refused-stream,reset-before-request,retriable-status-codes,retriable-headers"
 )
 RETRIABLE_STATUS_CODES: Final = (503,)
-NUM_RETRIES: Final = 3
+NUM_RETRIES: Final = 2
 # A deflected attempt is retried, and the attempt after the last deflectable one still is.
 assert NUM_RETRIES > MAX_DEFLECTIONS
 RETRY_BASE_INTERVAL_S: Final = 0.002

@@ -50,18 +50,21 @@ def test_a_node_with_a_request_still_waiting_deflects_to_the_next_least_loaded()
     assert site.pick_node() is fresh
 
 
-def test_only_early_attempts_are_deflected_and_a_lone_node_takes_it() -> None:
+def test_only_the_first_attempt_is_deflected_and_a_lone_node_takes_it() -> None:
     site = site_of(3, deflect_at_waiting=1)
     for node in site.nodes:
         node.submit(Job(node.name, 2000, 10, None, 0), 0.0)
-    # All wait: n0 and n1 deflect attempts 1 and 2, Envoy's attempt 3 goes to n2 and is taken.
-    assert site.pick_node() is site.nodes[2] and site.num_deflected == 2
-    two = site_of(2, deflect_at_waiting=1)
-    for node in two.nodes:
-        node.submit(Job(node.name, 2000, 10, None, 0), 0.0)
-    # Both tried and deflected: Envoy runs out of new hosts and takes its plain pick.
-    assert two.pick_node() is two.nodes[0] and two.num_deflected == 2
+    # All wait: n0 deflects attempt 1, Envoy's attempt 2 goes to n1 and is taken.
+    assert site.pick_node() is site.nodes[1] and site.num_deflected == 1
     lone = site_of(1, deflect_at_waiting=1)
     lone.nodes[0].submit(Job("a", 2000, 10, None, 0), 0.0)
     assert lone.pick_node() is lone.nodes[0]  # no other host: the retry lands on it again
     assert lone.num_deflected == 1
+
+
+def test_a_deep_queue_does_not_deflect_its_neighbours_are_as_busy() -> None:
+    site = site_of(2, deflect_at_waiting=1)
+    for node in site.nodes:
+        for i in range(3):  # three waiting each: past 1 + DEFLECT_WINDOW
+            node.submit(Job(f"{node.name}/{i}", 2000, 10, None, 0), 0.0)
+    assert site.pick_node() is site.nodes[0] and site.num_deflected == 0
