@@ -99,7 +99,7 @@ class RegionState:
     ttft_residual_s: float = 0.0
     residual_at_s: float = 0.0
     num_ttft_samples: int = 0
-    cost: SummaryCost | None = None  # set by `Router.update`, for this summary and policy
+    cost: SummaryCost | None = None  # for this summary and policy (None: not worked out yet)
 
 
 def _rendezvous_score(key: str, region: str, weight: float) -> float:
@@ -137,7 +137,7 @@ class Router:
         self.regions = regions
         self.policy = document.routing
         for state in regions.values():
-            state.cost = self.summary_cost(state)
+            state.cost = None  # worked out when next planned (a PoP may adopt several first)
         self.index = document.index
         self.is_loaded = True
 
@@ -182,8 +182,13 @@ class Router:
             url=(summary.ingress_url or "").rstrip("/"),
         )
 
+    def cost_of(self, state: RegionState) -> SummaryCost:
+        if state.cost is None:
+            state.cost = self.summary_cost(state)
+        return state.cost
+
     def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
-        cost = state.cost if state.cost is not None else self.summary_cost(state)
+        cost = self.cost_of(state)
         prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
         weighted_rtt_s = self.policy.rtt_weight * cost.rtt_s
         cost_s = max(
@@ -209,7 +214,7 @@ class Router:
         preferred: list[Candidate] = []
         others: list[Candidate] = []
         for state in self.regions.values():
-            cost = state.cost if state.cost is not None else self.summary_cost(state)
+            cost = self.cost_of(state)
             if not cost.is_eligible:
                 continue
             candidate = self.predict(state, prompt_tokens, now_s)
