@@ -138,13 +138,8 @@ def test_without_another_region_the_stream_ends_with_the_error_event(
     gateway = start(fleet)
     fleet.set_region_state("eu-west", "disabled")
     router = gateway.handlers.router
-    wait_until(
-        lambda: (
-            router.regions.get("eu-west") is None
-            or router.regions["eu-west"].summary.state == "disabled"
-        ),
-        5.0,
-    )
+    wait_until(lambda: router.regions.get("eu-west") is None
+               or router.regions["eu-west"].summary.state == "disabled", 5.0)
     near = fleet.regions["us-east"].upstream
     near.behavior.die_after_chunks = 2
     response = post(gateway, secret, verify, CHAT)
@@ -290,13 +285,8 @@ def test_without_another_region_a_broken_non_stream_gets_the_error_as_before(
     gateway = start(fleet)
     fleet.set_region_state("eu-west", "disabled")
     router = gateway.handlers.router
-    wait_until(
-        lambda: (
-            router.regions.get("eu-west") is None
-            or router.regions["eu-west"].summary.state == "disabled"
-        ),
-        5.0,
-    )
+    wait_until(lambda: router.regions.get("eu-west") is None
+               or router.regions["eu-west"].summary.state == "disabled", 5.0)
     fleet.regions["us-east"].upstream.behavior.die_after_chunks = 2
     path, body = whole_request("chat")
     response = post_whole(gateway, secret, verify, path, body)

@@ -89,20 +89,15 @@ def role(cid: str) -> bytes:
 
 
 def usage(prompt: int, completion: int, cid: str) -> bytes:
-    body = {
-        "id": cid,
-        "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion},
-    }
+    body = {"id": cid, "choices": [], "usage": {"prompt_tokens": prompt,
+                                                 "completion_tokens": completion}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def test_token_ids_are_kept_and_hidden_unless_asked() -> None:
     reader = StreamReader(strip_usage=False)
-    out = feed_all(
-        reader,
-        [role("c-1") + chunk("a", [7]) + chunk("b c", [8, 9])[:20], chunk("b c", [8, 9])[20:]],
-    )
+    out = feed_all(reader, [role("c-1") + chunk("a", [7]) + chunk("b c", [8, 9])[:20],
+                            chunk("b c", [8, 9])[20:]])
     assert reader.token_ids == [7, 8, 9]
     assert b"token_ids" not in out
     shown = StreamReader(strip_usage=False, strip_token_ids=False)
@@ -127,16 +122,8 @@ def test_a_continuation_looks_like_the_first_attempt() -> None:
     reader = StreamReader(strip_usage=False)
     feed_all(reader, [role("first") + chunk("a", [7]) + chunk("b", [8]) + b'data: {"id":"fi'])
     reader.begin_continuation()
-    out = feed_all(
-        reader,
-        [
-            role("second")
-            + chunk("c", [9], "second", 77)
-            + finish("second")
-            + usage(12, 1, "second")
-            + DONE
-        ],
-    )
+    out = feed_all(reader, [role("second") + chunk("c", [9], "second", 77) + finish("second")
+                            + usage(12, 1, "second") + DONE])
     events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
     assert [e["id"] for e in events] == ["first"] * 3  # no second role chunk
     assert events[0]["choices"][0]["delta"] == {"content": "c"} and events[0]["created"] == 9

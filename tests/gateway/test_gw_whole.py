@@ -34,33 +34,17 @@ def logprobs(tokens: list[str], start: int) -> dict[str, object]:
 
 def test_a_completion_is_folded_with_its_logprobs_joined() -> None:
     events = sse(
-        {
-            **HEAD,
-            "choices": [
-                {"index": 0, "text": "ab", "logprobs": logprobs(["ab"], 0), "finish_reason": None}
-            ],
-            "usage": None,
-        },
-        {
-            **HEAD,
-            "choices": [
-                {"index": 0, "text": "c", "logprobs": logprobs(["c"], 2), "finish_reason": "length"}
-            ],
-            "usage": None,
-        },
+        {**HEAD, "choices": [{"index": 0, "text": "ab", "logprobs": logprobs(["ab"], 0),
+                              "finish_reason": None}], "usage": None},
+        {**HEAD, "choices": [{"index": 0, "text": "c", "logprobs": logprobs(["c"], 2),
+                              "finish_reason": "length"}], "usage": None},
         {**HEAD, "choices": [], "usage": USAGE},
     )
     body = json.loads(whole_body(events))
     assert body == {
         **HEAD,
-        "choices": [
-            {
-                "index": 0,
-                "text": "abc",
-                "logprobs": logprobs(["ab", "c"], 0),
-                "finish_reason": "length",
-            }
-        ],
+        "choices": [{"index": 0, "text": "abc", "logprobs": logprobs(["ab", "c"], 0),
+                     "finish_reason": "length"}],
         "usage": USAGE,
     }
 
@@ -68,24 +52,10 @@ def test_a_completion_is_folded_with_its_logprobs_joined() -> None:
 def test_a_resumed_completion_counts_text_offset_from_the_first_attempt() -> None:
     # The continuation's node counts its offsets from its own start (0 again).
     events = sse(
-        {
-            **HEAD,
-            "choices": [
-                {"index": 0, "text": "ab", "logprobs": logprobs(["ab"], 0), "finish_reason": None}
-            ],
-        },
-        {
-            **HEAD,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "cd",
-                    "logprobs": logprobs(["c", "d"], 0),
-                    "finish_reason": "stop",
-                }
-            ],
-            "meridian_resumes": 1,
-        },
+        {**HEAD, "choices": [{"index": 0, "text": "ab", "logprobs": logprobs(["ab"], 0),
+                              "finish_reason": None}]},
+        {**HEAD, "choices": [{"index": 0, "text": "cd", "logprobs": logprobs(["c", "d"], 0),
+                              "finish_reason": "stop"}], "meridian_resumes": 1},
     )
     body = json.loads(whole_body(events))
     assert body["choices"][0]["logprobs"]["text_offset"] == [0, 2, 3]
@@ -96,53 +66,23 @@ def test_a_chat_stream_becomes_one_message_with_its_logprobs_content() -> None:
     head = {**HEAD, "object": "chat.completion.chunk"}
     entry = {"token": "hi", "logprob": -0.1, "bytes": [104, 105], "top_logprobs": []}
     events = sse(
-        {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-        },
-        {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"content": "hi"},
-                    "logprobs": {"content": [entry]},
-                    "finish_reason": None,
-                    "token_ids": [5],
-                }
-            ],
-        },
-        {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {},
-                    "logprobs": None,
-                    "finish_reason": "stop",
-                    "token_ids": [],
-                }
-            ],
-        },
+        {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {"content": "hi"},
+                              "logprobs": {"content": [entry]}, "finish_reason": None,
+                              "token_ids": [5]}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                              "finish_reason": "stop", "token_ids": []}]},
     )
     body = json.loads(whole_body(events))
     assert body["object"] == "chat.completion"
-    assert body["choices"] == [
-        {
-            "index": 0,
-            "message": {"role": "assistant", "content": "hi"},
-            "logprobs": {"content": [entry]},
-            "finish_reason": "stop",
-            "token_ids": [5],
-        }
-    ]
+    assert body["choices"] == [{
+        "index": 0,
+        "message": {"role": "assistant", "content": "hi"},
+        "logprobs": {"content": [entry]},
+        "finish_reason": "stop",
+        "token_ids": [5],
+    }]
 
 
 @pytest.mark.parametrize("events", [b"", b"data: [DONE]\n\n", b"data: {nope\n\n"])

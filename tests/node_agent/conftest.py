@@ -60,3 +60,5 @@ def node(server_loop: BackgroundLoop, shared_llm: AsyncLLM) -> Iterator[NodeHand
     handle = start_node(server_loop, shared_llm)
     yield handle
     handle.stop()
+
+

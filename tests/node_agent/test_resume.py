@@ -31,9 +31,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def fp32_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeHandle]:
     config = EngineConfig(
-        model=str(smollm2_gguf),
-        num_kv_blocks=NUM_KV_BLOCKS,
-        max_model_len=MAX_MODEL_LEN,
+        model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN,
         dtype="float32",
     )
     llm = AsyncLLM.from_config(config)
@@ -42,7 +40,6 @@ def fp32_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeH
     yield handle
     handle.stop()
     server_loop.run(llm.shutdown())
-
 
 CHAT = {
     "model": MODEL_NAME,
@@ -111,42 +108,27 @@ def test_token_ids_are_returned_only_when_asked(node: NodeHandle) -> None:
     assert "token_ids" not in plain["choices"][0]
     assert all("token_ids" not in c["choices"][0] for c in stream(node, body) if c["choices"])
     with_ids = httpx.post(url, json={**body, "return_token_ids": True}, timeout=60.0).json()
-    streamed = [
-        t for _, p in content_and_ids(stream(node, {**body, "return_token_ids": True})) for t in p
-    ]
+    streamed = [t for _, p in content_and_ids(stream(node, {**body, "return_token_ids": True}))
+                for t in p]
     assert with_ids["choices"][0]["token_ids"] == streamed and len(streamed) == 6
 
 
 def test_a_completion_resumes_too(fp32_node: NodeHandle) -> None:
     node = fp32_node
     url = node.base_url + "/v1/completions"
-    body = {
-        "model": MODEL_NAME,
-        "prompt": "Once upon a time",
-        "max_tokens": 12,
-        "temperature": 0.8,
-        "seed": 5,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12,
+            "temperature": 0.8, "seed": 5, "ignore_eos": True, "return_token_ids": True}
     whole = httpx.post(url, json=body, timeout=60.0).json()["choices"][0]
-    rest = httpx.post(
-        url,
-        json={**body, "resume_token_ids": whole["token_ids"][:5], "max_tokens": 7},
-        timeout=60.0,
-    ).json()["choices"][0]
+    rest = httpx.post(url, json={**body, "resume_token_ids": whole["token_ids"][:5],
+                                 "max_tokens": 7}, timeout=60.0).json()["choices"][0]
     assert rest["token_ids"] == whole["token_ids"][5:]
     assert whole["text"].endswith(rest["text"]) and rest["text"]
 
 
 @pytest.mark.parametrize(
     ("resume", "message"),
-    [
-        ([49152], "resumed token ids must be in"),
-        ([1] * 1100, "maximum context length"),
-        ([-1], "greater than or equal to 0"),
-        ([], "at least 1 item"),
-    ],
+    [([49152], "resumed token ids must be in"), ([1] * 1100, "maximum context length"),
+     ([-1], "greater than or equal to 0"), ([], "at least 1 item")],
 )
 def test_bad_resume_token_ids_are_refused_with_400(
     node: NodeHandle, resume: list[int], message: str

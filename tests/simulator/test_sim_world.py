@@ -96,4 +96,3 @@ def test_a_watch_hears_of_each_change_one_way_later_and_polls_again_at_once() ->
     assert watch.read(1.29) is second
     third = watch.read(1.31)
     assert third is not None and third.index == first.index + 2
-
