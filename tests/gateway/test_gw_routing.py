@@ -167,7 +167,7 @@ def test_saturated_and_open_circuit_regions_go_last() -> None:
 
 def test_two_choices_spread_load_over_near_best_regions() -> None:
     r = router(summary("us-east"), summary("toronto"), summary("eu-west"))
-    first = Counter()
+    first: Counter[str] = Counter()
     for _ in range(200):
         plan = r.plan(10)
         assert plan.reason == "p2c"
