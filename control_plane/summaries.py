@@ -114,7 +114,7 @@ class SummaryPublisher:
         self._current = RegionSummaryIndex(
             index=feed.index, regions=summarize(fleet), routing=read_policy()
         )
-        self._body = self._current.model_dump_json().encode()
+        self._body: bytes | None = None  # encoded when first asked for
 
     @property
     def current(self) -> RegionSummaryIndex:
@@ -122,7 +122,10 @@ class SummaryPublisher:
 
     @property
     def body(self) -> bytes:
-        """The current document as JSON, encoded once per index for every waiting gateway."""
+        """The current document as JSON, encoded once per index for every waiting gateway (and
+        only when one asks: an index that moves again before any gateway reads it costs none)."""
+        if self._body is None:
+            self._body = self._current.model_dump_json().encode()
         return self._body
 
     def mark_dirty(self) -> None:
@@ -139,7 +142,7 @@ class SummaryPublisher:
         self._current = RegionSummaryIndex(
             index=self.feed.advance(), regions=regions, routing=routing
         )
-        self._body = self._current.model_dump_json().encode()
+        self._body = None
         return True
 
     def follow_beat(self, region: str, was: RouteView, node: Node) -> bool:
@@ -168,7 +171,7 @@ class SummaryPublisher:
         self._current = RegionSummaryIndex(
             index=self.feed.advance(), regions=regions, routing=self._current.routing
         )
-        self._body = self._current.model_dump_json().encode()
+        self._body = None
         return True
 
     def hold_health(self) -> None:

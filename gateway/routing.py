@@ -75,6 +75,19 @@ class RoutePlan:
     reason: Reason
 
 
+@dataclass(frozen=True, slots=True)
+class SummaryCost:
+    """The part of a region's cost that only its summary, RTT and the policy set: worked out
+    once per summary document, not once per request (a gateway plans far more often)."""
+
+    is_eligible: bool
+    is_saturated: bool  # KV cache fuller than the policy's threshold
+    rtt_s: float
+    queue_s: float
+    fixed_cost_s: float  # the weighted RTT and load terms
+    url: str
+
+
 @dataclass(slots=True)
 class RegionState:
     """What this gateway itself knows about a region, beyond its summary."""
@@ -86,6 +99,7 @@ class RegionState:
     ttft_residual_s: float = 0.0
     residual_at_s: float = 0.0
     num_ttft_samples: int = 0
+    cost: SummaryCost | None = None  # for this summary and policy (None: not worked out yet)
 
 
 def _rendezvous_score(key: str, region: str, weight: float) -> float:
@@ -122,6 +136,8 @@ class Router:
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing
+        for state in regions.values():
+            state.cost = None  # worked out when next planned (a PoP may adopt several first)
         self.index = document.index
         self.is_loaded = True
 
@@ -148,18 +164,38 @@ class Router:
         knee = KV_PRESSURE_KNEE * threshold
         return KV_PRESSURE_S * max(0.0, used - knee) / (threshold - knee)
 
-    def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
+    def summary_cost(self, state: RegionState) -> SummaryCost:
         summary, policy = state.summary, self.policy
         rtt_s = state.rtt_ms / 1000.0
         queue_s = self.queue_delay_s(summary)
-        prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
-        weighted_rtt_s = policy.rtt_weight * rtt_s
         load_s = queue_s + self.kv_pressure_s(summary)
-        cost_s = weighted_rtt_s + policy.queue_weight * load_s + prefill_s
-        cost_s = max(weighted_rtt_s, cost_s + self.correction_s(state, now_s))
-        assert summary.ingress_url is not None
-        url = summary.ingress_url.rstrip("/")
-        return Candidate(summary.name, url, cost_s, rtt_s + queue_s + prefill_s)
+        is_saturated = False
+        if summary.kv_blocks_total > 0:
+            used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
+            is_saturated = used > policy.saturation_threshold
+        return SummaryCost(
+            is_eligible=self._is_eligible(summary),
+            is_saturated=is_saturated,
+            rtt_s=rtt_s,
+            queue_s=queue_s,
+            fixed_cost_s=policy.rtt_weight * rtt_s + policy.queue_weight * load_s,
+            url=(summary.ingress_url or "").rstrip("/"),
+        )
+
+    def cost_of(self, state: RegionState) -> SummaryCost:
+        if state.cost is None:
+            state.cost = self.summary_cost(state)
+        return state.cost
+
+    def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
+        cost = self.cost_of(state)
+        prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
+        weighted_rtt_s = self.policy.rtt_weight * cost.rtt_s
+        cost_s = max(
+            weighted_rtt_s, cost.fixed_cost_s + prefill_s + self.correction_s(state, now_s)
+        )
+        predicted_s = cost.rtt_s + cost.queue_s + prefill_s
+        return Candidate(state.summary.name, cost.url, cost_s, predicted_s)
 
     def _is_eligible(self, summary: RegionSummary) -> bool:
         return (
@@ -168,14 +204,6 @@ class Router:
             and summary.ingress_url is not None
             and summary.weight > 0.0
         )
-
-    def _is_preferred(self, state: RegionState, now_s: float) -> bool:
-        summary = state.summary
-        if summary.kv_blocks_total > 0:
-            used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
-            if used > self.policy.saturation_threshold:
-                return False
-        return state.breaker.is_available(now_s)
 
     def plan(
         self, prompt_tokens: int, affinity_key: str | None = None, now_s: float | None = None
@@ -186,10 +214,12 @@ class Router:
         preferred: list[Candidate] = []
         others: list[Candidate] = []
         for state in self.regions.values():
-            if not self._is_eligible(state.summary):
+            cost = self.cost_of(state)
+            if not cost.is_eligible:
                 continue
             candidate = self.predict(state, prompt_tokens, now_s)
-            (preferred if self._is_preferred(state, now_s) else others).append(candidate)
+            is_preferred = not cost.is_saturated and state.breaker.is_available(now_s)
+            (preferred if is_preferred else others).append(candidate)
         preferred.sort(key=lambda c: c.cost_s)
         others.sort(key=lambda c: c.cost_s)
         if not preferred:

@@ -3,7 +3,9 @@
 The waiting queue is measured as the larger of the engine's own waiting count (refreshed after
 each engine step) and the requests this agent has handed to the engine that have no token yet
 (exact at once, so a burst that arrives between two steps is seen in full). A request is
-refused with 429 when that depth has reached `max_num_waiting_requests`.
+refused with 429 when that depth has reached `max_num_waiting_requests`, and deflected (429 with
+`x-meridian-deflected`, for the region's Envoy to try another node) when it is an early Envoy
+attempt and the depth has reached `deflect_at_waiting` (wire/deflection.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import math
 
-from node_agent.errors import OverloadedError
+from node_agent.errors import DeflectedError, OverloadedError
+from wire.deflection import DEFAULT_DEFLECT_AT_WAITING, should_deflect
 
 
 class Ticket:
@@ -39,9 +42,16 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, max_num_waiting_requests: int, retry_after_s: int):
+    def __init__(
+        self,
+        max_num_waiting_requests: int,
+        retry_after_s: int,
+        deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING,
+    ):
         self.max_num_waiting_requests = max_num_waiting_requests
         self.retry_after_s = retry_after_s
+        self.deflect_at_waiting = deflect_at_waiting
+        self.num_deflected = 0
         self.num_in_flight = 0
         self.num_not_started = 0
         self.num_rejected = 0
@@ -51,9 +61,15 @@ class Admission:
     def queue_depth(self, engine_num_waiting: int) -> int:
         return max(engine_num_waiting, self.num_not_started)
 
-    def admit(self, engine_num_waiting: int) -> Ticket:
-        """A ticket for a new request, or OverloadedError (429) if the queue is full."""
+    def admit(self, engine_num_waiting: int, attempt: int | None = None) -> Ticket:
+        """A ticket for a new request; OverloadedError (429) if the queue is full, DeflectedError
+        (429) if Envoy's `attempt` (None: not through Envoy) should try another node."""
         depth = self.queue_depth(engine_num_waiting)
+        if should_deflect(depth, attempt, self.deflect_at_waiting):
+            self.num_deflected += 1
+            raise DeflectedError(
+                f"{depth} requests here are still waiting for their first token; try another node"
+            )
         if depth >= self.max_num_waiting_requests:
             self.num_rejected += 1
             raise OverloadedError(

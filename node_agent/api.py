@@ -37,6 +37,7 @@ from node_agent.streaming import (
     collect_completion,
     completion_events,
 )
+from wire.deflection import ATTEMPT_COUNT_HEADER, attempt_of
 
 T = TypeVar("T")
 
@@ -55,7 +56,11 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, runtime: Runtime
 ) -> Response:
     return await _serve(
-        request, runtime, body, lambda s, salt: s.prepare_chat(body, salt), chat_events,
+        request,
+        runtime,
+        body,
+        lambda s, salt: s.prepare_chat(body, salt),
+        chat_events,
         collect_chat,
     )
 
@@ -63,7 +68,10 @@ async def chat_completions(
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, runtime: Runtime) -> Response:
     return await _serve(
-        request, runtime, body, lambda s, salt: s.prepare_completion(body, salt),
+        request,
+        runtime,
+        body,
+        lambda s, salt: s.prepare_completion(body, salt),
         completion_events,
         collect_completion,
     )
@@ -83,7 +91,7 @@ async def _serve(
 ) -> Response:
     runtime.check_model(body.model)
     cache_salt = cache_salt_of(request.headers, body.cache_salt)
-    serving, ticket = runtime.admit()
+    serving, ticket = runtime.admit(attempt_of(request.headers.get(ATTEMPT_COUNT_HEADER)))
     try:
         prepared = await prepare(serving, cache_salt)
     except BaseException:
@@ -171,4 +179,3 @@ async def ready(runtime: Runtime) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(runtime: Runtime) -> Response:
     return Response(runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-

@@ -2,8 +2,10 @@
 
 Status codes: 400 for bad input (a prompt longer than the context is 400 with code
 `context_length_exceeded`, as OpenAI answers, rather than 413), 404 for a model this node does not
-serve, 429 with `Retry-After` while the waiting queue is over its bound, 503 while the model loads,
-while draining, and once the engine has died (the gateway may retry those elsewhere).
+serve, 429 with `Retry-After` while the waiting queue is over its bound (429 with
+`x-meridian-deflected` when an early Envoy attempt is sent to another node, wire/deflection.py),
+503 while the model loads, while draining, and once the engine has died (the gateway may retry
+those elsewhere).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, InvalidRequestError
+from wire.deflection import DEFLECTED_HEADER
 from wire.errors import error_body, route_error_code, route_error_message
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,16 @@ class OverloadedError(NodeAgentError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class DeflectedError(NodeAgentError):
+    """Another request here is still waiting for its first token: Envoy tries another node."""
+
+    status_code = 429
+    code = "deflected"
+
+    def headers(self) -> dict[str, str]:
+        return {DEFLECTED_HEADER: "1"}
 
 
 class UnavailableError(NodeAgentError):

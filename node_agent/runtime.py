@@ -35,7 +35,9 @@ class NodeRuntime:
         self.llm: AsyncLLM | None = None
         self.serving: Serving | None = None
         self.load_error: BaseException | None = None
-        self.admission = Admission(settings.max_num_waiting_requests, settings.retry_after_s)
+        self.admission = Admission(
+            settings.max_num_waiting_requests, settings.retry_after_s, settings.deflect_at_waiting
+        )
         self.drain = Drain(self.admission, settings.drain_timeout_s)
         self.metrics = NodeMetrics(self.model_name, self.stats)
         # Set by whoever runs the server: ends the process (after a drain, or a failed load).
@@ -105,8 +107,9 @@ class NodeRuntime:
                 param="model",
             )
 
-    def admit(self) -> tuple[Serving, Ticket]:
-        """A place for a new request, or the error that refuses it (503 or 429)."""
+    def admit(self, attempt: int | None = None) -> tuple[Serving, Ticket]:
+        """A place for a new request, or the error that refuses it (503 or 429); `attempt` is
+        Envoy's attempt number (None when not sent through Envoy)."""
         reason = self.not_ready_reason()
         if reason is not None or self.serving is None:
             self.metrics.count_rejected(503)
@@ -114,7 +117,7 @@ class NodeRuntime:
             raise UnavailableError(f"{reason or 'not ready'}; try another node", code=code)
         stats = self.stats()
         try:
-            ticket = self.admission.admit(stats.num_waiting if stats is not None else 0)
+            ticket = self.admission.admit(stats.num_waiting if stats is not None else 0, attempt)
         except Exception:
             self.metrics.count_rejected(429)
             raise
@@ -165,4 +168,3 @@ class NodeRuntime:
     def _request_stop(self) -> None:
         if self.stop_server is not None:
             self.stop_server()
-

@@ -27,6 +27,7 @@ from engine.model_store import DEFAULT_MODEL
 from wire.addresses import is_loopback_host
 from wire.capacity import DEFAULT_MAX_NUM_WAITING_REQUESTS
 from wire.control_plane_urls import ControlPlaneUrls
+from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
 from wire.heartbeat import NAME_PATTERN
 
 MIN_TOKEN_LEN = 16
@@ -77,6 +78,9 @@ class NodeAgentSettings(BaseSettings):
     # Admission control: requests queued or in prefill before new ones get 429.
     max_num_waiting_requests: int = Field(default=DEFAULT_MAX_NUM_WAITING_REQUESTS, ge=0)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
+    # An early Envoy attempt is sent to another node (429, wire/deflection.py) once this many
+    # requests here wait for their first token; 0: never.
+    deflect_at_waiting: int = Field(default=DEFAULT_DEFLECT_AT_WAITING, ge=0)
     # How long a drain waits for in-flight requests before giving up on them, and how long an
     # exit (SIGTERM) waits for the control plane's `may_exit`.
     drain_timeout_s: float = Field(default=600.0, gt=0.0)

@@ -39,6 +39,7 @@ from simulator.edge import (
 from simulator.policies import POLICIES
 from simulator.report import table
 from simulator.scenarios import SCENARIOS
+from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
 from wire.routing_policy import RoutingPolicy
 from wire.validation import one_line
 
@@ -55,6 +56,13 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _seed(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
     return value
 
 
@@ -112,6 +120,12 @@ def parser() -> OneLineParser:
         choices=ACCESSES,
         default="anycast",
         help="how clients find their PoP: anycast (default) or dns (nearest stays on DNS)",
+    )
+    run.add_argument(
+        "--deflect-at-waiting",
+        type=_non_negative,
+        default=DEFAULT_DEFLECT_AT_WAITING,
+        help="the node agents' deflect_at_waiting (wire/deflection.py; 0: never deflect)",
     )
     thresholds = default_edge_thresholds()
     edge = run.add_argument_group("edge tier (gateway/tiers.py; defaults: the gateway's)")
@@ -173,6 +187,7 @@ def _run_with_bars(
             args.routing,
             args.access,
             _edge_spec(args),
+            args.deflect_at_waiting,
         )
 
 

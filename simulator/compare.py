@@ -22,6 +22,7 @@ from simulator.run import World, WorldSpec
 from simulator.scenarios import Scenario, workload_of
 from simulator.workload import make_requests
 from simulator.world import build_geography
+from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
 from wire.routing_policy import RoutingPolicy
 
 # progress(policy, num_ended)
@@ -57,12 +58,15 @@ def world_spec(
     routing_policy: RoutingPolicy | None = None,
     access: Access = "anycast",
     edge: EdgeSpec | None = None,
+    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING,
 ) -> WorldSpec:
     geography = build_geography(seed)
     workload = workload_of(scenario, num_requests, calibration)
     requests = make_requests(workload, geography.population_shares(), seed)
     policy = routing_policy or RoutingPolicy()
-    return WorldSpec(scenario, geography, calibration, requests, seed, policy, access, edge)
+    return WorldSpec(
+        scenario, geography, calibration, requests, seed, policy, access, edge, deflect_at_waiting
+    )
 
 
 # The slowest worlds first, so that parallel workers finish together.
@@ -133,9 +137,12 @@ def run_scenario(
     routing_policy: RoutingPolicy | None = None,
     access: Access = "anycast",
     edge: EdgeSpec | None = None,
+    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING,
 ) -> ScenarioResult:
     started_s = time.perf_counter()
-    spec = world_spec(scenario, seed, num_requests, calibration, routing_policy, access, edge)
+    spec = world_spec(
+        scenario, seed, num_requests, calibration, routing_policy, access, edge, deflect_at_waiting
+    )
     if jobs > 1 and len(policies) > 1:
         recorders = _run_parallel(spec, policies, min(jobs, len(policies)), progress)
     else:

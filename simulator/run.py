@@ -32,6 +32,7 @@ from simulator.scenarios import NODES_PER_REGION, Outage, Scenario
 from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
+from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
 from wire.routing_policy import RoutingPolicy
 
 # How often the progress callback hears how many requests have ended (simulated seconds).
@@ -51,6 +52,7 @@ class WorldSpec:
     routing_policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     access: Access = "anycast"  # how clients find their PoP
     edge: EdgeSpec | None = None  # the edge tier (None: none)
+    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' (0: never)
 
 
 def _ingress_url(index: int) -> str:
@@ -124,7 +126,9 @@ class World:
                 for i in range(NODES_PER_REGION[name])
             ]
             assert region.ingress_url is not None
-            self.sites[name] = Site(name, place, region.ingress_url, nodes)
+            self.sites[name] = Site(
+                name, place, region.ingress_url, nodes, deflect_at_waiting=spec.deflect_at_waiting
+            )
             delay_s = geography.true_rtt_ms(place, cp) / 2000.0
             for node in nodes:
                 self.control.add_node(node, f"http://{node.name}.{name}.sim:9001", delay_s)
@@ -143,7 +147,7 @@ class World:
                 f"{name}-0", name, spec.calibration, self.loop, self._on_first_token,
                 self._on_finished,
             )  # fmt: skip
-            sites[pop] = Site(name, place, "", [node])
+            sites[pop] = Site(name, place, "", [node], deflect_at_waiting=0)  # no Envoy before it
         return EdgeTier(spec, sites, auto_requests(spec, self.spec.requests, self.spec.seed))
 
     def _on_first_token(self, job: Job) -> None:

@@ -1,7 +1,12 @@
 """A region's datacenter in the simulation: its nodes behind one ingress.
 
-The ingress sends each request to the live node with the fewest requests in flight (what an
-Envoy least-request balancer does with equal weights); a region that is down answers nothing.
+The ingress is the region's Envoy with the control plane's config (control_plane/xds): it sends
+a request to the live node with the fewest requests in flight (least-request with equal
+weights), and a node that deflects the attempt (wire/deflection.py: another request there is
+still waiting for its first token, but not a deep queue) makes it try the least-loaded node not
+tried yet, as Envoy's retry with the previous-hosts predicate does. The retry's in-region hop
+(about a millisecond, Envoy's back-off included) is not charged. A region that is down answers
+nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.node import Node
+from wire.deflection import DEFAULT_DEFLECT_AT_WAITING, should_deflect
 from wire.geo import Location
 
 
@@ -19,13 +25,29 @@ class Site:
     ingress_url: str
     nodes: list[Node]
     is_up: bool = True
+    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' setting
+    num_deflected: int = 0
 
-    def pick_node(self) -> Node | None:
+    def _least_loaded(self, tried: list[Node]) -> Node | None:
         best: Node | None = None
         best_load = 0
         for node in self.nodes:
-            if node.is_up:
+            if node.is_up and node not in tried:
                 load = node.num_in_flight
                 if best is None or load < best_load:
                     best, best_load = node, load
         return best
+
+    def pick_node(self) -> Node | None:
+        """The node that takes a request arriving now (None: no node is up)."""
+        tried: list[Node] = []
+        attempt = 1
+        while True:
+            node = self._least_loaded(tried)
+            if node is None:  # every live node was tried: Envoy's plain pick, not deflected
+                return self._least_loaded([])
+            if not should_deflect(node.num_not_started, attempt, self.deflect_at_waiting):
+                return node
+            self.num_deflected += 1
+            tried.append(node)
+            attempt += 1

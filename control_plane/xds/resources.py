@@ -8,7 +8,11 @@ Pure functions. The choices that matter for LLM traffic:
   its engine answers 503 without running the request), on another host. Nothing that could have
   run on the engine is retried, and Envoy never retries once response bytes have gone downstream.
   The 503 retry is what keeps a drain free of failures: in step 1 the node stops admitting while
-  Envoy may still send it requests, until step 2 takes it out of EDS.
+  Envoy may still send it requests, until step 2 takes it out of EDS. A 429 marked deflected (a
+  node with a request still waiting for its first token, wire/deflection.py) is retried the same
+  way; Envoy sends the attempt number, so that a node deflects only early attempts. Retries
+  back off by at most `RETRY_BASE_INTERVAL_S` (Envoy's default, 25 ms, would cost more than the
+  prefill wait a deflection saves).
 - Circuit breakers far above Envoy's defaults of 1,024 (long streams would hit them), outlier
   detection on consecutive 5xx, HTTP/1.1 to the node agents, and no update merge window, so a
   weight change applies as soon as it is accepted.
@@ -33,6 +37,7 @@ from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from control_plane.xds.plan import EnvoyPlan
+from wire.deflection import DEFLECTED_HEADER, MAX_DEFLECTIONS
 
 TYPE_PREFIX: Final = "type.googleapis.com/"
 LISTENER_TYPE: Final = TYPE_PREFIX + listener_pb2.Listener.DESCRIPTOR.full_name
@@ -48,9 +53,14 @@ SHORT_NAMES: Final = {
     ROUTE_TYPE: "routes",
 }
 
-RETRY_ON: Final = "connect-failure,refused-stream,reset-before-request,retriable-status-codes"
+RETRY_ON: Final = (
+    "connect-failure,refused-stream,reset-before-request,retriable-status-codes,retriable-headers"
+)
 RETRIABLE_STATUS_CODES: Final = (503,)
 NUM_RETRIES: Final = 2
+# A deflected attempt is retried, and the attempt after the last deflectable one still is.
+assert NUM_RETRIES > MAX_DEFLECTIONS
+RETRY_BASE_INTERVAL_S: Final = 0.002
 # A draining node refuses at once, so it has the fewest requests in flight and least-request
 # picks it for about 3 of 4 retries; each retry re-picks until it lands on another host.
 HOST_SELECTION_ATTEMPTS: Final = 20
@@ -134,6 +144,12 @@ def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
     retry = route_components_pb2.RetryPolicy(
         retry_on=RETRY_ON,
         retriable_status_codes=RETRIABLE_STATUS_CODES,
+        retriable_headers=[
+            route_components_pb2.HeaderMatcher(name=DEFLECTED_HEADER, present_match=True)
+        ],
+        retry_back_off=route_components_pb2.RetryPolicy.RetryBackOff(
+            base_interval=duration_pb2.Duration(nanos=round(RETRY_BASE_INTERVAL_S * 1e9))
+        ),
         num_retries=_u32(NUM_RETRIES),
         retry_host_predicate=[
             route_components_pb2.RetryPolicy.RetryHostPredicate(
@@ -149,7 +165,9 @@ def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
     route = route_components_pb2.Route(
         name="all", match=route_components_pb2.RouteMatch(prefix="/"), route=action
     )
-    host = route_components_pb2.VirtualHost(name="meridian", domains=["*"], routes=[route])
+    host = route_components_pb2.VirtualHost(
+        name="meridian", domains=["*"], routes=[route], include_request_attempt_count=True
+    )
     return route_pb2.RouteConfiguration(name=route_name(plan), virtual_hosts=[host])
 
 

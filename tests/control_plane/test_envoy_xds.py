@@ -40,6 +40,7 @@ from control_plane.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE
 from control_plane.xds.server import XdsServer, lacks_endpoint
 from control_plane.xds.snapshot import Resources, Snapshot
 from control_plane.xds.validation import snapshot_violations
+from wire.deflection import ATTEMPT_COUNT_HEADER, DEFLECTED_HEADER, attempt_of, should_deflect
 
 ENVOY = Path(sys.executable).with_name("envoy")
 pytestmark = [
@@ -60,6 +61,10 @@ class Upstream:
     name: str
     runner: web.AppRunner | None = None
     port: int = 0
+    # "deflects": a node agent with a request waiting (429 + the deflected header on attempt 1);
+    # "overloaded": a full queue (a plain 429).
+    mode: str = "ok"
+    attempts_seen: list[str | None] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -67,6 +72,12 @@ class Upstream:
 
     async def start(self) -> None:
         async def answer(request: web.Request) -> web.Response:
+            attempt = request.headers.get(ATTEMPT_COUNT_HEADER)
+            self.attempts_seen.append(attempt)
+            if self.mode == "overloaded":
+                return web.Response(status=429, text="overloaded")
+            if self.mode == "deflects" and should_deflect(1, attempt_of(attempt), 1):
+                return web.Response(status=429, headers={DEFLECTED_HEADER: "1"})
             return web.Response(text=self.name)
 
         app = web.Application()
@@ -172,9 +183,9 @@ async def cp(settings: Settings, tokens: TokenSet) -> AsyncIterator[LiveControlP
 async def upstreams() -> AsyncIterator[Callable[..., Awaitable[list[Upstream]]]]:
     started: list[Upstream] = []
 
-    async def start(*names: str) -> list[Upstream]:
+    async def start(*names: str, mode: str = "ok") -> list[Upstream]:
         for name in names:
-            upstream = Upstream(name)
+            upstream = Upstream(name, mode=mode)
             await upstream.start()
             started.append(upstream)
         return started[-len(names) :]
@@ -342,6 +353,34 @@ async def test_envoy_proxies_and_follows_capacity_live(
         assert seen["types"][name]["acked_version"] == versions[name]
         assert seen["types"][name]["num_nacks"] == 0
     assert status["num_nacks"] == {} and status["num_invalid_snapshots"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_deflected_first_attempt_is_retried_on_another_node_and_a_full_one_is_not(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    (busy,) = await upstreams("busy", mode="deflects")
+    (idle,) = await upstreams("idle")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    for upstream in (busy, idle):
+        await cp.beat(upstream.name, url=upstream.url, kv_blocks_free=500)
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    # Every request is answered, by the idle node: the busy one deflects each first attempt
+    # (Envoy numbers them) and Envoy retries those on the host it has not tried.
+    assert await send(envoy.url, 60) == {"idle": 60}
+    assert busy.attempts_seen and set(busy.attempts_seen) == {"1"}
+    assert set(idle.attempts_seen) == {"1", "2"}
+
+    # A full queue's plain 429 is the gateway's to handle (another region), not retried here.
+    (full,) = await upstreams("full", mode="overloaded")
+    for upstream in (busy, idle):
+        await cp.admin("POST", f"/v1/nodes/{upstream.name}/drain")
+        await cp.beat(upstream.name, draining=True)
+    await cp.beat("full", url=full.url, kv_blocks_free=500)
+    waited = await cp.xds.wait_for_ack("us-east", weights_are({"full": 100}), PUSH_BUDGET_S)
+    assert waited.is_complete, waited
+    assert await send(envoy.url, 5) == {"status 429": 5}
+    assert full.attempts_seen == ["1"] * 5
 
 
 @pytest.mark.asyncio

@@ -197,8 +197,15 @@ def test_resources_are_fit_for_streams_and_retry_only_before_the_response() -> N
         "refused-stream",
         "reset-before-request",
         "retriable-status-codes",
+        "retriable-headers",
     }
     assert list(action.retry_policy.retriable_status_codes) == [503]  # refused by a node agent
+    # A node's deflected 429 (wire/deflection.py) is retried elsewhere, promptly; other 429s
+    # (a full queue) are not, and each node is told which attempt it gets.
+    (matcher,) = action.retry_policy.retriable_headers
+    assert matcher.name == "x-meridian-deflected" and matcher.present_match
+    assert action.retry_policy.retry_back_off.base_interval.ToNanoseconds() == 2_000_000
+    assert config.virtual_hosts[0].include_request_attempt_count
 
     (cluster,) = resources[CLUSTER_TYPE]
     assert isinstance(cluster, cluster_pb2.Cluster)

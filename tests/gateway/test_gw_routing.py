@@ -75,6 +75,19 @@ def test_nearest_idle_region_first_then_the_rest_by_cost() -> None:
     assert plan.reason == "only"
 
 
+def test_each_new_document_and_its_policy_are_costed_afresh() -> None:
+    # The summary-derived part of the cost is kept between requests, never between documents.
+    r = router(summary("us-east"), summary("eu-west"))
+    assert order(r) == ["us-east", "eu-west"]
+    loaded = [summary("us-east", queue_s=2.0), summary("eu-west")]
+    r.update(RegionSummaryIndex(index=2, regions=loaded, routing=RoutingPolicy()))
+    assert order(r) == ["eu-west", "us-east"]
+    # A policy that ignores queues (queue_weight 0) puts the nearest region first again.
+    policy = RoutingPolicy(queue_weight=0.0)
+    r.update(RegionSummaryIndex(index=3, regions=loaded, routing=policy))
+    assert order(r) == ["us-east", "eu-west"]
+
+
 def test_queueing_delay_outweighs_distance() -> None:
     r = router(summary("us-east", queue_s=2.0), summary("eu-west"))
     assert order(r) == ["eu-west", "us-east"]
@@ -154,7 +167,7 @@ def test_saturated_and_open_circuit_regions_go_last() -> None:
 
 def test_two_choices_spread_load_over_near_best_regions() -> None:
     r = router(summary("us-east"), summary("toronto"), summary("eu-west"))
-    first = Counter()
+    first: Counter[str] = Counter()
     for _ in range(200):
         plan = r.plan(10)
         assert plan.reason == "p2c"

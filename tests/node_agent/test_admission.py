@@ -8,7 +8,8 @@ import pytest
 
 from node_agent.admission import Admission
 from node_agent.drain import Drain
-from node_agent.errors import OverloadedError
+from node_agent.errors import DeflectedError, OverloadedError
+from wire.deflection import attempt_of
 
 
 def test_queue_depth_counts_requests_without_a_first_token() -> None:
@@ -63,3 +64,29 @@ def test_drain_upgraded_to_exit_after_it_finished_still_exits() -> None:
         return events
 
     assert asyncio.run(scenario()) == ["drained"]
+
+
+def test_an_early_envoy_attempt_is_deflected_while_another_request_waits() -> None:
+    admission = Admission(10, 1, deflect_at_waiting=1)
+    first = admission.admit(0, attempt=1)  # nothing waits here: taken
+    with pytest.raises(DeflectedError) as deflected:
+        admission.admit(0, attempt=1)  # the first is still waiting for its first token
+    assert deflected.value.status_code == 429
+    assert deflected.value.headers() == {"x-meridian-deflected": "1"}
+    second = admission.admit(0, attempt=2)  # Envoy's retry: past the last deflectable
+    third = admission.admit(0, attempt=None)  # not through Envoy: never deflected
+    assert admission.num_deflected == 1 and admission.num_in_flight == 3
+    # Three waiting is a deep queue (past 1 + DEFLECT_WINDOW): the neighbours are as busy.
+    admission.admit(0, attempt=1).release()
+    for ticket in (first, second, third):
+        ticket.mark_started()
+    admission.admit(0, attempt=1).release()  # nothing waits any more
+    with pytest.raises(DeflectedError):
+        admission.admit(engine_num_waiting=1, attempt=1)  # the engine's count counts too
+    assert Admission(10, 1, deflect_at_waiting=0).admit(5, attempt=1) is not None  # 0: off
+
+
+def test_envoy_attempt_header_is_read_strictly() -> None:
+    assert [attempt_of(h) for h in ("1", "3", None, "", "0", "-1", "x", "2.0")] == [
+        1, 3, None, None, None, None, None, None,
+    ]  # fmt: skip

@@ -43,7 +43,9 @@ def tight_node(server_loop: BackgroundLoop, shared_llm: AsyncLLM) -> Iterator[No
     handle.stop()
 
 
-async def _burst(base_url: str, num_requests: int) -> list[httpx.Response]:
+async def _burst(
+    base_url: str, num_requests: int, headers: dict[str, str] | None = None
+) -> list[httpx.Response]:
     words = " ".join(["river", "stone", "light", "garden"] * 60)  # a few hundred tokens
     body = {
         "model": MODEL_NAME,
@@ -52,7 +54,10 @@ async def _burst(base_url: str, num_requests: int) -> list[httpx.Response]:
     }
     async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as http:
         return await asyncio.gather(
-            *(http.post("/v1/chat/completions", json=body) for _ in range(num_requests))
+            *(
+                http.post("/v1/chat/completions", json=body, headers=headers)
+                for _ in range(num_requests)
+            )
         )
 
 
@@ -71,6 +76,24 @@ def test_overload_gets_429_with_retry_after(tight_node: NodeHandle) -> None:
     assert tight_node.runtime.admission.num_in_flight == 0
     # Once the queue is empty again, requests are admitted.
     assert [r.status_code for r in asyncio.run(_burst(tight_node.base_url, 1))] == [200]
+
+
+def test_envoy_first_attempts_are_deflected_while_a_request_waits(tight_node: NodeHandle) -> None:
+    assert wait_until(lambda: engine_idle(tight_node))
+    first_attempt = {"x-envoy-attempt-count": "1"}
+    responses = asyncio.run(_burst(tight_node.base_url, 4, first_attempt))
+    statuses = [r.status_code for r in responses]
+    assert statuses.count(200) >= 1 and 429 in statuses, statuses
+    for response in responses:
+        if response.status_code == 429:  # deflected, not overloaded: Envoy retries elsewhere
+            assert response.headers["x-meridian-deflected"] == "1"
+            assert response.json()["error"]["code"] == "deflected"
+    assert tight_node.runtime.admission.num_deflected >= 1
+    assert wait_until(lambda: engine_idle(tight_node))
+    # A retry (attempt 2) is never deflected; with nothing waiting, neither is attempt 1.
+    for attempt in ("2", "1"):
+        burst = asyncio.run(_burst(tight_node.base_url, 1, {"x-envoy-attempt-count": attempt}))
+        assert [r.status_code for r in burst] == [200]
 
 
 def _scrape(node: NodeHandle) -> dict[str, float]:

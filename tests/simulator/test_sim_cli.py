@@ -21,6 +21,7 @@ from simulator.scenarios import SCENARIOS
         (["run"], "required: --scenario"),
         (["run", "--scenario", "steady", "--edge", "--auto-share", "2"], "must be within 0-1"),
         (["run", "--scenario", "steady", "--edge-max-tokens", "0"], "must be at least 1"),
+        (["run", "--scenario", "steady", "--deflect-at-waiting", "-1"], "must be at least 0"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(
