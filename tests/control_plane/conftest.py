@@ -32,7 +32,7 @@ from control_plane.tokens import TokenSet
 from stack.postgres import LocalPostgres, PostgresNotFoundError, find_bin_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MAX_START_S = 60.0  # a deadline, not a wait: a process starting on a loaded 2-core machine takes 20 s+
+MAX_START_S = 60.0  # a deadline, not a wait: on a loaded 2-core machine a start takes 20 s+
 
 
 def new_tokens() -> TokenSet:
