@@ -16,9 +16,10 @@ from node_helpers import (
     start_node,
 )
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.tokenizer import Tokenizer
+from node_agent.runtime import load_engine
 
 
 @pytest.fixture(autouse=True)
@@ -37,12 +38,13 @@ def server_loop() -> Iterator[BackgroundLoop]:
 
 
 @pytest.fixture(scope="session")
-def shared_llm(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[AsyncLLM]:
-    """The real model, loaded once and started on the servers' loop."""
+def shared_llm(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[AsyncEngine]:
+    """The real model, loaded once in an engine core process and started on the servers'
+    loop."""
     config = EngineConfig(
         model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
     )
-    llm = AsyncLLM.from_config(config)
+    llm = load_engine(config, separate_process=True)  # the node agent's default
     server_loop.call(llm.start)
     yield llm
     server_loop.run(llm.shutdown())
@@ -55,7 +57,7 @@ def tokenizer(smollm2_gguf: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def node(server_loop: BackgroundLoop, shared_llm: AsyncLLM) -> Iterator[NodeHandle]:
+def node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
     """A node agent with default settings over the shared engine."""
     handle = start_node(server_loop, shared_llm)
     yield handle

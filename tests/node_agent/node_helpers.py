@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 from engine.llm_engine import EngineStats
 from node_agent.app import create_app
 from node_agent.runtime import NodeRuntime
@@ -111,7 +111,7 @@ class NodeHandle:
 
 
 def start_node(
-    loop: BackgroundLoop, llm: AsyncLLM | None, wait_ready: bool = True, **overrides: Any
+    loop: BackgroundLoop, llm: AsyncEngine | None, wait_ready: bool = True, **overrides: Any
 ) -> NodeHandle:
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -22,8 +22,8 @@ from node_helpers import (
     start_node,
 )
 
-from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from node_agent.runtime import load_engine
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def fp32_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeH
         model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN,
         dtype="float32",
     )
-    llm = AsyncLLM.from_config(config)
+    llm = load_engine(config, separate_process=True)
     server_loop.call(llm.start)
     handle = start_node(server_loop, llm)
     yield handle
