@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -84,6 +85,9 @@ class EngineCoreClient(AsyncEngine):
     async def shutdown(self) -> None:
         self._stopping = True
         self._commands.put(StopCore())
+        if not self._threads:  # never started: no writer will carry the stop across
+            with contextlib.suppress(OSError):
+                self._pipe.send([StopCore()])
         await asyncio.to_thread(_stop_process, self.process, _STOP_TIMEOUT_S)
         self._pipe.close()
         for thread in self._threads:

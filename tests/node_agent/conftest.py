@@ -9,17 +9,14 @@ from pathlib import Path
 
 import pytest
 from node_helpers import (
-    MAX_MODEL_LEN,
-    NUM_KV_BLOCKS,
     BackgroundLoop,
     NodeHandle,
+    start_engine,
     start_node,
 )
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.tokenizer import Tokenizer
-from node_agent.runtime import load_engine
 
 
 @pytest.fixture(autouse=True)
@@ -41,11 +38,7 @@ def server_loop() -> Iterator[BackgroundLoop]:
 def shared_llm(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[AsyncEngine]:
     """The real model, loaded once in an engine core process and started on the servers'
     loop."""
-    config = EngineConfig(
-        model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
-    )
-    llm = load_engine(config, separate_process=True)  # the node agent's default
-    server_loop.call(llm.start)
+    llm = start_engine(server_loop, smollm2_gguf)
     yield llm
     server_loop.run(llm.shutdown())
 

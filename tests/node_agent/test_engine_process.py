@@ -17,22 +17,19 @@ import httpx
 import psutil
 import pytest
 from node_helpers import (
-    MAX_MODEL_LEN,
     MODEL_NAME,
-    NUM_KV_BLOCKS,
     BackgroundLoop,
     NodeHandle,
     engine_idle,
     free_port,
+    start_engine,
     start_node,
     wait_until,
 )
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
 from engine.sampling_params import SamplingParams
-from node_agent.runtime import load_engine
 
 pytestmark = pytest.mark.slow
 
@@ -81,11 +78,7 @@ def test_an_abort_ends_the_stream_with_finish_reason_abort(
 @pytest.fixture
 def doomed_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeHandle]:
     """A node agent over an engine core of its own, which the test kills."""
-    config = EngineConfig(
-        model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
-    )
-    llm = load_engine(config, separate_process=True)
-    server_loop.call(llm.start)
+    llm = start_engine(server_loop, smollm2_gguf)
     handle = start_node(server_loop, llm)
     yield handle
     handle.stop()
