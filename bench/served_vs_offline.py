@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM must still stop the node agents (the `finally` of `_nodes`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from engine import LLM
 
     model = str(resolve_model(args.model))

@@ -117,10 +117,13 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
-def test_the_core_exits_when_the_node_agent_is_killed(smollm2_gguf: Path) -> None:
+def test_the_core_and_its_workers_exit_when_the_node_agent_is_killed(smollm2_gguf: Path) -> None:
+    # Two pipeline stages: the core starts a parallel worker of its own, which must go too.
     port = free_port()
     command = [sys.executable, "-m", "node_agent", "--model", str(smollm2_gguf),
-               "--port", str(port), "--num-kv-blocks", "64", "--log-level", "WARNING"]
+               "--served-model-name", MODEL_NAME, "--port", str(port), "--num-kv-blocks", "64",
+               "--pipeline-parallel-size", "2",
+               "--log-level", "WARNING"]
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     agent = subprocess.Popen(command, env=env)
     try:
@@ -134,9 +137,12 @@ def test_the_core_exits_when_the_node_agent_is_killed(smollm2_gguf: Path) -> Non
             time.sleep(0.2)
         else:
             pytest.fail("the node agent did not become ready")
+        body = {"model": MODEL_NAME, "prompt": "One, two,", "max_tokens": 4, "temperature": 0}
+        served = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
         children = _descendants(agent.pid)
-        cores = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
-        assert len(cores) == 1
+        spawned = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+        assert len(spawned) == 2  # the core, and the worker it started
         agent.send_signal(signal.SIGKILL)
         agent.wait(10)
         _, alive = psutil.wait_procs(children, timeout=WITHIN_S + 5.0)
