@@ -56,7 +56,8 @@ def _free_port() -> int:
 def _start_node(mode: str, model: str, args: argparse.Namespace) -> Node:
     port = _free_port()
     command = [
-        sys.executable, "-m", "node_agent", "--model", model, "--port", str(port),
+        sys.executable, "-m", "node_agent", "--model", model, "--served-model-name", args.model,
+        "--port", str(port),
         "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.concurrency),
         "--log-level", "WARNING", MODES[mode],
     ]
@@ -131,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     num_errors = 0
     with _nodes(modes, model, args) as nodes:
         for node in nodes:
-            asyncio.run(run_level(node.url, args.model, "unused", warmup, args.concurrency,
-                                  quiet=True))
+            level = asyncio.run(run_level(node.url, args.model, "unused", warmup,
+                                          args.concurrency, quiet=True))
+            if level.num_errors:
+                raise RuntimeError(f"the {node.mode} node's warm-up failed: {level.errors}")
         for round_index in range(args.rounds):
             shift = round_index % (len(nodes) + 1)
             order: list[Node | None] = [None, *nodes]
