@@ -122,7 +122,7 @@ def test_the_core_and_its_workers_exit_when_the_node_agent_is_killed(smollm2_ggu
     port = free_port()
     command = [sys.executable, "-m", "node_agent", "--model", str(smollm2_gguf),
                "--served-model-name", MODEL_NAME, "--port", str(port), "--num-kv-blocks", "64",
-               "--pipeline-parallel-size", "2",
+               "--pipeline-parallel-size", "2", "--engine-process",
                "--log-level", "WARNING"]
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     agent = subprocess.Popen(command, env=env)
