@@ -2,9 +2,8 @@
 
 The engine is synchronous and single-threaded; requests and aborts reach it through a
 thread-safe queue read between steps, and each step's outputs go back to the event loop in one
-call. Its threads then share the process (and its cores) with the server's event loop; a node
-agent started with `--engine-process` runs the core in a process of its own instead
-(engine/core_client.py).
+call. Its threads then share the process (and its cores) with the server's event loop: a node
+agent runs the core in a process of its own by default (engine/core_client.py).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        help="run the engine core in its own process (default: --no-engine-process, a thread)",
+        help="run the engine core in its own process (default; --no-engine-process: a thread)",
     )
     add("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds to finish in flight")
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

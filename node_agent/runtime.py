@@ -30,7 +30,7 @@ CONTROL_PLANE_DRAIN = "the control plane asked"
 
 
 def load_engine(config: EngineConfig, separate_process: bool) -> AsyncEngine:
-    """The engine core in a process of its own, or on a thread of this one (the default)."""
+    """The engine core in a process of its own (the default), or on a thread of this one."""
     if separate_process:
         return EngineCoreClient.from_config(config)
     return AsyncLLM.from_config(config)

@@ -61,9 +61,7 @@ class NodeAgentSettings(BaseSettings):
     max_num_batched_tokens: int = Field(default=512, ge=1)
     # The engine core (scheduler and model stepping) in a process of its own, so that HTTP and
     # the event loop do not take cores from its threads; False: on a thread of this process.
-    # Off by default: on the 2-core machine it was measured on it served 0.63-0.69x of the
-    # thread's throughput (docs/benchmarks.md).
-    engine_process: bool = False
+    engine_process: bool = True
 
     # Where to listen, and who this node is.
     host: str = "127.0.0.1"

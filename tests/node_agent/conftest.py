@@ -36,8 +36,8 @@ def server_loop() -> Iterator[BackgroundLoop]:
 
 @pytest.fixture(scope="session")
 def shared_llm(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[AsyncEngine]:
-    """The real model, loaded once in an engine core process (`--engine-process`; the thread
-    is the default, which tests/test_llm_api.py covers) and started on the servers' loop."""
+    """The real model, loaded once in an engine core process and started on the servers'
+    loop."""
     llm = start_engine(server_loop, smollm2_gguf)
     yield llm
     server_loop.run(llm.shutdown())

@@ -61,8 +61,8 @@ class BackgroundLoop:
 
 
 def start_engine(loop: BackgroundLoop, gguf: Path, **overrides: Any) -> AsyncEngine:
-    """The real model in an engine core process (`--engine-process`), started on `loop`, with
-    the tests' small pool."""
+    """The real model in an engine core process (the node agent's default), started on `loop`,
+    with the tests' small pool."""
     values: dict[str, Any] = {"num_kv_blocks": NUM_KV_BLOCKS, "max_model_len": MAX_MODEL_LEN}
     llm = load_engine(EngineConfig(model=str(gguf), **(values | overrides)), separate_process=True)
     loop.call(llm.start)
