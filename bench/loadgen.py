@@ -18,12 +18,16 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from bench.workload import WorkloadRequest, make_workload
 from engine.model_store import DEFAULT_MODEL, resolve_model
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 REQUEST_TIMEOUT_S = 600.0
 WARMUP_MAX_TOKENS = 4
@@ -167,9 +171,15 @@ def summarize(concurrency: int, results: list[RequestResult], duration_s: float)
 
 def run_offline(model: str, workload: list[WorkloadRequest], max_num_seqs: int) -> dict[str, float]:
     """The engine's own throughput on the same workload, in this process (no HTTP)."""
-    from engine import LLM, SamplingParams, TokensPrompt
+    from engine import LLM
 
-    llm = LLM(model, max_num_seqs=max_num_seqs)
+    return time_offline(LLM(model, max_num_seqs=max_num_seqs), workload, max_num_seqs)
+
+
+def time_offline(llm: LLM, workload: list[WorkloadRequest], max_num_seqs: int) -> dict[str, float]:
+    """One offline pass of `workload` through a loaded `llm`, after an unmeasured warm-up."""
+    from engine import SamplingParams, TokensPrompt
+
     prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
               for r in workload]

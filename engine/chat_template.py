@@ -39,6 +39,11 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise UnsupportedModelError(f"the chat template does not compile: {exc}") from exc
 
+    def __reduce__(self) -> tuple[type[ChatTemplate], tuple[str]]:
+        # A compiled template does not pickle; its source does (the tokenizer crosses to the
+        # node agent's process from the engine core's, engine/core_client.py).
+        return ChatTemplate, (self.source,)
+
     def render(
         self,
         messages: Sequence[ChatMessage],

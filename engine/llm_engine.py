@@ -21,6 +21,7 @@ from engine.model_runner import RunnerShape
 from engine.model_store import resolve_model
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
+from engine.request_limits import RequestLimits, check_cache_salt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -50,11 +51,6 @@ class EngineStats:
     decode_tokens_per_s: float
 
 
-def check_cache_salt(cache_salt: str | None) -> None:
-    if cache_salt is not None and not cache_salt:
-        raise InvalidRequestError("cache_salt must be a non-empty string if given")
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -81,6 +77,7 @@ class LLMEngine:
         self.executor.allocate_kv_cache(num_blocks, config.max_num_seqs)
         # A request alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(context_len, num_blocks * config.block_size)
+        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size)
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), kv_cache
@@ -173,24 +170,7 @@ class LLMEngine:
     ) -> None:
         """Raise InvalidRequestError if this prompt cannot run. Reads only state fixed at
         start-up, so a server may call it from its own thread before queueing the request."""
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        resumed_token_ids = resumed_token_ids or []
-        num_tokens = len(token_ids) + len(resumed_token_ids)
-        if num_tokens >= self.max_model_len:
-            what = "the prompt and resumed output have" if resumed_token_ids else "the prompt has"
-            raise InvalidRequestError(
-                f"{what} {num_tokens} tokens, but this model's context is "
-                f"{self.max_model_len} tokens, and at least one must be left to generate"
-            )
-        vocab_size = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
-        resumed = resumed_token_ids
-        if resumed and (min(resumed) < 0 or max(resumed) >= vocab_size):
-            raise InvalidRequestError(f"resumed token ids must be in [0, {vocab_size})")
-        if any(t >= vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})")
+        self.limits.check(token_ids, params, resumed_token_ids)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Stop these requests now and free their blocks; unknown ids are ignored."""

@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-num-seqs", type=int, help="most requests in one batch (64)")
     add("--max-num-batched-tokens", type=int, help="most tokens in one step (512)")
     add("--dtype", help="auto, float32, bfloat16 or float16")
+    add(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="run the engine core in its own process (default; --no-engine-process: a thread)",
+    )
     add("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds to finish in flight")
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)

@@ -155,7 +155,7 @@ def _model_card(runtime: NodeRuntime) -> JSON:
         "root": runtime.settings.model,
     }
     if runtime.llm is not None:
-        card["max_model_len"] = runtime.llm.engine.max_model_len
+        card["max_model_len"] = runtime.llm.max_model_len
     return card
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 from node_agent.api import router
 from node_agent.auth import ServingAuthMiddleware
 from node_agent.consul import ConsulRegistration
@@ -28,7 +28,7 @@ from node_agent.settings import NodeAgentSettings
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: NodeAgentSettings, llm: AsyncLLM | None = None) -> FastAPI:
+def create_app(settings: NodeAgentSettings, llm: AsyncEngine | None = None) -> FastAPI:
     runtime = NodeRuntime(settings)
 
     @contextlib.asynccontextmanager

@@ -11,7 +11,10 @@ import logging
 import time
 from collections.abc import Callable
 
+from engine.async_engine import AsyncEngine
 from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient
 from engine.llm_engine import EngineStats
 from node_agent.admission import Admission, Ticket
 from node_agent.drain import Drain
@@ -26,13 +29,20 @@ logger = logging.getLogger(__name__)
 CONTROL_PLANE_DRAIN = "the control plane asked"
 
 
+def load_engine(config: EngineConfig, separate_process: bool) -> AsyncEngine:
+    """The engine core in a process of its own (the default), or on a thread of this one."""
+    if separate_process:
+        return EngineCoreClient.from_config(config)
+    return AsyncLLM.from_config(config)
+
+
 class NodeRuntime:
     def __init__(self, settings: NodeAgentSettings):
         self.settings = settings
         self.model_name = settings.model_name
         self.node_id = settings.resolved_node_id
         self.started_at = int(time.time())
-        self.llm: AsyncLLM | None = None
+        self.llm: AsyncEngine | None = None
         self.serving: Serving | None = None
         self.load_error: BaseException | None = None
         self.admission = Admission(
@@ -54,7 +64,9 @@ class NodeRuntime:
     async def load(self) -> None:
         """Load the engine in a thread (seconds); on failure, record it and stop the server."""
         try:
-            llm = await asyncio.to_thread(AsyncLLM.from_config, self.settings.engine_config())
+            llm = await asyncio.to_thread(
+                load_engine, self.settings.engine_config(), self.settings.engine_process
+            )
         except Exception as exc:  # any load failure ends the node; it is reported, not raised
             logger.error("could not load %s: %s", self.settings.model, exc)
             self.load_error = exc
@@ -63,7 +75,7 @@ class NodeRuntime:
         llm.start()
         self.attach(llm)
 
-    def attach(self, llm: AsyncLLM) -> None:
+    def attach(self, llm: AsyncEngine) -> None:
         self.llm = llm
         self.serving = Serving(llm, self.model_name)
         stats = llm.stats()
@@ -73,7 +85,7 @@ class NodeRuntime:
             self.model_name,
             stats.kv_blocks_total,
             stats.block_size,
-            llm.engine.max_model_len,
+            llm.max_model_len,
         )
 
     def stats(self) -> EngineStats | None:

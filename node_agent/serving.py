@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatMessage
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.outputs import RequestOutput
@@ -49,10 +49,10 @@ class PreparedRequest:
 class Serving:
     """Serves one loaded model."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    def __init__(self, llm: AsyncEngine, model_name: str):
         self.llm = llm
         self.model_name = model_name
-        self.max_model_len = llm.engine.max_model_len
+        self.max_model_len = llm.max_model_len
         self.texts = TokenTexts(llm.tokenizer)
 
     async def prepare_chat(
@@ -165,7 +165,7 @@ class Serving:
     ) -> PreparedRequest:
         resumed = list(body.resume_token_ids or ())
         try:
-            self.llm.engine.check_request(token_ids, params, resumed)
+            self.llm.check_request(token_ids, params, resumed)
         except InvalidRequestError as exc:
             param = "resume_token_ids" if "resumed" in str(exc) else "prompt"
             raise BadRequestError(str(exc), param=param) from exc

@@ -60,6 +60,9 @@ class NodeAgentSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
+    # The engine core (scheduler and model stepping) in a process of its own, so that HTTP and
+    # the event loop do not take cores from its threads; False: on a thread of this process.
+    engine_process: bool = True
 
     # Where to listen, and who this node is.
     host: str = "127.0.0.1"

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 from node_helpers import (
-    MAX_MODEL_LEN,
-    NUM_KV_BLOCKS,
     BackgroundLoop,
     NodeHandle,
+    start_engine,
     start_node,
 )
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
+from engine.async_engine import AsyncEngine
 from engine.tokenizer import Tokenizer
 
 
@@ -37,13 +35,10 @@ def server_loop() -> Iterator[BackgroundLoop]:
 
 
 @pytest.fixture(scope="session")
-def shared_llm(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[AsyncLLM]:
-    """The real model, loaded once and started on the servers' loop."""
-    config = EngineConfig(
-        model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
-    )
-    llm = AsyncLLM.from_config(config)
-    server_loop.call(llm.start)
+def shared_llm(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[AsyncEngine]:
+    """The real model, loaded once in an engine core process and started on the servers'
+    loop."""
+    llm = start_engine(server_loop, smollm2_gguf)
     yield llm
     server_loop.run(llm.shutdown())
 
@@ -55,7 +50,7 @@ def tokenizer(smollm2_gguf: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def node(server_loop: BackgroundLoop, shared_llm: AsyncLLM) -> Iterator[NodeHandle]:
+def node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
     """A node agent with default settings over the shared engine."""
     handle = start_node(server_loop, shared_llm)
     yield handle

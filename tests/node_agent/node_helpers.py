@@ -10,14 +10,16 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.llm_engine import EngineStats
 from node_agent.app import create_app
-from node_agent.runtime import NodeRuntime
+from node_agent.runtime import NodeRuntime, load_engine
 from node_agent.server import NodeServer, bind_socket
 from node_agent.settings import NodeAgentSettings
 
@@ -56,6 +58,15 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
+
+
+def start_engine(loop: BackgroundLoop, gguf: Path, **overrides: Any) -> AsyncEngine:
+    """The real model in an engine core process (the node agent's default), started on `loop`,
+    with the tests' small pool."""
+    values: dict[str, Any] = {"num_kv_blocks": NUM_KV_BLOCKS, "max_model_len": MAX_MODEL_LEN}
+    llm = load_engine(EngineConfig(model=str(gguf), **(values | overrides)), separate_process=True)
+    loop.call(llm.start)
+    return llm
 
 
 def free_port() -> int:
@@ -111,7 +122,7 @@ class NodeHandle:
 
 
 def start_node(
-    loop: BackgroundLoop, llm: AsyncLLM | None, wait_ready: bool = True, **overrides: Any
+    loop: BackgroundLoop, llm: AsyncEngine | None, wait_ready: bool = True, **overrides: Any
 ) -> NodeHandle:
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]

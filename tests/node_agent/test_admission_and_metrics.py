@@ -17,7 +17,7 @@ from node_helpers import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ HISTOGRAMS = {
 
 
 @pytest.fixture(scope="module")
-def tight_node(server_loop: BackgroundLoop, shared_llm: AsyncLLM) -> Iterator[NodeHandle]:
+def tight_node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
     """A node that lets at most one request wait."""
     handle = start_node(server_loop, shared_llm, max_num_waiting_requests=1, retry_after_s=2)
     yield handle

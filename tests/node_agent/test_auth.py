@@ -10,7 +10,7 @@ import openai
 import pytest
 from node_helpers import MODEL_NAME, BackgroundLoop, NodeHandle, start_node
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ CHAT_BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}
 
 
 @pytest.fixture(scope="module")
-def guarded(server_loop: BackgroundLoop, shared_llm: AsyncLLM) -> Iterator[NodeHandle]:
+def guarded(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
     handle = start_node(server_loop, shared_llm, serving_token=SERVING_TOKEN)
     yield handle
     handle.stop()

@@ -12,7 +12,7 @@ import pytest
 from consul_standin import ConsulStandIn
 from node_helpers import MODEL_NAME, BackgroundLoop, free_port, start_node, wait_until
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 from node_agent.consul import parse_consul_addr
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def consul_agent(server_loop: BackgroundLoop) -> Iterator[ConsulView]:
 
 
 def test_node_registers_keeps_its_ttl_check_and_deregisters(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, consul_agent: ConsulView
+    server_loop: BackgroundLoop, shared_llm: AsyncEngine, consul_agent: ConsulView
 ) -> None:
     node = start_node(
         server_loop, shared_llm, consul=consul_agent.addr, heartbeat_interval_s=0.1

@@ -15,7 +15,7 @@ from consul_standin import ConsulStandIn
 from fake_control_plane import TOKEN, FakeControlPlane
 from node_helpers import MODEL_NAME, BackgroundLoop, NodeHandle, free_port, start_node, wait_until
 
-from engine.async_llm import AsyncLLM
+from engine.async_engine import AsyncEngine
 from wire.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def control_plane(server_loop: BackgroundLoop) -> Iterator[FakeControlPlane]:
 
 
 def start_reporting_node(
-    loop: BackgroundLoop, llm: AsyncLLM, cp: FakeControlPlane, **overrides: Any
+    loop: BackgroundLoop, llm: AsyncEngine, cp: FakeControlPlane, **overrides: Any
 ) -> NodeHandle:
     return start_node(
         loop,
@@ -52,7 +52,7 @@ def _gaps(times: list[float]) -> list[float]:
 
 
 def test_heartbeats_match_the_schema_back_off_and_resume(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
 ) -> None:
     node = start_reporting_node(server_loop, shared_llm, control_plane)
     try:
@@ -96,7 +96,7 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
 
 
 def test_heartbeats_fail_over_between_control_plane_replicas(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
 ) -> None:
     other = FakeControlPlane(free_port(), interval_s=INTERVAL_S)
     server_loop.run(other.start())
@@ -134,7 +134,7 @@ def _stream_lines(response: httpx.Response) -> Iterator[str]:
 
 
 def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
 ) -> None:
     node = start_reporting_node(server_loop, shared_llm, control_plane)
     body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 30,
@@ -185,7 +185,7 @@ def _consul_services(standin: ConsulStandIn) -> dict[str, Any]:
 
 def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
     server_loop: BackgroundLoop,
-    shared_llm: AsyncLLM,
+    shared_llm: AsyncEngine,
     control_plane: FakeControlPlane,
     consul_standin: ConsulStandIn,
 ) -> None:
@@ -237,7 +237,7 @@ def _sigterm(loop: BackgroundLoop, node: NodeHandle) -> None:
 
 
 def test_sigterm_waits_for_may_exit_while_the_control_plane_is_reachable(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
 ) -> None:
     node = start_reporting_node(server_loop, shared_llm, control_plane)
     try:
@@ -255,7 +255,7 @@ def test_sigterm_waits_for_may_exit_while_the_control_plane_is_reachable(
 
 
 def test_sigterm_exits_once_idle_when_the_control_plane_is_away(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
 ) -> None:
     node = start_reporting_node(server_loop, shared_llm, control_plane)
     try:
@@ -270,7 +270,7 @@ def test_sigterm_exits_once_idle_when_the_control_plane_is_away(
 
 
 def test_sigterm_wait_for_may_exit_is_bounded_by_the_drain_timeout(
-    server_loop: BackgroundLoop, shared_llm: AsyncLLM, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
 ) -> None:
     node = start_reporting_node(server_loop, shared_llm, control_plane, drain_timeout_s=0.5)
     try:

@@ -10,36 +10,29 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from node_helpers import (
-    MAX_MODEL_LEN,
     MODEL_NAME,
-    NUM_KV_BLOCKS,
     BackgroundLoop,
     NodeHandle,
+    start_engine,
     start_node,
 )
-
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def fp32_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeHandle]:
-    config = EngineConfig(
-        model=str(smollm2_gguf), num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN,
-        dtype="float32",
-    )
-    llm = AsyncLLM.from_config(config)
-    server_loop.call(llm.start)
+    llm = start_engine(server_loop, smollm2_gguf, dtype="float32")
     handle = start_node(server_loop, llm)
     yield handle
     handle.stop()
     server_loop.run(llm.shutdown())
+
 
 CHAT = {
     "model": MODEL_NAME,
@@ -47,7 +40,7 @@ CHAT = {
     "max_tokens": 24,
     "ignore_eos": True,
 }
-SAMPLINGS = {
+SAMPLINGS: dict[str, dict[str, object]] = {
     "greedy": {"temperature": 0},
     "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
     # A stop string holds text back while it could be forming: the resume must hold the same.
@@ -55,7 +48,7 @@ SAMPLINGS = {
 }
 
 
-def stream(node: NodeHandle, body: dict[str, object]) -> list[dict[str, object]]:
+def stream(node: NodeHandle, body: dict[str, object]) -> list[dict[str, Any]]:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     response = httpx.post(node.base_url + "/v1/chat/completions", json=body, timeout=120.0)
     assert response.status_code == 200, response.text
@@ -64,10 +57,10 @@ def stream(node: NodeHandle, body: dict[str, object]) -> list[dict[str, object]]
     return [json.loads(e) for e in events[:-1]]
 
 
-def content_and_ids(chunks: list[dict[str, object]]) -> list[tuple[str, list[int]]]:
+def content_and_ids(chunks: list[dict[str, Any]]) -> list[tuple[str, list[int]]]:
     pieces = []
     for chunk in chunks:
-        for choice in chunk["choices"]:  # type: ignore[attr-defined]
+        for choice in chunk["choices"]:
             delta = choice["delta"]
             if "role" not in delta:
                 pieces.append((delta.get("content") or "", choice.get("token_ids", [])))
@@ -96,13 +89,13 @@ def test_a_resumed_stream_continues_exactly_as_the_unbroken_one(
     text = "".join(c for c, _ in unbroken)
     assert "".join(c for c, _ in sent) + "".join(c for c, _ in resumed) == text
     usage = resumed_chunks[-1]["usage"]
-    prompt = stream(node, {**body, "max_tokens": 1})[-1]["usage"]["prompt_tokens"]  # type: ignore[index]
-    assert usage["prompt_tokens"] == prompt + num_sent  # type: ignore[index]
-    assert usage["completion_tokens"] == len(ids) - num_sent  # type: ignore[index]
+    prompt = stream(node, {**body, "max_tokens": 1})[-1]["usage"]["prompt_tokens"]
+    assert usage["prompt_tokens"] == prompt + num_sent
+    assert usage["completion_tokens"] == len(ids) - num_sent
     # The first chunk says what the node prefilled: the prompt, then the resumed ids.
     prompt_ids = resumed_chunks[0]["prompt_token_ids"]
-    assert len(prompt_ids) == usage["prompt_tokens"]  # type: ignore[arg-type,index]
-    assert prompt_ids[-num_sent:] == ids[:num_sent]  # type: ignore[index]
+    assert len(prompt_ids) == usage["prompt_tokens"]
+    assert prompt_ids[-num_sent:] == ids[:num_sent]
     assert all("prompt_token_ids" not in c for c in resumed_chunks[1:])
 
 

@@ -1,0 +1,140 @@
+"""The serving API's front: per-request output streams over an engine core that runs elsewhere.
+
+`generate` checks and tokenizes a request here, sends it to the core, and yields what the core
+sends back; the core runs on a thread of this process (engine/async_llm.py, `AsyncLLM`) or in a
+process of its own (engine/core_client.py, `EngineCoreClient`). Subclasses deliver each batch
+of the core's outputs to `_receive` on the event loop, and a failure of the core to `_fail`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+
+from engine.engine_core import AbortRequest, AddRequest, Command, CoreOutputs
+from engine.errors import EngineDeadError
+from engine.llm_engine import EngineStats
+from engine.outputs import RequestOutput
+from engine.request_limits import RequestLimits, check_cache_salt
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tokenizer import Tokenizer
+
+_Sink = asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine(ABC):
+    """Streams each request's outputs while other requests join and leave the running batch."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits, stats: EngineStats):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        # Commands for the core, in order; the subclass carries them across.
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._stats = stats
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    @abstractmethod
+    def is_running(self) -> bool:
+        """Started, and the core has not failed."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start the core; call from the event loop that will consume outputs."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the core (pending requests end as aborted) and whatever it started."""
+
+    def check_request(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        resumed_token_ids: list[int] | None = None,
+    ) -> None:
+        """Raise InvalidRequestError if this prompt cannot run (checked here, not in the core)."""
+        self.limits.check(token_ids, params, resumed_token_ids)
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the core's latest step (cheap; safe from any thread)."""
+        return self._stats
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        resumed_token_ids: list[int] | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs (deltas unless `params` asks otherwise) until it finishes.
+
+        Raises InvalidRequestError before yielding anything if the request cannot run, and
+        EngineDeadError if the core fails. Closing the iterator early aborts the request.
+        A `cache_salt` confines its prefix-cache hits to requests of the same salt;
+        `resumed_token_ids` continue a generation begun elsewhere (see `LLMEngine.add_request`).
+        """
+        if self._error is not None or not self.is_running:
+            raise EngineDeadError("the engine is not running") from self._error
+        if isinstance(prompt, str):
+            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        else:
+            token_ids = list(prompt)
+        if params.output_kind is RequestOutputKind.CUMULATIVE:
+            params = replace(params, output_kind=RequestOutputKind.DELTA)
+        self.check_request(token_ids, params, resumed_token_ids)
+        check_cache_salt(cache_salt)
+        if request_id in self._sinks:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        sink: _Sink = asyncio.Queue()
+        self._sinks[request_id] = sink
+        text = prompt if isinstance(prompt, str) else None
+        self._commands.put(
+            AddRequest(request_id, token_ids, text, params, cache_salt, resumed_token_ids)
+        )
+        finished = False
+        try:
+            while not finished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                # The core need not send the prompt back with every step: it is known here.
+                item.prompt, item.prompt_token_ids = text, token_ids
+                yield item
+        finally:
+            self._sinks.pop(request_id, None)
+            if not finished:
+                self._commands.put(AbortRequest(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+
+    def _receive(self, batch: CoreOutputs) -> None:
+        """On the event loop: one turn of the core's outputs, to each request's stream."""
+        self._stats = batch.stats
+        for request_id, error in batch.errors:
+            self._put(request_id, error)
+        for output in batch.outputs:
+            self._put(output.request_id, output)
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """On the event loop: the core is gone; every waiting request fails with `error`."""
+        if self._error is None:
+            self._error = error
+        for request_id in list(self._sinks):
+            self._put(request_id, error)
+
+    def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            sink.put_nowait(item)

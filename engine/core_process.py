@@ -1,0 +1,121 @@
+"""The engine core's own process: loads the engine, then steps it for the client at the far end
+of one pipe (engine/core_client.py).
+
+The process lives exactly as long as its parent wants it: it ends on `StopCore`, when the pipe
+closes (the parent exited, however it died), and, should a long step keep it from reading the
+pipe, when a watchdog sees that the parent is gone. Its parallel workers, if any, follow it
+(engine/workers.py: they end when its pipes close).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from engine.config import EngineConfig
+from engine.engine_core import Command, CoreOutputs, EngineCore
+from engine.errors import EngineDeadError
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.request_limits import RequestLimits
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 0.5
+# After the parent is gone, how long the loop has to notice the closed pipe and stop its
+# workers itself before the watchdog ends the process.
+_PARENT_GONE_GRACE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class CoreReady:
+    """The first message: what the client needs to check and tokenize requests itself."""
+
+    tokenizer: Tokenizer
+    limits: RequestLimits
+    stats: EngineStats
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """The last message of a core that could not start (`error` as raised) or that failed."""
+
+    error: Exception
+
+
+class _PipeInbox:
+    def __init__(self, pipe: Connection):
+        self._pipe = pipe
+
+    def get(self, block: bool) -> list[Command]:
+        """Raises EOFError once the parent's end is closed."""
+        items: list[Command] = []
+        if not block and not self._pipe.poll():
+            return items
+        while True:
+            items += self._pipe.recv()  # the client sends lists of commands
+            if not self._pipe.poll():
+                return items
+
+
+def _send_outputs(pipe: Connection, batch: CoreOutputs) -> None:
+    # The client keeps each request's prompt; sending it back with every step would cost the
+    # core a pickle of every prompt per step.
+    for output in batch.outputs:
+        output.prompt, output.prompt_token_ids = None, []
+    pipe.send(batch)
+
+
+def _portable(error: Exception) -> Exception:
+    """`error` itself where it pickles (the client re-raises it), else its text."""
+    try:
+        pickle.dumps(error)
+    except Exception:  # any object may refuse to pickle, in any way
+        return EngineDeadError(f"{type(error).__name__}: {error}")
+    return error
+
+
+def _watch_parent(parent_pid: int, stopped: threading.Event) -> None:
+    while not stopped.wait(_PARENT_POLL_S):
+        if os.getppid() != parent_pid:
+            if not stopped.wait(_PARENT_GONE_GRACE_S):
+                logger.error("the engine core's parent %d is gone; exiting", parent_pid)
+                os._exit(1)
+            return
+
+
+def run_core(config: EngineConfig, pipe: Connection, parent_pid: int, log_level: int) -> None:
+    """The process's target."""
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s (core): %(message)s"
+    )
+    stopped = threading.Event()
+    threading.Thread(
+        target=_watch_parent, args=(parent_pid, stopped), name="parent-watch", daemon=True
+    ).start()
+    try:
+        try:
+            engine = LLMEngine(config)
+        except Exception as exc:  # the client raises it as the load's failure
+            pipe.send(CoreFailed(_portable(exc)))
+            return
+        try:
+            pipe.send(CoreReady(engine.tokenizer, engine.limits, engine.stats(), os.getpid()))
+            EngineCore(engine, _PipeInbox(pipe), lambda b: _send_outputs(pipe, b)).run()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            logger.warning("the engine core's client is gone; stopping")
+        except Exception as exc:  # the client fails every request with it
+            logger.exception("engine core failed")
+            with contextlib.suppress(OSError):  # the client may be gone as well
+                pipe.send(CoreFailed(EngineDeadError(f"the engine failed: {exc}")))
+        finally:
+            engine.shutdown()
+    finally:
+        stopped.set()
+        pipe.close()
