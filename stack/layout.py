@@ -142,7 +142,7 @@ class ReplicaLayout:
 class StackLayout:
     control_plane_port: int  # the first replica's (the others' follow it, one apart)
     xds_port: int
-    dns_port: int  # the first replica's: what the summary and `meridian resolve` use
+    dns_port: int  # the first replica's (the others' follow it, one apart)
     gateway_port: int
     regions: tuple[RegionLayout, ...]
     pops: tuple[PopLayout, ...] = ()

@@ -12,7 +12,7 @@ import httpx
 from stack.commands import ADMIN_TOKEN
 from stack.front_cli import anycast_lines
 from stack.state import StackState, StateDir
-from stack.summary import count
+from stack.summary import count, dns_endpoints
 from stack.supervisor import Say
 
 TIMEOUT_S: Final = 5.0
@@ -116,6 +116,16 @@ def live_limits(state: StackState) -> str:
     return state.limits
 
 
+def pop_tiers(health: dict[str, Any]) -> str:
+    """A PoP's tiers from its /health; an edge whose breaker is not closed says so, since the
+    PoP then sends its light `auto` requests to the regions."""
+    edge = health.get("edge")
+    if not edge:
+        return "region"
+    breaker = edge.get("breaker", "?")
+    return "edge+region" if breaker == "closed" else f"edge (breaker {breaker})+region"
+
+
 def front_lines(state: StackState) -> list[str]:
     """Each PoP's health and tiers, and the Anycast front's routes."""
     if not state.pops:
@@ -127,8 +137,7 @@ def front_lines(state: StackState) -> list[str]:
         if isinstance(health, str):
             rows.append([name, url, health, "-"])
         else:
-            tiers = "edge+region" if health.get("edge") else "region"
-            rows.append([name, url, str(health.get("status", "?")), tiers])
+            rows.append([name, url, str(health.get("status", "?")), pop_tiers(health)])
     lines = ["", *_table(rows)]
     if state.anycast_url:
         front = _get_json(f"{state.anycast_url}/v1/anycast")
@@ -153,7 +162,7 @@ def status(state_root: Path, say: Say) -> int:
     if state.limits:
         say(f"  limits: {live_limits(state)}")
     if state.dns_name:
-        say(f"  DNS: {state.dns_name} on udp 127.0.0.1:{state.dns_port}")
+        say(f"  DNS: {state.dns_name} on {dns_endpoints(state.dns_ports or [state.dns_port])}")
     say("")
     for line in process_lines(state):
         say(line)

@@ -46,11 +46,19 @@ def _front_lines(layout: StackLayout) -> list[str]:
         lines.append(
             f"{head}{client.city:<14}{client.url}/v1   (Anycast → {nearest}, {rtt:.0f} ms)"
         )
+    ports = [replica.dns_port for replica in layout.control_planes]
     lines.append(
-        f"  DNS       {layout.dns_name} on udp {HOST}:{layout.dns_port}   "
+        f"  DNS       {layout.dns_name} on {dns_endpoints(ports)}   "
         "(`meridian resolve --from CITY`)"
     )
     return lines
+
+
+def dns_endpoints(ports: list[int]) -> str:
+    """Where the API name is answered: every control-plane replica serves DNS, and a client
+    (or `meridian resolve`) may ask any of them."""
+    where = ", ".join(f"{HOST}:{port}" for port in ports)
+    return f"udp {where}" + (" (one per control-plane replica)" if len(ports) > 1 else "")
 
 
 def _curl(url: str, ca_cert: str, api_key: str, model: str, extra: str = "") -> str:

@@ -193,6 +193,17 @@ def test_every_node_agent_and_the_gateway_get_the_fleets_one_serving_token() -> 
     assert commands.NODE_TOKEN not in gateway.env and commands.NODE_TOKEN not in control_plane.env
 
 
+def test_the_ready_message_names_every_replicas_dns_port() -> None:
+    config = "regions: [{name: us-east}]\ncontrol_plane: {replicas: 2, db: postgres}"
+    layout = plan_layout(parse_config(config), True)
+    first, second = (replica.dns_port for replica in layout.control_planes)
+    text = render_summary(layout, "smollm2-135m-instruct", "mer-KEY", "/s/tls/ca.pem", Path("/s"))
+    assert (
+        f"api.meridian.test on udp 127.0.0.1:{first}, 127.0.0.1:{second} "
+        "(one per control-plane replica)" in text
+    )
+
+
 def test_the_printed_examples_can_be_pasted() -> None:
     layout = plan_layout(parse_config("regions: [{name: us-east}, {name: eu-west}]"), True)
     text = render_summary(layout, "smollm2-135m-instruct", "mer-KEY", "/s/tls/ca.pem", Path("/s"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from stack.certs import ensure_gateway_tls
 from stack.state import ProcessRecord, StackState, StateDir
-from stack.status import status
+from stack.status import pop_tiers, status
 
 Sleeper = Callable[..., tuple[ProcessRecord, subprocess.Popen[bytes]]]  # conftest's `sleeper`
 SHARED = "shared by every PoP through redis at redis://127.0.0.1:6390/0"
@@ -28,6 +28,7 @@ def _state(records: list[ProcessRecord], ca_cert: Path) -> StackState:
         anycast_url="http://127.0.0.1:1",
         dns_name="api.meridian.test",
         dns_port=8053,
+        dns_ports=[8053, 8054],
         limits=SHARED,
         ca_cert=str(ca_cert),
         processes=records,
@@ -43,7 +44,10 @@ def test_status_says_which_limits_are_live_and_what_of_the_front_answers(
     status(state_dir.root, said.append)
     text = "\n".join(said)
     assert f"limits: {SHARED}" in text
-    assert "DNS: api.meridian.test on udp 127.0.0.1:8053" in text
+    assert (
+        "DNS: api.meridian.test on udp 127.0.0.1:8053, 127.0.0.1:8054 "
+        "(one per control-plane replica)" in text
+    )
     assert "new-york  https://127.0.1.1:1  not reachable (ConnectError)" in text
     assert "Anycast front http://127.0.0.1:1: not reachable (ConnectError)" in text
     popen.kill()
@@ -51,3 +55,10 @@ def test_status_says_which_limits_are_live_and_what_of_the_front_answers(
     said.clear()
     status(state_dir.root, said.append)
     assert "limits: local for now: redis-server is DOWN" in "\n".join(said)
+
+
+def test_a_pops_tiers_say_when_its_edge_is_cut_off() -> None:
+    edge = {"url": "http://127.0.0.1:1", "in_flight": 0, "max_concurrency": 4}
+    assert pop_tiers({"status": "ok", "edge": None}) == "region"
+    assert pop_tiers({"status": "ok", "edge": edge | {"breaker": "closed"}}) == "edge+region"
+    assert pop_tiers({"edge": edge | {"breaker": "open"}}) == "edge (breaker open)+region"
