@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import secrets
@@ -50,6 +49,7 @@ from typing import Any
 
 import httpx
 
+from bench.chat_streams import StreamResult, read_streams
 from bench.engine_throughput import cpu_vector_flags, load_average
 from bench.gateway_overhead import Processes, free_port, wait_for_port
 from engine.model_store import DEFAULT_MODEL
@@ -62,26 +62,6 @@ TOPICS = ["robots", "the sea", "a city", "winter", "music", "trains", "bees", "t
 NODE_START_TIMEOUT_S = 300.0  # the model loading (and maybe the kernels building) under load
 RUN_TIMEOUT_S = 900.0
 NODE_FLAGS = ["--heartbeat-interval", "0.5", "--num-kv-blocks", "512", "--max-model-len", "1024"]
-
-
-@dataclass
-class StreamResult:
-    region: str = ""  # where the stream began
-    text: str = ""
-    ids: set[str] = field(default_factory=set)
-    chunk_times_s: list[float] = field(default_factory=list)  # content chunks, monotonic
-    num_resumes: int = 0
-    error: str | None = None
-
-    @property
-    def max_gap_s(self) -> float:
-        times = self.chunk_times_s
-        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
-
-    def gap_after_s(self, at_s: float) -> float | None:
-        """From `at_s` to the first chunk after it (None if none came after)."""
-        later = [t for t in self.chunk_times_s if t > at_s]
-        return later[0] - at_s if later else None
 
 
 @dataclass
@@ -202,43 +182,13 @@ def bodies(num_streams: int, max_tokens: int) -> list[dict[str, object]]:
 
 
 async def run_streams(
-    fleet: Fleet, num_streams: int, max_tokens: int, on_progress: tuple[int, asyncio.Event] | None
+    fleet: Fleet, num_streams: int, max_tokens: int, progress: tuple[int, asyncio.Event] | None
 ) -> list[StreamResult]:
-    """Every stream at once; `on_progress` = (n, event): set once each has had n chunks."""
-    requests = bodies(num_streams, max_tokens)
-    results = [StreamResult() for _ in requests]
     headers = {"Authorization": f"Bearer {fleet.api_key}"}
     async with httpx.AsyncClient(base_url=fleet.gateway_url, headers=headers,
                                  timeout=RUN_TIMEOUT_S, trust_env=False,
                                  limits=httpx.Limits(max_connections=num_streams)) as client:
-
-        async def one(body: dict[str, object], result: StreamResult) -> None:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    result.error = f"HTTP {response.status_code}"
-                    return
-                result.region = response.headers.get("x-meridian-region", "")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    payload = json.loads(line[6:])
-                    if "error" in payload:
-                        result.error = payload["error"]["message"]
-                        continue
-                    result.ids.add(payload["id"])
-                    result.num_resumes = max(result.num_resumes,
-                                             payload.get("meridian_resumes", 0))
-                    text = "".join(c["delta"].get("content") or "" for c in payload["choices"])
-                    if text:
-                        result.chunk_times_s.append(time.monotonic())
-                        result.text += text
-                    if on_progress is not None and all(
-                        len(r.chunk_times_s) >= on_progress[0] for r in results
-                    ):
-                        on_progress[1].set()
-
-        await asyncio.gather(*(one(b, r) for b, r in zip(requests, results, strict=True)))
-    return results
+        return await read_streams(client, bodies(num_streams, max_tokens), progress)
 
 
 async def broken_run(

@@ -9,13 +9,11 @@ and greedy texts part after a few tokens (docs/gateway.md)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import ssl
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -23,6 +21,7 @@ import pytest
 from gw_fleet import Fleet, GatewayThread, wait_until
 from test_gw_real_nodes import MAX_LOAD_S, start_real_node, stop_nodes
 
+from bench.chat_streams import StreamResult, read_streams
 from engine.model_store import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -34,17 +33,6 @@ TOPICS = ["robots", "the sea", "a city", "winter", "music", "trains", "bees", "t
           "a garden", "coffee", "mountains", "a library", "rain", "a bridge", "birds", "fire"]
 KILL_AFTER_TOKENS = 16  # every stream has had this many chunks when the near node dies
 MAX_RUN_S = 600.0  # a bound for a stuck run, far above what a healthy one takes
-
-
-@dataclass
-class StreamResult:
-    text: str = ""
-    ids: set[str] = field(default_factory=set)
-    num_chunks: int = 0
-    max_gap_s: float = 0.0
-    resumes: int = 0
-    error: str | None = None
-    region: str = ""  # where the stream began
 
 
 def bodies() -> list[dict[str, object]]:
@@ -62,40 +50,12 @@ async def run_streams(
     gateway: GatewayThread, secret: str, verify: ssl.SSLContext,
     on_progress: asyncio.Event | None = None,
 ) -> list[StreamResult]:
-    results = [StreamResult() for _ in bodies()]
     headers = {"Authorization": f"Bearer {secret}"}
-    limits = httpx.Limits(max_connections=len(results))
+    limits = httpx.Limits(max_connections=len(bodies()))
     async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, verify=verify,
                                  timeout=MAX_RUN_S, limits=limits) as client:
-
-        async def one(body: dict[str, object], result: StreamResult) -> None:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                result.region = response.headers["x-meridian-region"]
-                last_s = None
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    payload = json.loads(line[6:])
-                    if "error" in payload:
-                        result.error = payload["error"]["message"]
-                        continue
-                    now_s = time.monotonic()
-                    if last_s is not None:
-                        result.max_gap_s = max(result.max_gap_s, now_s - last_s)
-                    last_s = now_s
-                    result.ids.add(payload["id"])
-                    result.resumes = max(result.resumes, payload.get("meridian_resumes", 0))
-                    for choice in payload["choices"]:
-                        result.text += choice["delta"].get("content") or ""
-                    result.num_chunks += 1
-                    if on_progress is not None and all(
-                        r.num_chunks >= KILL_AFTER_TOKENS for r in results
-                    ):
-                        on_progress.set()
-
-        await asyncio.gather(*(one(b, r) for b, r in zip(bodies(), results, strict=True)))
-    return results
+        progress = None if on_progress is None else (KILL_AFTER_TOKENS, on_progress)
+        return await read_streams(client, bodies(), progress)
 
 
 @pytest.fixture
@@ -127,7 +87,7 @@ def test_streams_survive_their_regions_node_being_killed(
     started_s = time.monotonic()
     unbroken = asyncio.run(run_streams(gateway, secret, client_ssl))
     unbroken_s = time.monotonic() - started_s
-    assert all(r.error is None and r.resumes == 0 for r in unbroken)
+    assert all(r.error is None and r.num_resumes == 0 for r in unbroken)
     assert all(len(r.ids) == 1 for r in unbroken)
 
     async def killed_mid_way() -> list[StreamResult]:
@@ -163,8 +123,8 @@ def test_streams_survive_their_regions_node_being_killed(
     assert all(len(r.ids) == 1 for r in broken)
     # Those that began in the killed region were resumed once (the router may have sent some
     # to eu-west from the start), and every text is the unbroken run's.
-    assert [r.resumes for r in broken] == [int(r.region == "us-east") for r in broken]
-    num_resumed = sum(r.resumes for r in broken)
+    assert [r.num_resumes for r in broken] == [int(r.region == "us-east") for r in broken]
+    num_resumed = sum(r.num_resumes for r in broken)
     assert num_resumed >= NUM_GREEDY // 2
     for i, (before, after) in enumerate(zip(unbroken, broken, strict=True)):
         assert after.text == before.text, f"stream {i} differs after its resume"
