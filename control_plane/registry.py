@@ -214,7 +214,7 @@ class Registry:
         if (node.is_routable, node.is_in_summaries) != was_routed:
             self._on_region_change(beat.region)  # back to health
         else:
-            self._publisher.mark_dirty()  # only live capacity changed: at the next sweep
+            self._publisher.mark_dirty(beat.region)  # only live capacity: at the next sweep
 
     async def _register_node(self, actor: Actor, node_id: str, identity: NodeIdentity) -> Node:
         """Register a node (or its new identity). Registrations that arrive while another is

@@ -6,7 +6,8 @@ region edited, a node registered, drained or back to health) and on every sweep 
 differs, so a waiting gateway wakes at most once per tick and hears of any change within about
 `sweep_interval_s`. A change to one node (registered, back to health) recomputes only its region
 (`refresh_region`), so that a thousand nodes registering in a second do not cost a thousand
-recomputations of the whole fleet.
+recomputations of the whole fleet; a tick likewise recomputes only the regions whose nodes beat
+or fell silent since the last one.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class SummaryPublisher:
         self.feed = feed
         self._fleet = fleet
         self._read_policy = read_policy
-        self._is_dirty = False
+        self._dirty_regions: set[str] = set()  # live capacity changed since the last publish
         self._is_health_held = False
         self._current = RegionSummaryIndex(
             index=feed.index, regions=summarize(fleet), routing=read_policy()
@@ -128,21 +129,19 @@ class SummaryPublisher:
             self._body = self._current.model_dump_json().encode()
         return self._body
 
-    def mark_dirty(self) -> None:
-        """Live capacity changed: publish at the next tick (coalesces many heartbeats)."""
-        self._is_dirty = True
+    def mark_dirty(self, region: str) -> None:
+        """Live capacity in `region` changed: publish it at the next tick (coalesces many
+        heartbeats)."""
+        self._dirty_regions.add(region)
 
     def refresh(self) -> bool:
         """Recompute now; returns True (and moves the index) if the document changed."""
-        self._is_dirty = False
+        self._dirty_regions.clear()
         regions = summarize(self._fleet)
         routing = self._read_policy()
         if regions == self._current.regions and routing == self._current.routing:
             return False
-        self._current = RegionSummaryIndex(
-            index=self.feed.advance(), regions=regions, routing=routing
-        )
-        self._body = None
+        self._publish(regions, routing)
         return True
 
     def follow_beat(self, region: str, was: RouteView, node: Node) -> bool:
@@ -151,28 +150,39 @@ class SummaryPublisher:
         tick (only live capacity changed; many beats coalesce). True if the document changed."""
         if route_view(node) != was:
             return self.refresh_region(region)
-        self.mark_dirty()
+        self.mark_dirty(region)
         return False
 
     def refresh_region(self, name: str) -> bool:
         """Recompute one region's summary now (the others cannot have changed); returns True
         (and moves the index) if it changed. Live capacity elsewhere waits for the next tick."""
-        region = self._fleet.regions.get(name)
-        if region is None:
-            return False  # unregistered regions are not in the document
-        summary = summarize_region(region, self._fleet.nodes_in(name))
-        regions = self._current.regions
-        position = next((i for i, r in enumerate(regions) if r.name == name), None)
-        if position is None:
-            return self.refresh()  # a region the document does not have yet
-        if regions[position] == summary:
-            return False
-        regions = [*regions[:position], summary, *regions[position + 1 :]]
+        return self._refresh_regions({name})
+
+    def _refresh_regions(self, names: set[str]) -> bool:
+        self._dirty_regions -= names
+        regions = list(self._current.regions)
+        positions = {summary.name: i for i, summary in enumerate(regions)}
+        is_changed = False
+        for name in names:
+            region = self._fleet.regions.get(name)
+            position = positions.get(name)
+            if region is None and position is None:
+                continue  # unregistered regions are not in the document
+            if region is None or position is None:
+                return self.refresh()  # a region the document has lost, or does not have yet
+            summary = summarize_region(region, self._fleet.nodes_in(name))
+            if regions[position] != summary:
+                regions[position] = summary
+                is_changed = True
+        if is_changed:
+            self._publish(regions, self._current.routing)
+        return is_changed
+
+    def _publish(self, regions: list[RegionSummary], routing: RoutingPolicy) -> None:
         self._current = RegionSummaryIndex(
-            index=self.feed.advance(), regions=regions, routing=self._current.routing
+            index=self.feed.advance(), regions=regions, routing=routing
         )
         self._body = None
-        return True
 
     def hold_health(self) -> None:
         """Stop judging health by silence (the control plane is stopping: new connections are
@@ -180,9 +190,10 @@ class SummaryPublisher:
         self._is_health_held = True
 
     def tick(self, now_mono: float) -> None:
-        is_changed = not self._is_health_held and bool(self._fleet.sweep(now_mono))
-        if is_changed or self._is_dirty:
-            self.refresh()
+        silent = [] if self._is_health_held else self._fleet.sweep(now_mono)
+        dirty = self._dirty_regions | {node.identity.region for node in silent}
+        if dirty:
+            self._refresh_regions(dirty)
 
     async def run(self, interval_s: float) -> None:
         """Sweep health and publish changes every `interval_s`, until cancelled."""

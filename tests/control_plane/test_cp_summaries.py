@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from conftest import ControlPlaneClient, make_settings
@@ -17,10 +18,11 @@ from control_plane.summaries import (
     SummaryPublisher,
     expected_queue_delay_s,
     route_view,
+    summarize_region,
 )
 from control_plane.tokens import TokenSet
 from wire.heartbeat import Heartbeat
-from wire.region_summary import RegionSummaryIndex
+from wire.region_summary import RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
 NUM_WATCHERS = 50
@@ -163,6 +165,48 @@ def test_a_beat_publishes_a_node_back_to_health_now_and_capacity_at_the_tick() -
     assert publisher.current.index == index  # live capacity waits for the tick...
     publisher.tick(1.1)
     assert publisher.current.index > index and publisher.current.regions[0].kv_blocks_free == 10
+
+
+def test_a_tick_recomputes_only_the_regions_whose_nodes_beat_or_fell_silent() -> None:
+    names = ["eu-west", "us-east"]
+    regions = {n: Region(n, 0.0, 0.0, None, 1.0, "active", 0.0, 0.0) for n in names}
+    fleet = Fleet(unhealthy_after_s=3.0, regions=regions)
+    beats = {}
+    for name in names:
+        identity = NodeIdentity(region=name, url=f"http://{name}.test:9001", model="m", tp_size=1)
+        fleet.nodes[name] = Node(name, identity, False, 0.0)
+        beats[name] = Heartbeat(
+            node_id=name,
+            region=name,
+            url=identity.url,
+            model="m",
+            kv_blocks_total=100,
+            kv_blocks_free=100,
+            block_size=16,
+            timestamp=0.0,
+        )
+        fleet.record_beat(fleet.nodes[name], beats[name], 0.0, 0.0)
+    publisher = SummaryPublisher(fleet, RoutingPolicy, ChangeFeed(1))
+    summarized: list[str] = []
+
+    def counted(region: Region, nodes: list[Node]) -> RegionSummary:
+        summarized.append(region.name)
+        return summarize_region(region, nodes)
+
+    with mock.patch("control_plane.summaries.summarize_region", side_effect=counted):
+        publisher.tick(1.0)  # nothing beat: nothing recomputed, nothing published
+        assert summarized == [] and publisher.current.index == 1
+        node = fleet.nodes["us-east"]
+        was = route_view(node)
+        fleet.record_beat(node, beats["us-east"].model_copy(update={"kv_blocks_free": 7}), 1, 1)
+        assert not publisher.follow_beat("us-east", was, node)
+        publisher.tick(1.5)
+        assert summarized == ["us-east"]
+        assert [r.kv_blocks_free for r in publisher.current.regions] == [100, 7]
+        index = publisher.current.index
+        publisher.tick(3.5)  # eu-west silent for 3.5 s: it alone leaves the summary
+        assert summarized == ["us-east", "eu-west"] and publisher.current.index > index
+        assert [r.healthy_nodes for r in publisher.current.regions] == [0, 1]
 
 
 def test_expected_queue_delay() -> None:
