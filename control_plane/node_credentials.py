@@ -84,11 +84,21 @@ class CredentialRegistry:
 
     def __init__(self, store: Store, credentials: list[NodeCredential]) -> None:
         self._store = store
-        self._by_node = {c.node_id: c for c in credentials}
-        self._by_hash = {c.secret_sha256: c for c in credentials}
+        self._reset(credentials)
+        self._num_local_changes = 0
 
-    def reset(self, credentials: list[NodeCredential]) -> None:
-        """Every credential as the store has them (another replica minted or rebound one)."""
+    async def follow(self) -> None:
+        """Another replica minted or rebound a credential: memory follows the store. A read
+        overtaken by a change made here (committed after the read's snapshot, put in memory
+        before the read came back) would undo that change, so it is read again."""
+        while True:
+            before = self._num_local_changes
+            credentials = await self._store.read(load_credentials)
+            if self._num_local_changes == before:
+                self._reset(credentials)
+                return
+
+    def _reset(self, credentials: list[NodeCredential]) -> None:
         self._by_node = {c.node_id: c for c in credentials}
         self._by_hash = {c.secret_sha256: c for c in credentials}
 
@@ -130,6 +140,7 @@ class CredentialRegistry:
             self._put(replace(old, region=region, url=url))
 
     def _put(self, credential: NodeCredential) -> None:
+        self._num_local_changes += 1
         old = self._by_node.get(credential.node_id)
         if old is not None:
             self._by_hash.pop(old.secret_sha256, None)

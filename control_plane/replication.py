@@ -25,8 +25,6 @@ from typing import Final
 import psycopg
 
 from control_plane import keys as key_store
-from control_plane.node_credentials import load_credentials
-from control_plane.routing import load_policy
 from control_plane.services import ControlPlane
 from control_plane.store_postgres import CHANNEL
 
@@ -79,9 +77,9 @@ async def apply_changes(services: ControlPlane, notices: Notices) -> None:
     if "keys" in kinds:
         services.keys.follow(await services.store.read(key_store.read_index))
     if "routing" in kinds:
-        services.routing.follow(await services.store.read(load_policy))
+        await services.routing.follow()
     if "credentials" in kinds:
-        services.registry.credentials.reset(await services.store.read(load_credentials))
+        await services.registry.credentials.follow()
 
 
 async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> None:

@@ -36,11 +36,15 @@ class PolicyRegistry:
     def policy(self) -> RoutingPolicy:
         return self._policy
 
-    def follow(self, policy: RoutingPolicy) -> None:
-        """Another replica replaced the policy."""
-        if policy != self._policy:
-            self._policy = policy
-            self._on_change()
+    async def follow(self) -> None:
+        """Another replica replaced the policy: read it, unless a replacement made here is under
+        way (it holds the lock from its write to memory: a read taken before its commit would
+        undo it)."""
+        async with self._lock:
+            policy = await self._store.read(load_policy)
+            if policy != self._policy:
+                self._policy = policy
+                self._on_change()
 
     async def replace(self, actor: Actor, policy: RoutingPolicy) -> RoutingPolicy:
         def change(conn: Connection) -> None:

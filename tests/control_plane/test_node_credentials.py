@@ -3,11 +3,19 @@ node is an operator's act."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from conftest import ControlPlaneClient, bearer, heartbeat
+
+from control_plane.audit import Actor
+from control_plane.node_credentials import CredentialRegistry
+from control_plane.store import Connection, open_store
 
 NEW_URL = "http://127.0.0.1:9555"
 
@@ -104,3 +112,32 @@ async def test_minting_again_replaces_the_token_which_is_stored_hashed(
         "/v1/nodes/n1/credential", json={"region": "Not A Name"}, headers=cp.admin
     )
     assert response.status_code == 422
+
+
+@pytest.mark.asyncio
+async def test_following_another_replica_never_undoes_a_credential_minted_here(
+    tmp_path: Path,
+) -> None:
+    """A follow's read taken before a local mint committed, and back after the mint was put in
+    memory, must not wipe the new credential (its node would get 401 until the next change)."""
+    store = open_store(str(tmp_path / "cp.db"))
+    credentials = CredentialRegistry(store, [])
+    snapshot_taken, mint_done = asyncio.Event(), asyncio.Event()
+    read = store.read
+
+    async def slow_first_read(query: Callable[[Connection], Any]) -> Any:
+        result = await read(query)
+        if not snapshot_taken.is_set():
+            snapshot_taken.set()
+            await mint_done.wait()
+        return result
+
+    with mock.patch.object(store, "read", slow_first_read):
+        following = asyncio.create_task(credentials.follow())
+        await snapshot_taken.wait()  # the store had no credential when it was read
+        _, token = await credentials.mint(Actor("admin", "test"), "n1", "us-east", None)
+        mint_done.set()
+        await following
+    found = credentials.find(token)
+    assert found is not None and found.node_id == "n1"
+    store.close()
