@@ -25,7 +25,7 @@ from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
 from control_plane.dns.steering import Steering
-from gateway.routing import Router, RouterConfig
+from gateway.routing import Router, RouterConfig, SummaryLoads
 from gateway.settings import GatewaySettings
 from simulator.control import PopWatch
 from simulator.node import Node
@@ -86,8 +86,9 @@ class MeridianChooser(Chooser):
         self, watches: Mapping[str, PopWatch], geography: Geography, config: RouterConfig, seed: int
     ) -> None:
         self.watches = watches
+        loads = SummaryLoads()  # the PoPs adopt the same documents: one load per summary
         self.routers = {
-            pop: Router(config, place, rng=random.Random(f"router/{seed}/{pop}"))
+            pop: Router(config, place, rng=random.Random(f"router/{seed}/{pop}"), loads=loads)
             for pop, place in geography.pops.items()
         }
 
