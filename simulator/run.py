@@ -51,6 +51,7 @@ GC_YOUNG_THRESHOLD = 100_000
 @contextlib.contextmanager
 def _rare_collections() -> Iterator[None]:
     thresholds = gc.get_threshold()
+    gc.collect()  # an earlier world's garbage, lest it be frozen with the rest
     gc.freeze()  # what exists before the run (the spec, the world) is not garbage: never scanned
     gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
     try:
