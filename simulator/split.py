@@ -13,14 +13,14 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-# CPU seconds of one world relative to `round_robin`'s (steady, seed 0, 100,000 requests:
-# 22.8, 16.5, 15.1, 13.6 and 10.9 s on the 2-core machine, 2026-12-01).
+# CPU seconds of one world relative to `round_robin`'s (steady, seed 0, 100,000 requests; the
+# means of two runs on the 2-core machine, 2026-12-01: 22.9, 16.1, 15.0, 14.6 and 12.3 s).
 RELATIVE_COST: Final[Mapping[str, float]] = {
-    "meridian": 1.68,
-    "oracle": 1.22,
-    "least_loaded": 1.11,
+    "meridian": 1.53,
+    "least_loaded": 1.07,
     "round_robin": 1.0,
-    "nearest": 0.80,
+    "oracle": 0.97,
+    "nearest": 0.82,
 }
 UNKNOWN_COST = 1.0
 
