@@ -30,8 +30,10 @@ all stampede onto the single best region. The rest follow by cost, for failover.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import operator
 import random
 import time
 from dataclasses import dataclass, field
@@ -76,16 +78,96 @@ class RoutePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class SummaryCost:
-    """The part of a region's cost that only its summary, RTT and the policy set: worked out
-    once per summary document, not once per request (a gateway plans far more often)."""
+class SummaryLoad:
+    """The part of a region's cost that only its summary and the policy set, the same at every
+    PoP: worked out once per summary document, not once per request (a gateway plans far more
+    often), and shared between gateways that adopt the same document (`SummaryLoads`)."""
 
     is_eligible: bool
     is_saturated: bool  # KV cache fuller than the policy's threshold
-    rtt_s: float
     queue_s: float
-    fixed_cost_s: float  # the weighted RTT and load terms
+    load_s: float  # the queue and KV pressure terms, before `queue_weight`
     url: str
+
+
+def queue_delay_s(summary: RegionSummary, prefill_tokens_per_s: float) -> float:
+    """Seconds before a new request's own prefill starts: the prompt tokens ahead of it in the
+    region (waiting, and admitted but not yet prefilled), spread over its nodes, or the
+    summary's own estimate of the wait for a free slot, whichever is longer."""
+    queue = summary.queue
+    backlog_tokens = queue.num_waiting_prefill_tokens + queue.num_running_prefill_tokens
+    rate = prefill_tokens_per_s * max(1, summary.healthy_nodes)
+    return max(queue.expected_queue_delay_s, backlog_tokens / rate)
+
+
+def kv_pressure_s(summary: RegionSummary, policy: RoutingPolicy) -> float:
+    if summary.kv_blocks_total == 0:
+        return 0.0
+    used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
+    threshold = policy.saturation_threshold
+    knee = KV_PRESSURE_KNEE * threshold
+    return KV_PRESSURE_S * max(0.0, used - knee) / (threshold - knee)
+
+
+def _is_eligible(summary: RegionSummary) -> bool:
+    return (
+        summary.state == "active"
+        and summary.healthy_nodes > 0
+        and summary.ingress_url is not None
+        and summary.weight > 0.0
+    )
+
+
+def summary_load(
+    summary: RegionSummary, policy: RoutingPolicy, prefill_tokens_per_s: float
+) -> SummaryLoad:
+    queue_s = queue_delay_s(summary, prefill_tokens_per_s)
+    is_saturated = False
+    if summary.kv_blocks_total > 0:
+        used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
+        is_saturated = used > policy.saturation_threshold
+    return SummaryLoad(
+        is_eligible=_is_eligible(summary),
+        is_saturated=is_saturated,
+        queue_s=queue_s,
+        load_s=queue_s + kv_pressure_s(summary, policy),
+        url=(summary.ingress_url or "").rstrip("/"),
+    )
+
+
+# Enough for every PoP's document while they lag one another by a few ticks.
+MAX_SHARED_LOADS = 256
+
+
+@dataclass(slots=True)
+class SummaryLoads:
+    """The loads of recent summaries, by summary object: gateways that adopt the same document
+    (the simulator's PoPs, which share one) work each region's load out once between them."""
+
+    max_entries: int = MAX_SHARED_LOADS
+    # id(summary) -> (summary, policy, prefill rate, load); holding the summary keeps its id.
+    _entries: dict[int, tuple[RegionSummary, RoutingPolicy, float, SummaryLoad]] = field(
+        default_factory=dict
+    )
+
+    def load_of(
+        self, summary: RegionSummary, policy: RoutingPolicy, prefill_tokens_per_s: float
+    ) -> SummaryLoad:
+        entry = self._entries.get(id(summary))
+        if (
+            entry is not None
+            and entry[0] is summary
+            and entry[1] is policy
+            and entry[2] == prefill_tokens_per_s
+        ):
+            return entry[3]
+        load = summary_load(summary, policy, prefill_tokens_per_s)
+        entries = self._entries
+        entries.pop(id(summary), None)
+        entries[id(summary)] = (summary, policy, prefill_tokens_per_s, load)
+        if len(entries) > self.max_entries:
+            del entries[next(iter(entries))]  # the oldest
+        return load
 
 
 @dataclass(slots=True)
@@ -99,13 +181,23 @@ class RegionState:
     ttft_residual_s: float = 0.0
     residual_at_s: float = 0.0
     num_ttft_samples: int = 0
-    cost: SummaryCost | None = None  # for this summary and policy (None: not worked out yet)
+    load: SummaryLoad | None = None  # for this summary and policy (None: not worked out yet)
+
+
+_cost_s = operator.attrgetter("cost_s")
+MAX_CACHED_RENDEZVOUS = 4096  # (system prompt hash, region) pairs
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_RENDEZVOUS)
+def _rendezvous_log(key: str, region: str) -> float:
+    """log of the key's hash on the region, mapped into (0, 1): the same for every request of a
+    system prompt (cached: a gateway hashes the same few keys over and over)."""
+    digest = hashlib.blake2b(f"{key}/{region}".encode(), digest_size=8).digest()
+    return math.log((int.from_bytes(digest, "big") + 1) / (2**64 + 1))
 
 
 def _rendezvous_score(key: str, region: str, weight: float) -> float:
-    digest = hashlib.blake2b(f"{key}/{region}".encode(), digest_size=8).digest()
-    unit = (int.from_bytes(digest, "big") + 1) / (2**64 + 1)  # in (0, 1)
-    return -weight / math.log(unit)
+    return -weight / _rendezvous_log(key, region)
 
 
 @dataclass(slots=True)
@@ -117,6 +209,7 @@ class Router:
     regions: dict[str, RegionState] = field(default_factory=dict)
     index: int = 0
     is_loaded: bool = False
+    loads: SummaryLoads = field(default_factory=SummaryLoads)  # may be shared with other routers
 
     def update(self, document: RegionSummaryIndex) -> None:
         """Adopt a new summary document, keeping what was learnt about known regions."""
@@ -133,11 +226,10 @@ class Router:
             elif (known.summary.lat, known.summary.lon) != (summary.lat, summary.lon):
                 known.rtt_ms = rtt_ms(self.pop, summary)
             known.summary = summary
+            known.load = None  # worked out when next planned (a PoP may adopt several first)
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing
-        for state in regions.values():
-            state.cost = None  # worked out when next planned (a PoP may adopt several first)
         self.index = document.index
         self.is_loaded = True
 
@@ -148,62 +240,34 @@ class Router:
         return state.ttft_residual_s * 0.5 ** (age_s / self.config.ttft_correction_half_life_s)
 
     def queue_delay_s(self, summary: RegionSummary) -> float:
-        """Seconds before a new request's own prefill starts: the prompt tokens ahead of it in
-        the region (waiting, and admitted but not yet prefilled), spread over its nodes, or the
-        summary's own estimate of the wait for a free slot, whichever is longer."""
-        queue = summary.queue
-        backlog_tokens = queue.num_waiting_prefill_tokens + queue.num_running_prefill_tokens
-        rate = self.config.prefill_tokens_per_s * max(1, summary.healthy_nodes)
-        return max(queue.expected_queue_delay_s, backlog_tokens / rate)
+        return queue_delay_s(summary, self.config.prefill_tokens_per_s)
 
     def kv_pressure_s(self, summary: RegionSummary) -> float:
-        if summary.kv_blocks_total == 0:
-            return 0.0
-        used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
-        threshold = self.policy.saturation_threshold
-        knee = KV_PRESSURE_KNEE * threshold
-        return KV_PRESSURE_S * max(0.0, used - knee) / (threshold - knee)
+        return kv_pressure_s(summary, self.policy)
 
-    def summary_cost(self, state: RegionState) -> SummaryCost:
-        summary, policy = state.summary, self.policy
-        rtt_s = state.rtt_ms / 1000.0
-        queue_s = self.queue_delay_s(summary)
-        load_s = queue_s + self.kv_pressure_s(summary)
-        is_saturated = False
-        if summary.kv_blocks_total > 0:
-            used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
-            is_saturated = used > policy.saturation_threshold
-        return SummaryCost(
-            is_eligible=self._is_eligible(summary),
-            is_saturated=is_saturated,
-            rtt_s=rtt_s,
-            queue_s=queue_s,
-            fixed_cost_s=policy.rtt_weight * rtt_s + policy.queue_weight * load_s,
-            url=(summary.ingress_url or "").rstrip("/"),
-        )
-
-    def cost_of(self, state: RegionState) -> SummaryCost:
-        if state.cost is None:
-            state.cost = self.summary_cost(state)
-        return state.cost
+    def load_of(self, state: RegionState) -> SummaryLoad:
+        if state.load is None:
+            prefill_tokens_per_s = self.config.prefill_tokens_per_s
+            state.load = self.loads.load_of(state.summary, self.policy, prefill_tokens_per_s)
+        return state.load
 
     def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
-        cost = self.cost_of(state)
         prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
-        weighted_rtt_s = self.policy.rtt_weight * cost.rtt_s
-        cost_s = max(
-            weighted_rtt_s, cost.fixed_cost_s + prefill_s + self.correction_s(state, now_s)
-        )
-        predicted_s = cost.rtt_s + cost.queue_s + prefill_s
-        return Candidate(state.summary.name, cost.url, cost_s, predicted_s)
+        return self._candidate(state, self.load_of(state), prefill_s, now_s)
 
-    def _is_eligible(self, summary: RegionSummary) -> bool:
-        return (
-            summary.state == "active"
-            and summary.healthy_nodes > 0
-            and summary.ingress_url is not None
-            and summary.weight > 0.0
-        )
+    def _candidate(
+        self, state: RegionState, load: SummaryLoad, prefill_s: float, now_s: float
+    ) -> Candidate:
+        policy = self.policy
+        rtt_s = state.rtt_ms / 1000.0
+        weighted_rtt_s = policy.rtt_weight * rtt_s
+        cost_s = weighted_rtt_s + policy.queue_weight * load.load_s + prefill_s
+        if state.num_ttft_samples:
+            cost_s += self.correction_s(state, now_s)
+        if cost_s < weighted_rtt_s:  # never less than the RTT term
+            cost_s = weighted_rtt_s
+        predicted_s = rtt_s + load.queue_s + prefill_s
+        return Candidate(state.summary.name, load.url, cost_s, predicted_s)
 
     def plan(
         self, prompt_tokens: int, affinity_key: str | None = None, now_s: float | None = None
@@ -213,15 +277,16 @@ class Router:
         now_s = time.monotonic() if now_s is None else now_s
         preferred: list[Candidate] = []
         others: list[Candidate] = []
+        prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
         for state in self.regions.values():
-            cost = self.cost_of(state)
-            if not cost.is_eligible:
+            load = state.load if state.load is not None else self.load_of(state)
+            if not load.is_eligible:
                 continue
-            candidate = self.predict(state, prompt_tokens, now_s)
-            is_preferred = not cost.is_saturated and state.breaker.is_available(now_s)
+            candidate = self._candidate(state, load, prefill_s, now_s)
+            is_preferred = not load.is_saturated and state.breaker.is_available(now_s)
             (preferred if is_preferred else others).append(candidate)
-        preferred.sort(key=lambda c: c.cost_s)
-        others.sort(key=lambda c: c.cost_s)
+        preferred.sort(key=_cost_s)
+        others.sort(key=_cost_s)
         if not preferred:
             return RoutePlan(others, "fallback")
         if len(preferred) == 1:

@@ -1,8 +1,9 @@
 """Every policy on one scenario's traffic: the worlds, their results, and the JSON of a run.
 
 With `jobs` > 1 the policies' worlds run in forked worker processes (each world is independent
-and seeded, so the results are the same either way); the workers inherit the built world spec
-and report progress through shared counters.
+and seeded, so the results are the same either way), in groups of about equal cost
+(simulator/split.py); the workers inherit the built world spec and report progress through
+shared counters.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from simulator.edge import EdgeSpec
 from simulator.results import PolicyStats, Recorder
 from simulator.run import World, WorldSpec
 from simulator.scenarios import Scenario, workload_of
+from simulator.split import split_worlds
 from simulator.workload import make_requests
 from simulator.world import build_geography
 from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
@@ -69,8 +71,6 @@ def world_spec(
     )
 
 
-# The slowest worlds first, so that parallel workers finish together.
-COST_ORDER = ("oracle", "meridian", "least_loaded", "round_robin", "nearest")
 PROGRESS_POLL_S = 0.2
 
 # A worker process's inheritance (set by `_start_worker` in the forked child only).
@@ -83,13 +83,17 @@ def _start_worker(spec: WorldSpec, counters: Any) -> None:
     _worker_spec, _worker_counters = spec, counters
 
 
-def _run_in_worker(policy: str, slot: int) -> Recorder:
+def _run_in_worker(policies: list[str], slots: list[int]) -> list[Recorder]:
+    """One group's worlds, one after the other."""
     assert _worker_spec is not None
+    recorders = []
+    for policy, slot in zip(policies, slots, strict=True):
 
-    def report(num_ended: int) -> None:
-        _worker_counters[slot] = num_ended
+        def report(num_ended: int, slot: int = slot) -> None:
+            _worker_counters[slot] = num_ended
 
-    return World(_worker_spec, policy).run(report)
+        recorders.append(World(_worker_spec, policy).run(report))
+    return recorders
 
 
 def _run_serial(
@@ -111,18 +115,25 @@ def _run_parallel(
 ) -> dict[str, Recorder]:
     context = multiprocessing.get_context("fork")
     counters = context.Array("q", len(policies), lock=False)
-    order = sorted(policies, key=lambda p: COST_ORDER.index(p) if p in COST_ORDER else -1)
+    groups = split_worlds(policies, jobs)
     with concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=_start_worker, initargs=(spec, counters)
+        len(groups), mp_context=context, initializer=_start_worker, initargs=(spec, counters)
     ) as pool:
-        futures = {pool.submit(_run_in_worker, p, policies.index(p)): p for p in order}
+        futures = {
+            pool.submit(_run_in_worker, group, [policies.index(p) for p in group]): group
+            for group in groups
+        }
         pending = set(futures)
         while pending:
             _, pending = concurrent.futures.wait(pending, timeout=PROGRESS_POLL_S)
             if progress is not None:
                 for slot, policy in enumerate(policies):
                     progress(policy, counters[slot])
-        done = {futures[future]: future.result() for future in futures}
+        done = {
+            policy: recorder
+            for future, group in futures.items()
+            for policy, recorder in zip(group, future.result(), strict=True)
+        }
     return {policy: done[policy] for policy in policies}
 
 

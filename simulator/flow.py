@@ -293,6 +293,7 @@ class Traffic:
 
     def _end(self, flight: Flight, outcome: Outcome, done_s: float = 0.0) -> None:
         flight.is_ended = True
+        flight.job = None  # breaks the flight ↔ job cycle: freed now, not by the collector
         is_edge = flight.is_edge
         if is_edge:
             self._leave_edge(flight)

@@ -272,7 +272,10 @@ class Node:
         self._advance(now_s)
         calibration = self.calibration
         rate = calibration.prefill_tokens_per_s
-        step_s = calibration.step_s(len(self.decoding))
+        num_decoding = len(self.decoding)
+        step_s = calibration.step_base_s  # step_s(num_decoding), inlined: asked of every node
+        if num_decoding > 1:
+            step_s += calibration.step_per_seq_s * (num_decoding - 1)
         ahead_tokens = self.prefill_tokens_queued - self.head_done + self.waiting_prompt_tokens
         ahead_tokens += incoming_tokens
         num_ahead = len(self.prefilling) + len(self.waiting) + num_incoming
@@ -281,7 +284,7 @@ class Node:
             cached = prefix_tokens // calibration.block_size * calibration.block_size
         own_tokens = max(1, prompt_tokens - cached)
         wait_s = ahead_tokens / rate + num_ahead * step_s + own_tokens / rate + step_s
-        is_full = num_ahead + len(self.decoding) >= calibration.max_num_seqs
+        is_full = num_ahead + num_decoding >= calibration.max_num_seqs
         if is_full and self.decoding and self.decode_rate > 0.0:
             wait_s += (self.decoding[0][0] - self.v) / self.decode_rate
         return wait_s

@@ -25,7 +25,7 @@ from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
 from control_plane.dns.steering import Steering
-from gateway.routing import Router, RouterConfig
+from gateway.routing import Router, RouterConfig, SummaryLoads
 from gateway.settings import GatewaySettings
 from simulator.control import PopWatch
 from simulator.node import Node
@@ -86,8 +86,9 @@ class MeridianChooser(Chooser):
         self, watches: Mapping[str, PopWatch], geography: Geography, config: RouterConfig, seed: int
     ) -> None:
         self.watches = watches
+        loads = SummaryLoads()  # the PoPs adopt the same documents: one load per summary
         self.routers = {
-            pop: Router(config, place, rng=random.Random(f"router/{seed}/{pop}"))
+            pop: Router(config, place, rng=random.Random(f"router/{seed}/{pop}"), loads=loads)
             for pop, place in geography.pops.items()
         }
 
@@ -237,6 +238,10 @@ class OracleChooser(Chooser):
     def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
         self._arrived_by(now_s)
         picks = []
+        # Once per request, not once per node (`affinity_key` and `prefix_tokens` are properties).
+        prompt_tokens = request.prompt_tokens
+        key, prefix_tokens = request.affinity_key, request.prefix_tokens
+        incoming = self._incoming
         for site in self.sites.values():
             if not site.is_up:
                 continue
@@ -245,11 +250,8 @@ class OracleChooser(Chooser):
             for node in site.nodes:
                 if not node.is_up:
                     continue
-                num, tokens = self._incoming.get(node.name, (0, 0))
-                ttft_s = node.predict_ttft_s(
-                    request.prompt_tokens, request.affinity_key, request.prefix_tokens, now_s,
-                    num, tokens,
-                )  # fmt: skip
+                num, tokens = incoming.get(node.name, (0, 0))
+                ttft_s = node.predict_ttft_s(prompt_tokens, key, prefix_tokens, now_s, num, tokens)
                 if best is None or ttft_s < best[0]:
                     best = (ttft_s, node)
             if best is not None:

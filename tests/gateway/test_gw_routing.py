@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.routing import KV_PRESSURE_KNEE, KV_PRESSURE_S, Router, RouterConfig
+from gateway.routing import KV_PRESSURE_KNEE, KV_PRESSURE_S, Router, RouterConfig, SummaryLoads
 from wire.geo import LOCATIONS, locate, rtt_ms
 from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
@@ -86,6 +86,41 @@ def test_each_new_document_and_its_policy_are_costed_afresh() -> None:
     policy = RoutingPolicy(queue_weight=0.0)
     r.update(RegionSummaryIndex(index=3, regions=loaded, routing=policy))
     assert order(r) == ["us-east", "eu-west"]
+
+
+def test_routers_sharing_loads_plan_as_they_would_alone() -> None:
+    # Gateways that adopt the same document share each summary's load; the RTT stays their own.
+    document = RegionSummaryIndex(
+        index=1,
+        regions=[summary("us-east", queue_s=0.3), summary("eu-west", kv_blocks_free=200)],
+        routing=RoutingPolicy(),
+    )
+    loads = SummaryLoads()
+    for pop in ("new-york", "london"):
+        shared = Router(CONFIG, locate(pop), loads=loads)
+        alone = Router(CONFIG, locate(pop))
+        shared.update(document)
+        alone.update(document)
+        assert shared.plan(300).candidates == alone.plan(300).candidates
+    assert [s.load for s in shared.regions.values()] == [
+        loads.load_of(s, document.routing, CONFIG.prefill_tokens_per_s) for s in document.regions
+    ]
+    # A new policy object is costed afresh, not served from the shared entry.
+    policy = RoutingPolicy(queue_weight=0.0)
+    fresh = loads.load_of(document.regions[0], policy, CONFIG.prefill_tokens_per_s)
+    assert fresh.load_s == pytest.approx(0.3) and fresh is not shared.regions["us-east"].load
+
+
+def test_shared_loads_keep_only_the_newest_summaries() -> None:
+    loads = SummaryLoads(max_entries=2)
+    policy = RoutingPolicy()
+    first, second, third = (summary("us-east", queue_s=q) for q in (0.1, 0.2, 0.3))
+    kept = loads.load_of(first, policy, 4000.0)
+    assert loads.load_of(first, policy, 4000.0) is kept
+    loads.load_of(second, policy, 4000.0)
+    loads.load_of(third, policy, 4000.0)  # evicts the oldest, `first`
+    assert loads.load_of(first, policy, 4000.0) is not kept
+    assert loads.load_of(first, policy, 4000.0) == kept
 
 
 def test_queueing_delay_outweighs_distance() -> None:
