@@ -58,13 +58,17 @@ def test_quantization_setting_is_checked_and_resolved(monkeypatch: pytest.Monkey
         EngineConfig("m", quantization="int4")
     with pytest.raises(InvalidRequestError, match="CPU only"):
         EngineConfig("m", quantization="int8", device="cuda")
+    with pytest.raises(InvalidRequestError, match="q4_1 runs on CPU only"):
+        EngineConfig("m", quantization="q4_1", device="cuda")
     monkeypatch.setattr(config_module, "_cpu_has_native_bf16", lambda: False)
-    assert EngineConfig("m", device="cpu").int8_weights()  # it would otherwise read fp32
-    assert not EngineConfig("m", device="cpu", dtype="float32").int8_weights()
-    assert not EngineConfig("m", device="cpu", quantization="none").int8_weights()
+    # auto: int8 where the model would otherwise read fp32.
+    assert EngineConfig("m", device="cpu").weight_quantization() == "int8"
+    assert EngineConfig("m", device="cpu", dtype="float32").weight_quantization() == "none"
+    assert EngineConfig("m", device="cpu", quantization="none").weight_quantization() == "none"
     monkeypatch.setattr(config_module, "_cpu_has_native_bf16", lambda: True)
-    assert not EngineConfig("m", device="cpu").int8_weights()
-    assert EngineConfig("m", device="cpu", quantization="int8").int8_weights()
+    assert EngineConfig("m", device="cpu").weight_quantization() == "none"
+    assert EngineConfig("m", device="cpu", quantization="int8").weight_quantization() == "int8"
+    assert EngineConfig("m", device="cpu", quantization="q4_1").weight_quantization() == "q4_1"
 
 
 @pytest.mark.slow
@@ -75,7 +79,7 @@ def test_the_real_model_on_int8_weights_stays_close_to_full_precision(
     int8 = LLM(str(smollm2_gguf), dtype="float32", quantization="int8", max_model_len=512)
     model = int8.engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
-    assert layers and all(m.int8 is not None and m.weight.numel() == 0 for m in layers)
+    assert layers and all(m.quantized is not None and m.weight.numel() == 0 for m in layers)
     assert isinstance(model.embed_tokens, VocabParallelEmbedding)
     assert model.embed_tokens.int8 is not None  # the tied LM head too
 
