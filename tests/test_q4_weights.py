@@ -81,7 +81,14 @@ def test_linear_equals_the_gguf_dequantized_matmul(
     _close(ours, x.float() @ reference.T, dtype)
 
 
-def test_dequantized_is_gguf_s_reading_rounded_once() -> None:
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_dequantized_is_gguf_s_reading_rounded_once(
+    monkeypatch: pytest.MonkeyPatch, kernels_on: bool
+) -> None:
+    if kernels_on and cpu_kernels() is None:
+        pytest.skip("the CPU kernels could not be built")
+    if not kernels_on:
+        monkeypatch.setattr(q4_1_weights, "cpu_kernels", lambda: None)
     gen = torch.Generator().manual_seed(0)
     blocks = random_blocks(9, 160, gen)
     expected = gguf_dequantized(blocks)
@@ -90,18 +97,22 @@ def test_dequantized_is_gguf_s_reading_rounded_once() -> None:
 
 
 def test_steps_of_many_tokens_dequantize(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
+    calls: list[str] = []
 
     class Recording:
         def q4_1_linear(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-            calls.append(x.shape[0])
+            calls.append(f"kernel {x.shape[0]}")
             return torch.zeros(x.shape[0], blocks.shape[0])
+
+        def q4_1_dequantize(self, blocks: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+            calls.append("dequantize")
+            return torch.zeros(blocks.shape[0], k, dtype=dtype)
 
     monkeypatch.setattr(q4_1_weights, "cpu_kernels", lambda: Recording())
     weight = Q4_1Weight(random_blocks(8, 64, torch.Generator().manual_seed(1)), torch.float32)
     for num_tokens in (1, Q4_1_GEMV_MAX_TOKENS, Q4_1_GEMV_MAX_TOKENS + 1):
         weight.linear(torch.randn(num_tokens, 64))
-    assert calls == [1, Q4_1_GEMV_MAX_TOKENS]
+    assert calls == ["kernel 1", f"kernel {Q4_1_GEMV_MAX_TOKENS}", "dequantize"]
 
 
 def test_the_kernel_refuses_mismatched_inputs() -> None:

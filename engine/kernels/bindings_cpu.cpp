@@ -13,4 +13,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &meridian::bf16_linear, "x W^T for few tokens, x and W bf16");
   m.def("q4_1_linear", &meridian::q4_1_linear,
         "x W^T for few tokens, W as llama.cpp's Q4_1 blocks (N, K / 32 * 20 bytes)");
+  m.def("q4_1_dequantize", &meridian::q4_1_dequantize,
+        "Q4_1 blocks (N, K / 32 * 20 bytes) -> the weight (N, K) in the given dtype");
 }

@@ -253,4 +253,37 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks) {
   return out;
 }
 
+torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
+  TORCH_CHECK(in_features % kQ4_1BlockWeights == 0, "q4_1_dequantize needs K a multiple of 32");
+  const int64_t row_bytes = in_features / kQ4_1BlockWeights * kQ4_1BlockBytes;
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) == row_bytes,
+              "expected contiguous uint8 Q4_1 blocks (N, ", row_bytes, ")");
+  const int64_t n = blocks.size(0), num_blocks = in_features / kQ4_1BlockWeights;
+  auto out = torch::empty({n, in_features}, blocks.options().dtype(dtype));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  dispatch_storage_type(dtype, "q4_1_dequantize", [&](auto type) {
+    using scalar_t = decltype(type);
+    auto* dst = out.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, kBytesPerTask / row_bytes);
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      float row[kQ4_1BlockWeights];
+      for (int64_t i = begin; i < end; ++i) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const uint8_t* block = w + i * row_bytes + b * kQ4_1BlockBytes;
+          const float d = fp16_at(block), m = fp16_at(block + 2);
+          for (int j = 0; j < 16; ++j) {
+            // d * q + m rounded once in fp32, as gguf's dequantizer does (no fused multiply-add).
+            row[j] = float(block[4 + j] & 0x0f) * d;
+            row[j + 16] = float(block[4 + j] >> 4) * d;
+          }
+          for (int j = 0; j < kQ4_1BlockWeights; ++j) row[j] += m;
+          from_float(row, dst + i * in_features + b * kQ4_1BlockWeights, kQ4_1BlockWeights);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace meridian

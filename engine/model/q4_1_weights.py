@@ -51,8 +51,16 @@ class Q4_1Weight:
             return k.q4_1_linear(x.contiguous(), self.blocks)
         return F.linear(x, self.dequantized())
 
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[1] // BLOCK_BYTES * BLOCK_WEIGHTS
+
     def dequantized(self) -> torch.Tensor:
-        """The weight (N, K) in the model's dtype: each d * q + m computed in fp32, rounded once."""
+        """The weight (N, K) in the model's dtype: each d * q + m computed in fp32 as gguf's
+        dequantizer does, then rounded once to the dtype."""
+        if self.blocks.device.type == "cpu" and (k := cpu_kernels()):
+            # 4-5x faster than the eager twin below (3072x576 at one thread: 4.8 against 20 ms).
+            return k.q4_1_dequantize(self.blocks, self.in_features, self.dtype)
         num_rows = self.blocks.shape[0]
         blocks = self.blocks.view(num_rows, -1, BLOCK_BYTES)
         d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # (N, blocks, 1)
