@@ -223,3 +223,25 @@ def test_the_real_model_on_q4_1_weights_decodes_as_the_dequantized_model(
 def _rank_of_two(rank: int) -> TPGroup:
     # Only the shard bounds are read: no process group, no collective.
     return TPGroup(rank=rank, size=2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_q4_1_on_the_real_model_equals_one_process(smollm2_gguf: Path) -> None:
+    """TP 3 (SmolLM2's 9 heads): the ranks keep Q4_1 blocks in row-parallel shards of 192 and
+    512 input columns (whole blocks), and their greedy tokens equal one process's."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    single = LLM(str(smollm2_gguf), dtype="float32", quantization="q4_1")
+    tokenizer = single.get_tokenizer()
+    prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "Hi there!"}]))
+    [expected] = single.generate([{"prompt_token_ids": prompt}], params)
+    single.shutdown()
+    parallel = LLM(str(smollm2_gguf), dtype="float32", quantization="q4_1", tensor_parallel_size=3)
+    try:
+        model = parallel.engine.executor.runner.model
+        [down] = [m for m in model.modules() if isinstance(m, RowParallelLinear)][1:2]
+        assert isinstance(down.quantized, Q4_1Weight)  # layer 0's down_proj, after its o_proj
+        assert down.quantized.in_features == 1536 // 3
+        [ours] = parallel.generate([{"prompt_token_ids": prompt}], params)
+        assert ours.outputs[0].token_ids == expected.outputs[0].token_ids
+    finally:
+        parallel.shutdown()
