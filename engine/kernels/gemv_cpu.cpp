@@ -253,6 +253,36 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks) {
   return out;
 }
 
+// One block's 32 weights d * q + m (a product and a sum, each rounded in fp32, as gguf's
+// dequantizer computes them), stored rounded to nearest even in the output's dtype.
+template <typename scalar_t>
+inline void dequantize_q4_1_block(const uint8_t* block, scalar_t* dst) {
+  const float d = fp16_at(block), m = fp16_at(block + 2);
+#if defined(MERIDIAN_AVX512_BF16)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    // 5x the plain loop below (3072x576: 0.4 against 2.2 ms), the same bits.
+    const __m128i low_nibbles = _mm_set1_epi8(0x0f);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i q_high = _mm_and_si128(_mm_srli_epi16(qs, 4), low_nibbles);
+    auto weights = [&](__m128i q) {
+      const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+      return _mm512_add_ps(_mm512_mul_ps(qf, _mm512_set1_ps(d)), _mm512_set1_ps(m));
+    };
+    const __m512bh both =
+        _mm512_cvtne2ps_pbh(weights(q_high), weights(_mm_and_si128(qs, low_nibbles)));
+    _mm512_storeu_si512(dst, (__m512i)both);
+    return;
+  }
+#endif
+  float row[kQ4_1BlockWeights];
+  for (int j = 0; j < 16; ++j) {
+    row[j] = float(block[4 + j] & 0x0f) * d;
+    row[j + 16] = float(block[4 + j] >> 4) * d;
+  }
+  for (int j = 0; j < kQ4_1BlockWeights; ++j) row[j] += m;
+  from_float(row, dst, kQ4_1BlockWeights);
+}
+
 torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
   TORCH_CHECK(in_features % kQ4_1BlockWeights == 0, "q4_1_dequantize needs K a multiple of 32");
   const int64_t row_bytes = in_features / kQ4_1BlockWeights * kQ4_1BlockBytes;
@@ -267,18 +297,10 @@ torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::Sca
     auto* dst = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, kBytesPerTask / row_bytes);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      float row[kQ4_1BlockWeights];
       for (int64_t i = begin; i < end; ++i) {
         for (int64_t b = 0; b < num_blocks; ++b) {
-          const uint8_t* block = w + i * row_bytes + b * kQ4_1BlockBytes;
-          const float d = fp16_at(block), m = fp16_at(block + 2);
-          for (int j = 0; j < 16; ++j) {
-            // d * q + m rounded once in fp32, as gguf's dequantizer does (no fused multiply-add).
-            row[j] = float(block[4 + j] & 0x0f) * d;
-            row[j + 16] = float(block[4 + j] >> 4) * d;
-          }
-          for (int j = 0; j < kQ4_1BlockWeights; ++j) row[j] += m;
-          from_float(row, dst + i * in_features + b * kQ4_1BlockWeights, kQ4_1BlockWeights);
+          dequantize_q4_1_block(w + i * row_bytes + b * kQ4_1BlockBytes,
+                                dst + i * in_features + b * kQ4_1BlockWeights);
         }
       }
     });

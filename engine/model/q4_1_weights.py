@@ -59,7 +59,7 @@ class Q4_1Weight:
         """The weight (N, K) in the model's dtype: each d * q + m computed in fp32 as gguf's
         dequantizer does, then rounded once to the dtype."""
         if self.blocks.device.type == "cpu" and (k := cpu_kernels()):
-            # 4-5x faster than the eager twin below (3072x576 at one thread: 4.8 against 20 ms).
+            # 13-36x the eager twin below (3072x576 in bf16: 1.9 against 25 ms at one thread).
             return k.q4_1_dequantize(self.blocks, self.in_features, self.dtype)
         num_rows = self.blocks.shape[0]
         blocks = self.blocks.view(num_rows, -1, BLOCK_BYTES)
