@@ -1,4 +1,4 @@
-// bf16 matmuls of a few tokens (decode steps), the weight read once per step:
+// bf16 and Q4_1 matmuls of a few tokens (decode steps), the weight read once per step:
 // out (M, N) = x (M, K) W^T.
 //
 // At M = 1..4 a matmul is a GEMV: each weight is used M times, so its time is reading the
@@ -23,7 +23,7 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
