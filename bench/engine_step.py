@@ -2,12 +2,13 @@
 so that the load of a shared machine falls on each about evenly.
 
     python -m bench.engine_step [--batch 1] [--context 256] [--rounds 5] [--steps 8]
-        [--variants adaptive threads=1 threads=2 int8]
+        [--variants adaptive threads=1 threads=2 int8 q4_1]
 
 Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
 `ignore_eos`). `adaptive` is the default engine (the thread count chosen per step, see
-engine/step_threads.py); `threads=N` pins it; `int8` is `quantization="int8"` with adaptive
-threads; `eager` is the default with the fused CPU layer ops swapped for their eager twins;
+engine/step_threads.py); `threads=N` pins it; `int8` is `quantization="int8"` and `q4_1`
+`quantization="q4_1"` (the GGUF's Q4_1 blocks kept), both with adaptive threads; `eager` is
+the default with the fused CPU layer ops swapped for their eager twins;
 `torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`.
 Prints each round's median step time per variant and, per round, each variant against the
 first; the load average and CPU flags beside them.
@@ -41,9 +42,8 @@ class Variant:
 
 
 def build(name: str, model: str, batch: int, context: int) -> Variant:
-    config = EngineConfig(
-        model, cpu_kv_cache_gib=0.25, quantization="int8" if name == "int8" else "auto"
-    )
+    quantization = name if name in ("int8", "q4_1") else "auto"
+    config = EngineConfig(model, cpu_kv_cache_gib=0.25, quantization=quantization)
     engine = LLMEngine(config)
     runner = engine.executor.runner
     pinned = None

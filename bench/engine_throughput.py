@@ -255,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="our engine's dtype")
     parser.add_argument(
         "--quantization",
-        choices=("auto", "none", "int8"),
+        choices=("auto", "none", "int8", "q4_1"),
         default="auto",
-        help="our engine's weights (int8: weight-only, CPU)",
+        help="our engine's weights (int8: weight-only; q4_1: a Q4_1 GGUF's blocks kept; CPU)",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)

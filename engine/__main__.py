@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd = commands.add_parser(name, help=text)
         cmd.add_argument("--model", default=DEFAULT_MODEL, help="a pulled name or a path")
         cmd.add_argument("--dtype", default="auto")
-        cmd.add_argument("--quantization", choices=["auto", "none", "int8"], default="auto")
+        cmd.add_argument("--quantization", choices=["auto", "none", "int8", "q4_1"], default="auto")
         cmd.add_argument("--device", default="auto")
         cmd.add_argument("--max-tokens", type=int, default=256)
         cmd.add_argument("--temperature", type=float, default=0.7)

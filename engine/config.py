@@ -17,14 +17,15 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
-_QUANTIZATIONS = ("auto", "none", "int8")
+_QUANTIZATIONS = ("auto", "none", "int8", "q4_1")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"  # auto: bf16 where the hardware computes in it natively, else fp32
-    # Weights kept as "int8" (weight-only, one scale per row; CPU only) or as `dtype` ("none").
+    # Weights kept as "int8" (weight-only, one scale per row; CPU only), as the GGUF's own Q4_1
+    # blocks ("q4_1": the linear layers of a Q4_1 GGUF; CPU only) or as `dtype` ("none").
     # auto: int8 where dtype is auto and the CPU lacks native bf16, so it would read fp32.
     quantization: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -52,8 +53,8 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"quantization must be one of {list(_QUANTIZATIONS)}, not {self.quantization!r}"
             )
-        if self.quantization == "int8" and self.torch_device().type != "cpu":
-            raise InvalidRequestError("quantization int8 runs on CPU only")
+        if self.quantization in ("int8", "q4_1") and self.torch_device().type != "cpu":
+            raise InvalidRequestError(f"quantization {self.quantization} runs on CPU only")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError(
                 "block_size, max_num_seqs and max_num_batched_tokens must be >= 1"
@@ -78,12 +79,16 @@ class EngineConfig:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
 
-    def int8_weights(self) -> bool:
+    def weight_quantization(self) -> str:
+        """How the weights are kept: "none" (as `dtype`), "int8" or "q4_1"; auto resolved."""
         if self.quantization != "auto":
-            return self.quantization == "int8"
-        return self.dtype == "auto" and self.torch_device().type == "cpu" and not (
-            _cpu_has_native_bf16()
+            return self.quantization
+        reads_fp32 = (
+            self.dtype == "auto"
+            and self.torch_device().type == "cpu"
+            and not _cpu_has_native_bf16()
         )
+        return "int8" if reads_fp32 else "none"
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -64,7 +64,7 @@ class LLMEngine:
         )
         started = time.monotonic()
         shape = RunnerShape(
-            device, dtype, config.block_size, context_len, config.int8_weights()
+            device, dtype, config.block_size, context_len, config.weight_quantization()
         )
         self.executor = ModelExecutor(
             checkpoint,
@@ -90,7 +90,7 @@ class LLMEngine:
             "loaded %s (%s%s, %s) in %.1f s; context %d tokens",
             config.model,
             dtype,
-            ", int8 weights" if shape.int8_weights else "",
+            "" if shape.quantization == "none" else f", {shape.quantization} weights",
             device,
             time.monotonic() - started,
             self.max_model_len,

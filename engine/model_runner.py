@@ -23,6 +23,7 @@ from engine.model.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from engine.model.q4_1_weights import Q4_1_GEMV_MAX_TOKENS
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_threads import StepThreadPolicy
@@ -38,7 +39,9 @@ class RunnerShape:
     dtype: torch.dtype
     block_size: int
     max_model_len: int
-    int8_weights: bool = False  # weight-only int8 matmuls (CPU): see model/int8_weights.py
+    # How weights are kept (EngineConfig.weight_quantization): "none" (the model's dtype),
+    # "int8" (model/int8_weights.py) or "q4_1" (the GGUF's blocks: model/q4_1_weights.py).
+    quantization: str = "none"
 
 
 @dataclass(slots=True)
@@ -86,8 +89,10 @@ class ModelRunner:
         self.model = model.to(shape.dtype).to_empty(device=device)
         self.model.load_weights(checkpoint.tensors(model.wants))
         self.model.eval()
-        if shape.int8_weights:
+        if shape.quantization == "int8":
             self._quantize_int8()
+        elif shape.quantization == "q4_1":
+            self._keep_q4_1(checkpoint)
         elif device.type == "cpu" and shape.dtype == torch.bfloat16 and cpu_kernels():
             logger.info(
                 "matmuls: the bf16 GEMV kernel for steps of up to %d tokens, F.linear above",
@@ -115,12 +120,33 @@ class ModelRunner:
         quantizable = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
         layers = [m for m in self.model.modules() if isinstance(m, quantizable)]
         for layer in layers:
-            layer.int8 = Int8Weight.quantize(layer.weight.data, max_gemv_tokens)
+            int8 = Int8Weight.quantize(layer.weight.data, max_gemv_tokens)
+            if isinstance(layer, VocabParallelEmbedding):
+                layer.int8 = int8
+            else:
+                layer.quantized = int8
             layer.weight = nn.Parameter(layer.weight.data.new_empty(0), requires_grad=False)
         logger.info(
             "weights: int8 weight-only in %d layers (int8 matmul up to %d tokens a step)",
             len(layers),
             max_gemv_tokens,
+        )
+
+    def _keep_q4_1(self, checkpoint: Checkpoint) -> None:
+        # The float weights were loaded (dequantized) with the rest and are replaced here: the
+        # file is memory-mapped, so reading the projections twice costs only their dequantizing.
+        names = self.model.projection_weights()
+        self.model.load_q4_1_weights(checkpoint.q4_1_blocks(names.__contains__))
+        matmuls = (
+            f"the Q4_1 GEMV kernel up to {Q4_1_GEMV_MAX_TOKENS} tokens a step, dequantized above"
+            if cpu_kernels()
+            else "dequantized every step: no CPU kernels"
+        )
+        logger.info(
+            "weights: the GGUF's Q4_1 blocks in %d projections (%s); embedding and LM head in %s",
+            len(names),
+            matmuls,
+            self.dtype,
         )
 
     @property

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_connections
 from multiprocessing.process import BaseProcess
@@ -226,9 +226,7 @@ def _worker_main(spec: ParallelSpec, rank: int, pipe: Connection) -> None:
     pipe.send(_STARTED)
     logging.basicConfig(level=logging.WARNING)
     shape = spec.shape
-    device_shape = RunnerShape(
-        rank_device(shape, rank), shape.dtype, shape.block_size, shape.max_model_len
-    )
+    device_shape = replace(shape, device=rank_device(shape, rank))
     stage = build_stage(spec, rank, device_shape)
     try:
         num_blocks = pipe.recv()

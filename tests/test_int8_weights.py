@@ -13,6 +13,7 @@ from test_engine_vs_transformers import prompt_logits
 
 from engine import LLM, SamplingParams
 from engine import config as config_module
+from engine.chat_template import ChatMessage
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.model.int8_weights import Int8Weight, linear, measure_max_gemv_tokens
@@ -31,11 +32,11 @@ def test_quantized_rows_are_within_half_a_step_of_the_weight() -> None:
 def test_both_matmul_paths_equal_the_dequantized_weight(dtype: torch.dtype) -> None:
     weight = torch.randn(80, 48, dtype=dtype)
     int8 = Int8Weight.quantize(weight, max_gemv_tokens=4)
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.1, 0.02)
     for num_tokens in (1, 4, 5, 33):  # the int8 kernel up to 4 tokens, dequantized above
         x = torch.randn(num_tokens, 48, dtype=dtype)
         expected = x.float() @ int8.dequantized().float().T
-        torch.testing.assert_close(int8.linear(x).float(), expected, **tol)
+        torch.testing.assert_close(int8.linear(x).float(), expected, atol=atol, rtol=rtol)
 
 
 def test_linear_adds_the_bias_and_rows_look_up_embeddings() -> None:
@@ -58,13 +59,17 @@ def test_quantization_setting_is_checked_and_resolved(monkeypatch: pytest.Monkey
         EngineConfig("m", quantization="int4")
     with pytest.raises(InvalidRequestError, match="CPU only"):
         EngineConfig("m", quantization="int8", device="cuda")
+    with pytest.raises(InvalidRequestError, match="q4_1 runs on CPU only"):
+        EngineConfig("m", quantization="q4_1", device="cuda")
     monkeypatch.setattr(config_module, "_cpu_has_native_bf16", lambda: False)
-    assert EngineConfig("m", device="cpu").int8_weights()  # it would otherwise read fp32
-    assert not EngineConfig("m", device="cpu", dtype="float32").int8_weights()
-    assert not EngineConfig("m", device="cpu", quantization="none").int8_weights()
+    # auto: int8 where the model would otherwise read fp32.
+    assert EngineConfig("m", device="cpu").weight_quantization() == "int8"
+    assert EngineConfig("m", device="cpu", dtype="float32").weight_quantization() == "none"
+    assert EngineConfig("m", device="cpu", quantization="none").weight_quantization() == "none"
     monkeypatch.setattr(config_module, "_cpu_has_native_bf16", lambda: True)
-    assert not EngineConfig("m", device="cpu").int8_weights()
-    assert EngineConfig("m", device="cpu", quantization="int8").int8_weights()
+    assert EngineConfig("m", device="cpu").weight_quantization() == "none"
+    assert EngineConfig("m", device="cpu", quantization="int8").weight_quantization() == "int8"
+    assert EngineConfig("m", device="cpu", quantization="q4_1").weight_quantization() == "q4_1"
 
 
 @pytest.mark.slow
@@ -75,7 +80,7 @@ def test_the_real_model_on_int8_weights_stays_close_to_full_precision(
     int8 = LLM(str(smollm2_gguf), dtype="float32", quantization="int8", max_model_len=512)
     model = int8.engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
-    assert layers and all(m.int8 is not None and m.weight.numel() == 0 for m in layers)
+    assert layers and all(m.quantized is not None and m.weight.numel() == 0 for m in layers)
     assert isinstance(model.embed_tokens, VocabParallelEmbedding)
     assert model.embed_tokens.int8 is not None  # the tied LM head too
 
@@ -89,7 +94,7 @@ def test_the_real_model_on_int8_weights_stays_close_to_full_precision(
     assert (ours - reference).abs().max() < 0.3 * reference.abs().max()
 
     # Decoding runs the int8 kernel (few tokens a step) and says the same, greedy.
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question: list[ChatMessage] = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0, max_tokens=16)
     [reply] = int8.chat(question, params)
     assert reply.outputs[0].text == "The capital of France is Paris."

@@ -11,4 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Rotate Q and K in place in the fused QKV rows, then write K and V to their cache slots");
   m.def("silu_and_mul", &meridian::silu_and_mul, "silu(gate) * up of the fused gate-up rows");
   m.def("bf16_linear", &meridian::bf16_linear, "x W^T for few tokens, x and W bf16");
+  m.def("q4_1_linear", &meridian::q4_1_linear,
+        "x W^T for few tokens, W as llama.cpp's Q4_1 blocks (N, K / 32 * 20 bytes)");
+  m.def("q4_1_dequantize", &meridian::q4_1_dequantize,
+        "Q4_1 blocks (N, K / 32 * 20 bytes) -> the weight (N, K) in the given dtype");
 }

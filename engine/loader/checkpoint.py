@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import UnsupportedModelError
+from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
@@ -25,6 +25,10 @@ class Checkpoint:
     # Hugging Face name -> torch shape of every tensor `tensors()` yields, checked at open time.
     tensor_shapes: Mapping[str, tuple[int, ...]]
     read_tensors: Callable[[Callable[[str], bool]], NamedTensors] = field(repr=False)
+    # GGUF only: the wanted tensors' Q4_1 blocks as stored (see `q4_1_blocks`).
+    read_q4_1_blocks: Callable[[Callable[[str], bool]], NamedTensors] | None = field(
+        default=None, repr=False
+    )
 
     def tensors(self, wanted: Callable[[str], bool] = lambda _: True) -> NamedTensors:
         """Yield `(name, tensor)` one at a time (CPU; fp32 from GGUF, source dtype from
@@ -32,6 +36,17 @@ class Checkpoint:
         and drop it before the next is read. Tensors not `wanted` (another pipeline stage's)
         are never read."""
         return self.read_tensors(wanted)
+
+    def q4_1_blocks(self, wanted: Callable[[str], bool]) -> NamedTensors:
+        """Yield `(name, blocks)` for the `wanted` tensors as the GGUF stores them in Q4_1:
+        uint8 (rows, K / 32 * 20), rows in Hugging Face order. Refuses a checkpoint that is not
+        a GGUF, and a tensor that is not Q4_1, when it reaches it."""
+        if self.read_q4_1_blocks is None:
+            raise InvalidRequestError(
+                f"quantization q4_1 keeps a GGUF file's Q4_1 weights; {self.path} is not a GGUF "
+                "file (use quantization none or int8)"
+            )
+        return self.read_q4_1_blocks(wanted)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
-from engine.errors import UnsupportedModelError
+from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.gguf_metadata import GGUFMetadata, open_gguf
 from engine.loader.checkpoint import Checkpoint, NamedTensors, check_shapes
 from engine.model_config import ModelConfig
@@ -70,7 +70,14 @@ def load_gguf(path: Path) -> Checkpoint:
     shapes = {p.name: _torch_shape(p.tensor) for p in plan}
     check_shapes(shapes, config, path)
     tokenizer = Tokenizer.from_gguf(reader)
-    return Checkpoint(path, config, tokenizer, shapes, partial(_read_tensors, tuple(plan)))
+    return Checkpoint(
+        path,
+        config,
+        tokenizer,
+        shapes,
+        partial(_read_tensors, tuple(plan)),
+        partial(_read_q4_1_blocks, tuple(plan)),
+    )
 
 
 def _config_from_metadata(meta: GGUFMetadata, tensors: list[ReaderTensor]) -> ModelConfig:
@@ -144,6 +151,26 @@ def _read_tensors(plan: tuple[_PlannedTensor, ...], wanted: Callable[[str], bool
     for planned in plan:
         if wanted(planned.name):
             yield planned.name, _dequantize(planned)
+
+
+def _read_q4_1_blocks(
+    plan: tuple[_PlannedTensor, ...], wanted: Callable[[str], bool]
+) -> NamedTensors:
+    for planned in plan:
+        if not wanted(planned.name):
+            continue
+        tensor = planned.tensor
+        if tensor.tensor_type != _T.Q4_1:
+            raise InvalidRequestError(
+                f"quantization q4_1 keeps a GGUF's Q4_1 weights, but {tensor.name} is "
+                f"{tensor.tensor_type.name} (use quantization none or int8)"
+            )
+        # (rows, bytes of a row's blocks), copied out of the read-only memory map.
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C"))
+        if planned.unpermute_heads is not None:
+            # A row's blocks move with it: the permutation is of whole rows.
+            blocks = _unpermute_rows(blocks, planned.unpermute_heads)
+        yield planned.name, blocks
 
 
 def _dequantize(planned: _PlannedTensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+from engine.model.q4_1_weights import Q4_1Weight
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +69,15 @@ class Int8Weight:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, int8: Int8Weight | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantized: Int8Weight | Q4_1Weight | None,
 ) -> torch.Tensor:
-    """F.linear, through the int8 weight where the layer holds one, and through the GEMV
-    kernel for few tokens of bf16."""
-    if int8 is not None:
-        out = int8.linear(x)
+    """F.linear, through the int8 or Q4_1 weight where the layer holds one, and through the
+    GEMV kernel for few tokens of bf16."""
+    if quantized is not None:
+        out = quantized.linear(x)
     elif (
         weight.dtype == torch.bfloat16
         and x.shape[0] <= BF16_GEMV_MAX_TOKENS

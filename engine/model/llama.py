@@ -25,7 +25,18 @@ from engine.model.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from engine.model.q4_1_weights import Q4_1Weight
 from engine.model_config import ModelConfig
+
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 class RMSNorm(nn.Module):
@@ -204,30 +215,62 @@ class LlamaForCausalLM(nn.Module):
         if len(parts) == 4:  # layers.3.input_layernorm.weight: replicated on every rank
             getattr(layer, parts[2]).weight.data.copy_(tensor)
             return
-        _, _, block, proj, param = parts  # layers.3.self_attn.q_proj.weight
+        module, part = self._projection(name)
+        if isinstance(module, RowParallelLinear):
+            module.load(tensor)
+        else:
+            assert part is not None
+            module.load(part, parts[4], tensor)
+
+    def load_q4_1_weights(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Keep every projection of this stage as the checkpoint's Q4_1 `blocks` (this rank's
+        shard of each), freeing the float weights; fail on a missing or extra one."""
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                weight = module.weight
+                rows, columns = weight.shape
+                module.quantized = Q4_1Weight.empty(rows, columns, weight.dtype)
+                module.weight = nn.Parameter(weight.data.new_empty(0), requires_grad=False)
+        expected = self.projection_weights()
+        for hf_name, tensor in blocks:
+            if hf_name not in expected:
+                raise KeyError(f"checkpoint tensor {hf_name} is not a projection of this stage")
+            module, part = self._projection(hf_name.removeprefix("model."))
+            if isinstance(module, RowParallelLinear):
+                module.load_q4_1(tensor)
+            else:
+                assert part is not None
+                module.load_q4_1(part, tensor)
+            expected.remove(hf_name)
+        if expected:
+            missing = sorted(expected)
+            raise ValueError(f"checkpoint lacks {len(missing)} Q4_1 tensors, e.g. {missing[:3]}")
+
+    def projection_weights(self) -> set[str]:
+        """The Hugging Face names of this stage's linear layers' weights."""
+        return {f"model.layers.{i}.{p}.weight" for i in self.layer_ids for p in _PROJECTIONS}
+
+    def _projection(self, name: str) -> tuple[ColumnParallelLinear | RowParallelLinear, str | None]:
+        """The layer holding `layers.3.self_attn.q_proj.<param>`, and the part it is of a fused
+        matmul (None: a row-parallel layer of its own)."""
+        _, index, block, proj, _ = name.split(".")
+        layer = self.layers[int(index) - self.layer_ids.start]
+        assert isinstance(layer, LlamaDecoderLayer)
         if proj in ("q_proj", "k_proj", "v_proj"):
-            layer.self_attn.qkv_proj.load(proj[0], param, tensor)
-        elif proj in ("gate_proj", "up_proj"):
-            layer.mlp.gate_up_proj.load(proj.removesuffix("_proj"), param, tensor)
-        else:  # o_proj, down_proj
-            getattr(getattr(layer, block), proj).load(tensor)
+            return layer.self_attn.qkv_proj, proj[0]
+        if proj in ("gate_proj", "up_proj"):
+            return layer.mlp.gate_up_proj, proj.removesuffix("_proj")
+        module = getattr(getattr(layer, block), proj)  # o_proj, down_proj
+        assert isinstance(module, RowParallelLinear)
+        return module, None
 
     def _expected_tensors(self) -> set[str]:
         c = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not c.tie_word_embeddings:
             names.add("lm_head.weight")
-        projections = [
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ]
+        names |= self.projection_weights()
         for i in self.layer_ids:
-            names |= {f"model.layers.{i}.{p}.weight" for p in projections}
             names |= {
                 f"model.layers.{i}.input_layernorm.weight",
                 f"model.layers.{i}.post_attention_layernorm.weight",

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.model.int8_weights import Int8Weight, linear
+from engine.model.q4_1_weights import Q4_1Weight
 
 
 class ColumnParallelLinear(nn.Module):
@@ -33,20 +34,29 @@ class ColumnParallelLinear(nn.Module):
             offset += stop - start
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
-        self.int8: Int8Weight | None = None  # set by quantize_int8, which frees `weight`
+        # Set by the runner's int8 or Q4_1 loading, which frees `weight`.
+        self.quantized: Int8Weight | Q4_1Weight | None = None
 
     def _shard_of(self, name: str, size: int) -> tuple[int, int]:
         shard = size // self.tp.size
         return self.tp.rank * shard, (self.tp.rank + 1) * shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8)
+        return linear(x, self.weight, self.bias, self.quantized)
 
     def load(self, part: str, param_name: str, full: torch.Tensor) -> None:
         start, stop = self.part_shards[part]
         rows = self.part_rows[part]
         target = getattr(self, param_name).data[rows[0] : rows[1]]
         _copy_checked(target, full[start:stop], f"{part}.{param_name}")
+
+    def load_q4_1(self, part: str, full_blocks: torch.Tensor) -> None:
+        """This rank's rows of `part` from the checkpoint's Q4_1 blocks (rows, K / 32 * 20)."""
+        assert isinstance(self.quantized, Q4_1Weight), "the runner sets up the Q4_1 weight first"
+        start, stop = self.part_shards[part]
+        rows = self.part_rows[part]
+        target = self.quantized.blocks[rows[0] : rows[1]]
+        _copy_checked(target, full_blocks[start:stop], f"{part}.q4_1")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -80,14 +90,21 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_shard = in_features // tp.size
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard))
-        self.int8: Int8Weight | None = None
+        self.quantized: Int8Weight | Q4_1Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, None, self.int8))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.quantized))
 
     def load(self, full: torch.Tensor) -> None:
         start = self.tp.rank * self.in_shard
         _copy_checked(self.weight.data, full[:, start : start + self.in_shard], "weight")
+
+    def load_q4_1(self, full_blocks: torch.Tensor) -> None:
+        """This rank's input columns from the checkpoint's Q4_1 blocks: whole blocks only."""
+        assert isinstance(self.quantized, Q4_1Weight), "the runner sets up the Q4_1 weight first"
+        start = self.tp.rank * self.in_shard
+        full = Q4_1Weight(full_blocks, self.quantized.dtype)
+        _copy_checked(self.quantized.blocks, full.columns(start, start + self.in_shard), "q4_1")
 
 
 class VocabParallelEmbedding(nn.Module):
