@@ -33,6 +33,7 @@ chat: setup
 
 lint: setup-test
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 test: lint

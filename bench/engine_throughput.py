@@ -370,9 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         sequential_itl, our_itl = percentile(runs[0].itls_s, 50), percentile(ours.itls_s, 50)
         if sequential_itl and our_itl:
             # How much faster one decode step is: the single-stream figure at concurrency 1.
-            report["itl_p50_ratio_vs_transformers_sequential"] = round(
-                sequential_itl / our_itl, 2
-            )
+            report["itl_p50_ratio_vs_transformers_sequential"] = round(sequential_itl / our_itl, 2)
     report["prefix_cache_ttft_speedup"] = round(
         statistics.median(uncached) / statistics.median(cached), 2
     )

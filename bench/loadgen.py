@@ -69,7 +69,10 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def send_one(
-    session: aiohttp.ClientSession, url: str, model: str, request: WorkloadRequest,
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    request: WorkloadRequest,
     temperature: float,
 ) -> RequestResult:
     body = {
@@ -119,8 +122,13 @@ async def send_one(
 
 
 async def run_level(
-    url: str, model: str, api_key: str, workload: list[WorkloadRequest], concurrency: int,
-    temperature: float = 0.0, quiet: bool = False,
+    url: str,
+    model: str,
+    api_key: str,
+    workload: list[WorkloadRequest],
+    concurrency: int,
+    temperature: float = 0.0,
+    quiet: bool = False,
 ) -> LevelSummary:
     """Replay `workload` with at most `concurrency` requests in flight."""
     endpoint = url.rstrip("/") + "/v1/chat/completions"
@@ -135,8 +143,11 @@ async def run_level(
             request = queue.pop()
             results.append(await send_one(session, endpoint, model, request, temperature))
             if not quiet and (len(results) % max(1, len(workload) // 10) == 0):
-                print(f"  c={concurrency}: {len(results)}/{len(workload)} done",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  c={concurrency}: {len(results)}/{len(workload)} done",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     started = time.perf_counter()
     async with aiohttp.ClientSession(
@@ -181,16 +192,21 @@ def time_offline(llm: LLM, workload: list[WorkloadRequest], max_num_seqs: int) -
     from engine import SamplingParams, TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
-              for r in workload]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload
+    ]
     warmup = prompts[:max_num_seqs]  # unmeasured, as the served run's warm-up
     llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS))
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     duration_s = time.perf_counter() - started
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"max_num_seqs": max_num_seqs, "duration_s": duration_s,
-            "num_output_tokens": num_tokens, "output_tokens_per_s": num_tokens / duration_s}
+    return {
+        "max_num_seqs": max_num_seqs,
+        "duration_s": duration_s,
+        "num_output_tokens": num_tokens,
+        "output_tokens_per_s": num_tokens / duration_s,
+    }
 
 
 def _ms(value: float | None) -> str:
@@ -222,26 +238,39 @@ def format_table(levels: list[LevelSummary], offline: dict[str, float] | None) -
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.loadgen",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:9001")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the `model` field to send")
     parser.add_argument("--api-key", default="unused")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--num-requests", type=int, default=64, help="per concurrency level")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", default=DEFAULT_MODEL,
-                        help="model name or GGUF path whose tokenizer sizes the prompts")
+    parser.add_argument(
+        "--tokenizer",
+        default=DEFAULT_MODEL,
+        help="model name or GGUF path whose tokenizer sizes the prompts",
+    )
     parser.add_argument("--min-prompt-tokens", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--min-output-tokens", type=int, default=16)
     parser.add_argument("--max-output-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--offline", action="store_true",
-                        help="also measure the engine offline on the same workload (loads it)")
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="also measure the engine offline on the same workload (loads it)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip the unmeasured warm-up (the first requests, 4 tokens each)")
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the unmeasured warm-up (the first requests, 4 tokens each)",
+    )
     return parser.parse_args(argv)
 
 
@@ -253,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_path = resolve_model(args.tokenizer)
     tokenizer = Tokenizer.from_gguf(tokenizer_path)
     workload = make_workload(
-        args.num_requests, args.seed, tokenizer,
+        args.num_requests,
+        args.seed,
+        tokenizer,
         (args.min_prompt_tokens, args.max_prompt_tokens),
         (args.min_output_tokens, args.max_output_tokens),
     )
@@ -269,16 +300,23 @@ def main(argv: list[str] | None = None) -> int:
     levels = []
     for concurrency in args.concurrency:
         print(f"concurrency {concurrency}: {len(workload)} requests", file=sys.stderr, flush=True)
-        levels.append(asyncio.run(
-            run_level(args.url, args.model, args.api_key, workload, concurrency, args.temperature)
-        ))
+        levels.append(
+            asyncio.run(
+                run_level(
+                    args.url, args.model, args.api_key, workload, concurrency, args.temperature
+                )
+            )
+        )
     if args.json:
         report = {
-            "url": args.url, "model": args.model, "seed": args.seed,
+            "url": args.url,
+            "model": args.model,
+            "seed": args.seed,
             "num_requests": len(workload),
             "mean_prompt_tokens": sum(r.num_prompt_tokens for r in workload) / len(workload),
             "mean_output_tokens": sum(r.max_tokens for r in workload) / len(workload),
-            "offline": offline, "levels": [asdict(s) for s in levels],
+            "offline": offline,
+            "levels": [asdict(s) for s in levels],
         }
         print(json.dumps(report, indent=2))
     else:

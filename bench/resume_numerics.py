@@ -60,40 +60,58 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.resume_numerics",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.resume_numerics", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--num-tokens", type=int, default=40)
     parser.add_argument("--resume-at", type=int, default=12)
     args = parser.parse_args(argv)
     n, k = args.num_tokens, args.resume_at
-    config = EngineConfig(model=DEFAULT_MODEL, dtype=args.dtype, num_kv_blocks=512,
-                          max_model_len=1024, enable_prefix_caching=False)
+    config = EngineConfig(
+        model=DEFAULT_MODEL,
+        dtype=args.dtype,
+        num_kv_blocks=512,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(config)
     runs = Runs(engine)
     tokenizer = engine.tokenizer
     prompts = [
-        tokenizer.encode(tokenizer.render_chat(
-            [{"role": "user", "content": f"Write a long essay about {topic}."}]
-        ))
+        tokenizer.encode(
+            tokenizer.render_chat(
+                [{"role": "user", "content": f"Write a long essay about {topic}."}]
+            )
+        )
         for topic in TOPICS
     ]
     load_before = load_average()
     alone = [runs.outputs([(p, None, n)])[0] for p in prompts]
     batched = runs.outputs([(p, None, n) for p in prompts])
-    resumed_alone = [runs.outputs([(p, a[:k], n - k)])[0] for p, a in zip(prompts, alone,
-                                                                         strict=True)]
-    resumed_batched = runs.outputs([(p, b[:k], n - k) for p, b in zip(prompts, batched,
-                                                                       strict=True)])
+    resumed_alone = [
+        runs.outputs([(p, a[:k], n - k)])[0] for p, a in zip(prompts, alone, strict=True)
+    ]
+    resumed_batched = runs.outputs(
+        [(p, b[:k], n - k) for p, b in zip(prompts, batched, strict=True)]
+    )
     print(f"{args.dtype}, {n} greedy tokens, resumed after {k} (first differing position):")
-    print(f"  alone vs in a batch of {len(prompts)}:",
-          [first_difference(a, b) for a, b in zip(alone, batched, strict=True)])
-    print("  resumed vs unbroken, alone:",
-          [first_difference(a, r) for a, r in zip(alone, resumed_alone, strict=True)])
-    print(f"  resumed vs unbroken, {len(prompts)} together:",
-          [first_difference(b, r) for b, r in zip(batched, resumed_batched, strict=True)])
-    print(f"load average {load_before} -> {load_average()}; CPU flags: "
-          f"{' '.join(cpu_vector_flags()) or 'no AVX-512'}")
+    print(
+        f"  alone vs in a batch of {len(prompts)}:",
+        [first_difference(a, b) for a, b in zip(alone, batched, strict=True)],
+    )
+    print(
+        "  resumed vs unbroken, alone:",
+        [first_difference(a, r) for a, r in zip(alone, resumed_alone, strict=True)],
+    )
+    print(
+        f"  resumed vs unbroken, {len(prompts)} together:",
+        [first_difference(b, r) for b, r in zip(batched, resumed_batched, strict=True)],
+    )
+    print(
+        f"load average {load_before} -> {load_average()}; CPU flags: "
+        f"{' '.join(cpu_vector_flags()) or 'no AVX-512'}"
+    )
     return 0
 
 

@@ -56,10 +56,22 @@ def _free_port() -> int:
 def _start_node(mode: str, model: str, args: argparse.Namespace) -> Node:
     port = _free_port()
     command = [
-        sys.executable, "-m", "node_agent", "--model", model, "--served-model-name", args.model,
-        "--port", str(port),
-        "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.concurrency),
-        "--log-level", "WARNING", MODES[mode],
+        sys.executable,
+        "-m",
+        "node_agent",
+        "--model",
+        model,
+        "--served-model-name",
+        args.model,
+        "--port",
+        str(port),
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+        "--max-num-seqs",
+        str(args.concurrency),
+        "--log-level",
+        "WARNING",
+        MODES[mode],
     ]
     return Node(mode, f"http://127.0.0.1:{port}", subprocess.Popen(command))
 
@@ -103,11 +115,18 @@ def _load() -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.served_vs_offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.served_vs_offline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--engine-process", choices=["both", *MODES], default="both",
-                        help="which node agent modes to serve from (default both)")
+    parser.add_argument(
+        "--engine-process",
+        choices=["both", *MODES],
+        default="both",
+        help="which node agent modes to serve from (default both)",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
@@ -123,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine import LLM
 
     model = str(resolve_model(args.model))
-    workload = make_workload(args.num_requests, args.seed, Tokenizer.from_gguf(model),
-                             DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS)
+    workload = make_workload(
+        args.num_requests,
+        args.seed,
+        Tokenizer.from_gguf(model),
+        DEFAULT_PROMPT_TOKENS,
+        DEFAULT_OUTPUT_TOKENS,
+    )
     modes = list(MODES) if args.engine_process == "both" else [args.engine_process]
     print(f"load average at start: {_load()}", flush=True)
     offline_llm = LLM(model, max_num_seqs=args.concurrency, cpu_kv_cache_gib=args.kv_cache_gib)
@@ -132,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     num_errors = 0
     with _nodes(modes, model, args) as nodes:
         for node in nodes:
-            level = asyncio.run(run_level(node.url, args.model, "unused", warmup,
-                                          args.concurrency, quiet=True))
+            level = asyncio.run(
+                run_level(node.url, args.model, "unused", warmup, args.concurrency, quiet=True)
+            )
             if level.num_errors:
                 raise RuntimeError(f"the {node.mode} node's warm-up failed: {level.errors}")
         for round_index in range(args.rounds):
@@ -146,20 +171,28 @@ def main(argv: list[str] | None = None) -> int:
                     offline = time_offline(offline_llm, workload, args.concurrency)
                     results["offline"] = offline["output_tokens_per_s"]
                     continue
-                level = asyncio.run(run_level(entry.url, args.model, "unused", workload,
-                                              args.concurrency, quiet=True))
+                level = asyncio.run(
+                    run_level(
+                        entry.url, args.model, "unused", workload, args.concurrency, quiet=True
+                    )
+                )
                 num_errors += level.num_errors
                 for error in level.errors:
                     print(f"  {entry.mode} error: {error}", file=sys.stderr)
                 results[entry.mode] = level.output_tokens_per_s
             cells = [f"offline {results['offline']:.1f} tok/s"]
-            cells += [f"{mode} {results[mode]:.1f} tok/s ({results[mode] / results['offline']:.1%})"
-                      for mode in modes]
+            cells += [
+                f"{mode} {results[mode]:.1f} tok/s ({results[mode] / results['offline']:.1%})"
+                for mode in modes
+            ]
             if len(modes) == 2:
                 ratio = results["separate"] / results["in-process"]
                 cells.append(f"separate/in-process {ratio:.2f}x")
-            print(f"round {round_index + 1} (c={args.concurrency}, load {_load()}): "
-                  + ", ".join(cells), flush=True)
+            print(
+                f"round {round_index + 1} (c={args.concurrency}, load {_load()}): "
+                + ", ".join(cells),
+                flush=True,
+            )
     print(f"load average at end: {_load()}")
     return 1 if num_errors else 0
 

@@ -57,8 +57,24 @@ from wire.geo import locate, rtt_ms
 
 POP = "new-york"
 NEAR, FAR = "us-east", "eu-west"  # the streams begin near; the near node dies
-TOPICS = ["robots", "the sea", "a city", "winter", "music", "trains", "bees", "the moon",
-          "a garden", "coffee", "mountains", "a library", "rain", "a bridge", "birds", "fire"]
+TOPICS = [
+    "robots",
+    "the sea",
+    "a city",
+    "winter",
+    "music",
+    "trains",
+    "bees",
+    "the moon",
+    "a garden",
+    "coffee",
+    "mountains",
+    "a library",
+    "rain",
+    "a bridge",
+    "birds",
+    "fire",
+]
 NODE_START_TIMEOUT_S = 300.0  # the model loading (and maybe the kernels building) under load
 RUN_TIMEOUT_S = 900.0
 NODE_FLAGS = ["--heartbeat-interval", "0.5", "--num-kv-blocks", "512", "--max-model-len", "1024"]
@@ -81,8 +97,9 @@ class Fleet:
 
     def admin(self, method: str, path: str, body: object = None) -> Any:
         headers = {"Authorization": f"Bearer {self.admin_token}"}
-        response = httpx.request(method, self.cp_url + path, json=body, headers=headers,
-                                 timeout=30.0, trust_env=False)
+        response = httpx.request(
+            method, self.cp_url + path, json=body, headers=headers, timeout=30.0, trust_env=False
+        )
         response.raise_for_status()
         return response.json()
 
@@ -93,17 +110,43 @@ class Fleet:
         if self.node_threads is not None:
             threads = str(self.node_threads)
             env |= {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        args = [sys.executable, "-m", "node_agent", "--model", DEFAULT_MODEL,
-                "--port", str(self.node_ports[region]), "--region", region, "--node-id", node_id,
-                "--control-plane", self.cp_url, "--dtype", self.dtype, *NODE_FLAGS]
+        args = [
+            sys.executable,
+            "-m",
+            "node_agent",
+            "--model",
+            DEFAULT_MODEL,
+            "--port",
+            str(self.node_ports[region]),
+            "--region",
+            region,
+            "--node-id",
+            node_id,
+            "--control-plane",
+            self.cp_url,
+            "--dtype",
+            self.dtype,
+            *NODE_FLAGS,
+        ]
         self.processes.start(f"node-{region}", args, env)
         self.nodes[region] = self.processes.started[-1]
 
     def start_gateway(self) -> None:
         self.stop_gateway()
         port = free_port()
-        args = [sys.executable, "-m", "gateway", "--pop", POP, "--port", str(port),
-                "--control-plane", self.cp_url, "--plain", "--no-access-log"]
+        args = [
+            sys.executable,
+            "-m",
+            "gateway",
+            "--pop",
+            POP,
+            "--port",
+            str(port),
+            "--control-plane",
+            self.cp_url,
+            "--plain",
+            "--no-access-log",
+        ]
         self.processes.start("gateway", args, self.env)
         self.gateway = self.processes.started[-1]
         self.gateway_url = f"http://127.0.0.1:{port}"
@@ -125,8 +168,9 @@ class Fleet:
             try:
                 health = httpx.get(self.gateway_url + "/health", timeout=5.0, trust_env=False)
                 regions = health.json()["regions"]
-                models = httpx.get(self.gateway_url + "/v1/models", headers=headers,
-                                   timeout=5.0, trust_env=False)
+                models = httpx.get(
+                    self.gateway_url + "/v1/models", headers=headers, timeout=5.0, trust_env=False
+                )
                 if models.status_code == 200 and all(
                     regions.get(r, {}).get("healthy_nodes", 0) > 0 for r in (NEAR, FAR)
                 ):
@@ -148,46 +192,92 @@ def start_fleet(directory: Path, args: argparse.Namespace) -> Fleet:
     if args.failure == "stop":
         env["MERIDIAN_GATEWAY_STREAM_IDLE_TIMEOUT_S"] = str(args.stall_timeout_s)
     cp_port = free_port()
-    processes.start("control_plane", [
-        sys.executable, "-m", "control_plane", "--port", str(cp_port),
-        "--db", str(directory / "cp.db"), "--xds-port", str(free_port()),
-        "--dns-port", str(free_port()), "--log-level", "WARNING",
-    ], env)
+    processes.start(
+        "control_plane",
+        [
+            sys.executable,
+            "-m",
+            "control_plane",
+            "--port",
+            str(cp_port),
+            "--db",
+            str(directory / "cp.db"),
+            "--xds-port",
+            str(free_port()),
+            "--dns-port",
+            str(free_port()),
+            "--log-level",
+            "WARNING",
+        ],
+        env,
+    )
     wait_for_port(cp_port)
-    fleet = Fleet(directory, processes, env, f"http://127.0.0.1:{cp_port}", tokens["admin"],
-                  node_threads=args.node_threads, dtype=args.dtype)
+    fleet = Fleet(
+        directory,
+        processes,
+        env,
+        f"http://127.0.0.1:{cp_port}",
+        tokens["admin"],
+        node_threads=args.node_threads,
+        dtype=args.dtype,
+    )
     routes = []
     for region in (NEAR, FAR):
         place, listen_port = locate(region), free_port()
         fleet.node_ports[region] = free_port()
-        routes += ["--route", f"127.0.0.1:{listen_port}=127.0.0.1:{fleet.node_ports[region]}"
-                   f"@{rtt_ms(locate(POP), place):.1f}"]
-        fleet.admin("POST", "/v1/regions", {"name": region, "lat": place.lat, "lon": place.lon,
-                                            "ingress_url": f"http://127.0.0.1:{listen_port}"})
-    processes.start("rtt_proxy", [sys.executable, "-m", "stack.rtt_proxy", *routes,
-                                  "--log-level", "WARNING"])
-    fleet.api_key = fleet.admin("POST", "/v1/keys",
-                                {"name": "bench", "rpm": 10**6, "tpm": 10**9})["secret"]
+        routes += [
+            "--route",
+            f"127.0.0.1:{listen_port}=127.0.0.1:{fleet.node_ports[region]}"
+            f"@{rtt_ms(locate(POP), place):.1f}",
+        ]
+        fleet.admin(
+            "POST",
+            "/v1/regions",
+            {
+                "name": region,
+                "lat": place.lat,
+                "lon": place.lon,
+                "ingress_url": f"http://127.0.0.1:{listen_port}",
+            },
+        )
+    processes.start(
+        "rtt_proxy", [sys.executable, "-m", "stack.rtt_proxy", *routes, "--log-level", "WARNING"]
+    )
+    fleet.api_key = fleet.admin("POST", "/v1/keys", {"name": "bench", "rpm": 10**6, "tpm": 10**9})[
+        "secret"
+    ]
     for region in (NEAR, FAR):
         fleet.start_node(region)
     return fleet
 
 
 def bodies(num_streams: int, max_tokens: int) -> list[dict[str, object]]:
-    return [{"model": DEFAULT_MODEL, "max_tokens": max_tokens, "ignore_eos": True,
-             "stream": True, "temperature": 0,
-             "messages": [{"role": "user",
-                           "content": f"Write a long essay about {TOPICS[i % len(TOPICS)]}."}]}
-            for i in range(num_streams)]
+    return [
+        {
+            "model": DEFAULT_MODEL,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": f"Write a long essay about {TOPICS[i % len(TOPICS)]}."}
+            ],
+        }
+        for i in range(num_streams)
+    ]
 
 
 async def run_streams(
     fleet: Fleet, num_streams: int, max_tokens: int, progress: tuple[int, asyncio.Event] | None
 ) -> list[StreamResult]:
     headers = {"Authorization": f"Bearer {fleet.api_key}"}
-    async with httpx.AsyncClient(base_url=fleet.gateway_url, headers=headers,
-                                 timeout=RUN_TIMEOUT_S, trust_env=False,
-                                 limits=httpx.Limits(max_connections=num_streams)) as client:
+    async with httpx.AsyncClient(
+        base_url=fleet.gateway_url,
+        headers=headers,
+        timeout=RUN_TIMEOUT_S,
+        trust_env=False,
+        limits=httpx.Limits(max_connections=num_streams),
+    ) as client:
         return await read_streams(client, bodies(num_streams, max_tokens), progress)
 
 
@@ -205,8 +295,9 @@ async def broken_run(
 
     breaker = asyncio.create_task(break_near())
     try:
-        results = await run_streams(fleet, args.streams, args.max_tokens,
-                                    (args.kill_after, progress))
+        results = await run_streams(
+            fleet, args.streams, args.max_tokens, (args.kill_after, progress)
+        )
     finally:
         breaker.cancel()
     return results, (broken_at[0] if broken_at else None)
@@ -282,8 +373,13 @@ def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         near.wait(timeout=10)
     latency = "meridian_gateway_stream_resume_latency_seconds"
     ttft = "meridian:time_to_first_token_seconds"
-    after_kill = [g for r in broken if r.num_resumes and broken_at_s is not None
-                  and (g := r.gap_after_s(broken_at_s)) is not None]
+    after_kill = [
+        g
+        for r in broken
+        if r.num_resumes
+        and broken_at_s is not None
+        and (g := r.gap_after_s(broken_at_s)) is not None
+    ]
     return {
         "load_average": [load_before, load_average()],
         "unbroken": {
@@ -295,32 +391,41 @@ def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             **summary(broken, unbroken),
             "wall_s": round(broken_s, 1),
             "break_to_next_chunk_s": spread(after_kill),
-            "gateway_resume_latency_mean_s": mean_of(gateway_metrics, "", latency,
-                                                     phase="first_chunk"),
+            "gateway_resume_latency_mean_s": mean_of(
+                gateway_metrics, "", latency, phase="first_chunk"
+            ),
             "gateway_reopen_mean_s": mean_of(gateway_metrics, "", latency, phase="reopen"),
             "far_node_ttft_mean_s": mean_of(far_after, far_before, ttft),
-            "far_node_queue_mean_s": mean_of(far_after, far_before,
-                                             "meridian:request_queue_time_seconds"),
+            "far_node_queue_mean_s": mean_of(
+                far_after, far_before, "meridian:request_queue_time_seconds"
+            ),
         },
     }
 
 
 def print_round(i: int, result: dict[str, Any], rtt_far_ms: float) -> None:
     u, b = result["unbroken"], result["broken"]
-    print(f"round {i + 1} (load average {result['load_average'][0]} -> "
-          f"{result['load_average'][1]})")
-    print(f"  unbroken: {u['completed']}/{u['streams']} completed in {u['wall_s']} s, longest "
-          f"gap p50 {u['max_gap_s']['p50']} s, max {u['max_gap_s']['max']} s; {NEAR} node TTFT "
-          f"{_s(u['node_ttft_mean_s'])} (mean, the prompts' prefill)")
-    print(f"  broken:   {b['completed']}/{b['streams']} completed in {b['wall_s']} s, "
-          f"{b['identical']}/{b['streams']} identical, {b['resumed']} resumed "
-          f"({b['began_near']} began in {NEAR}), longest gap p50 {b['max_gap_s']['p50']} s, "
-          f"max {b['max_gap_s']['max']} s (target <= 1 s + {rtt_far_ms:.0f} ms RTT)")
-    print(f"  resume: break -> next chunk (client) p50 {b['break_to_next_chunk_s']['p50']} s, "
-          f"max {b['break_to_next_chunk_s']['max']} s; gateway, break detected -> continuation "
-          f"answered {_s(b['gateway_reopen_mean_s'])}, -> first resumed chunk "
-          f"{_s(b['gateway_resume_latency_mean_s'])} (means); {FAR} node TTFT "
-          f"{_s(b['far_node_ttft_mean_s'])} of which queued {_s(b['far_node_queue_mean_s'])}")
+    print(
+        f"round {i + 1} (load average {result['load_average'][0]} -> {result['load_average'][1]})"
+    )
+    print(
+        f"  unbroken: {u['completed']}/{u['streams']} completed in {u['wall_s']} s, longest "
+        f"gap p50 {u['max_gap_s']['p50']} s, max {u['max_gap_s']['max']} s; {NEAR} node TTFT "
+        f"{_s(u['node_ttft_mean_s'])} (mean, the prompts' prefill)"
+    )
+    print(
+        f"  broken:   {b['completed']}/{b['streams']} completed in {b['wall_s']} s, "
+        f"{b['identical']}/{b['streams']} identical, {b['resumed']} resumed "
+        f"({b['began_near']} began in {NEAR}), longest gap p50 {b['max_gap_s']['p50']} s, "
+        f"max {b['max_gap_s']['max']} s (target <= 1 s + {rtt_far_ms:.0f} ms RTT)"
+    )
+    print(
+        f"  resume: break -> next chunk (client) p50 {b['break_to_next_chunk_s']['p50']} s, "
+        f"max {b['break_to_next_chunk_s']['max']} s; gateway, break detected -> continuation "
+        f"answered {_s(b['gateway_reopen_mean_s'])}, -> first resumed chunk "
+        f"{_s(b['gateway_resume_latency_mean_s'])} (means); {FAR} node TTFT "
+        f"{_s(b['far_node_ttft_mean_s'])} of which queued {_s(b['far_node_queue_mean_s'])}"
+    )
     if b["errors"]:
         print(f"  errors: {b['errors']}")
 
@@ -330,16 +435,21 @@ def _s(value: float | None) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.stream_resume",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.stream_resume", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--kill-after", type=int, default=16, help="content chunks per stream")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--failure", default="kill", choices=["kill", "stop"])
-    parser.add_argument("--stall-timeout-s", type=float, default=2.0,
-                        help="the gateway's stream idle timeout, for --failure stop")
+    parser.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=2.0,
+        help="the gateway's stream idle timeout, for --failure stop",
+    )
     parser.add_argument("--node-threads", type=int, help="torch threads per node agent")
     parser.add_argument("--json", type=Path, help="also write the report here")
     return parser.parse_args(argv)
@@ -348,8 +458,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rtt_far_ms = rtt_ms(locate(POP), locate(FAR))
-    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
-                              "cpu_flags": cpu_vector_flags(), "rounds": []}
+    report: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "cpu_flags": cpu_vector_flags(),
+        "rounds": [],
+    }
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
         fleet = start_fleet(Path(tmp), args)
         try:

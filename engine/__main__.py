@@ -18,8 +18,10 @@ from engine.tokenizer import ChatMessage
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         if args.command == "pull":
             pull(args.name)
@@ -71,22 +73,35 @@ def _kernels(device: str) -> int:
         return 0
     module = cpu_kernels()
     if module is None:
-        print("CPU kernels off (MERIDIAN_CPU_KERNELS=0) or unavailable (the warning above): "
-              "the engine uses PyTorch ops")
+        print(
+            "CPU kernels off (MERIDIAN_CPU_KERNELS=0) or unavailable (the warning above): "
+            "the engine uses PyTorch ops"
+        )
         return 1
     print(f"CPU kernels ready: {module.__file__}")
     return 0
 
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
-                                  quantization=args.quantization, device=args.device,
-                                  cpu_kv_cache_gib=0.5))
+    return LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            device=args.device,
+            cpu_kv_cache_gib=0.5,
+        )
+    )
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                          max_tokens=args.max_tokens, output_kind=RequestOutputKind.DELTA)
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        output_kind=RequestOutputKind.DELTA,
+    )
 
 
 def _stream(engine: LLMEngine, prompt: str, params: SamplingParams) -> Iterator[str]:

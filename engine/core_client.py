@@ -124,9 +124,9 @@ class EngineCoreClient(AsyncEngine):
         if self._stopping:
             return
         self.process.join(_KILL_TIMEOUT_S)
-        self._report_death(EngineDeadError(
-            f"the engine core process exited (exit code {self.process.exitcode})"
-        ))
+        self._report_death(
+            EngineDeadError(f"the engine core process exited (exit code {self.process.exitcode})")
+        )
 
     def _report_death(self, error: Exception) -> None:
         logger.error("engine core failed: %s", error)

@@ -90,9 +90,7 @@ class LLM:
                 request_ids, prompt_list, params_list, strict=True
             ):
                 salt = None if isinstance(prompt, str) else prompt.get("cache_salt")
-                self.engine.add_request(
-                    request_id, _prompt_input(prompt), params, cache_salt=salt
-                )
+                self.engine.add_request(request_id, _prompt_input(prompt), params, cache_salt=salt)
             finished: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():

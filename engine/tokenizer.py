@@ -208,9 +208,7 @@ def _byte_level_bpe(
     alphabet = _byte_alphabet()
     # A byte-level vocabulary spells every byte with a printable stand-in (space is "Ġ"). Some
     # converters store added tokens with raw characters instead; respell those the same way.
-    vocab = {
-        _respell(token, alphabet): index for index, token in enumerate(tokens)
-    }
+    vocab = {_respell(token, alphabet): index for index, token in enumerate(tokens)}
     pairs = [_merge_pair(merge) for merge in merges]
     backend = tokenizers.Tokenizer(
         models.BPE(

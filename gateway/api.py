@@ -223,9 +223,7 @@ class Handlers:
             try:
                 body = whole_body(sink.events)
             except ValueError:
-                error = UpstreamError(
-                    "the region's answer could not be read", "stream_interrupted"
-                )
+                error = UpstreamError("the region's answer could not be read", "stream_interrupted")
             else:
                 headers = {**headers, "content-type": "application/json"}
                 return 200, web.Response(body=body, status=200, headers=headers)
@@ -293,7 +291,12 @@ class Handlers:
         if parsed.is_stream or relay.is_client_gone:  # else `_complete` logs the answer it built
             status = 499 if relay.is_client_gone else 200
             self._count_and_log(
-                request, status, candidate.region, key, started_s, relay.first.num_retries,
+                request,
+                status,
+                candidate.region,
+                key,
+                started_s,
+                relay.first.num_retries,
                 num_used,
             )
 

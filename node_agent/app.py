@@ -67,9 +67,7 @@ def create_app(settings: NodeAgentSettings, llm: AsyncEngine | None = None) -> F
     app.state.runtime = runtime
     if settings.serving_token is not None:
         # Added first, so it runs inside the request-id middleware: refusals carry an id too.
-        app.add_middleware(
-            ServingAuthMiddleware, token=settings.serving_token.get_secret_value()
-        )
+        app.add_middleware(ServingAuthMiddleware, token=settings.serving_token.get_secret_value())
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.include_router(router)

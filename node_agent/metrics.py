@@ -19,12 +19,67 @@ from engine.llm_engine import EngineStats
 from engine.outputs import RequestOutput
 
 PREFIX = "meridian:"
-TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
-                  5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                 1.0, 2.5, 5.0, 10.0)
-REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
-                     30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+TTFT_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+ITL_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+REQUEST_BUCKETS_S = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 
 
 class EngineStatsCollector(Collector):
@@ -58,12 +113,14 @@ class EngineStatsCollector(Collector):
             stats.num_waiting_prefill_tokens,
         )
         yield gauge(
-            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+            "kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0 to 1).",
             stats.kv_cache_usage,
         )
         yield gauge("kv_cache_free_blocks", "KV-cache blocks free.", stats.kv_blocks_free)
         yield gauge(
-            "decode_tokens_per_second", "Tokens generated per second, recent window.",
+            "decode_tokens_per_second",
+            "Tokens generated per second, recent window.",
             stats.decode_tokens_per_s,
         )
         info = GaugeMetricFamily(
@@ -74,19 +131,20 @@ class EngineStatsCollector(Collector):
         info.add_metric([self._model_name, str(stats.block_size), str(stats.kv_blocks_total)], 1)
         yield info
         yield counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
             stats.prefix_cache_queried_tokens,
         )
         yield counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
             stats.prefix_cache_hit_tokens,
         )
         yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter(
-            "generation_tokens", "Tokens generated.", stats.generation_tokens_total
-        )
-        yield counter(
-            "num_preemptions", "Requests preempted to free KV blocks.",
+            "num_preemptions",
+            "Requests preempted to free KV blocks.",
             stats.num_preemptions_total,
         )
 
@@ -112,29 +170,44 @@ class NodeMetrics:
         self.model_name = model_name
         label = {"model_name": model_name}
         self._success = Counter(
-            PREFIX + "request_success", "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
         )
         self._rejected = Counter(
-            PREFIX + "request_rejected", "Requests refused before the engine, by status.",
-            ["model_name", "status"], registry=self.registry,
+            PREFIX + "request_rejected",
+            "Requests refused before the engine, by status.",
+            ["model_name", "status"],
+            registry=self.registry,
         )
         self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Arrival at the node to first token.",
-            ["model_name"], buckets=TTFT_BUCKETS_S, registry=self.registry,
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival at the node to first token.",
+            ["model_name"],
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
         ).labels(**label)
         self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
-            ["model_name"], buckets=ITL_BUCKETS_S, registry=self.registry,
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            ["model_name"],
+            buckets=ITL_BUCKETS_S,
+            registry=self.registry,
         ).labels(**label)
         self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Arrival at the node to the last token.",
-            ["model_name"], buckets=REQUEST_BUCKETS_S, registry=self.registry,
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival at the node to the last token.",
+            ["model_name"],
+            buckets=REQUEST_BUCKETS_S,
+            registry=self.registry,
         ).labels(**label)
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds",
             "Time in the engine's waiting queue before first being scheduled.",
-            ["model_name"], buckets=REQUEST_BUCKETS_S, registry=self.registry,
+            ["model_name"],
+            buckets=REQUEST_BUCKETS_S,
+            registry=self.registry,
         ).labels(**label)
         self.registry.register(EngineStatsCollector(model_name, stats))
 

@@ -70,9 +70,7 @@ class Serving:
         token_ids = await asyncio.to_thread(self._render_and_encode, messages)
         self._check_length(token_ids, body, body.max_output_tokens, "messages")
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
-        return self._prepared(
-            "chatcmpl", token_ids, params, body, body.engine_logprobs, cache_salt
-        )
+        return self._prepared("chatcmpl", token_ids, params, body, body.engine_logprobs, cache_salt)
 
     async def prepare_completion(
         self, body: CompletionRequest, cache_salt: str | None
@@ -113,8 +111,9 @@ class Serving:
         except UnsupportedModelError as exc:
             raise BadRequestError(str(exc), param="messages") from exc
         except InvalidRequestError as exc:
-            raise BadRequestError(f"the chat template refused the messages: {exc}",
-                                  param="messages") from exc
+            raise BadRequestError(
+                f"the chat template refused the messages: {exc}", param="messages"
+            ) from exc
         return tokenizer.encode(prompt)
 
     def _check_length(

@@ -165,9 +165,7 @@ async def collect_completion(run: RequestRun, outputs: Outputs, texts: TokenText
     return run.prepared.header.completion(text, run.finish_reason, lp, run.usage, token_ids)
 
 
-async def _collect(
-    run: RequestRun, outputs: Outputs
-) -> tuple[str, list[TokenLogprobs], list[int]]:
+async def _collect(run: RequestRun, outputs: Outputs) -> tuple[str, list[TokenLogprobs], list[int]]:
     parts: list[str] = []
     logprobs: list[TokenLogprobs] = []
     token_ids: list[int] = []

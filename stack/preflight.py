@@ -112,8 +112,10 @@ def ensure_kernels(say: Say) -> None:
             timeout=KERNEL_BUILD_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        say(f"  warning: the CPU kernels did not build in {KERNEL_BUILD_TIMEOUT_S:g} s; the "
-            "node agents build them as they start")
+        say(
+            f"  warning: the CPU kernels did not build in {KERNEL_BUILD_TIMEOUT_S:g} s; the "
+            "node agents build them as they start"
+        )
         return
     last_line = (done.stdout.strip() or done.stderr.strip() or "no output").splitlines()[-1]
     if done.returncode != 0:

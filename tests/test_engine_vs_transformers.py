@@ -50,8 +50,11 @@ def prompt_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
 def hf_greedy(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=2, pad_token_id=2,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
         )
     return out[0, len(prompt_ids) :].tolist()
 
@@ -65,8 +68,9 @@ def llm(smollm2_gguf: Path) -> LLM:
 @pytest.fixture(scope="module")
 def chat_prompts(llm: LLM) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
-    return [tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]))
-            for q in QUESTIONS]
+    return [
+        tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS
+    ]
 
 
 def test_prompt_logits_equal_transformers(
@@ -80,8 +84,10 @@ def test_prompt_logits_equal_transformers(
 
 
 def test_known_greedy_reply(llm: LLM) -> None:
-    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                     SamplingParams(temperature=0, max_tokens=16))
+    [out] = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=16),
+    )
     assert out.outputs[0].token_ids == [504, 3575, 282, 4649, 314, 7042, 30, 2]
     assert out.outputs[0].text == "The capital of France is Paris."
     assert out.outputs[0].finish_reason == "stop"
@@ -107,8 +113,9 @@ def test_decode_logprobs_equal_transformers(
     """Each decoded token's top-5 log-probabilities equal the reference's at that position:
     this checks the decode path (paged reads across blocks), not just the prefill."""
     ids = chat_prompts[4]
-    [out] = llm.generate({"prompt_token_ids": ids},
-                         SamplingParams(temperature=0, max_tokens=24, logprobs=5))
+    [out] = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, logprobs=5)
+    )
     generated = out.outputs[0].token_ids
     with torch.inference_mode():
         logits = hf_smollm2_model(torch.tensor([ids + generated])).logits[0].float()
@@ -142,8 +149,9 @@ def test_prefix_cache_hits_change_no_output(llm: LLM, smollm2_gguf: Path) -> Non
     system = "You are a meticulous assistant. " * 12
     tokenizer = llm.get_tokenizer()
     prompts = [
-        tokenizer.render_chat([{"role": "system", "content": system},
-                               {"role": "user", "content": q}])
+        tokenizer.render_chat(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        )
         for q in QUESTIONS[:4]
     ]
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -192,8 +200,9 @@ def test_random_checkpoint_logits_and_greedy_equal_transformers(tmp_path: Path, 
         theirs = reference(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     # Greedy decoding runs the decode path, past the 32 positions of LLAMA3_ROPE's context.
-    [out] = llm.generate({"prompt_token_ids": ids},
-                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    [out] = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )
     with torch.inference_mode():
         generated = reference.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                        eos_token_id=None, pad_token_id=0)  # fmt: skip

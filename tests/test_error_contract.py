@@ -55,10 +55,16 @@ def test_every_status_in_the_map_has_a_distinct_default_code() -> None:
 
 def test_the_type_follows_from_the_status_alone() -> None:
     assert error_body(404, "x", "model_not_found")["error"] == {
-        "message": "x", "type": "not_found_error", "param": None, "code": "model_not_found"
+        "message": "x",
+        "type": "not_found_error",
+        "param": None,
+        "code": "model_not_found",
     }
     assert error_body(418, "teapot")["error"] == {
-        "message": "teapot", "type": "invalid_request_error", "param": None, "code": "http_error"
+        "message": "teapot",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "http_error",
     }
     assert error_body(599, "odd")["error"]["type"] == "server_error"
 

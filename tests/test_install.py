@@ -97,18 +97,37 @@ def test_services_start_from_a_plain_install(
     run = start
     cp_port, gw_port, node_port = _free_port(), _free_port(), _free_port()
     control_plane = run(
-        "-m", "control_plane", "--port", str(cp_port), "--xds-port", "0", "--dns-port", "0",
-        "--db", str(tmp_path / "fleet.db"),
+        "-m",
+        "control_plane",
+        "--port",
+        str(cp_port),
+        "--xds-port",
+        "0",
+        "--dns-port",
+        "0",
+        "--db",
+        str(tmp_path / "fleet.db"),
     )
     gateway = run(
-        "-m", "gateway", "--pop", "new-york", "--port", str(gw_port), "--plain",
-        "--control-plane", f"http://127.0.0.1:{cp_port}",
+        "-m",
+        "gateway",
+        "--pop",
+        "new-york",
+        "--port",
+        str(gw_port),
+        "--plain",
+        "--control-plane",
+        f"http://127.0.0.1:{cp_port}",
     )
     node = run("-m", "node_agent", "--model", str(smollm2_gguf), "--port", str(node_port))
 
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    _wait_for(f"http://127.0.0.1:{cp_port}/v1/status", control_plane,
-              tmp_path / "control_plane.log", headers=admin)
+    _wait_for(
+        f"http://127.0.0.1:{cp_port}/v1/status",
+        control_plane,
+        tmp_path / "control_plane.log",
+        headers=admin,
+    )
     _wait_for(f"http://127.0.0.1:{gw_port}/health", gateway, tmp_path / "gateway.log")
     _wait_for(f"http://127.0.0.1:{node_port}/ready", node, tmp_path / "node_agent.log")
 

@@ -85,9 +85,11 @@ def test_the_real_model_on_int8_weights_stays_close_to_full_precision(
     assert model.embed_tokens.int8 is not None  # the tied LM head too
 
     tokenizer = full.get_tokenizer()
-    ids = tokenizer.encode(tokenizer.render_chat(
-        [{"role": "user", "content": "Explain in one sentence why the sky is blue."}]
-    ))
+    ids = tokenizer.encode(
+        tokenizer.render_chat(
+            [{"role": "user", "content": "Explain in one sentence why the sky is blue."}]
+        )
+    )
     ours, reference = prompt_logits(int8.engine, ids), prompt_logits(full.engine, ids)
     agreement = (ours.argmax(-1) == reference.argmax(-1)).float().mean()
     assert agreement >= 0.9, f"top-1 agrees at {agreement:.0%} of positions"

@@ -16,9 +16,7 @@ from engine.sequence import Sequence
 BLOCK_SIZE = 4
 
 
-def make_seq(
-    tokens: list[int], request_id: str = "r", cache_salt: str | None = None
-) -> Sequence:
+def make_seq(tokens: list[int], request_id: str = "r", cache_salt: str | None = None) -> Sequence:
     return Sequence(request_id, tokens, SamplingParams(), max_tokens=16, cache_salt=cache_salt)
 
 

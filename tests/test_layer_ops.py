@@ -20,9 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels c
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 96, 6, 2, 16, 4, 128
 
 
-def both_paths(
-    monkeypatch: pytest.MonkeyPatch, fn: Callable[[], Any]
-) -> tuple[Any, Any]:
+def both_paths(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], Any]) -> tuple[Any, Any]:
     """fn() through the kernels, then through the eager twin."""
     fused = fn()
     with monkeypatch.context() as m:

@@ -91,6 +91,7 @@ def test_a_pipeline_stage_reads_only_the_tensors_it_wants(
         wanted, key=list(checkpoint.tensor_shapes).index
     )
 
+
 # --- tiny GGUF files written here: quant types, Q/K permutation, errors ---
 
 TINY = ModelConfig(
@@ -383,8 +384,10 @@ def test_hf_config_reads_llama3_rope_in_every_spelling() -> None:
         {"rope_scaling": LLAMA31_ROPE, "rope_theta": 5e5},
         {"rope_scaling": legacy, "rope_theta": 5e5},
         {"rope_parameters": v5, "rope_theta": None},
-        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
-         "rope_scaling": LLAMA31_ROPE},
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+            "rope_scaling": LLAMA31_ROPE,
+        },
     ]
     expected = Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
     for changes in spellings:

@@ -181,7 +181,10 @@ def test_a_build_killed_midway_does_not_hang_later_loads() -> None:
     stale.touch()
     loaded = subprocess.run(
         [sys.executable, "-c", "from engine.kernels import cpu_kernels; print(cpu_kernels())"],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
     )
     assert loaded.returncode == 0, loaded.stderr
     assert kernels.__name__ in loaded.stdout and not stale.exists()

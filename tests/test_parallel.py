@@ -210,17 +210,24 @@ def run_script(folder: Path, body: str) -> subprocess.CompletedProcess[str]:
     script.write_text("from engine import LLM, SamplingParams\n\n" + textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     return subprocess.run(
-        [sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=SCRIPT_TIMEOUT_S,
     )
 
 
 def test_a_script_without_the_main_guard_fails_naming_the_guard(tmp_path: Path) -> None:
     save_tiny_transformers_model(tmp_path / "model", "llama")
-    done = run_script(tmp_path, f"""
+    done = run_script(
+        tmp_path,
+        f"""
         llm = LLM({str(tmp_path / "model")!r}, dtype="float32", tensor_parallel_size=2)
         print("built the engine")
-    """)
+    """,
+    )
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("engine.errors.WorkerStartupError: parallel worker rank 1"), last
@@ -231,13 +238,16 @@ def test_a_script_without_the_main_guard_fails_naming_the_guard(tmp_path: Path) 
 
 def test_the_same_script_with_the_main_guard_runs(tmp_path: Path) -> None:
     save_tiny_transformers_model(tmp_path / "model", "llama")
-    done = run_script(tmp_path, f"""
+    done = run_script(
+        tmp_path,
+        f"""
         if __name__ == "__main__":
             llm = LLM({str(tmp_path / "model")!r}, dtype="float32", tensor_parallel_size=2)
             params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
             [out] = llm.generate({{"prompt_token_ids": [5, 6, 7]}}, params)
             print("tokens:", len(out.outputs[0].token_ids))
             llm.shutdown()
-    """)
+    """,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "tokens: 3"

@@ -149,9 +149,7 @@ def test_template_features_render_as_transformers(
         {"role": "user", "content": "  <b>Tom & Jerry</b> café  "},
         {"role": "assistant", "content": None, "tool_calls": [{"name": "f", "args": {"x": "é"}}]},
     ]
-    tools: list[Any] = [
-        {"type": "function", "function": {"name": "f", "description": "<&> ü"}}
-    ]
+    tools: list[Any] = [{"type": "function", "function": {"name": "f", "description": "<&> ü"}}]
     ours = tokenizer.with_chat_template(FEATURE_TEMPLATE).render_chat(messages, tools=tools)
     theirs = hf_smollm2_tokenizer.apply_chat_template(
         messages, chat_template=FEATURE_TEMPLATE, tools=tools, add_generation_prompt=True,

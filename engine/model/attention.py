@@ -63,7 +63,9 @@ class AttentionMetadata:
             return t.to(device, non_blocking=True)
 
         return AttentionMetadata(
-            move(self.slot_mapping), self.num_decode_tokens, move(self.decode_block_tables),
+            move(self.slot_mapping),
+            self.num_decode_tokens,
+            move(self.decode_block_tables),
             move(self.decode_context_lens),
             None if self.decode_mask is None else move(self.decode_mask),
             [chunk.to(device) for chunk in self.prefills],

@@ -47,7 +47,13 @@ def test_classifier(
     expected: tuple[str, str],
 ) -> None:
     choice = classify(
-        prompt_tokens, max_tokens, THRESHOLDS, policy, is_up, is_saturated, has_edge  # type: ignore[arg-type]
+        prompt_tokens,
+        max_tokens,
+        THRESHOLDS,
+        policy,
+        is_up,
+        is_saturated,
+        has_edge,  # type: ignore[arg-type]
     )
     assert (choice.tier, choice.reason) == expected
 

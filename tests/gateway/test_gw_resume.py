@@ -68,8 +68,13 @@ class Resumable:
         """eu-west disabled, and `gateway` knows it: no region left to resume in."""
         self.fleet.set_region_state("eu-west", "disabled")
         router = gateway.handlers.router
-        wait_until(lambda: router.regions.get("eu-west") is None
-                   or router.regions["eu-west"].summary.state == "disabled", 5.0)
+        wait_until(
+            lambda: (
+                router.regions.get("eu-west") is None
+                or router.regions["eu-west"].summary.state == "disabled"
+            ),
+            5.0,
+        )
 
     def post(self, gateway: GatewayThread, body: object, path: str = CHAT_PATH) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.secret}"}
@@ -314,8 +319,11 @@ def test_a_stream_cut_between_its_finish_and_its_usage_still_has_its_usage(
         path, body = whole_request(endpoint)
     response = resumable.post(gateway, body, path)
     assert response.status_code == 200
-    expected = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": NUM_TOKENS,
-                "total_tokens": PROMPT_TOKENS + NUM_TOKENS}
+    expected = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": NUM_TOKENS,
+        "total_tokens": PROMPT_TOKENS + NUM_TOKENS,
+    }
     if endpoint == "stream":
         chunks = chunks_of(response.text)
         assert text_of(chunks) == WHOLE_TEXT and events_of(response.text)[-1] == "[DONE]"

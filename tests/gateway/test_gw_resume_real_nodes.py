@@ -29,31 +29,60 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_GREEDY = 16
 NUM_TOKENS = 128
 SEEDED = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.0, "top_p": 0.9, "seed": 12}]
-TOPICS = ["robots", "the sea", "a city", "winter", "music", "trains", "bees", "the moon",
-          "a garden", "coffee", "mountains", "a library", "rain", "a bridge", "birds", "fire"]
+TOPICS = [
+    "robots",
+    "the sea",
+    "a city",
+    "winter",
+    "music",
+    "trains",
+    "bees",
+    "the moon",
+    "a garden",
+    "coffee",
+    "mountains",
+    "a library",
+    "rain",
+    "a bridge",
+    "birds",
+    "fire",
+]
 KILL_AFTER_TOKENS = 16  # every stream has had this many chunks when the near node dies
 MAX_RUN_S = 600.0  # a bound for a stuck run, far above what a healthy one takes
 
 
 def bodies() -> list[dict[str, object]]:
     base = {"model": DEFAULT_MODEL, "max_tokens": NUM_TOKENS, "ignore_eos": True, "stream": True}
-    greedy = [{**base, "temperature": 0,
-               "messages": [{"role": "user", "content": f"Write a long essay about {topic}."}]}
-              for topic in TOPICS[:NUM_GREEDY]]
-    seeded = [{**base, **sampling,
-               "messages": [{"role": "user", "content": "Tell me a story about a fox."}]}
-              for sampling in SEEDED]
+    greedy = [
+        {
+            **base,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Write a long essay about {topic}."}],
+        }
+        for topic in TOPICS[:NUM_GREEDY]
+    ]
+    seeded = [
+        {
+            **base,
+            **sampling,
+            "messages": [{"role": "user", "content": "Tell me a story about a fox."}],
+        }
+        for sampling in SEEDED
+    ]
     return greedy + seeded
 
 
 async def run_streams(
-    gateway: GatewayThread, secret: str, verify: ssl.SSLContext,
+    gateway: GatewayThread,
+    secret: str,
+    verify: ssl.SSLContext,
     on_progress: asyncio.Event | None = None,
 ) -> list[StreamResult]:
     headers = {"Authorization": f"Bearer {secret}"}
     limits = httpx.Limits(max_connections=len(bodies()))
-    async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, verify=verify,
-                                 timeout=MAX_RUN_S, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=gateway.base_url, headers=headers, verify=verify, timeout=MAX_RUN_S, limits=limits
+    ) as client:
         progress = None if on_progress is None else (KILL_AFTER_TOKENS, on_progress)
         return await read_streams(client, bodies(), progress)
 
@@ -114,11 +143,14 @@ def test_streams_survive_their_regions_node_being_killed(
     assert processes["us-east"].poll() is not None  # it was killed mid-run
     rtt_ms = fleet.proxies[1].one_way_s * 2000
     gaps = sorted(r.max_gap_s for r in broken)
-    print(f"\n{sum(r.region == 'us-east' for r in broken)} of {len(broken)} streams began in "
-          "us-east")
-    print(f"unbroken run {unbroken_s:.1f} s (longest gap {max(r.max_gap_s for r in unbroken):.3f}"
-          f" s); killed run {broken_s:.1f} s; longest gap between chunks: max {gaps[-1]:.3f} s, "
-          f"median {gaps[len(gaps) // 2]:.3f} s; eu-west RTT {rtt_ms:.0f} ms")
+    print(
+        f"\n{sum(r.region == 'us-east' for r in broken)} of {len(broken)} streams began in us-east"
+    )
+    print(
+        f"unbroken run {unbroken_s:.1f} s (longest gap {max(r.max_gap_s for r in unbroken):.3f}"
+        f" s); killed run {broken_s:.1f} s; longest gap between chunks: max {gaps[-1]:.3f} s, "
+        f"median {gaps[len(gaps) // 2]:.3f} s; eu-west RTT {rtt_ms:.0f} ms"
+    )
     assert [r.error for r in broken] == [None] * len(broken)
     assert all(len(r.ids) == 1 for r in broken)
     # Those that began in the killed region were resumed once (the router may have sent some

@@ -9,19 +9,30 @@ from gateway.resume import continuation_of
 
 
 def request(body: dict[str, object], max_tokens: int) -> UpstreamRequest:
-    return UpstreamRequest("POST", "/v1/chat/completions", json.dumps(body).encode(), {}, True,
-                           max_tokens)
+    return UpstreamRequest(
+        "POST", "/v1/chat/completions", json.dumps(body).encode(), {}, True, max_tokens
+    )
 
 
 def test_the_continuation_resumes_after_the_relayed_ids_with_fewer_tokens_left() -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hé"}], "seed": 3,
-            "max_tokens": 10, "max_completion_tokens": 10, "resume_token_ids": [1]}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hé"}],
+        "seed": 3,
+        "max_tokens": 10,
+        "max_completion_tokens": 10,
+        "resume_token_ids": [1],
+    }
     continuation = continuation_of(request(body, 10), [5, 6, 7])
     assert continuation is not None and continuation.max_tokens == 7
     assert continuation.body is not None
     sent = json.loads(continuation.body)
-    assert sent == {**body, "max_tokens": 7, "max_completion_tokens": 7,
-                    "resume_token_ids": [1, 5, 6, 7]}
+    assert sent == {
+        **body,
+        "max_tokens": 7,
+        "max_completion_tokens": 7,
+        "resume_token_ids": [1, 5, 6, 7],
+    }
 
 
 def test_nothing_to_continue_when_every_token_was_relayed() -> None:

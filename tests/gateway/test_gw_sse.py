@@ -89,15 +89,20 @@ def role(cid: str) -> bytes:
 
 
 def usage(prompt: int, completion: int, cid: str) -> bytes:
-    body = {"id": cid, "choices": [], "usage": {"prompt_tokens": prompt,
-                                                 "completion_tokens": completion}}
+    body = {
+        "id": cid,
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion},
+    }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def test_token_ids_are_kept_and_hidden_unless_asked() -> None:
     reader = StreamReader(strip_usage=False)
-    out = feed_all(reader, [role("c-1") + chunk("a", [7]) + chunk("b c", [8, 9])[:20],
-                            chunk("b c", [8, 9])[20:]])
+    out = feed_all(
+        reader,
+        [role("c-1") + chunk("a", [7]) + chunk("b c", [8, 9])[:20], chunk("b c", [8, 9])[20:]],
+    )
     assert reader.token_ids == [7, 8, 9]
     assert b"token_ids" not in out
     shown = StreamReader(strip_usage=False, strip_token_ids=False)
@@ -122,8 +127,16 @@ def test_a_continuation_looks_like_the_first_attempt() -> None:
     reader = StreamReader(strip_usage=False)
     feed_all(reader, [role("first") + chunk("a", [7]) + chunk("b", [8]) + b'data: {"id":"fi'])
     reader.begin_continuation()
-    out = feed_all(reader, [role("second") + chunk("c", [9], "second", 77) + finish("second")
-                            + usage(12, 1, "second") + DONE])
+    out = feed_all(
+        reader,
+        [
+            role("second")
+            + chunk("c", [9], "second", 77)
+            + finish("second")
+            + usage(12, 1, "second")
+            + DONE
+        ],
+    )
     events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
     assert [e["id"] for e in events] == ["first"] * 3  # no second role chunk
     assert events[0]["choices"][0]["delta"] == {"content": "c"} and events[0]["created"] == 9
@@ -160,11 +173,12 @@ def test_a_stream_cut_between_finish_and_usage_gets_its_usage_from_what_was_read
     reader = StreamReader(strip_usage=False)
     feed_all(reader, [with_prompt_ids(role("c-1"), [1, 2, 3]) + chunk("a", [7])])
     reader.begin_continuation()
-    feed_all(reader, [with_prompt_ids(role("c-2"), [1, 2, 3, 7]) + chunk("b c", [8, 9])
-                      + finish("c-2")])
+    feed_all(
+        reader, [with_prompt_ids(role("c-2"), [1, 2, 3, 7]) + chunk("b c", [8, 9]) + finish("c-2")]
+    )
     assert reader.is_finished and reader.usage is None
     [event] = [e for e in reader.end_without_usage().split(b"\n\n") if e]
-    payload = json.loads(event[len(b"data: "):])
+    payload = json.loads(event[len(b"data: ") :])
     # Attempt 1: prompt 3, 1 token; attempt 2: prompt 3 + 1 resumed, 2 tokens.
     assert payload["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     assert payload["choices"] == [] and payload["id"] == "c-1"
@@ -176,8 +190,12 @@ def test_a_stream_cut_between_finish_and_usage_gets_its_usage_from_what_was_read
 
 
 def completion_chunk(tokens: list[str], offsets: list[int], cid: str) -> bytes:
-    logprobs = {"tokens": tokens, "token_logprobs": [-0.5] * len(tokens),
-                "top_logprobs": None, "text_offset": offsets}
+    logprobs = {
+        "tokens": tokens,
+        "token_logprobs": [-0.5] * len(tokens),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
     choice = {"index": 0, "text": "".join(tokens), "logprobs": logprobs, "finish_reason": None}
     return b"data: " + json.dumps({"id": cid, "choices": [choice]}).encode() + b"\n\n"
 
@@ -189,10 +207,12 @@ def offsets_of(out: bytes) -> list[int]:
 
 def test_a_resumed_completions_text_offset_counts_from_the_first_attempts_start() -> None:
     reader = StreamReader(strip_usage=False)
-    first = feed_all(reader, [completion_chunk(["ab"], [0], "c-1")
-                              + completion_chunk(["c"], [2], "c-1")])
+    first = feed_all(
+        reader, [completion_chunk(["ab"], [0], "c-1") + completion_chunk(["c"], [2], "c-1")]
+    )
     assert offsets_of(first) == [0, 2]
     reader.begin_continuation()  # the continuation's node counts from its own start: 0 again
-    out = feed_all(reader, [completion_chunk(["de", "f"], [0, 2], "c-2")
-                            + completion_chunk(["g"], [3], "c-2")])
+    out = feed_all(
+        reader, [completion_chunk(["de", "f"], [0, 2], "c-2") + completion_chunk(["g"], [3], "c-2")]
+    )
     assert offsets_of(out) == [3, 5, 6]

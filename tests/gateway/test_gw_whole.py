@@ -34,17 +34,33 @@ def logprobs(tokens: list[str], start: int) -> dict[str, object]:
 
 def test_a_completion_is_folded_with_its_logprobs_joined() -> None:
     events = sse(
-        {**HEAD, "choices": [{"index": 0, "text": "ab", "logprobs": logprobs(["ab"], 0),
-                              "finish_reason": None}], "usage": None},
-        {**HEAD, "choices": [{"index": 0, "text": "c", "logprobs": logprobs(["c"], 2),
-                              "finish_reason": "length"}], "usage": None},
+        {
+            **HEAD,
+            "choices": [
+                {"index": 0, "text": "ab", "logprobs": logprobs(["ab"], 0), "finish_reason": None}
+            ],
+            "usage": None,
+        },
+        {
+            **HEAD,
+            "choices": [
+                {"index": 0, "text": "c", "logprobs": logprobs(["c"], 2), "finish_reason": "length"}
+            ],
+            "usage": None,
+        },
         {**HEAD, "choices": [], "usage": USAGE},
     )
     body = json.loads(whole_body(events))
     assert body == {
         **HEAD,
-        "choices": [{"index": 0, "text": "abc", "logprobs": logprobs(["ab", "c"], 0),
-                     "finish_reason": "length"}],
+        "choices": [
+            {
+                "index": 0,
+                "text": "abc",
+                "logprobs": logprobs(["ab", "c"], 0),
+                "finish_reason": "length",
+            }
+        ],
         "usage": USAGE,
     }
 
@@ -53,23 +69,53 @@ def test_a_chat_stream_becomes_one_message_with_its_logprobs_content() -> None:
     head = {**HEAD, "object": "chat.completion.chunk"}
     entry = {"token": "hi", "logprob": -0.1, "bytes": [104, 105], "top_logprobs": []}
     events = sse(
-        {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]},
-        {**head, "choices": [{"index": 0, "delta": {"content": "hi"},
-                              "logprobs": {"content": [entry]}, "finish_reason": None,
-                              "token_ids": [5]}]},
-        {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                              "finish_reason": "stop", "token_ids": []}]},
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        },
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "hi"},
+                    "logprobs": {"content": [entry]},
+                    "finish_reason": None,
+                    "token_ids": [5],
+                }
+            ],
+        },
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                    "token_ids": [],
+                }
+            ],
+        },
     )
     body = json.loads(whole_body(events))
     assert body["object"] == "chat.completion"
-    assert body["choices"] == [{
-        "index": 0,
-        "message": {"role": "assistant", "content": "hi"},
-        "logprobs": {"content": [entry]},
-        "finish_reason": "stop",
-        "token_ids": [5],
-    }]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "logprobs": {"content": [entry]},
+            "finish_reason": "stop",
+            "token_ids": [5],
+        }
+    ]
 
 
 @pytest.mark.parametrize("events", [b"", b"data: [DONE]\n\n", b"data: {nope\n\n"])

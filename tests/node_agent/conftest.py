@@ -55,5 +55,3 @@ def node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeH
     handle = start_node(server_loop, shared_llm)
     yield handle
     handle.stop()
-
-

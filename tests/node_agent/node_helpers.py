@@ -143,9 +143,7 @@ def start_node(
     return node
 
 
-def wait_until(
-    predicate: Callable[[], bool], timeout_s: float = 5.0, step_s: float = 0.02
-) -> bool:
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, step_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

@@ -22,15 +22,26 @@ from engine.async_engine import AsyncEngine
 pytestmark = pytest.mark.slow
 
 GAUGES = {
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info",
-    "kv_cache_free_blocks", "num_waiting_prefill_tokens", "decode_tokens_per_second",
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "cache_config_info",
+    "kv_cache_free_blocks",
+    "num_waiting_prefill_tokens",
+    "decode_tokens_per_second",
 }
 COUNTERS = {
-    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
-    "request_success", "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "num_preemptions",
 }
 HISTOGRAMS = {
-    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
     "request_queue_time_seconds",
 }
 
@@ -123,8 +134,12 @@ def test_metrics_parse_and_move_with_traffic(node: NodeHandle) -> None:
     with node.client() as http:
         response = http.post(
             "/v1/completions",
-            json={"model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 5,
-                  "ignore_eos": True},
+            json={
+                "model": MODEL_NAME,
+                "prompt": "One, two, three,",
+                "max_tokens": 5,
+                "ignore_eos": True,
+            },
         )
         assert response.status_code == 200
     after = _scrape(node)

@@ -15,8 +15,7 @@ from engine.async_engine import AsyncEngine
 pytestmark = pytest.mark.slow
 
 SERVING_TOKEN = "srv-token-for-tests-0123456789"
-CHAT_BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
-             "max_tokens": 2}
+CHAT_BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +67,27 @@ def test_every_v1_route_refuses_a_missing_or_wrong_token_with_401(
 
 def test_a_malformed_body_without_the_token_is_still_401(guarded: NodeHandle) -> None:
     with guarded.client() as http:
-        response = http.post("/v1/chat/completions", content=b"{not json",
-                             headers={"Content-Type": "application/json"})
+        response = http.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"Content-Type": "application/json"},
+        )
     assert_401(response)
 
 
 def test_the_official_client_with_the_token_is_served(guarded: NodeHandle) -> None:
-    with openai.OpenAI(base_url=guarded.base_url + "/v1", api_key=SERVING_TOKEN,
-                       max_retries=0) as client:
+    with openai.OpenAI(
+        base_url=guarded.base_url + "/v1", api_key=SERVING_TOKEN, max_retries=0
+    ) as client:
         assert [m.id for m in client.models.list()] == [MODEL_NAME]
         reply = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
         assert reply.usage is not None and reply.usage.completion_tokens == 2
-    with openai.OpenAI(base_url=guarded.base_url + "/v1", api_key="not-the-token",
-                       max_retries=0) as client, pytest.raises(openai.AuthenticationError):
+    with (
+        openai.OpenAI(
+            base_url=guarded.base_url + "/v1", api_key="not-the-token", max_retries=0
+        ) as client,
+        pytest.raises(openai.AuthenticationError),
+    ):
         client.models.list()
 
 

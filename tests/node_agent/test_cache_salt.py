@@ -68,7 +68,9 @@ def test_the_official_client_sends_a_salt_as_vllms_extra_body(
         counts = []
         for _ in range(2):
             reply = client.chat.completions.create(
-                model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=1,
                 extra_body={"cache_salt": "tenant-c"},
             )
             assert reply.usage is not None and reply.usage.prompt_tokens_details is not None

@@ -63,9 +63,7 @@ def consul_agent(server_loop: BackgroundLoop) -> Iterator[ConsulView]:
 def test_node_registers_keeps_its_ttl_check_and_deregisters(
     server_loop: BackgroundLoop, shared_llm: AsyncEngine, consul_agent: ConsulView
 ) -> None:
-    node = start_node(
-        server_loop, shared_llm, consul=consul_agent.addr, heartbeat_interval_s=0.1
-    )
+    node = start_node(server_loop, shared_llm, consul=consul_agent.addr, heartbeat_interval_s=0.1)
     service_id = node.settings.node_id
     assert service_id is not None
     check_id = f"service:{service_id}"

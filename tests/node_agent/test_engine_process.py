@@ -91,8 +91,13 @@ def test_a_killed_core_fails_streams_and_the_node_reports_unhealthy(
 ) -> None:
     llm = doomed_node.runtime.llm
     assert isinstance(llm, EngineCoreClient)
-    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "stream": True,
-            "max_tokens": 600, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Count: one, two,",
+        "stream": True,
+        "max_tokens": 600,
+        "ignore_eos": True,
+    }
     with doomed_node.client() as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -120,10 +125,24 @@ def _descendants(pid: int) -> list[psutil.Process]:
 def test_the_core_and_its_workers_exit_when_the_node_agent_is_killed(smollm2_gguf: Path) -> None:
     # Two pipeline stages: the core starts a parallel worker of its own, which must go too.
     port = free_port()
-    command = [sys.executable, "-m", "node_agent", "--model", str(smollm2_gguf),
-               "--served-model-name", MODEL_NAME, "--port", str(port), "--num-kv-blocks", "64",
-               "--pipeline-parallel-size", "2", "--engine-process",
-               "--log-level", "WARNING"]
+    command = [
+        sys.executable,
+        "-m",
+        "node_agent",
+        "--model",
+        str(smollm2_gguf),
+        "--served-model-name",
+        MODEL_NAME,
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        "64",
+        "--pipeline-parallel-size",
+        "2",
+        "--engine-process",
+        "--log-level",
+        "WARNING",
+    ]
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     agent = subprocess.Popen(command, env=env)
     try:

@@ -40,16 +40,30 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         (b"[1, 2]", None),
         (b'{"model": "smollm2-135m-instruct"}', "messages"),
         (b'{"model": "smollm2-135m-instruct", "messages": []}', "messages"),
-        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "robot", "content": "x"}]}',
-         "messages"),
-        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
-         b'"temperature": 3}', "temperature"),
-        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
-         b'"max_tokens": 0}', "max_tokens"),
-        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
-         b'"stop": [1, 2]}', "stop"),
-        (b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
-         b'"top_logprobs": 2}', None),
+        (
+            b'{"model": "smollm2-135m-instruct", "messages": [{"role": "robot", "content": "x"}]}',
+            "messages",
+        ),
+        (
+            b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+            b'"temperature": 3}',
+            "temperature",
+        ),
+        (
+            b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_tokens": 0}',
+            "max_tokens",
+        ),
+        (
+            b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+            b'"stop": [1, 2]}',
+            "stop",
+        ),
+        (
+            b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "x"}], '
+            b'"top_logprobs": 2}',
+            None,
+        ),
     ],
 )
 def test_malformed_bodies_get_400_and_never_reach_the_engine(
@@ -106,8 +120,14 @@ def test_unsupported_features_are_refused_not_ignored(http: httpx.Client) -> Non
 
 
 def test_unknown_fields_are_tolerated(http: httpx.Client) -> None:
-    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "a_future_field": {"x": 1},
-            "user": "u-1", "metadata": {"k": "v"}}
+    body = {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "a_future_field": {"x": 1},
+        "user": "u-1",
+        "metadata": {"k": "v"},
+    }
     assert http.post(CHAT, json=body).status_code == 200
 
 
@@ -122,9 +142,10 @@ def test_request_id_is_echoed_or_made(http: httpx.Client) -> None:
     made = http.post(CHAT, json=body).headers["x-request-id"]
     assert made and made != "gw-42"
     # Errors carry it too.
-    assert http.post(CHAT, content=b"{", headers={"X-Request-Id": "gw-43"}).headers[
-        "x-request-id"
-    ] == "gw-43"
+    assert (
+        http.post(CHAT, content=b"{", headers={"X-Request-Id": "gw-43"}).headers["x-request-id"]
+        == "gw-43"
+    )
 
 
 def test_openai_client_raises_typed_errors(node: NodeHandle) -> None:
@@ -135,7 +156,6 @@ def test_openai_client_raises_typed_errors(node: NodeHandle) -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2)
         assert bad.value.param == "n"
-
 
 
 COMPLETIONS = "/v1/completions"
@@ -158,8 +178,12 @@ def completion_json(prompt: str) -> bytes:
     ("path", "body", "param", "where"),
     [
         (CHAT, chat_json(r'"a\ud800b"'), "messages", "messages[0].content"),
-        (CHAT, chat_json(r'[{"type": "text", "text": "\udfff"}]'), "messages",
-         "messages[0].content[0].text"),
+        (
+            CHAT,
+            chat_json(r'[{"type": "text", "text": "\udfff"}]'),
+            "messages",
+            "messages[0].content[0].text",
+        ),
         (CHAT, chat_json('"hi"', r'"stop": ["\ud800"]'), "stop", "stop[0]"),
         (COMPLETIONS, completion_json(r'"x\ud800"'), "prompt", "prompt"),
         (COMPLETIONS, completion_json(r'["\udbff"]'), "prompt", "prompt[0]"),

@@ -60,7 +60,9 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
         for body in control_plane.beats:
             beat = Heartbeat.model_validate(body)
             assert (beat.node_id, beat.region, beat.url) == (
-                node.settings.node_id, "us-east", node.base_url
+                node.settings.node_id,
+                "us-east",
+                node.base_url,
             )
             assert beat.model == MODEL_NAME and beat.tp_size == 1
             assert beat.kv_blocks_total == node.stats().kv_blocks_total
@@ -73,8 +75,9 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
         control_plane.status = 503
         failing_from = len(control_plane.attempts)
         with node.client() as http:
-            reply = http.post("/v1/completions",
-                              json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+            reply = http.post(
+                "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+            )
             assert reply.status_code == 200
         time.sleep(2.5)
         attempts = control_plane.attempts[failing_from:]
@@ -88,8 +91,9 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
         control_plane.status = 200
         num_beats = len(control_plane.beats)
         server_loop.run(control_plane.start())
-        assert wait_until(lambda: len(control_plane.beats) >= num_beats + 3,
-                          timeout_s=MAX_BACKOFF_S + 1.5)
+        assert wait_until(
+            lambda: len(control_plane.beats) >= num_beats + 3, timeout_s=MAX_BACKOFF_S + 1.5
+        )
         assert node.server.runtime is node.runtime
     finally:
         node.stop()
@@ -137,8 +141,13 @@ def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
     server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
 ) -> None:
     node = start_reporting_node(server_loop, shared_llm, control_plane)
-    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 30,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Count: one, two,",
+        "max_tokens": 30,
+        "ignore_eos": True,
+        "stream": True,
+    }
     try:
         with node.client() as http, http.stream("POST", "/v1/completions", json=body) as stream:
             lines = _stream_lines(stream)
@@ -148,8 +157,9 @@ def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
             with node.client() as other:
                 assert other.get("/ready").status_code == 503
                 assert other.get("/health").status_code == 200
-                refused = other.post("/v1/completions",
-                                     json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1})
+                refused = other.post(
+                    "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1}
+                )
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "draining"
             assert wait_until(lambda: control_plane.beats[-1]["draining"] is True)
@@ -205,16 +215,22 @@ def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
     with node.client() as http:
         assert wait_until(lambda: http.get("/ready").status_code == 200)
 
-    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 40,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Count: one, two,",
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with node.client() as http, http.stream("POST", "/v1/completions", json=body) as stream:
         lines = _stream_lines(stream)
         assert next(lines).startswith("data: {")
         control_plane.drain = True
         assert wait_until(lambda: node.runtime.drain.is_draining, timeout_s=2.0)
         with node.client() as other:
-            refused = other.post("/v1/completions",
-                                 json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1})
+            refused = other.post(
+                "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1}
+            )
             assert refused.status_code == 503
         control_plane.consul_deregister = True
         assert wait_until(lambda: service_id not in _consul_services(consul_standin))

@@ -29,8 +29,9 @@ def test_flags_beat_env_beat_yaml_beat_defaults(
     monkeypatch.setenv("MERIDIAN_NODE_AGENT_PORT", "9200")
     monkeypatch.setenv("MERIDIAN_NODE_AGENT_MODEL", "m2")
     monkeypatch.setenv("MERIDIAN_NODE_TOKEN", TOKEN)
-    args = parse_args(["--config", str(config), "--model", "m3", "--control-plane",
-                       "http://127.0.0.1:8080"])
+    args = parse_args(
+        ["--config", str(config), "--model", "m3", "--control-plane", "http://127.0.0.1:8080"]
+    )
     settings = load_settings(args)
     assert settings.model == "m3"  # flag over env and YAML
     assert settings.port == 9200  # env over YAML
@@ -111,12 +112,28 @@ def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> No
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     command = [
-        sys.executable, "-m", "node_agent", "--model", str(smollm2_gguf),
-        "--served-model-name", MODEL_NAME, "--port", str(port), "--region", "us-east",
-        "--num-kv-blocks", "256", "--max-model-len", "1024",
+        sys.executable,
+        "-m",
+        "node_agent",
+        "--model",
+        str(smollm2_gguf),
+        "--served-model-name",
+        MODEL_NAME,
+        "--port",
+        str(port),
+        "--region",
+        "us-east",
+        "--num-kv-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
     ]
     proc = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -133,8 +150,13 @@ def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> No
                 assert time.monotonic() < deadline, "the node agent did not become ready"
                 time.sleep(0.1)
 
-            body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 60,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": MODEL_NAME,
+                "prompt": "Count: one, two,",
+                "max_tokens": 60,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with http.stream("POST", "/v1/completions", json=body) as stream:
                 lines = (line for line in stream.iter_lines() if line)
                 assert next(lines).startswith("data: {")
@@ -144,8 +166,9 @@ def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> No
                     while other.get("/ready").status_code != 503:
                         assert time.monotonic() < deadline
                         time.sleep(0.02)
-                    refused = other.post("/v1/completions",
-                                         json={"model": MODEL_NAME, "prompt": "x"})
+                    refused = other.post(
+                        "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"}
+                    )
                     assert refused.status_code == 503
                     assert refused.json()["error"]["code"] == "draining"
                 rest = list(lines)

@@ -104,8 +104,11 @@ def test_completion_with_logprobs_and_token_ids_prompt(client: openai.OpenAI) ->
     assert "".join(choice.logprobs.tokens) == choice.text
     assert choice.logprobs.top_logprobs is not None
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
-    assert choice.logprobs.text_offset == [0, len(choice.logprobs.tokens[0]),
-                                           len("".join(choice.logprobs.tokens[:2]))]
+    assert choice.logprobs.text_offset == [
+        0,
+        len(choice.logprobs.tokens[0]),
+        len("".join(choice.logprobs.tokens[:2])),
+    ]
     # The same prompt as token ids gives the same greedy text.
     ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
     again = client.completions.create(model=MODEL_NAME, prompt=ids, temperature=0, max_tokens=3)

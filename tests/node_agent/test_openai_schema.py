@@ -27,10 +27,16 @@ def test_chat_defaults_and_derived_values() -> None:
 
 def test_text_parts_are_joined_and_unknown_fields_kept() -> None:
     body = ChatCompletionRequest.model_validate(
-        {"model": "m", "future": 1, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "a"},
-                                         {"type": "text", "text": "b"}]}
-        ]}
+        {
+            "model": "m",
+            "future": 1,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+        }
     )
     assert body.messages[0].text == "ab"
     assert body.model_extra == {"future": 1}

@@ -109,27 +109,42 @@ def test_token_ids_are_returned_only_when_asked(node: NodeHandle) -> None:
     with_ids = httpx.post(url, json={**body, "return_token_ids": True}, timeout=60.0).json()
     assert list(with_ids)[:5] == ["id", "object", "created", "model", "prompt_token_ids"]
     assert len(with_ids["prompt_token_ids"]) == with_ids["usage"]["prompt_tokens"]
-    streamed = [t for _, p in content_and_ids(stream(node, {**body, "return_token_ids": True}))
-                for t in p]
+    streamed = [
+        t for _, p in content_and_ids(stream(node, {**body, "return_token_ids": True})) for t in p
+    ]
     assert with_ids["choices"][0]["token_ids"] == streamed and len(streamed) == 6
 
 
 def test_a_completion_resumes_too(fp32_node: NodeHandle) -> None:
     node = fp32_node
     url = node.base_url + "/v1/completions"
-    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12,
-            "temperature": 0.8, "seed": 5, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "seed": 5,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     whole = httpx.post(url, json=body, timeout=60.0).json()["choices"][0]
-    rest = httpx.post(url, json={**body, "resume_token_ids": whole["token_ids"][:5],
-                                 "max_tokens": 7}, timeout=60.0).json()["choices"][0]
+    rest = httpx.post(
+        url,
+        json={**body, "resume_token_ids": whole["token_ids"][:5], "max_tokens": 7},
+        timeout=60.0,
+    ).json()["choices"][0]
     assert rest["token_ids"] == whole["token_ids"][5:]
     assert whole["text"].endswith(rest["text"]) and rest["text"]
 
 
 @pytest.mark.parametrize(
     ("resume", "message"),
-    [([49152], "resumed token ids must be in"), ([1] * 1100, "maximum context length"),
-     ([-1], "greater than or equal to 0"), ([], "at least 1 item")],
+    [
+        ([49152], "resumed token ids must be in"),
+        ([1] * 1100, "maximum context length"),
+        ([-1], "greater than or equal to 0"),
+        ([], "at least 1 item"),
+    ],
 )
 def test_bad_resume_token_ids_are_refused_with_400(
     node: NodeHandle, resume: list[int], message: str

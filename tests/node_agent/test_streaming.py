@@ -33,9 +33,9 @@ async def failing_outputs(
     yield last
 
 
-def run_events(last: BaseException | RequestOutput, chat: bool, tokenizer: Tokenizer) -> tuple[
-    list[bytes], Admission, NodeMetrics
-]:
+def run_events(
+    last: BaseException | RequestOutput, chat: bool, tokenizer: Tokenizer
+) -> tuple[list[bytes], Admission, NodeMetrics]:
     admission = Admission(10, 1)
     metrics = NodeMetrics("m", lambda: None)
     header = ResponseHeader("chatcmpl-x", 1, "m", include_usage=True)
@@ -79,5 +79,3 @@ def test_a_finished_stream_sends_usage_then_done(tokenizer: Tokenizer) -> None:
     assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "stop"
     assert events[-1] == b"data: [DONE]\n\n"
     assert b'finished_reason="stop"' in metrics.render()
-
-
