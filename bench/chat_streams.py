@@ -12,6 +12,26 @@ from dataclasses import dataclass, field
 
 import httpx
 
+# What the long greedy streams write about: one essay prompt each, all different.
+TOPICS = [
+    "robots",
+    "the sea",
+    "a city",
+    "winter",
+    "music",
+    "trains",
+    "bees",
+    "the moon",
+    "a garden",
+    "coffee",
+    "mountains",
+    "a library",
+    "rain",
+    "a bridge",
+    "birds",
+    "fire",
+]
+
 
 @dataclass
 class StreamResult:

@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from bench.chat_streams import StreamResult, read_streams
+from bench.chat_streams import TOPICS, StreamResult, read_streams
 from bench.engine_throughput import cpu_vector_flags, load_average
 from bench.gateway_overhead import Processes, free_port, wait_for_port
 from engine.model_store import DEFAULT_MODEL
@@ -57,24 +57,6 @@ from wire.geo import locate, rtt_ms
 
 POP = "new-york"
 NEAR, FAR = "us-east", "eu-west"  # the streams begin near; the near node dies
-TOPICS = [
-    "robots",
-    "the sea",
-    "a city",
-    "winter",
-    "music",
-    "trains",
-    "bees",
-    "the moon",
-    "a garden",
-    "coffee",
-    "mountains",
-    "a library",
-    "rain",
-    "a bridge",
-    "birds",
-    "fire",
-]
 NODE_START_TIMEOUT_S = 300.0  # the model loading (and maybe the kernels building) under load
 RUN_TIMEOUT_S = 900.0
 NODE_FLAGS = ["--heartbeat-interval", "0.5", "--num-kv-blocks", "512", "--max-model-len", "1024"]

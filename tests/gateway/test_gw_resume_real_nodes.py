@@ -21,7 +21,7 @@ import pytest
 from gw_fleet import Fleet, GatewayThread, wait_until
 from test_gw_real_nodes import MAX_LOAD_S, start_real_node, stop_nodes
 
-from bench.chat_streams import StreamResult, read_streams
+from bench.chat_streams import TOPICS, StreamResult, read_streams
 from engine.model_store import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -29,24 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_GREEDY = 16
 NUM_TOKENS = 128
 SEEDED = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.0, "top_p": 0.9, "seed": 12}]
-TOPICS = [
-    "robots",
-    "the sea",
-    "a city",
-    "winter",
-    "music",
-    "trains",
-    "bees",
-    "the moon",
-    "a garden",
-    "coffee",
-    "mountains",
-    "a library",
-    "rain",
-    "a bridge",
-    "birds",
-    "fire",
-]
 KILL_AFTER_TOKENS = 16  # every stream has had this many chunks when the near node dies
 MAX_RUN_S = 600.0  # a bound for a stuck run, far above what a healthy one takes
 
