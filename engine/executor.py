@@ -28,7 +28,7 @@ from engine.workers import ParallelSpec, Workers, build_stage, free_init_method
 
 # Loading weights (and building the CPU kernel the first time) on every rank.
 _START_TIMEOUT_S = 600.0
-_DEATH_GRACE_S = 2.0  # how long a failed step waits for a dying worker to finish exiting
+_DEATH_GRACE_S = 3.0  # how long a failed step waits for a dying worker to finish exiting
 
 
 @dataclass(slots=True)

@@ -188,12 +188,16 @@ class Workers:
         """EngineDeadError naming the dead workers, if any. A step that failed may have seen a
         killed peer's socket reset a moment before the peer finished exiting: `grace_s` waits
         that long for one to exit, so the error names it rather than the reset."""
-        if grace_s > 0:
-            wait_for_connections([p.sentinel for p in self.processes], timeout=grace_s)
-        dead = [p for p in self.processes if not p.is_alive()]
-        if dead:
-            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
-            raise EngineDeadError(f"parallel worker died: {names}")
+        deadline = time.monotonic() + grace_s
+        # Polled as well as waited on: a killed worker's sentinel can stay open while a process
+        # it started still holds the pipe, though the worker itself is gone.
+        while not (dead := [p for p in self.processes if not p.is_alive()]):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                return
+            wait_for_connections([p.sentinel for p in self.processes], timeout=min(left_s, 0.05))
+        names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+        raise EngineDeadError(f"parallel worker died: {names}")
 
     def shutdown(self) -> None:
         """Tell the workers to stop, then make sure they have: no process outlives us."""
