@@ -131,6 +131,14 @@ class Processes:
         self.started.append(process)
         return process.pid
 
+    def start_control_plane(self, port: int, env: dict[str, str]) -> int:
+        """A control plane on `port`, its SQLite file in the directory, xDS and DNS on free
+        ports."""
+        args = [sys.executable, "-m", "control_plane", "--port", str(port)]
+        args += ["--db", str(self.directory / "cp.db"), "--xds-port", str(free_port())]
+        args += ["--dns-port", str(free_port()), "--log-level", "WARNING"]
+        return self.start("control_plane", args, env)
+
     def stop_all(self) -> None:
         for process in reversed(self.started):
             if process.poll() is None:
@@ -255,25 +263,7 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
             ],
         )
     }
-    processes.start(
-        "control_plane",
-        [
-            python,
-            "-m",
-            "control_plane",
-            "--port",
-            str(cp_port),
-            "--db",
-            str(processes.directory / "cp.db"),
-            "--xds-port",
-            str(free_port()),
-            "--dns-port",
-            str(free_port()),
-            "--log-level",
-            "WARNING",
-        ],
-        env,
-    )
+    processes.start_control_plane(cp_port, env)
     wait_for_port(upstream_port)
     wait_for_port(cp_port)
     upstream_url = f"http://127.0.0.1:{upstream_port}"

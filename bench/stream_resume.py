@@ -174,25 +174,7 @@ def start_fleet(directory: Path, args: argparse.Namespace) -> Fleet:
     if args.failure == "stop":
         env["MERIDIAN_GATEWAY_STREAM_IDLE_TIMEOUT_S"] = str(args.stall_timeout_s)
     cp_port = free_port()
-    processes.start(
-        "control_plane",
-        [
-            sys.executable,
-            "-m",
-            "control_plane",
-            "--port",
-            str(cp_port),
-            "--db",
-            str(directory / "cp.db"),
-            "--xds-port",
-            str(free_port()),
-            "--dns-port",
-            str(free_port()),
-            "--log-level",
-            "WARNING",
-        ],
-        env,
-    )
+    processes.start_control_plane(cp_port, env)
     wait_for_port(cp_port)
     fleet = Fleet(
         directory,
