@@ -21,6 +21,7 @@ from control_plane.consul_sync import follow_consul
 from control_plane.dns.server import DnsServer
 from control_plane.drain import DrainSequence, DrainTimes
 from control_plane.drain_book import DrainBook
+from control_plane.envoy_reports import report_forever
 from control_plane.errors import error_response, install_error_handlers
 from control_plane.fleet import Fleet
 from control_plane.fleet_store import FleetStore, load_drains, load_fleet, load_health
@@ -120,7 +121,8 @@ def _xds_tls(settings: Settings) -> ServerTls | None:
 
 
 def _replica_tasks(services: ControlPlane) -> list[asyncio.Task[None]]:
-    """On PostgreSQL: the leader lease, and following the other replicas' changes."""
+    """On PostgreSQL: the leader lease, following the other replicas' changes, and reporting
+    this replica's Envoys to the leader's drains."""
     settings, registry = services.settings, services.registry
     url = settings.db_path
     if not is_postgres_url(url):
@@ -131,9 +133,12 @@ def _replica_tasks(services: ControlPlane) -> list[asyncio.Task[None]]:
 
     lease = LeaderLease(url, settings.replica_id, settings.leader_lease_s, registry.take_lead)
     registry.leadership = lease
+    assert services.xds is not None
+    reports = report_forever(services.store, registry.fleet, services.xds, settings.replica_id)
     return [
         asyncio.create_task(lease.run(), name="leader-lease"),
         asyncio.create_task(follow_changes(services, url, settings.replica_id)),
+        asyncio.create_task(reports, name="envoy-reports"),
     ]
 
 

@@ -28,6 +28,7 @@ from control_plane.drain import (
     start,
     wanted_reason,
 )
+from control_plane.envoy_reports import PeerReports
 from control_plane.fleet import Fleet, Node
 from control_plane.summaries import SummaryPublisher
 from control_plane.xds.server import XdsServer, lacks_endpoint
@@ -62,6 +63,7 @@ class DrainBook:
     ) -> None:
         self.sequences: dict[str, DrainSequence] = {}
         self.has_consul = False  # set by the lifespan with --consul
+        self.peer_envoys = PeerReports()  # the other replicas' Envoys (replicas on PostgreSQL)
         self._fleet = fleet
         self._publisher = publisher
         self._xds = xds
@@ -166,8 +168,10 @@ class DrainBook:
             region = node.identity.region
             lagging = ()
             if sequence.phase == "envoy":  # only that step reads them
-                lagging = tuple(self._xds.lagging(region, lacks_endpoint(node.identity.url)))
-                num_envoys = self._xds.num_envoys_for(region)
+                peers = self.peer_envoys.acks_for(node.node_id)
+                ours = self._xds.lagging(region, lacks_endpoint(node.identity.url))
+                lagging = (*ours, *peers.lagging)
+                num_envoys = self._xds.num_envoys_for(region) + peers.num_envoys
         return DrainFacts(
             now=self._clock(),
             times=self._times,

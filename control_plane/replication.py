@@ -5,7 +5,8 @@ channel `meridian_changes` when the write commits (`control_plane.store_postgres
 the writer's replica id. `follow_changes` listens on a connection of its own; the kinds announced
 by other replicas are gathered for `COALESCE_S` and then read back from the store, each kind
 alone: fleet state (regions, nodes, drains, the beats other replicas received) by the registry,
-keys, the routing policy and node credentials by their owners. Each replica then publishes its
+keys, the routing policy and node credentials by their owners, and the replicas' reports on
+their Envoys (`control_plane.envoy_reports`) by the drain book. Each replica then publishes its
 summaries and xDS as for a change of its own. A health save announces `beats=<t>`, `t` the
 oldest beat it wrote, so that only the rows from `t` on are read back (the beats are an
 incremental feed: a save commits hundreds of them ten times a second). Once listening (at start,
@@ -20,10 +21,12 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Final
 
 import psycopg
 
+from control_plane import envoy_reports
 from control_plane import keys as key_store
 from control_plane.services import ControlPlane
 from control_plane.store_postgres import CHANNEL
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 COALESCE_S: Final = 0.005  # a write announces its kinds together, on commit: read them back at once
 RECONNECT_S: Final = 1.0
 FLEET_KINDS: Final = frozenset({"regions", "nodes", "drains", "beats"})
-ALL_KINDS: Final = FLEET_KINDS | {"keys", "routing", "credentials"}
+ALL_KINDS: Final = FLEET_KINDS | {"keys", "routing", "credentials", envoy_reports.KIND}
 
 
 @dataclass(slots=True)
@@ -80,6 +83,10 @@ async def apply_changes(services: ControlPlane, notices: Notices) -> None:
         await services.routing.follow()
     if "credentials" in kinds:
         await services.registry.credentials.follow()
+    if envoy_reports.KIND in kinds:
+        own_id = services.settings.replica_id
+        reports = await services.store.read(partial(envoy_reports.load_reports, own_id))
+        services.registry.drains.peer_envoys.follow(reports)
 
 
 async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> None:

@@ -151,6 +151,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             renewed_at DOUBLE PRECISION NOT NULL
         )""",
     ),
+    (
+        # What each replica's Envoys have ACKed of the drains in their `envoy` step
+        # (control_plane/envoy_reports.py; PostgreSQL only).
+        """CREATE TABLE xds_reports (
+            replica_id TEXT PRIMARY KEY,
+            report TEXT NOT NULL,
+            reported_at DOUBLE PRECISION NOT NULL
+        )""",
+    ),
 )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ControlPlaneProcess, bearer, free_port, heartbeat
-from test_cp_replicas import REGION, is_leader, node_known_at, wait_for
+from test_cp_replicas import REGION, beat, is_leader, node_known_at, wait_for
 from test_envoy_xds import ENVOY, start_envoy
 
 from control_plane.tokens import TokenSet
@@ -67,3 +67,37 @@ async def test_envoy_keeps_receiving_updates_when_its_replica_dies(
     # A change made after the death reaches Envoy: a second node joins at the survivor.
     node_known_at(survivor, survivor, tokens, "n2")
     wait_for(lambda: endpoints(envoy.admin_port) == {host_of("n1"), host_of("n2")}, "n2 in Envoy")
+
+
+def envoy_step(cp: ControlPlaneProcess, tokens: TokenSet, node_id: str) -> dict[str, Any] | None:
+    """The drain's `envoy` step once it has ended, as the replica's GET /v1/nodes shows it."""
+    response = httpx.get(f"{cp.base_url}/v1/nodes/{node_id}", headers=bearer(tokens.admin))
+    assert response.status_code == 200, response.text
+    steps = (response.json().get("drain") or {}).get("steps", [])
+    done = [s for s in steps if s["name"] == "envoy" and s["completed_at"] is not None]
+    return done[0] if done else None
+
+
+@pytest.mark.asyncio
+async def test_a_drain_waits_for_the_envoys_of_the_replica_that_does_not_lead(
+    start_replica: Any, start_envoy: Any, tokens: TokenSet
+) -> None:
+    xds_ports = free_port(), free_port()
+    a = start_replica("a", HEARTBEAT_INTERVAL_S, xds_ports[0])
+    wait_for(lambda: is_leader(a, tokens), "a to lead")
+    b = start_replica("b", HEARTBEAT_INTERVAL_S, xds_ports[1])
+    admin = bearer(tokens.admin)
+    assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
+    token = node_known_at(a, a, tokens, "n1")
+    node_known_at(a, a, tokens, "n2")
+    # The only Envoy holds its stream to b, the replica that does not run the drains.
+    envoy = await start_envoy(f"127.0.0.1:{xds_ports[1]}", "--region", "us-east")
+    wait_for(lambda: endpoints(envoy.admin_port) == {host_of("n1"), host_of("n2")}, "both nodes")
+    assert num_envoys(a, tokens) == 0 and num_envoys(b, tokens) == 1
+
+    assert httpx.post(a.base_url + "/v1/nodes/n1/drain", headers=admin).status_code == 200
+    beat(a, token, "n1", draining=True, num_running=0, num_waiting=0)
+    step = wait_for(lambda: envoy_step(a, tokens, "n1"), "the envoy step to end at a")
+    # The leader counted b's Envoy, and moved on only once it had dropped n1.
+    assert step["note"] == "out of EDS, ACKed by 1 Envoys"
+    assert endpoints(envoy.admin_port) == {host_of("n2")}

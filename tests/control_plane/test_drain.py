@@ -19,6 +19,7 @@ from control_plane.app import build, load
 from control_plane.audit import Actor
 from control_plane.drain import DONE, PHASES, STEPS, has_reached
 from control_plane.drain_book import DrainBook
+from control_plane.envoy_reports import ALIVE_S, EnvoyAcks
 from control_plane.fleet import Fleet, Node
 from control_plane.fleet_store import load_drains
 from control_plane.registry import Registry
@@ -220,6 +221,32 @@ async def test_envoy_step_ends_when_every_envoy_has_acked(
     lagging.pop()
     await rig.registry.step_drains()
     assert rig.phase("b") == "dns" and rig.in_summary() == 1
+
+
+@pytest.mark.asyncio
+async def test_envoy_step_waits_for_every_living_replicas_envoys(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await two_nodes(rig)
+    monkeypatch.setattr(rig.xds, "lagging", lambda region, condition: [])  # ours have ACKed
+    peers = rig.drains.peer_envoys
+    # Replica p has not heard of the step yet; replica q's Envoy has not ACKed; r is long dead.
+    peers.follow(
+        [
+            ("p", {}, 0.0),
+            ("q", {"b": EnvoyAcks(2, ("envoy-q2",))}, 0.0),
+            ("r", {"b": EnvoyAcks(1, ("envoy-r1",))}, ALIVE_S),
+        ]
+    )
+    await rig.beat("b", draining=True)
+    await rig.registry.step_drains()
+    assert rig.phase("b") == "envoy"
+    acks = peers.acks_for("b")
+    assert acks == EnvoyAcks(2, ("replica p (no report yet)", "envoy-q2 (at replica q)"))
+    peers.follow([("p", {"b": EnvoyAcks(1, ())}, 0.0), ("q", {"b": EnvoyAcks(2, ())}, 0.0)])
+    await rig.registry.step_drains()
+    assert rig.phase("b") == "dns"
+    assert rig.drains.sequences["b"].steps["envoy"].note == "out of EDS, ACKed by 3 Envoys"
 
 
 @pytest.mark.asyncio
