@@ -5,7 +5,8 @@
       tokens.env       the admin, gateway and serving tokens (mode 0600; each node agent's
                        own control-plane credential is minted at start and only in its env)
       control-plane.db the fleet registry (SQLite)
-      postgres/        or its PostgreSQL cluster (`control_plane: {db: postgres}`)
+      postgres/        or its PostgreSQL cluster (`control_plane: {db: postgres}`; run by root
+                       under a home closed to others, in the temp directory instead)
       tls/             the local CA and the gateway's certificate
       envoy/           each region Envoy's bootstrap
       logs/            one log file per process
@@ -16,10 +17,13 @@ for something else is never signalled.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -144,7 +148,15 @@ class StateDir:
 
     @property
     def postgres_dir(self) -> Path:
-        return self.root / "postgres"
+        """The PostgreSQL cluster's directory. Run by root, the server runs as `postgres`, which
+        must enter every directory above it: where one above the state directory is closed to
+        others (root's home is 0700), the cluster lives in the system's temp directory instead,
+        under a name taken from the state directory's path."""
+        inside = self.root / "postgres"
+        if os.geteuid() != 0 or all(_is_enterable_by_others(p) for p in self.root.parents):
+            return inside
+        digest = hashlib.sha256(str(self.root).encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / f"meridian-postgres-{digest}"
 
     @property
     def tls_dir(self) -> Path:
@@ -203,3 +215,10 @@ class StateDir:
         except OSError:
             return {}
         return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def _is_enterable_by_others(path: Path) -> bool:
+    try:
+        return bool(path.stat().st_mode & stat.S_IXOTH)
+    except OSError:
+        return False

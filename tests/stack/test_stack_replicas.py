@@ -4,6 +4,9 @@ them. Pure layout and command lines; the real bring-up is tests/stack/test_stack
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,9 @@ from stack.certs import GatewayTls
 from stack.config import parse_config
 from stack.errors import StackError
 from stack.layout import plan_layout
+from stack.postgres import LocalPostgres, PostgresNotFoundError, find_bin_dir
 from stack.preflight import fresh_tokens
+from stack.state import StateDir
 from stack.status import replica_lines
 
 TWO_REPLICAS = (
@@ -146,3 +151,31 @@ def test_status_shows_which_replica_leads_and_which_is_unreachable() -> None:
             "-",
         ],
     ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL runs as `postgres` only for root")
+def test_root_runs_postgres_outside_a_state_directory_under_a_closed_home(tmp_path: Path) -> None:
+    """Root's default state directory is under /root (0700), which `postgres` cannot enter."""
+    try:
+        find_bin_dir()
+    except PostgresNotFoundError:
+        pytest.skip("no PostgreSQL server binaries")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    home.chmod(0o700)
+    state_dir = StateDir(home / ".cache" / "meridian" / "stack")
+    data_dir = state_dir.postgres_dir
+    assert not data_dir.is_relative_to(home)
+    with tempfile.TemporaryDirectory() as open_dir:  # under /tmp, as `meridian up`'s tests use
+        Path(open_dir).chmod(0o711)
+        stack_dir = Path(open_dir) / "stack"
+        assert StateDir(stack_dir).postgres_dir == stack_dir / "postgres"
+    server = LocalPostgres(data_dir)
+    shutil.rmtree(data_dir, ignore_errors=True)
+    try:
+        server.start()
+        url = server.create_database("probe")
+        assert url.endswith("/probe")
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -113,15 +112,13 @@ def test_two_replicas_on_postgres_survive_the_leaders_death(tmp_path: Path) -> N
         "limits: local\nsimulate_rtt: false\nnode: {kv_cache_gib: 0.1, max_num_seqs: 4}\n"
         f"control_plane: {{replicas: 2, db: postgres}}\nports: {{{ports}}}\n"
     )
-    # Run by root, PostgreSQL (as `postgres`) must enter the state directory: not under
-    # pytest's tmp_path, whose parents are 0700.
-    top = Path(tempfile.mkdtemp(prefix="meridian-test-stack-"))
-    top.chmod(0o711)
-    state = top / "state"
+    # Run by root, this is under a directory closed to others (pytest's tmp_path, 0700 above
+    # it), as root's default under /root: the cluster goes to the temp directory instead.
+    state = tmp_path / "state"
     try:
         _up_kill_down(config, state)
     finally:
-        shutil.rmtree(top, ignore_errors=True)
+        shutil.rmtree(StateDir(state).postgres_dir, ignore_errors=True)
 
 
 def _up_kill_down(config: Path, state: Path) -> None:
