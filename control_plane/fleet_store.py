@@ -18,7 +18,7 @@ from control_plane.drain import DrainSequence, StepRecord, is_known_phase
 from control_plane.errors import ConflictError, NotFoundError
 from control_plane.fleet import Fleet, Node, NodeIdentity, Region
 from control_plane.node_credentials import write_binding
-from control_plane.store import Connection, Row, Store
+from control_plane.store import Connection, Row, Store, naming
 from wire.heartbeat import Heartbeat
 
 
@@ -228,7 +228,8 @@ class FleetStore:
             for reg in batch:
                 _register(conn, reg, now)
 
-        await self.store.write(change, ("nodes", "credentials"))
+        node_ids = [reg.node_id for reg in batch]
+        await self.store.write(change, ("nodes", naming("credentials", node_ids)))
 
     async def set_drain_requested(
         self, actor: Actor, node_id: str, drain: bool, now: float

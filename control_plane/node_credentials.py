@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.errors import PermissionDeniedError
 from control_plane.keys import hash_secret
-from control_plane.store import Connection, Row, Store
+from control_plane.store import Connection, Row, Store, naming
 from wire.heartbeat import Heartbeat
 
 TOKEN_PREFIX = "mnode-"
@@ -70,6 +72,12 @@ def load_credentials(conn: Connection) -> list[NodeCredential]:
     return [_of_row(row) for row in conn.execute("SELECT * FROM node_credentials")]
 
 
+def load_credentials_of(node_ids: Sequence[str], conn: Connection) -> list[NodeCredential]:
+    marks = ", ".join("?" * len(node_ids))
+    sql = f"SELECT * FROM node_credentials WHERE node_id IN ({marks})"
+    return [_of_row(row) for row in conn.execute(sql, node_ids)]
+
+
 def write_binding(conn: Connection, node_id: str, region: str, url: str | None) -> bool:
     """Rebind a node's credential (inside the caller's transaction); False if it has none."""
     cursor = conn.execute(
@@ -87,16 +95,24 @@ class CredentialRegistry:
         self._reset(credentials)
         self._num_local_changes = 0
 
-    async def follow(self) -> None:
-        """Another replica minted or rebound a credential: memory follows the store. A read
-        overtaken by a change made here (committed after the read's snapshot, put in memory
-        before the read came back) would undo that change, so it is read again."""
+    async def follow(self, node_ids: set[str] | None = None) -> None:
+        """Another replica minted or rebound the credentials of `node_ids` (None: any): memory
+        follows the store. A read overtaken by a change made here (committed after the read's
+        snapshot, put in memory before the read came back) would undo that change, so it is
+        read again."""
         while True:
             before = self._num_local_changes
-            credentials = await self._store.read(load_credentials)
-            if self._num_local_changes == before:
+            if node_ids is None:
+                credentials = await self._store.read(load_credentials)
+            else:
+                credentials = await self._store.read(partial(load_credentials_of, sorted(node_ids)))
+            if self._num_local_changes != before:
+                continue
+            if node_ids is None:
                 self._reset(credentials)
-                return
+            for credential in credentials if node_ids is not None else ():
+                self._replace(credential)  # credentials are replaced, never deleted
+            return
 
     def _reset(self, credentials: list[NodeCredential]) -> None:
         self._by_node = {c.node_id: c for c in credentials}
@@ -129,7 +145,7 @@ class CredentialRegistry:
             detail: audit.AuditDetail = {"region": region, "url": url}
             audit.record(conn, actor, "node.credential", node_id, detail)
 
-        await self._store.write(change, ("credentials",))
+        await self._store.write(change, (naming("credentials", [node_id]),))
         self._put(credential)
         return credential, token
 
@@ -141,6 +157,9 @@ class CredentialRegistry:
 
     def _put(self, credential: NodeCredential) -> None:
         self._num_local_changes += 1
+        self._replace(credential)
+
+    def _replace(self, credential: NodeCredential) -> None:
         old = self._by_node.get(credential.node_id)
         if old is not None:
             self._by_hash.pop(old.secret_sha256, None)

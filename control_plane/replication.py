@@ -9,7 +9,9 @@ keys, the routing policy and node credentials by their owners, and the replicas'
 their Envoys (`control_plane.envoy_reports`) by the drain book. Each replica then publishes its
 summaries and xDS as for a change of its own. A health save announces `beats=<t>`, `t` the
 oldest beat it wrote, so that only the rows from `t` on are read back (the beats are an
-incremental feed: a save commits hundreds of them ten times a second). Once listening (at start,
+incremental feed: a save commits hundreds of them ten times a second); a mint or a registration
+announces `credentials=<node id>,...`, so that only those credentials are read back (registering
+1,000 nodes one by one would otherwise read the whole table 1,000 times). Once listening (at start,
 and after the connection was lost and is back) everything is read again: a notification sent
 before was missed.
 """
@@ -41,21 +43,25 @@ ALL_KINDS: Final = FLEET_KINDS | {"keys", "routing", "credentials", envoy_report
 
 @dataclass(slots=True)
 class Notices:
-    """What other replicas announced since the last read: the kinds, and the oldest beat any
-    of their health saves wrote (0.0: read every saved beat, as after a reconnect, or for a save
-    that names none)."""
+    """What other replicas announced since the last read: the kinds, the oldest beat any of
+    their health saves wrote (0.0: read every saved beat, as after a reconnect, or for a save
+    that names none), and the nodes whose credentials changed (None: read them all)."""
 
     kinds: set[str] = field(default_factory=set)
     beats_since: float = math.inf
+    credential_ids: set[str] | None = field(default_factory=set)
 
     def note(self, payload: str, replica_id: str) -> None:
         kind, _, origin = payload.partition(" ")
-        kind, _, since = kind.partition("=")
+        kind, _, detail = kind.partition("=")
         if origin == replica_id or kind not in ALL_KINDS:
             return
         self.kinds.add(kind)
         if kind == "beats":
-            self.beats_since = min(self.beats_since, _seconds(since))
+            self.beats_since = min(self.beats_since, _seconds(detail))
+        elif kind == "credentials" and self.credential_ids is not None:
+            names = [name for name in detail.split(",") if name]
+            self.credential_ids = self.credential_ids.union(names) if names else None
 
 
 def _seconds(text: str) -> float:
@@ -68,7 +74,7 @@ def _seconds(text: str) -> float:
 
 
 def everything() -> Notices:
-    return Notices(set(ALL_KINDS), beats_since=0.0)
+    return Notices(set(ALL_KINDS), beats_since=0.0, credential_ids=None)
 
 
 async def apply_changes(services: ControlPlane, notices: Notices) -> None:
@@ -82,7 +88,7 @@ async def apply_changes(services: ControlPlane, notices: Notices) -> None:
     if "routing" in kinds:
         await services.routing.follow()
     if "credentials" in kinds:
-        await services.registry.credentials.follow()
+        await services.registry.credentials.follow(notices.credential_ids)
     if envoy_reports.KIND in kinds:
         own_id = services.settings.replica_id
         reports = await services.store.read(partial(envoy_reports.load_reports, own_id))

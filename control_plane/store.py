@@ -34,8 +34,19 @@ MEMORY_PATH = ":memory:"
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 # The kinds of state a write changes: regions, nodes, drains, beats, keys, routing, credentials;
-# a kind may carry where the change starts after "=" (a health save: "beats=<oldest seen_at>").
+# a kind may carry which part changed after "=" (a health save: "beats=<oldest seen_at>"; a mint:
+# "credentials=<node id>,...").
 Changes = tuple[str, ...]
+# PostgreSQL refuses a NOTIFY payload of 8,000 bytes or more: a longer list names none (read all).
+MAX_NAMED_CHARS = 4000
+
+
+def naming(kind: str, names: Sequence[str]) -> str:
+    """`kind` announced with the `names` it changed, or alone if they would not fit."""
+    joined = ",".join(names)
+    return f"{kind}={joined}" if joined and len(joined) <= MAX_NAMED_CHARS else kind
+
+
 Row = Any  # a mapping of column name to value (sqlite3.Row or psycopg's dict row)
 Params = Sequence[object]
 

@@ -141,3 +141,22 @@ async def test_following_another_replica_never_undoes_a_credential_minted_here(
     found = credentials.find(token)
     assert found is not None and found.node_id == "n1"
     store.close()
+
+
+@pytest.mark.asyncio
+async def test_following_named_credentials_reads_only_those(tmp_path: Path) -> None:
+    """A mint elsewhere names its node (`credentials=<id>`): the follower reads that row alone,
+    and a follow that names none reads every row."""
+    store = open_store(str(tmp_path / "cp.db"))
+    here, elsewhere = CredentialRegistry(store, []), CredentialRegistry(store, [])
+    admin = Actor("admin", "test")
+    _, first = await elsewhere.mint(admin, "n1", "us-east", None)
+    _, second = await elsewhere.mint(admin, "n2", "us-east", None)
+    await here.follow({"n1", "n9"})  # n9 has no credential: nothing to read for it
+    assert here.find(first) is not None and here.find(second) is None
+    _, replaced = await elsewhere.mint(admin, "n1", "us-east", None)
+    await here.follow({"n1"})
+    assert here.find(first) is None and here.find(replaced) is not None
+    await here.follow(None)
+    assert here.find(second) is not None
+    store.close()

@@ -36,3 +36,15 @@ def test_a_save_that_names_no_usable_beat_reads_them_all() -> None:
 def test_after_a_reconnect_everything_is_read() -> None:
     notices = everything()
     assert notices.kinds == set(ALL_KINDS) and notices.beats_since == 0.0
+
+
+def test_credentials_are_read_for_the_nodes_named_or_all_when_one_names_none() -> None:
+    notices = Notices()
+    notices.note("credentials=n1 b", "a")
+    notices.note("credentials=n2,n3 c", "a")
+    notices.note("credentials=n4 a", "a")  # its own mint
+    assert notices.kinds == {"credentials"} and notices.credential_ids == {"n1", "n2", "n3"}
+    notices.note("credentials b", "a")  # a change too long to name its nodes
+    notices.note("credentials=n5 b", "a")
+    assert notices.credential_ids is None
+    assert everything().credential_ids is None
