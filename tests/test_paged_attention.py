@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,27 @@ from engine.model.attention import AttentionMetadata, paged_attention, paged_dec
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
 
+@dataclass(frozen=True)
+class Heads:
+    num_heads: int = NUM_HEADS
+    num_kv_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM
+
+
+# The CPU kernel keeps queries and sums in AVX-512 registers for heads of 64 and 128 with up to
+# 4 and 2 query heads per KV head (SmolLM2: 9 over 3, of 64); other shapes take its plain loop.
+KERNEL_SHAPES = [Heads(), Heads(9, 3, 64), Heads(4, 2, 128), Heads(8, 1, 128)]
+
+
 def random_batch(
-    context_lens: list[int], dtype: torch.dtype, block_size: int = BLOCK_SIZE
+    context_lens: list[int],
+    dtype: torch.dtype,
+    block_size: int = BLOCK_SIZE,
+    heads: Heads = Heads(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], list[torch.Tensor]]:
     """A cache holding each sequence's keys/values in scattered blocks, plus dense copies."""
     gen = torch.Generator().manual_seed(len(context_lens))
-    shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (NUM_BLOCKS, block_size, heads.num_kv_heads, heads.head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
@@ -31,7 +47,7 @@ def random_batch(
     for n in context_lens:
         num_blocks = -(-n // block_size)
         tables.append([order.pop() for _ in range(num_blocks)])
-    q = torch.randn(len(context_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(len(context_lens), heads.num_heads, heads.head_dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, tables, [torch.tensor(t) for t in tables]
 
 
@@ -43,35 +59,44 @@ def dense_reference(
     lens: list[int],
 ) -> torch.Tensor:
     outs = []
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    group = q.shape[1] // num_kv_heads
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
-        k = k_cache[table].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].float()
-        v = v_cache[table].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].float()
-        k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1).transpose(0, 1)
-        v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1).transpose(0, 1)
+        k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        v = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         outs.append(F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v).squeeze(1))
     return torch.stack(outs)
 
 
-def decode_metadata(tables: list[list[int]], lens: list[int], with_mask: bool) -> AttentionMetadata:
+def decode_metadata(
+    tables: list[list[int]], lens: list[int], with_mask: bool, block_size: int = BLOCK_SIZE
+) -> AttentionMetadata:
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     context = torch.tensor(lens)
     mask = None
     if with_mask:
-        mask = (torch.arange(width * BLOCK_SIZE)[None, :] < context[:, None])[:, None, None, :]
+        mask = (torch.arange(width * block_size)[None, :] < context[:, None])[:, None, None, :]
     return AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), padded, context, mask, [])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", KERNEL_SHAPES, ids=str)
 @pytest.mark.parametrize("with_kernel", [False, True])
-def test_decode_attention_equals_dense_attention(dtype: torch.dtype, with_kernel: bool) -> None:
+def test_decode_attention_equals_dense_attention(
+    dtype: torch.dtype, heads: Heads, with_kernel: bool
+) -> None:
     if with_kernel and cpu_kernels() is None:
         pytest.skip("the native CPU kernel could not be built here")
-    lens = [1, 3, 4, 5, 17, 33]  # block-aligned and not, one token, several blocks
-    q, k_cache, v_cache, tables, _ = random_batch(lens, dtype)
-    meta = decode_metadata(tables, lens, with_mask=not with_kernel)
+    # Block-aligned and not, one token, several blocks (more than 16 tokens in a block of 32).
+    lens = [1, 3, 4, 5, 17, 33, 60]
+    block_size = 32 if heads.head_dim > HEAD_DIM else BLOCK_SIZE
+    q, k_cache, v_cache, tables, _ = random_batch(lens, dtype, block_size, heads)
+    meta = decode_metadata(tables, lens, with_mask=not with_kernel, block_size=block_size)
     # No new tokens to write: slot_mapping is empty, so the call only reads the cache.
-    empty_kv = torch.empty(0, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    empty_kv = torch.empty(0, heads.num_kv_heads, heads.head_dim, dtype=dtype)
     out = paged_attention(q, empty_kv, empty_kv, k_cache, v_cache, meta)
     tolerance = (
         {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}

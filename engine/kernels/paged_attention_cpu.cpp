@@ -2,17 +2,183 @@
 // values read in place from the sequence's blocks. Gathering the blocks into a padded tensor
 // first (the portable path) copies every key and value once more per layer and step.
 //
+// One task per (sequence, KV head): its query heads share every key and value read. With
+// AVX-512 and the common head shapes (head_dim 64 or 128, a few query heads per KV head) the
+// queries and accumulators stay in registers and each key and value is widened to fp32 as it is
+// loaded; otherwise a plain loop over fp32 copies of each block, left to the vectorizer. Either
+// way a sequence's result does not depend on what else the step holds.
+//
 // Layouts: q (B, H, D); k_cache, v_cache (num_blocks, block_size, KVH, D);
 // block_tables (B, max_blocks) int64; context_lens (B,) int64; out (B, H, D).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <limits>
 #include <vector>
 
 namespace meridian {
 namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Context tokens (of one KV head) worth a thread of their own: ~0.1 ms of reading.
+constexpr int64_t kMinTokensPerThread = 4096;
+
+// The running state of one query head's online softmax over the blocks of its context.
+struct HeadState {
+  float max;
+  float denom;
+};
+
+// Portable: one (sequence, KV head) over its blocks, the loops left to the vectorizer.
+template <typename scalar_t>
+void attend_portable(const float* qf, const scalar_t* k_ptr, const scalar_t* v_ptr,
+                     const int64_t* table, int64_t len, int64_t block_size, int64_t token_stride,
+                     int64_t kv_offset, int64_t group, int64_t head_dim, float* kf, float* vf,
+                     float* scores, HeadState* state, float* acc) {
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t n = std::min(block_size, len - start);
+    const int64_t base = table[start / block_size] * block_size * token_stride + kv_offset;
+    for (int64_t t = 0; t < n; ++t) {
+      to_float(k_ptr + base + t * token_stride, kf + t * head_dim, head_dim);
+      to_float(v_ptr + base + t * token_stride, vf + t * head_dim, head_dim);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * head_dim;
+      float block_max = kNegInf;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* kt = kf + t * head_dim;
+        float s = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kt[d];
+        scores[t] = s;
+        block_max = std::max(block_max, s);
+      }
+      const float new_max = std::max(state[g].max, block_max);
+      const float correction = vector_exp(state[g].max - new_max);
+      float* ag = acc + g * head_dim;
+      state[g].denom *= correction;
+      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
+      for (int64_t t = 0; t < n; ++t) scores[t] = vector_exp(scores[t] - new_max);
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = scores[t];
+        state[g].denom += p;
+        const float* vt = vf + t * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vt[d];
+      }
+      state[g].max = new_max;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// vector_exp on 16 lanes (the same polynomial).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.98412698e-4f);
+  for (float c : {1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f,
+                  1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One (sequence, KV head) with AVX-512: a head is NV vectors of 16, its queries (G of them) and
+// accumulators held in registers, each key and value read once for all G query heads.
+template <int NV, int G, typename scalar_t>
+void attend_avx512(const float* qf, const scalar_t* k_ptr, const scalar_t* v_ptr,
+                   const int64_t* table, int64_t len, int64_t block_size, int64_t token_stride,
+                   int64_t kv_offset, float* scores, HeadState* state, float* acc_out) {
+  __m512 qv[G][NV], acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) {
+      qv[g][i] = _mm512_loadu_ps(qf + (g * NV + i) * 16);
+      acc[g][i] = _mm512_setzero_ps();
+    }
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t n = std::min(block_size, len - start);
+    const int64_t base = table[start / block_size] * block_size * token_stride + kv_offset;
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* kt = k_ptr + base + t * token_stride;
+      __m512 kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load16(kt + i * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
+        scores[g * block_size + t] = _mm512_reduce_add_ps(s);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* sg = scores + g * block_size;
+      float block_max = kNegInf;
+      for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
+      const float new_max = std::max(state[g].max, block_max);
+      const __m512 correction = _mm512_set1_ps(vector_exp(state[g].max - new_max));
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], correction);
+      float sum = 0.f;
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const __mmask16 mask = n - t0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t0)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(mask, sg + t0);
+        const __m512 p = exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max)));
+        _mm512_mask_storeu_ps(sg + t0, mask, p);
+        sum += _mm512_mask_reduce_add_ps(mask, p);
+      }
+      state[g].denom = state[g].denom * _mm512_cvtss_f32(correction) + sum;
+      state[g].max = new_max;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* vt = v_ptr + base + t * token_stride;
+      __m512 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = load16(vt + i * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * block_size + t]);
+        for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + (g * NV + i) * 16, acc[g][i]);
+}
+
+template <typename scalar_t>
+using AvxAttend = void (*)(const float*, const scalar_t*, const scalar_t*, const int64_t*,
+                           int64_t, int64_t, int64_t, int64_t, float*, HeadState*, float*);
+
+// The register-held shapes: heads of 64 or 128, 1 to 4 query heads per KV head.
+template <typename scalar_t>
+AvxAttend<scalar_t> avx512_attend_for(int64_t head_dim, int64_t group) {
+  if (head_dim == 64) {
+    switch (group) {
+      case 1: return attend_avx512<4, 1, scalar_t>;
+      case 2: return attend_avx512<4, 2, scalar_t>;
+      case 3: return attend_avx512<4, 3, scalar_t>;
+      case 4: return attend_avx512<4, 4, scalar_t>;
+    }
+  } else if (head_dim == 128) {
+    switch (group) {
+      case 1: return attend_avx512<8, 1, scalar_t>;
+      case 2: return attend_avx512<8, 2, scalar_t>;
+    }
+  }
+  return nullptr;
+}
+#endif
 
 template <typename scalar_t>
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -22,67 +188,53 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
-  const int64_t q_stride = q.stride(0);  // q may be a view into the fused QKV rows
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t q_stride = q.stride(0);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
+#if defined(__AVX512F__)
+  const AvxAttend<scalar_t> fast = avx512_attend_for<scalar_t>(head_dim, group);
+#endif
 
-  // One task per (sequence, KV head): its query heads share every key and value read.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A step with little context to read runs on the calling thread: a parallel region costs more
+  // than it saves there, and far more when another process holds the other core.
+  int64_t num_tokens = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) num_tokens += lens[s];
+  const int64_t tokens_per_task = std::max<int64_t>(1, num_tokens / std::max<int64_t>(1, num_seqs));
+  const int64_t grain = std::max<int64_t>(1, kMinTokensPerThread / tokens_per_task);
+  at::parallel_for(0, num_seqs * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), kf(block_size * head_dim),
-        vf(block_size * head_dim), scores(block_size), running_max(group), denom(group);
+        vf(block_size * head_dim), scores(group * block_size);
+    std::vector<HeadState> state(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t len = lens[seq];
-      to_float(q_ptr + seq * q_stride + kv_head * group * head_dim, qf.data(),
-               group * head_dim);
+      to_float(q_ptr + seq * q_stride + kv_head * group * head_dim, qf.data(), group * head_dim);
       for (float& x : qf) x *= scale;
+      std::fill(state.begin(), state.end(), HeadState{kNegInf, 0.f});
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(denom.begin(), denom.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t block = tables[seq * max_blocks + start / block_size];
-        const int64_t n = std::min(block_size, len - start);
-        const int64_t base = (block * block_size * num_kv_heads + kv_head) * head_dim;
-        for (int64_t t = 0; t < n; ++t) {
-          to_float(k_ptr + base + t * token_stride, kf.data() + t * head_dim, head_dim);
-          to_float(v_ptr + base + t * token_stride, vf.data() + t * head_dim, head_dim);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < n; ++t) {
-            const float* kt = kf.data() + t * head_dim;
-            float s = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kt[d];
-            scores[t] = s;
-            block_max = std::max(block_max, s);
-          }
-          // Online softmax: rescale what was accumulated when the maximum grows.
-          const float new_max = std::max(running_max[g], block_max);
-          const float correction = vector_exp(running_max[g] - new_max);
-          float* ag = acc.data() + g * head_dim;
-          denom[g] *= correction;
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
-          // A loop of exp alone is one the compiler vectorizes.
-          for (int64_t t = 0; t < n; ++t) scores[t] = vector_exp(scores[t] - new_max);
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = scores[t];
-            denom[g] += p;
-            const float* vt = vf.data() + t * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vt[d];
-          }
-          running_max[g] = new_max;
-        }
+      const int64_t* table = tables + seq * max_blocks;
+      const int64_t kv_offset = kv_head * head_dim;
+#if defined(__AVX512F__)
+      if (fast != nullptr) {
+        fast(qf.data(), k_ptr, v_ptr, table, lens[seq], block_size, token_stride, kv_offset,
+             scores.data(), state.data(), acc.data());
+      } else
+#endif
+      {
+        attend_portable(qf.data(), k_ptr, v_ptr, table, lens[seq], block_size, token_stride,
+                        kv_offset, group, head_dim, kf.data(), vf.data(), scores.data(),
+                        state.data(), acc.data());
       }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = out_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
-        const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = scalar_t(acc[g * head_dim + d] * inv);
+        const float inv = state[g].denom > 0.f ? 1.f / state[g].denom : 0.f;
+        float* ag = acc.data() + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] *= inv;
+        from_float(ag, dst, head_dim);
       }
     }
   });
