@@ -24,6 +24,7 @@ from engine.loader import Checkpoint
 from engine.model import q4_1_weights
 from engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from engine.model.q4_1_weights import BLOCK_BYTES, Q4_1_GEMV_MAX_TOKENS, Q4_1Weight
+from engine.outputs import CompletionOutput
 
 # (N, K): one row; a partial group of four rows; the model's shapes; many short rows.
 SHAPES = [(1, 32), (5, 96), (7, 64), (576, 576), (130, 1536), (2051, 32)]
@@ -185,6 +186,22 @@ def test_the_real_gguf_s_blocks_are_its_dequantized_weights(
         assert torch.equal(Q4_1Weight(blocks[name], torch.float32).dequantized(), dense[name])
 
 
+def assert_same_greedy_up_to_a_near_tie(
+    ours: CompletionOutput, reference: CompletionOutput, tolerance: float
+) -> None:
+    """The same greedy tokens with log-probabilities within `tolerance`, up to where the two
+    part at a near tie: the reference ranks our token within `tolerance` of its own (bf16
+    logits tie at one rounding step, 0.125 here). Past it the two texts differ, as they may."""
+    assert ours.logprobs is not None and reference.logprobs is not None
+    for a, b in zip(ours.logprobs, reference.logprobs, strict=False):
+        assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
+        if a.token_id != b.token_id:
+            ours_there = dict(b.top).get(a.token_id)
+            assert ours_there is not None and b.logprob - ours_there <= tolerance, (a, b)
+            return
+    assert ours.token_ids == reference.token_ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_real_model_on_q4_1_weights_decodes_as_the_dequantized_model(
@@ -206,16 +223,12 @@ def test_the_real_model_on_q4_1_weights_decodes_as_the_dequantized_model(
         [{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "user", "content": "Name three primary colours."}],
     ]
-    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
     tolerance = 1e-3 if dtype == "float32" else 0.15
     for question in questions:
         [ours] = q4_1.chat(question, params)
         [reference] = dequantized.chat(question, params)
-        assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
-        assert ours.outputs[0].logprobs is not None and reference.outputs[0].logprobs is not None
-        pairs = zip(ours.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True)
-        for a, b in pairs:
-            assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
+        assert_same_greedy_up_to_a_near_tie(ours.outputs[0], reference.outputs[0], tolerance)
     [reply] = q4_1.chat(questions[0], SamplingParams(temperature=0, max_tokens=16))
     assert reply.outputs[0].text == "The capital of France is Paris."
 
