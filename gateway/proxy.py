@@ -136,6 +136,7 @@ class Proxy:
             if state is not None:
                 state.breaker.on_attempt(now_s)
                 state.num_in_flight += 1
+                state.num_awaiting_first_byte += 1
             try:
                 opened = await self._attempt(request, candidate, attempts.deadline_s - now_s)
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -145,6 +146,7 @@ class Proxy:
             except BaseException:  # cancelled: the client went away
                 if state is not None:
                     state.num_in_flight -= 1
+                    state.num_awaiting_first_byte -= 1
                     state.breaker.on_abandon()
                 raise
             opened.state, opened.sent_at_s, opened.num_retries = state, now_s, num_retries
@@ -157,6 +159,7 @@ class Proxy:
                 last_answer = opened
                 continue
             if state is not None:
+                state.num_awaiting_first_byte -= 1
                 state.breaker.on_success()
             return opened
         if last_answer is not None:
@@ -195,6 +198,7 @@ class Proxy:
     ) -> None:
         if state is not None:
             state.num_in_flight -= 1
+            state.num_awaiting_first_byte -= 1
             state.breaker.on_failure(time.monotonic())
         self._metrics.count_retry(candidate.region, cause)
         logger.warning("region %s failed before the first byte (%s)", candidate.region, detail)

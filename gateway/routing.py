@@ -14,8 +14,10 @@ others': a load surge shows up there long before requests wait for a slot), over
 prefill rate, or the summary's own estimate (waiting tokens over the decode rate) if longer.
 The correction learns what the summaries miss (a slow network path, a slower node type) from
 the TTFT this gateway measures on streams, and decays with a half-life so a region it once
-judged slow is tried again. (It is fed when a stream ends: fed at the first token instead, it
-made the simulated surge's p99 worse, by reacting to the same stale queue twice.)
+judged slow is tried again; a region not measured yet takes the residual over all the regions
+measured (what every prediction misses), not 0. (It is fed when a stream ends: fed at the first
+token instead, it made the simulated surge's p99 worse, by reacting to the same stale queue
+twice.)
 
 Eligible regions are active, with healthy nodes, an ingress URL and a weight above 0. Among
 those, saturated ones (KV cache fuller than the policy's threshold) and ones whose circuit is
@@ -24,8 +26,11 @@ choice is made among the near-best (cost within `p2c_tolerance` of the best, plu
 absolute slack): with affinity on and a system prompt, by rendezvous hashing
 of its hash (the same prompt lands on the same region while that region stays near-best, so its
 prefix cache is warm); otherwise by the power of two choices, picking the one of two random
-near-best regions that has fewer requests in flight from this gateway, so that gateways do not
-all stampede onto the single best region. The rest follow by cost, for failover.
+near-best regions where fewer of this gateway's requests per healthy node still wait for their
+first byte, so that gateways do not all stampede onto the single best region. (Requests in
+flight would count long streams that are past their prefill: the nearest region always has the
+most, so two choices drifted to the farther region even when neither had a queue.) The rest
+follow by cost, for failover.
 """
 
 from __future__ import annotations
@@ -177,7 +182,8 @@ class RegionState:
     summary: RegionSummary
     rtt_ms: float
     breaker: CircuitBreaker
-    num_in_flight: int = 0
+    num_in_flight: int = 0  # attempts from this gateway, until their answer or stream ends
+    num_awaiting_first_byte: int = 0  # those of them with no first byte yet
     ttft_residual_s: float = 0.0
     residual_at_s: float = 0.0
     num_ttft_samples: int = 0
@@ -210,6 +216,11 @@ class Router:
     index: int = 0
     is_loaded: bool = False
     loads: SummaryLoads = field(default_factory=SummaryLoads)  # may be shared with other routers
+    # The residual over every region's samples: what a region not measured yet is assumed to
+    # be off by (the error every prediction shares, e.g. the first token's decode step).
+    ttft_residual_s: float = 0.0
+    residual_at_s: float = 0.0
+    num_ttft_samples: int = 0
 
     def update(self, document: RegionSummaryIndex) -> None:
         """Adopt a new summary document, keeping what was learnt about known regions."""
@@ -235,9 +246,18 @@ class Router:
 
     def correction_s(self, state: RegionState, now_s: float) -> float:
         if state.num_ttft_samples == 0:
-            return 0.0
+            return self.prior_correction_s(now_s)
         age_s = max(0.0, now_s - state.residual_at_s)
         return state.ttft_residual_s * 0.5 ** (age_s / self.config.ttft_correction_half_life_s)
+
+    def prior_correction_s(self, now_s: float) -> float:
+        """The correction of a region this gateway has no TTFT from yet: the residual over every
+        region's samples (left at 0, a new region would look cheaper than the measured ones by
+        what the predictions miss everywhere, and draw work across oceans)."""
+        if self.num_ttft_samples == 0:
+            return 0.0
+        age_s = max(0.0, now_s - self.residual_at_s)
+        return self.ttft_residual_s * 0.5 ** (age_s / self.config.ttft_correction_half_life_s)
 
     def queue_delay_s(self, summary: RegionSummary) -> float:
         return queue_delay_s(summary, self.config.prefill_tokens_per_s)
@@ -262,7 +282,7 @@ class Router:
         rtt_s = state.rtt_ms / 1000.0
         weighted_rtt_s = policy.rtt_weight * rtt_s
         cost_s = weighted_rtt_s + policy.queue_weight * load.load_s + prefill_s
-        if state.num_ttft_samples:
+        if self.num_ttft_samples:  # else no region has a correction yet
             cost_s += self.correction_s(state, now_s)
         if cost_s < weighted_rtt_s:  # never less than the RTT term
             cost_s = weighted_rtt_s
@@ -313,8 +333,9 @@ class Router:
         first, second = self.rng.sample(near, 2)
 
         def load(candidate: Candidate) -> tuple[float, float]:
-            in_flight = self.regions[candidate.region].num_in_flight
-            return in_flight / self._weight(candidate), candidate.cost_s
+            state = self.regions[candidate.region]
+            capacity = state.summary.weight * state.summary.healthy_nodes
+            return state.num_awaiting_first_byte / capacity, candidate.cost_s
 
         return min(first, second, key=load)
 
@@ -331,10 +352,16 @@ class Router:
             return
         now_s = time.monotonic() if now_s is None else now_s
         sample_s = ttft_s - predicted_s
+        alpha = self.config.ttft_ewma_alpha
+        if self.num_ttft_samples == 0:
+            self.ttft_residual_s = sample_s
+        else:
+            self.ttft_residual_s = (1 - alpha) * self.prior_correction_s(now_s) + alpha * sample_s
+        self.residual_at_s = now_s
+        self.num_ttft_samples += 1
         if state.num_ttft_samples == 0:
             state.ttft_residual_s = sample_s
         else:
-            alpha = self.config.ttft_ewma_alpha
             state.ttft_residual_s = (1 - alpha) * self.correction_s(state, now_s) + alpha * sample_s
         state.residual_at_s = now_s
         state.num_ttft_samples += 1

@@ -107,16 +107,19 @@ class MeridianChooser(Chooser):
         if state is not None:
             state.breaker.on_attempt(now_s)
             state.num_in_flight += 1
+            state.num_awaiting_first_byte += 1
 
     def on_failure(self, pop: str, region: str, now_s: float) -> None:
         state = self.routers[pop].state_of(region)
         if state is not None:
             state.num_in_flight -= 1
+            state.num_awaiting_first_byte -= 1
             state.breaker.on_failure(now_s)
 
     def on_first_byte(self, pop: str, region: str, now_s: float) -> None:
         state = self.routers[pop].state_of(region)
         if state is not None:
+            state.num_awaiting_first_byte -= 1
             state.breaker.on_success()
 
     def on_done(self, pop: str, pick: Pick, ttft_s: float, now_s: float) -> None:

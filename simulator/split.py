@@ -13,14 +13,15 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-# CPU seconds of one world relative to `round_robin`'s (steady, seed 0, 100,000 requests; the
-# means of two runs on the 2-core machine, 2026-12-01: 22.9, 16.1, 15.0, 14.6 and 12.3 s).
+# CPU seconds of one world relative to `round_robin`'s (steady, seed 0, 100,000 requests, after
+# the summary tick's change; the least of eight runs each on the shared 2-core machine,
+# 2026-12-02: 11.2, 9.7, 7.4, 7.9 and 6.9 s).
 RELATIVE_COST: Final[Mapping[str, float]] = {
-    "meridian": 1.53,
-    "least_loaded": 1.07,
+    "meridian": 1.51,
+    "least_loaded": 1.31,
     "round_robin": 1.0,
-    "oracle": 0.97,
-    "nearest": 0.82,
+    "oracle": 1.06,
+    "nearest": 0.93,
 }
 UNKNOWN_COST = 1.0
 

@@ -142,6 +142,7 @@ def test_errors_caused_by_the_request_neither_fail_over_nor_open_the_breaker(
     assert upstream.num_requests == num_requests  # never skipped for an open breaker
     assert two_regions.regions["eu-west"].upstream.num_requests == 0
     assert gateway.handlers.router.regions["us-east"].breaker.state == "closed"
+    assert gateway.handlers.router.regions["us-east"].num_awaiting_first_byte == 0
 
 
 def new_key(fleet: Fleet, gateway: GatewayThread) -> tuple[str, str]:
@@ -251,8 +252,11 @@ def test_a_client_leaving_mid_stream_stops_the_upstream_and_settles(
         for line in response.iter_lines():
             if '"content":"t0 "' in line:
                 break  # leave after the first token
-    state = gateway.handlers.router.regions["us-east"]
+        state = gateway.handlers.router.regions["us-east"]
+        # Streaming: in flight, but past its first byte (no queue of ours there for routing).
+        assert (state.num_in_flight, state.num_awaiting_first_byte) == (1, 0)
     wait_until(lambda: state.num_in_flight == 0, what="the stream to be abandoned")
+    assert state.num_awaiting_first_byte == 0
     wait_until(lambda: upstream.num_abandoned == 1, what="the upstream to be closed")
     metrics = http.get("/metrics").text
     assert 'region="us-east",status="499"' in metrics

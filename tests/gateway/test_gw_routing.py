@@ -207,9 +207,24 @@ def test_two_choices_spread_load_over_near_best_regions() -> None:
         plan = r.plan(10)
         assert plan.reason == "p2c"
         first[plan.candidates[0].region] += 1
-        r.regions[plan.candidates[0].region].num_in_flight += 1
+        r.regions[plan.candidates[0].region].num_awaiting_first_byte += 1
     assert set(first) == {"us-east", "toronto"}  # eu-west is far from near-best
     assert abs(first["us-east"] - first["toronto"]) <= 2
+
+
+def test_two_choices_weigh_requests_awaiting_a_first_byte_per_node_not_long_streams() -> None:
+    # us-east holds this gateway's long streams (it is the nearest, it took the most work), but
+    # none of them waits for its first byte: it has no queue of ours, so it stays the choice.
+    r = router(summary("us-east"), summary("toronto"))
+    r.regions["us-east"].num_in_flight = 40
+    assert [r.plan(10).candidates[0].region for _ in range(20)] == ["us-east"] * 20
+    # Two of ours waiting on us-east's three nodes weigh less than one on toronto's one.
+    r = router(summary("us-east", healthy_nodes=3), summary("toronto"))
+    r.regions["us-east"].num_awaiting_first_byte = 2
+    r.regions["toronto"].num_awaiting_first_byte = 1
+    assert r.plan(10).candidates[0].region == "us-east"
+    r.regions["us-east"].num_awaiting_first_byte = 4
+    assert r.plan(10).candidates[0].region == "toronto"
 
 
 def test_affinity_sticks_to_one_near_best_region_per_prompt() -> None:
@@ -225,13 +240,29 @@ def test_affinity_sticks_to_one_near_best_region_per_prompt() -> None:
 
 def test_observed_ttft_corrects_the_estimate_and_decays() -> None:
     r = router(summary("us-east"), summary("toronto"))
-    east = r.regions["us-east"]
+    east, toronto = r.regions["us-east"], r.regions["toronto"]
+    predicted = r.predict(toronto, 10, 0.0).predicted_ttft_s
+    r.observe_ttft("toronto", predicted, predicted)  # as expected
     predicted = r.predict(east, 10, 0.0).predicted_ttft_s
-    r.observe_ttft("us-east", predicted + 0.2, predicted)  # 200 ms slower than expected
+    r.observe_ttft("us-east", predicted + 0.2, predicted, now_s=toronto.residual_at_s)
     assert order(r)[0] == "toronto" and r.plan(10).reason == "only"
     now = east.residual_at_s
     assert r.correction_s(east, now + 30.0) == pytest.approx(0.1)  # one half-life
     assert r.correction_s(east, now + 300.0) < 0.001
+
+
+def test_a_region_not_measured_yet_is_assumed_off_as_the_measured_ones_are() -> None:
+    # Every stream from us-east came 100 ms later than predicted (what the prediction leaves
+    # out, e.g. the first decode step). Toronto, never measured, is assumed as late: at 0 it
+    # would look cheaper than us-east and take its work.
+    r = router(summary("us-east"), summary("toronto"))
+    east = r.regions["us-east"]
+    for _ in range(3):
+        predicted = r.predict(east, 10, 1.0).predicted_ttft_s
+        r.observe_ttft("us-east", predicted + 0.1, predicted, now_s=1.0)
+    assert r.correction_s(r.regions["toronto"], 1.0) == pytest.approx(0.1)
+    assert r.correction_s(r.regions["toronto"], 31.0) == pytest.approx(0.05)  # it decays too
+    assert [r.plan(10, now_s=1.0).candidates[0].region for _ in range(20)] == ["us-east"] * 20
 
 
 def test_updates_keep_what_was_learnt_about_a_region() -> None:

@@ -131,7 +131,7 @@ def test_killing_a_region_under_load_loses_no_request(
 
 
 def test_5xx_and_429_before_the_first_byte_fail_over(
-    two_regions: Fleet, http: httpx.Client
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
 ) -> None:
     upstream = two_regions.regions["us-east"].upstream
     upstream.behavior.fail_status = 500
@@ -143,6 +143,8 @@ def test_5xx_and_429_before_the_first_byte_fail_over(
     assert streamed.text.endswith("data: [DONE]\n\n")
     metrics = http.get("/metrics").text
     assert 'meridian_gateway_retries_total{cause="500",region="us-east"} 1.0' in metrics
+    router = gateway.handlers.router
+    assert all(state.num_awaiting_first_byte == 0 for state in router.regions.values())
 
 
 def test_when_every_region_fails_the_last_answer_is_returned(
