@@ -18,9 +18,10 @@
 //   Q8_0: fp32 d, 32 int8 q, w = d * q: 36 bytes per 32 weights.
 // The loop forms each block's weights in fp32 registers (Q4_1: one FMA per 16 weights, as cheap
 // as d * q alone, so the m * sum(x) split buys nothing here) and multiplies them with every
-// token's x while they are there. It is bound by those instructions, not by the bytes: with the
-// file's fp16 scales, their conversions and broadcasts shared a vector port with the weights'
-// and the loop ran 1.4x slower for 17% fewer bytes.
+// token's x while they are there. It is bound by those instructions as much as by the bytes:
+// with the file's fp16 scales, their conversions and broadcasts shared a vector port with the
+// weights' and the loop ran 1.4x slower for 17% fewer bytes on a Sapphire Rapids (1.04-1.17x
+// on an AMD EPYC, where the prefetch below gained 1.7x).
 //
 // Rounding: products summed in fp32 (the CPU's dot-product instruction sums pairs in fp32), the
 // result rounded once to bf16, as F.linear does; only the order of the fp32 sums differs. Block
