@@ -2,12 +2,13 @@
 so that the load of a shared machine falls on each about evenly.
 
     python -m bench.engine_step [--batch 1] [--context 256] [--rounds 5] [--steps 8]
-        [--variants adaptive threads=1 threads=2 int8 q4_1]
+        [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head]
 
 Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
 `ignore_eos`). `adaptive` is the default engine (the thread count chosen per step, see
 engine/step_threads.py); `threads=N` pins it; `int8` is `quantization="int8"` and `q4_1`
-`quantization="q4_1"` (the GGUF's Q4_1 blocks kept), both with adaptive threads; `eager` is
+`quantization="q4_1"` (the GGUF's Q4_1 blocks kept, the LM head's Q8_0 blocks too), both with
+adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's dtype; `eager` is
 the default with the fused CPU layer ops swapped for their eager twins;
 `torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`.
 Prints each round's median step time per variant and, per round, each variant against the
@@ -42,11 +43,15 @@ class Variant:
 
 
 def build(name: str, model: str, batch: int, context: int) -> Variant:
-    quantization = name if name in ("int8", "q4_1") else "auto"
+    quantization = "q4_1" if name.startswith("q4_1") else name if name == "int8" else "auto"
     config = EngineConfig(model, cpu_kv_cache_gib=0.25, quantization=quantization)
     engine = LLMEngine(config)
     runner = engine.executor.runner
     pinned = None
+    if name == "q4_1-float-head":
+        head = runner.model.lm_head or runner.model.embed_tokens
+        assert head is not None
+        head.head_blocks = None
     if name.startswith("threads="):
         runner.step_threads, pinned = None, int(name.split("=")[1])
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

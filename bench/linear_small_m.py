@@ -1,14 +1,17 @@
 """Matmuls of a few tokens on the model's layer shapes: torch's paths against our bf16 GEMV
-kernel, in one process.
+and block (Q4_1, Q8_0) GEMV kernels, in one process.
 
     python -m bench.linear_small_m [--tokens 1 4 8] [--threads 1 2] [--repeats 50]
 
 For each shape of SmolLM2-135M (fused QKV, O, fused gate-up, down, the tied LM head), token
 count and thread count, times `F.linear` on bf16 weights, our `bf16_linear`, and torch's
-`_weight_int8pack_mm` on per-row int8 weights (what `quantization="int8"` runs). Each call reads a
+`_weight_int8pack_mm` on per-row int8 weights (what `quantization="int8"` runs), and our block
+kernel on random blocks in the format `quantization="q4_1"` keeps the layer in (Q4_1, the LM head
+Q8_0; fp32 scales as at load). Each call reads a
 different copy of the weight, cycling through enough copies to exceed 256 MB, so the weights
 come from memory as in a decode step, not from a cache that one repeated call keeps warm.
-Prints the median microseconds per call, F.linear's time over ours, and ours over int8pack's.
+Prints the median microseconds per call, F.linear's time over ours, ours over int8pack's and
+ours bf16 over the block kernel's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from bench.engine_throughput import cpu_vector_flags, load_average
 from engine.kernels import cpu_kernels
+from engine.model.block_weights import Q4_1, Q8_0, BlockFormat, BlockWeight
 from engine.model.int8_weights import Int8Weight
 
 SHAPES = {  # (out_features, in_features)
@@ -35,6 +39,17 @@ SHAPES = {  # (out_features, in_features)
     "lm-head 49152x576": (49152, 576),
 }
 _CYCLE_BYTES = 256 * 2**20
+
+
+def random_blocks(n: int, k: int, fmt: BlockFormat) -> BlockWeight:
+    """Blocks of any quants, with scales (and mins) of a real layer's size."""
+    num_blocks = n * k // 32
+    parts = [(torch.rand(num_blocks, 1) * 0.02).half().view(torch.uint8)]
+    if fmt is Q4_1:
+        parts.append((-torch.rand(num_blocks, 1) * 0.1).half().view(torch.uint8))
+    parts.append(torch.randint(0, 256, (num_blocks, fmt.num_quant_bytes), dtype=torch.uint8))
+    file_blocks = torch.cat(parts, dim=1).reshape(n, -1)
+    return BlockWeight.from_gguf(file_blocks, fmt, torch.bfloat16)
 
 
 def _median_us(calls: list[Callable[[], object]], repeats: int) -> float:
@@ -56,11 +71,15 @@ def time_shape(n: int, k: int, num_tokens: int, repeats: int) -> dict[str, float
     weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(copies)]
     int8 = [Int8Weight.quantize(w, max_gemv_tokens=64) for w in weights]
     x = torch.randn(num_tokens, k, dtype=torch.bfloat16)
+    fmt = Q8_0 if (n, k) == SHAPES["lm-head 49152x576"] else Q4_1
+    blocks = [random_blocks(n, k, fmt) for _ in range(copies)]
+    block_linear = getattr(kernels, f"{fmt.name}_linear")
     int8pack = torch.ops.aten._weight_int8pack_mm
     paths: dict[str, list[Callable[[], object]]] = {
         "F.linear bf16": [partial(F.linear, x, w) for w in weights],
         "ours bf16": [partial(kernels.bf16_linear, x, w) for w in weights],
         "int8pack": [partial(int8pack, x, q.qweight, q.scales) for q in int8],
+        "ours blocks": [partial(block_linear, x, b.blocks) for b in blocks],
     }
     return {name: _median_us(calls, repeats) for name, calls in paths.items()}
 
@@ -83,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{shape:18} M={num_tokens} threads={threads}  "
                     + "  ".join(f"{name} {t:7.0f} us" for name, t in us.items())
                     + f"  | F.linear / ours {us['F.linear bf16'] / us['ours bf16']:.2f}x"
-                    + f"  ours / int8pack {us['ours bf16'] / us['int8pack']:.2f}x",
+                    + f"  ours / int8pack {us['ours bf16'] / us['int8pack']:.2f}x"
+                    + f"  ours bf16 / blocks {us['ours bf16'] / us['ours blocks']:.2f}x",
                     flush=True,
                 )
     report = {

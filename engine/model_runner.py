@@ -15,6 +15,7 @@ from engine.distributed import TPGroup
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
+from engine.model.block_weights import FORMATS, GEMV_MAX_TOKENS
 from engine.model.int8_weights import BF16_GEMV_MAX_TOKENS, Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
@@ -23,7 +24,6 @@ from engine.model.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from engine.model.q4_1_weights import Q4_1_GEMV_MAX_TOKENS
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_threads import StepThreadPolicy
@@ -40,7 +40,7 @@ class RunnerShape:
     block_size: int
     max_model_len: int
     # How weights are kept (EngineConfig.weight_quantization): "none" (the model's dtype),
-    # "int8" (model/int8_weights.py) or "q4_1" (the GGUF's blocks: model/q4_1_weights.py).
+    # "int8" (model/int8_weights.py) or "q4_1" (the GGUF's blocks: model/block_weights.py).
     quantization: str = "none"
 
 
@@ -87,12 +87,14 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(config, self.tp, layers)
         self.model = model.to(shape.dtype).to_empty(device=device)
-        self.model.load_weights(checkpoint.tensors(model.wants))
+        # q4_1: the projections' blocks are kept first, so the float load never reads them.
+        kept = self._keep_q4_1(checkpoint) if shape.quantization == "q4_1" else set()
+        self.model.load_weights(checkpoint.tensors(lambda n: model.wants(n) and n not in kept))
         self.model.eval()
         if shape.quantization == "int8":
             self._quantize_int8()
         elif shape.quantization == "q4_1":
-            self._keep_q4_1(checkpoint)
+            self._keep_head_blocks(checkpoint)
         elif device.type == "cpu" and shape.dtype == torch.bfloat16 and cpu_kernels():
             logger.info(
                 "matmuls: the bf16 GEMV kernel for steps of up to %d tokens, F.linear above",
@@ -132,21 +134,41 @@ class ModelRunner:
             max_gemv_tokens,
         )
 
-    def _keep_q4_1(self, checkpoint: Checkpoint) -> None:
-        # The float weights were loaded (dequantized) with the rest and are replaced here: the
-        # file is memory-mapped, so reading the projections twice costs only their dequantizing.
+    def _keep_q4_1(self, checkpoint: Checkpoint) -> set[str]:
+        """Keep the projections as the GGUF's Q4_1 blocks; returns their names."""
         names = self.model.projection_weights()
-        self.model.load_q4_1_weights(checkpoint.q4_1_blocks(names.__contains__))
+        self.model.keep_projection_blocks(
+            checkpoint.gguf_blocks(names.__contains__, "Q4_1"), "Q4_1"
+        )
+        return names
+
+    def _keep_head_blocks(self, checkpoint: Checkpoint) -> None:
+        """On the last stage, keep the LM head's blocks too where the file's are a format the
+        kernels read (Q8_0 in the default file; llama.cpp keeps the head at 8 bits), for
+        steps of few tokens; log what each part reads."""
+        model = self.model
+        head = model.lm_head or model.embed_tokens if model.is_last else None
+        name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+        gguf_type = checkpoint.gguf_types.get(name)
+        head_reads = f"{self.dtype}"
+        if head is not None and gguf_type in FORMATS and cpu_kernels():
+            [(_, blocks)] = checkpoint.gguf_blocks(name.__eq__, gguf_type)
+            head.keep_head_blocks(blocks, FORMATS[gguf_type])
+            head_reads = (
+                f"its {gguf_type} blocks up to {GEMV_MAX_TOKENS} tokens a step, {self.dtype} above"
+            )
         matmuls = (
-            f"the Q4_1 GEMV kernel up to {Q4_1_GEMV_MAX_TOKENS} tokens a step, dequantized above"
+            f"the GEMV kernel up to {GEMV_MAX_TOKENS} tokens a step, dequantized above"
             if cpu_kernels()
             else "dequantized every step: no CPU kernels"
         )
         logger.info(
-            "weights: the GGUF's Q4_1 blocks in %d projections (%s); embedding and LM head in %s",
-            len(names),
+            "weights: the GGUF's Q4_1 blocks in %d projections (%s); embedding in %s, "
+            "LM head reads %s",
+            len(model.projection_weights()),
             matmuls,
             self.dtype,
+            head_reads if head is not None else "nothing (not on this stage)",
         )
 
     @property

@@ -1,7 +1,8 @@
-"""Q4_1 weights kept as the GGUF's blocks (engine/model/q4_1_weights.py, the kernel in
-engine/kernels/gemv_cpu.cpp): the kernel against gguf's own dequantizer and an fp32 matmul on
-odd shapes and 1-16 tokens, with the kernels on and off; row-parallel shards on block
-boundaries; the refusals; and the real model's greedy tokens against its dequantized twin."""
+"""Block weights kept as the GGUF's blocks (engine/model/block_weights.py, the kernels in
+engine/kernels/gemv_cpu.cpp): the Q4_1 and Q8_0 kernels against gguf's own dequantizer and an
+fp32 matmul on odd shapes and 1-16 tokens, with the kernels on and off; the fp16 scales widened
+exactly; row-parallel shards on block boundaries; the Q8_0 LM head's vocabulary shards; the
+refusals; and the real model's greedy tokens against its dequantized twin."""
 
 from __future__ import annotations
 
@@ -21,30 +22,37 @@ from engine.distributed import TPGroup
 from engine.errors import InvalidRequestError
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
-from engine.model import q4_1_weights
-from engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from engine.model.q4_1_weights import BLOCK_BYTES, Q4_1_GEMV_MAX_TOKENS, Q4_1Weight
+from engine.model import block_weights
+from engine.model.block_weights import GEMV_MAX_TOKENS, Q4_1, Q8_0, BlockFormat, BlockWeight
+from engine.model.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.outputs import CompletionOutput
 
 # (N, K): one row; a partial group of four rows; the model's shapes; many short rows.
 SHAPES = [(1, 32), (5, 96), (7, 64), (576, 576), (130, 1536), (2051, 32)]
-TOKENS = [1, 2, 3, 4, 5, Q4_1_GEMV_MAX_TOKENS]
+TOKENS = [1, 2, 3, 4, 5, GEMV_MAX_TOKENS]
+FORMATS = [Q4_1, Q8_0]
 
 
-def random_blocks(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """(n, k / 32 * 20) uint8 Q4_1 blocks with any nibbles and scales and mins of a real
-    layer's size."""
+def random_blocks(n: int, k: int, gen: torch.Generator, fmt: BlockFormat = Q4_1) -> torch.Tensor:
+    """(n, k / 32 * file bytes) uint8 blocks as a GGUF stores them: any quants, scales (and
+    mins) of a real layer's size."""
     num_blocks = n * k // 32
     d = (torch.rand(num_blocks, 1, generator=gen) * 0.02).half()
-    m = (-torch.rand(num_blocks, 1, generator=gen) * 0.1).half()
-    nibbles = torch.randint(0, 256, (num_blocks, 16), generator=gen, dtype=torch.uint8)
-    blocks = torch.cat((d.view(torch.uint8), m.view(torch.uint8), nibbles), dim=1)
-    return blocks.reshape(n, k // 32 * BLOCK_BYTES)
+    parts = [d.view(torch.uint8)]
+    if fmt is Q4_1:
+        parts.append((-torch.rand(num_blocks, 1, generator=gen) * 0.1).half().view(torch.uint8))
+    quants = torch.randint(0, 256, (num_blocks, fmt.num_quant_bytes), generator=gen)
+    parts.append(quants.to(torch.uint8))
+    return torch.cat(parts, dim=1).reshape(n, k // 32 * fmt.file_block_bytes)
 
 
-def gguf_dequantized(blocks: torch.Tensor) -> torch.Tensor:
+def gguf_dequantized(file_blocks: torch.Tensor, fmt: BlockFormat = Q4_1) -> torch.Tensor:
     """llama.cpp's reading of the blocks (gguf's numpy dequantizer), fp32 (N, K)."""
-    values = dequantize(blocks.numpy(), GGMLQuantizationType.Q4_1)
+    values = dequantize(file_blocks.numpy(), GGMLQuantizationType[fmt.gguf_type])
     return torch.from_numpy(np.asarray(values, dtype=np.float32))
 
 
@@ -59,6 +67,7 @@ def _close(ours: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> No
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_linear_equals_the_gguf_dequantized_matmul(
     monkeypatch: pytest.MonkeyPatch,
     kernels_on: bool,
@@ -66,35 +75,61 @@ def test_linear_equals_the_gguf_dequantized_matmul(
     k: int,
     num_tokens: int,
     dtype: torch.dtype,
+    fmt: BlockFormat,
 ) -> None:
     if kernels_on and cpu_kernels() is None:
         pytest.skip("the CPU kernels could not be built")
     if not kernels_on:
-        monkeypatch.setattr(q4_1_weights, "cpu_kernels", lambda: None)
+        monkeypatch.setattr(block_weights, "cpu_kernels", lambda: None)
     gen = torch.Generator().manual_seed(n * k + num_tokens)
-    weight = Q4_1Weight(random_blocks(n, k, gen), dtype)
+    file_blocks = random_blocks(n, k, gen, fmt)
+    weight = BlockWeight.from_gguf(file_blocks, fmt, dtype)
     x = torch.randn(num_tokens, k, generator=gen).to(dtype)
     ours = weight.linear(x)
     assert ours.dtype == dtype and ours.shape == (num_tokens, n)
-    reference = gguf_dequantized(weight.blocks)
-    if not kernels_on and dtype == torch.bfloat16:
-        reference = reference.to(dtype).float()  # the twin rounds the weight to bf16 first
+    reference = gguf_dequantized(file_blocks, fmt)
+    if dtype == torch.bfloat16 and (not kernels_on or _has_avx512_bf16()):
+        # The twin, and the kernel's AVX-512 BF16 loop, round each weight to bf16 first.
+        reference = reference.to(dtype).float()
     _close(ours, x.float() @ reference.T, dtype)
 
 
+def _has_avx512_bf16() -> bool:
+    flags = next(
+        ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+    )
+    return "avx512_bf16" in flags.split()
+
+
 @pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_dequantized_is_gguf_s_reading_rounded_once(
-    monkeypatch: pytest.MonkeyPatch, kernels_on: bool
+    monkeypatch: pytest.MonkeyPatch, kernels_on: bool, fmt: BlockFormat
 ) -> None:
     if kernels_on and cpu_kernels() is None:
         pytest.skip("the CPU kernels could not be built")
     if not kernels_on:
-        monkeypatch.setattr(q4_1_weights, "cpu_kernels", lambda: None)
-    gen = torch.Generator().manual_seed(0)
-    blocks = random_blocks(9, 160, gen)
-    expected = gguf_dequantized(blocks)
-    assert torch.equal(Q4_1Weight(blocks, torch.float32).dequantized(), expected)
-    assert torch.equal(Q4_1Weight(blocks, torch.bfloat16).dequantized(), expected.bfloat16())
+        monkeypatch.setattr(block_weights, "cpu_kernels", lambda: None)
+    file_blocks = random_blocks(9, 160, torch.Generator().manual_seed(0), fmt)
+    expected = gguf_dequantized(file_blocks, fmt)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = BlockWeight.from_gguf(file_blocks, fmt, dtype)
+        assert torch.equal(weight.dequantized(), expected.to(dtype))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_widened_scales_are_the_file_s_exactly(fmt: BlockFormat) -> None:
+    """Every fp16 scale (subnormals, infinities and the largest included) is its fp32 value;
+    the quants are the file's bytes."""
+    every_fp16 = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    num_blocks = every_fp16.numel() // fmt.num_scales
+    scales = every_fp16[: num_blocks * fmt.num_scales].reshape(num_blocks, fmt.num_scales)
+    quants = torch.randint(0, 256, (num_blocks, fmt.num_quant_bytes), dtype=torch.uint8)
+    file_blocks = torch.cat((scales.contiguous().view(torch.uint8), quants), dim=1)
+    blocks = block_weights.widen_scales(file_blocks.reshape(1, -1), fmt).view(num_blocks, -1)
+    widened = blocks[:, : 4 * fmt.num_scales].contiguous().view(torch.float32)
+    torch.testing.assert_close(widened, scales.float(), rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(blocks[:, 4 * fmt.num_scales :], quants)
 
 
 def test_steps_of_many_tokens_dequantize(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,22 +144,25 @@ def test_steps_of_many_tokens_dequantize(monkeypatch: pytest.MonkeyPatch) -> Non
             calls.append("dequantize")
             return torch.zeros(blocks.shape[0], k, dtype=dtype)
 
-    monkeypatch.setattr(q4_1_weights, "cpu_kernels", lambda: Recording())
-    weight = Q4_1Weight(random_blocks(8, 64, torch.Generator().manual_seed(1)), torch.float32)
-    for num_tokens in (1, Q4_1_GEMV_MAX_TOKENS, Q4_1_GEMV_MAX_TOKENS + 1):
+    monkeypatch.setattr(block_weights, "cpu_kernels", lambda: Recording())
+    file_blocks = random_blocks(8, 64, torch.Generator().manual_seed(1))
+    weight = BlockWeight.from_gguf(file_blocks, Q4_1, torch.float32)
+    for num_tokens in (1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
         weight.linear(torch.randn(num_tokens, 64))
-    assert calls == ["kernel 1", f"kernel {Q4_1_GEMV_MAX_TOKENS}", "dequantize"]
+    assert calls == ["kernel 1", f"kernel {GEMV_MAX_TOKENS}", "dequantize"]
 
 
 def test_the_kernel_refuses_mismatched_inputs() -> None:
     kernels = cpu_kernels() or pytest.skip("the CPU kernels could not be built")
-    blocks = torch.zeros(4, 2 * BLOCK_BYTES, dtype=torch.uint8)
+    blocks = torch.zeros(4, 2 * Q4_1.block_bytes, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.q4_1_linear(torch.zeros(1, 48), blocks)
-    with pytest.raises(RuntimeError, match="for x's K = 32"):
+    with pytest.raises(RuntimeError, match=r"uint8 Q4_1 blocks \(N, 24\) for K = 32"):
         kernels.q4_1_linear(torch.zeros(1, 32), blocks)
     with pytest.raises(RuntimeError, match="uint8 Q4_1 blocks"):
         kernels.q4_1_linear(torch.zeros(1, 64), blocks.float())
+    with pytest.raises(RuntimeError, match=r"uint8 Q8_0 blocks \(N, 72\) for K = 64"):
+        kernels.q8_0_linear(torch.zeros(1, 64), blocks)
 
 
 def test_row_parallel_shards_split_at_block_boundaries() -> None:
@@ -136,18 +174,18 @@ def test_row_parallel_shards_split_at_block_boundaries() -> None:
     partials = []
     for rank in range(2):
         layer = RowParallelLinear(128, 6, _rank_of_two(rank))
-        layer.quantized = Q4_1Weight.empty(6, 64, torch.float32)
-        layer.load_q4_1(full)
+        layer.quantized = BlockWeight.empty(Q4_1, 6, 64, torch.float32)
+        layer.load_blocks(BlockWeight.from_gguf(full, Q4_1, torch.float32))
         assert layer.quantized is not None
         partials.append(layer.quantized.linear(x[:, rank * 64 : (rank + 1) * 64]))
     expected = x @ gguf_dequantized(full).T
     torch.testing.assert_close(partials[0] + partials[1], expected, atol=1e-4, rtol=1e-5)
 
     layer = RowParallelLinear(96, 6, _rank_of_two(1))  # 48 columns a rank
-    with pytest.raises(InvalidRequestError, match="not whole Q4_1 blocks"):
-        layer.quantized = Q4_1Weight.empty(6, 48, torch.float32)
-    with pytest.raises(InvalidRequestError, match="does not fall on Q4_1 blocks"):
-        Q4_1Weight(random_blocks(6, 96, gen), torch.float32).columns(48, 96)
+    with pytest.raises(InvalidRequestError, match="not whole blocks"):
+        layer.quantized = BlockWeight.empty(Q4_1, 6, 48, torch.float32)
+    with pytest.raises(InvalidRequestError, match="does not fall on blocks"):
+        BlockWeight.from_gguf(random_blocks(6, 96, gen), Q4_1, torch.float32).columns(48, 96)
 
 
 def test_column_parallel_parts_keep_their_rows() -> None:
@@ -155,21 +193,69 @@ def test_column_parallel_parts_keep_their_rows() -> None:
     gen = torch.Generator().manual_seed(3)
     gate, up = random_blocks(8, 64, gen), random_blocks(8, 64, gen)
     layer = ColumnParallelLinear(64, {"gate": 8, "up": 8}, bias=False, tp=_rank_of_two(1))
-    layer.quantized = Q4_1Weight.empty(8, 64, torch.float32)
-    layer.load_q4_1("gate", gate)
-    layer.load_q4_1("up", up)
-    assert torch.equal(layer.quantized.blocks, torch.cat((gate[4:], up[4:])))
+    layer.quantized = BlockWeight.empty(Q4_1, 8, 64, torch.float32)
+    layer.load_blocks("gate", BlockWeight.from_gguf(gate, Q4_1, torch.float32))
+    layer.load_blocks("up", BlockWeight.from_gguf(up, Q4_1, torch.float32))
+    expected = block_weights.widen_scales(torch.cat((gate[4:], up[4:])), Q4_1)
+    assert torch.equal(layer.quantized.blocks, expected)
+
+
+def test_the_q8_0_head_keeps_each_rank_s_vocabulary_rows() -> None:
+    """Two ranks' shards of an odd vocabulary: each rank's rows of the file's blocks, the last
+    shard padded with zero blocks (zero weights, as the float shard's zero rows)."""
+    gen = torch.Generator().manual_seed(4)
+    vocab, hidden = 37, 96
+    full = random_blocks(vocab, hidden, gen, Q8_0)
+    dense = gguf_dequantized(full, Q8_0)
+    for rank in range(2):
+        head = VocabParallelEmbedding(vocab, hidden, _rank_of_two(rank))
+        head.load(dense)
+        head.keep_head_blocks(full, Q8_0)
+        assert head.head_blocks is not None
+        assert torch.equal(head.head_blocks.dequantized(), head.weight.data)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
+    monkeypatch: pytest.MonkeyPatch, kernels_on: bool, dtype: torch.dtype
+) -> None:
+    """Steps of few tokens multiply by the blocks (where the kernels built), bigger steps and
+    every step without kernels by the float rows; both are the file's weights times x."""
+    if kernels_on and cpu_kernels() is None:
+        pytest.skip("the CPU kernels could not be built")
+    if not kernels_on:
+        monkeypatch.setattr(block_weights, "cpu_kernels", lambda: None)
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden = 203, 160
+    full = random_blocks(vocab, hidden, gen, Q8_0)
+    dense = gguf_dequantized(full, Q8_0)
+    head = VocabParallelEmbedding(vocab, hidden, TPGroup()).to(dtype)
+    head.load(dense)
+    head.keep_head_blocks(full, Q8_0)
+    assert head.head_blocks is not None
+    for num_tokens in (1, 3, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
+        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        logits = head.logits(x)
+        assert logits.dtype == torch.float32 and logits.shape == (num_tokens, vocab)
+        reads_blocks = kernels_on and num_tokens <= GEMV_MAX_TOKENS
+        expected = head.head_blocks.linear(x) if reads_blocks else torch.mm(x, head.weight.T)
+        assert torch.equal(logits, expected.float())
+        # The float rows are the weights rounded to the dtype, as the blocks' bf16 loop rounds.
+        rounded = not reads_blocks or _has_avx512_bf16()
+        weights = dense.to(dtype).float() if rounded else dense
+        _close(logits, x.float() @ weights.T, dtype)
 
 
 def test_q4_1_is_refused_where_the_weights_are_not_q4_1(smollm2_checkpoint: Checkpoint) -> None:
     with pytest.raises(InvalidRequestError, match="q4_1 runs on CPU only"):
         EngineConfig("m", quantization="q4_1", device="cuda")
-    # The tied embedding of the real GGUF is Q8_0.
-    with pytest.raises(InvalidRequestError, match=r"token_embd\.weight is Q8_0"):
-        list(smollm2_checkpoint.q4_1_blocks(lambda name: name == "model.embed_tokens.weight"))
-    not_gguf = dataclasses.replace(smollm2_checkpoint, read_q4_1_blocks=None)
+    # The tied embedding of the real GGUF is Q8_0: refused before any tensor is read.
+    with pytest.raises(InvalidRequestError, match=r"embed_tokens\.weight is Q8_0"):
+        smollm2_checkpoint.gguf_blocks(lambda name: True, "Q4_1")
+    not_gguf = dataclasses.replace(smollm2_checkpoint, read_blocks=None)
     with pytest.raises(InvalidRequestError, match="is not a GGUF file"):
-        not_gguf.q4_1_blocks(lambda name: True)
+        not_gguf.gguf_blocks(lambda name: True, "Q4_1")
 
 
 def test_the_real_gguf_s_blocks_are_its_dequantized_weights(
@@ -179,11 +265,18 @@ def test_the_real_gguf_s_blocks_are_its_dequantized_weights(
     tensors."""
     names = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.0.mlp.down_proj.weight"}  # fmt: skip
-    blocks = dict(smollm2_checkpoint.q4_1_blocks(names.__contains__))
+    blocks = dict(smollm2_checkpoint.gguf_blocks(names.__contains__, "Q4_1"))
     dense = dict(smollm2_checkpoint.tensors(names.__contains__))
     assert blocks.keys() == names
     for name in names:
-        assert torch.equal(Q4_1Weight(blocks[name], torch.float32).dequantized(), dense[name])
+        weight = BlockWeight.from_gguf(blocks[name], Q4_1, torch.float32)
+        assert torch.equal(weight.dequantized(), dense[name])
+    head = "model.embed_tokens.weight"
+    [(_, head_blocks)] = smollm2_checkpoint.gguf_blocks(head.__eq__, "Q8_0")
+    [(_, head_dense)] = smollm2_checkpoint.tensors(head.__eq__)
+    assert torch.equal(
+        BlockWeight.from_gguf(head_blocks, Q8_0, torch.float32).dequantized(), head_dense
+    )
 
 
 def assert_same_greedy_up_to_a_near_tie(
@@ -217,7 +310,9 @@ def test_the_real_model_on_q4_1_weights_decodes_as_the_dequantized_model(
     model = q4_1.engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
     assert len(layers) == 4 * 30
-    assert all(isinstance(m.quantized, Q4_1Weight) and m.weight.numel() == 0 for m in layers)
+    assert all(isinstance(m.quantized, BlockWeight) and m.weight.numel() == 0 for m in layers)
+    assert model.embed_tokens is not None and model.embed_tokens.head_blocks is not None
+    assert model.embed_tokens.head_blocks.format is Q8_0
 
     questions: list[list[ChatMessage]] = [
         [{"role": "user", "content": "What is the capital of France?"}],
@@ -252,7 +347,7 @@ def test_tensor_parallel_q4_1_on_the_real_model_equals_one_process(smollm2_gguf:
     try:
         model = parallel.engine.executor.runner.model
         [down] = [m for m in model.modules() if isinstance(m, RowParallelLinear)][1:2]
-        assert isinstance(down.quantized, Q4_1Weight)  # layer 0's down_proj, after its o_proj
+        assert isinstance(down.quantized, BlockWeight)  # layer 0's down_proj, after its o_proj
         assert down.quantized.in_features == 1536 // 3
         [ours] = parallel.generate([{"prompt_token_ids": prompt}], params)
         assert ours.outputs[0].token_ids == expected.outputs[0].token_ids

@@ -12,7 +12,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &meridian::silu_and_mul, "silu(gate) * up of the fused gate-up rows");
   m.def("bf16_linear", &meridian::bf16_linear, "x W^T for few tokens, x and W bf16");
   m.def("q4_1_linear", &meridian::q4_1_linear,
-        "x W^T for few tokens, W as llama.cpp's Q4_1 blocks (N, K / 32 * 20 bytes)");
+        "x W^T for few tokens, W as Q4_1 blocks with fp32 scales (N, K / 32 * 24 bytes)");
   m.def("q4_1_dequantize", &meridian::q4_1_dequantize,
-        "Q4_1 blocks (N, K / 32 * 20 bytes) -> the weight (N, K) in the given dtype");
+        "Q4_1 blocks with fp32 scales (N, K / 32 * 24 bytes) -> the weight (N, K) in dtype");
+  m.def("q8_0_linear", &meridian::q8_0_linear,
+        "x W^T for few tokens, W as Q8_0 blocks with fp32 scales (N, K / 32 * 36 bytes)");
+  m.def("q8_0_dequantize", &meridian::q8_0_dequantize,
+        "Q8_0 blocks with fp32 scales (N, K / 32 * 36 bytes) -> the weight (N, K) in dtype");
 }

@@ -25,6 +25,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight);
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks);
 torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor blocks);
+torch::Tensor q8_0_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype);
 
 // exp(x) within 2 ulp, written so that a loop of it vectorizes (glibc declares its vector exp
 // only under -ffast-math, which we do not build with). x = n ln2 + r, |r| <= ln2/2:

@@ -1,5 +1,5 @@
-// bf16 and Q4_1 matmuls of a few tokens (decode steps), the weight read once per step:
-// out (M, N) = x (M, K) W^T.
+// bf16 and block-quantized (Q4_1, Q8_0) matmuls of a few tokens (decode steps), the weight read
+// once per step: out (M, N) = x (M, K) W^T.
 //
 // At M = 1..4 a matmul is a GEMV: each weight is used M times, so its time is reading the
 // weight. oneDNN's bf16 GEMM (AMX tiles here) is built for bigger M; at M = 1 it took about
@@ -10,20 +10,28 @@
 // (An int8 twin of this loop, weights widened to fp32, was no faster than torch's
 // _weight_int8pack_mm, so int8 weights keep torch's kernel.)
 //
-// Q4_1 weights (q4_1_linear) are read as llama.cpp stores them, 4 bits a weight: blocks of 32
-// weights, each an fp16 scale d, an fp16 min m and 16 bytes of nibbles (weight j in the low
-// nibble of byte j, weight j + 16 in its high nibble), w = d * q + m. The loop forms each
-// block's weights in fp32 registers, one FMA per 16 weights (as cheap as d * q alone, so the
-// m * sum(x) split buys nothing here), and multiplies them with every token's x while they are
-// there: a fifth of bf16's bytes read (20 bytes per 32 weights), the same weights as the file.
+// Block weights (q4_1_linear, q8_0_linear) are llama.cpp's blocks of 32 weights with the fp16
+// scales widened to fp32 at load (exact; engine/model/block_weights.py), the quants as in the
+// file:
+//   Q4_1: fp32 d, fp32 m, 16 bytes of nibbles (weight j in the low nibble of byte j, weight
+//         j + 16 in its high nibble), w = d * q + m: 24 bytes per 32 weights;
+//   Q8_0: fp32 d, 32 int8 q, w = d * q: 36 bytes per 32 weights.
+// The loop forms each block's weights in fp32 registers (Q4_1: one FMA per 16 weights, as cheap
+// as d * q alone, so the m * sum(x) split buys nothing here) and multiplies them with every
+// token's x while they are there. It is bound by those instructions as much as by the bytes:
+// with the file's fp16 scales, their conversions and broadcasts shared a vector port with the
+// weights' and the loop ran 1.4x slower for 17% fewer bytes on a Sapphire Rapids (1.04-1.17x
+// on an AMD EPYC, where the prefetch below gained 1.7x).
 //
 // Rounding: products summed in fp32 (the CPU's dot-product instruction sums pairs in fp32), the
-// result rounded once to bf16, as F.linear does; only the order of the fp32 sums differs.
+// result rounded once to bf16, as F.linear does; only the order of the fp32 sums differs. Block
+// weights with bf16 x, where the CPU has AVX-512 BF16, are first rounded to bf16 as the
+// dequantized model's are, so that its near ties fall the same way; elsewhere they stay fp32.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -55,6 +63,8 @@ inline void tile_bf16(const uint16_t* x, const float* xf, int64_t k, const uint1
     __m512bh xv[T];
     for (int t = 0; t < T; ++t) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + t * k + i);
     for (int r = 0; r < R; ++r) {
+      // As in tile_blocks: the same columns of the next group's row.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * ldw + i), _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + i);
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
     }
@@ -121,45 +131,89 @@ void for_tiles(int64_t num_rows, int64_t num_tokens, int64_t row_bytes, Fn&& til
   });
 }
 
-constexpr int64_t kQ4_1BlockWeights = 32;
-constexpr int64_t kQ4_1BlockBytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kBlockWeights = 32;
 
-inline float fp16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return float(c10::Half(bits, c10::Half::from_bits()));
-#endif
+inline float fp32_at(const uint8_t* p) {
+  float value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
 }
 
-// The dot products of R rows of Q4_1 blocks (stride ldw bytes) with T tokens' fp32 rows of x
+// What a format's block holds, and its 32 weights in fp32: `exact` as gguf's dequantizer rounds
+// them (each product and sum rounded), `fused` as the matmul forms them (Q4_1: one FMA).
+struct Q4_1 {
+  static constexpr const char* kName = "Q4_1";
+  static constexpr int64_t kBlockBytes = 24;  // fp32 d, fp32 m, 16 bytes of nibbles
+
+  static void exact(const uint8_t* block, float* w) {
+    const float d = fp32_at(block), m = fp32_at(block + 4);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = float(block[8 + j] & 0x0f) * d;
+      w[j + 16] = float(block[8 + j] >> 4) * d;
+    }
+    for (int j = 0; j < kBlockWeights; ++j) w[j] += m;
+  }
+#if defined(__AVX512F__)
+  static __m512 dequantized(__m128i q, __m512 d, __m512 m, bool fused) {
+    const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+    return fused ? _mm512_fmadd_ps(qf, d, m) : _mm512_add_ps(_mm512_mul_ps(qf, d), m);
+  }
+  // Weights 0-15 in low, 16-31 in high.
+  static void weights(const uint8_t* block, __m512& low, __m512& high, bool fused) {
+    const __m512 d = _mm512_set1_ps(fp32_at(block)), m = _mm512_set1_ps(fp32_at(block + 4));
+    const __m128i low_nibbles = _mm_set1_epi8(0x0f);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
+    low = dequantized(_mm_and_si128(qs, low_nibbles), d, m, fused);
+    high = dequantized(_mm_and_si128(_mm_srli_epi16(qs, 4), low_nibbles), d, m, fused);
+  }
+#endif
+};
+
+struct Q8_0 {
+  static constexpr const char* kName = "Q8_0";
+  static constexpr int64_t kBlockBytes = 36;  // fp32 d, 32 int8
+
+  static void exact(const uint8_t* block, float* w) {
+    const float d = fp32_at(block);
+    const auto* q = reinterpret_cast<const int8_t*>(block + 4);
+    for (int j = 0; j < kBlockWeights; ++j) w[j] = float(q[j]) * d;
+  }
+#if defined(__AVX512F__)
+  static void weights(const uint8_t* block, __m512& low, __m512& high, bool /*fused*/) {
+    const __m512 d = _mm512_set1_ps(fp32_at(block));
+    auto half = [&](const uint8_t* q) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), d);
+    };
+    low = half(block + 4);
+    high = half(block + 20);
+  }
+#endif
+};
+
+// The dot products of R rows of blocks (stride ldw bytes) with T tokens' fp32 rows of x
 // (stride k), over k columns (whole blocks): out[t * R + r].
-template <int R, int T>
-inline void tile_q4_1(const float* x, int64_t k, const uint8_t* w, int64_t ldw, float* out) {
-  const int64_t num_blocks = k / kQ4_1BlockWeights;
+template <typename Format, int R, int T>
+inline void tile_blocks(const float* x, int64_t k, const uint8_t* w, int64_t ldw, float* out) {
+  const int64_t num_blocks = k / kBlockWeights;
 #if defined(__AVX512F__)
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  const __m128i low_nibbles = _mm_set1_epi8(0x0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     __m512 x_low[T], x_high[T];  // the block's weights 0-15 and 16-31 meet these
     for (int t = 0; t < T; ++t) {
-      x_low[t] = _mm512_loadu_ps(x + t * k + b * kQ4_1BlockWeights);
-      x_high[t] = _mm512_loadu_ps(x + t * k + b * kQ4_1BlockWeights + 16);
+      x_low[t] = _mm512_loadu_ps(x + t * k + b * kBlockWeights);
+      x_high[t] = _mm512_loadu_ps(x + t * k + b * kBlockWeights + 16);
     }
     for (int r = 0; r < R; ++r) {
-      const uint8_t* block = w + r * ldw + b * kQ4_1BlockBytes;
-      const __m512 d = _mm512_set1_ps(fp16_at(block));
-      const __m512 m = _mm512_set1_ps(fp16_at(block + 2));
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-      const __m128i q_low = _mm_and_si128(qs, low_nibbles);
-      const __m128i q_high = _mm_and_si128(_mm_srli_epi16(qs, 4), low_nibbles);
-      const __m512 w_low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_low)), d, m);
-      const __m512 w_high =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_high)), d, m);
+      __m512 w_low, w_high;
+      // The same block of the next group's row: the rows are short (576 weights: 432 bytes),
+      // and without it a loop over weights that are not in cache ran at half its speed on
+      // the EPYC (hardware prefetch did not keep up). Past the last row it is a no-op.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * ldw + b * Format::kBlockBytes),
+                   _MM_HINT_T0);
+      Format::weights(w + r * ldw + b * Format::kBlockBytes, w_low, w_high, true);
       for (int t = 0; t < T; ++t) {
         acc[r][t] = _mm512_fmadd_ps(w_low, x_low[t], acc[r][t]);
         acc[r][t] = _mm512_fmadd_ps(w_high, x_high[t], acc[r][t]);
@@ -173,17 +227,12 @@ inline void tile_q4_1(const float* x, int64_t k, const uint8_t* w, int64_t ldw, 
     for (int t = 0; t < T; ++t) out[t * R + r] = 0.f;
   for (int64_t b = 0; b < num_blocks; ++b) {
     for (int r = 0; r < R; ++r) {
-      const uint8_t* block = w + r * ldw + b * kQ4_1BlockBytes;
-      float wb[kQ4_1BlockWeights];
-      const float d = fp16_at(block), m = fp16_at(block + 2);
-      for (int j = 0; j < 16; ++j) {
-        wb[j] = d * float(block[4 + j] & 0x0f) + m;
-        wb[j + 16] = d * float(block[4 + j] >> 4) + m;
-      }
+      float wb[kBlockWeights];
+      Format::exact(w + r * ldw + b * Format::kBlockBytes, wb);
       for (int t = 0; t < T; ++t) {
-        const float* xb = x + t * k + b * kQ4_1BlockWeights;
+        const float* xb = x + t * k + b * kBlockWeights;
         float acc = 0.f;
-        for (int j = 0; j < kQ4_1BlockWeights; ++j) acc += wb[j] * xb[j];
+        for (int j = 0; j < kBlockWeights; ++j) acc += wb[j] * xb[j];
         out[t * R + r] += acc;
       }
     }
@@ -191,10 +240,128 @@ inline void tile_q4_1(const float* x, int64_t k, const uint8_t* w, int64_t ldw, 
 #endif
 }
 
+#if defined(MERIDIAN_AVX512_BF16)
+// tile_blocks for bf16 x: each block's weights rounded to bf16 (round to nearest even, from the
+// product and sum rounded as gguf's dequantizer rounds them), as the dequantized model holds
+// them, and vdpbf16ps with x: the dequantized model's own products (bf16 times bf16 is exact in
+// fp32), so only the order of the fp32 sums differs from it. No dearer than the fp32 loop: one
+// instruction per token for 32 weights against two FMAs.
+template <typename Format, int R, int T>
+inline void tile_blocks_bf16(const uint16_t* x, int64_t k, const uint8_t* w, int64_t ldw,
+                             float* out) {
+  const int64_t num_blocks = k / kBlockWeights;
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m512bh xv[T];
+    for (int t = 0; t < T; ++t) {
+      xv[t] = (__m512bh)_mm512_loadu_si512(x + t * k + b * kBlockWeights);
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * ldw + b * Format::kBlockBytes),
+                   _MM_HINT_T0);
+      __m512 w_low, w_high;
+      Format::weights(w + r * ldw + b * Format::kBlockBytes, w_low, w_high, false);
+      const __m512bh wv = _mm512_cvtne2ps_pbh(w_high, w_low);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#endif
+
 void check_linear_args(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
               "expected a contiguous weight (N, K) with x's K = ", x.size(1));
+}
+
+// Blocks (N, K / 32 * kBlockBytes) uint8 for K columns.
+template <typename Format>
+void check_blocks(const torch::Tensor& blocks, int64_t k) {
+  TORCH_CHECK(k % kBlockWeights == 0, Format::kName, " needs K a multiple of 32, not ", k);
+  const int64_t row_bytes = k / kBlockWeights * Format::kBlockBytes;
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) == row_bytes,
+              "expected contiguous uint8 ", Format::kName, " blocks (N, ", row_bytes,
+              ") for K = ", k);
+}
+
+template <typename Format>
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_blocks<Format>(blocks, k);
+  const int64_t row_bytes = blocks.size(1), n = blocks.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  std::vector<float> xf(m * k);
+  dispatch_storage_type(x.scalar_type(), "block_linear", [&](auto type) {
+    using scalar_t = decltype(type);
+    to_float(x.data_ptr<scalar_t>(), xf.data(), m * k);
+    auto* dst = out.data_ptr<scalar_t>();
+    for_tiles(n, m, row_bytes, [&](int64_t row, int64_t rows, int64_t token, int64_t tokens) {
+      float dots[kRowsPerGroup * kMaxTileTokens];
+      with_tile(rows, tokens, [&](auto r, auto t) {
+        constexpr int R = decltype(r)::value, T = decltype(t)::value;
+#if defined(MERIDIAN_AVX512_BF16)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+          tile_blocks_bf16<Format, R, T>(xb + token * k, k, w + row * row_bytes, row_bytes, dots);
+          return;
+        }
+#endif
+        tile_blocks<Format, R, T>(xf.data() + token * k, k, w + row * row_bytes, row_bytes, dots);
+      });
+      for (int64_t t = 0; t < tokens; ++t) {
+        from_float(dots + t * rows, dst + (token + t) * n + row, rows);
+      }
+    });
+  });
+  return out;
+}
+
+// One block's 32 weights as gguf's dequantizer computes them in fp32, stored rounded to nearest
+// even in the output's dtype.
+template <typename Format, typename scalar_t>
+inline void dequantize_block(const uint8_t* block, scalar_t* dst) {
+#if defined(MERIDIAN_AVX512_BF16)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    // 5x the plain loop below (Q4_1 3072x576: 0.4 against 2.2 ms), the same bits.
+    __m512 low, high;
+    Format::weights(block, low, high, false);
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    return;
+  }
+#endif
+  float row[kBlockWeights];
+  Format::exact(block, row);
+  from_float(row, dst, kBlockWeights);
+}
+
+template <typename Format>
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
+  check_blocks<Format>(blocks, in_features);
+  const int64_t row_bytes = blocks.size(1), n = blocks.size(0);
+  const int64_t num_blocks = in_features / kBlockWeights;
+  auto out = torch::empty({n, in_features}, blocks.options().dtype(dtype));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  dispatch_storage_type(dtype, "block_dequantize", [&](auto type) {
+    using scalar_t = decltype(type);
+    auto* dst = out.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, kBytesPerTask / row_bytes);
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          dequantize_block<Format>(w + i * row_bytes + b * Format::kBlockBytes,
+                                   dst + i * in_features + b * kBlockWeights);
+        }
+      }
+    });
+  });
+  return out;
 }
 
 }  // namespace
@@ -224,88 +391,19 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight) {
 }
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kQ4_1BlockWeights == 0, "q4_1_linear needs K a multiple of 32, not ", k);
-  const int64_t row_bytes = k / kQ4_1BlockWeights * kQ4_1BlockBytes;
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
-                  blocks.is_contiguous() && blocks.size(1) == row_bytes,
-              "expected contiguous uint8 Q4_1 blocks (N, ", row_bytes, ") for x's K = ", k);
-  const int64_t n = blocks.size(0);
-  auto out = torch::empty({m, n}, x.options());
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  std::vector<float> xf(m * k);
-  dispatch_storage_type(x.scalar_type(), "q4_1_linear", [&](auto type) {
-    using scalar_t = decltype(type);
-    to_float(x.data_ptr<scalar_t>(), xf.data(), m * k);
-    auto* dst = out.data_ptr<scalar_t>();
-    for_tiles(n, m, row_bytes, [&](int64_t row, int64_t rows, int64_t token, int64_t tokens) {
-      float dots[kRowsPerGroup * kMaxTileTokens];
-      with_tile(rows, tokens, [&](auto r, auto t) {
-        tile_q4_1<decltype(r)::value, decltype(t)::value>(xf.data() + token * k, k,
-                                                          w + row * row_bytes, row_bytes, dots);
-      });
-      for (int64_t t = 0; t < tokens; ++t) {
-        from_float(dots + t * rows, dst + (token + t) * n + row, rows);
-      }
-    });
-  });
-  return out;
+  return block_linear<Q4_1>(x, blocks);
 }
 
-// One block's 32 weights d * q + m (a product and a sum, each rounded in fp32, as gguf's
-// dequantizer computes them), stored rounded to nearest even in the output's dtype.
-template <typename scalar_t>
-inline void dequantize_q4_1_block(const uint8_t* block, scalar_t* dst) {
-  const float d = fp16_at(block), m = fp16_at(block + 2);
-#if defined(MERIDIAN_AVX512_BF16)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    // 5x the plain loop below (3072x576: 0.4 against 2.2 ms), the same bits.
-    const __m128i low_nibbles = _mm_set1_epi8(0x0f);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i q_high = _mm_and_si128(_mm_srli_epi16(qs, 4), low_nibbles);
-    auto weights = [&](__m128i q) {
-      const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
-      return _mm512_add_ps(_mm512_mul_ps(qf, _mm512_set1_ps(d)), _mm512_set1_ps(m));
-    };
-    const __m512bh both =
-        _mm512_cvtne2ps_pbh(weights(q_high), weights(_mm_and_si128(qs, low_nibbles)));
-    _mm512_storeu_si512(dst, (__m512i)both);
-    return;
-  }
-#endif
-  float row[kQ4_1BlockWeights];
-  for (int j = 0; j < 16; ++j) {
-    row[j] = float(block[4 + j] & 0x0f) * d;
-    row[j + 16] = float(block[4 + j] >> 4) * d;
-  }
-  for (int j = 0; j < kQ4_1BlockWeights; ++j) row[j] += m;
-  from_float(row, dst, kQ4_1BlockWeights);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor blocks) {
+  return block_linear<Q8_0>(x, blocks);
 }
 
 torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
-  TORCH_CHECK(in_features % kQ4_1BlockWeights == 0, "q4_1_dequantize needs K a multiple of 32");
-  const int64_t row_bytes = in_features / kQ4_1BlockWeights * kQ4_1BlockBytes;
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
-                  blocks.is_contiguous() && blocks.size(1) == row_bytes,
-              "expected contiguous uint8 Q4_1 blocks (N, ", row_bytes, ")");
-  const int64_t n = blocks.size(0), num_blocks = in_features / kQ4_1BlockWeights;
-  auto out = torch::empty({n, in_features}, blocks.options().dtype(dtype));
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  dispatch_storage_type(dtype, "q4_1_dequantize", [&](auto type) {
-    using scalar_t = decltype(type);
-    auto* dst = out.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, kBytesPerTask / row_bytes);
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          dequantize_q4_1_block(w + i * row_bytes + b * kQ4_1BlockBytes,
-                                dst + i * in_features + b * kQ4_1BlockWeights);
-        }
-      }
-    });
-  });
-  return out;
+  return block_dequantize<Q4_1>(blocks, in_features, dtype);
+}
+
+torch::Tensor q8_0_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
+  return block_dequantize<Q8_0>(blocks, in_features, dtype);
 }
 
 }  // namespace meridian

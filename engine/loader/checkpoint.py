@@ -25,10 +25,12 @@ class Checkpoint:
     # Hugging Face name -> torch shape of every tensor `tensors()` yields, checked at open time.
     tensor_shapes: Mapping[str, tuple[int, ...]]
     read_tensors: Callable[[Callable[[str], bool]], NamedTensors] = field(repr=False)
-    # GGUF only: the wanted tensors' Q4_1 blocks as stored (see `q4_1_blocks`).
-    read_q4_1_blocks: Callable[[Callable[[str], bool]], NamedTensors] | None = field(
+    # GGUF only: the wanted tensors' blocks as stored (see `gguf_blocks`), and each tensor's
+    # GGMLQuantizationType name ("Q4_1", "Q8_0", "F32", ...) by Hugging Face name.
+    read_blocks: Callable[[Callable[[str], bool]], NamedTensors] | None = field(
         default=None, repr=False
     )
+    gguf_types: Mapping[str, str] = field(default_factory=dict)
 
     def tensors(self, wanted: Callable[[str], bool] = lambda _: True) -> NamedTensors:
         """Yield `(name, tensor)` one at a time (CPU; fp32 from GGUF, source dtype from
@@ -37,16 +39,22 @@ class Checkpoint:
         are never read."""
         return self.read_tensors(wanted)
 
-    def q4_1_blocks(self, wanted: Callable[[str], bool]) -> NamedTensors:
-        """Yield `(name, blocks)` for the `wanted` tensors as the GGUF stores them in Q4_1:
-        uint8 (rows, K / 32 * 20), rows in Hugging Face order. Refuses a checkpoint that is not
-        a GGUF, and a tensor that is not Q4_1, when it reaches it."""
-        if self.read_q4_1_blocks is None:
+    def gguf_blocks(self, wanted: Callable[[str], bool], gguf_type: str) -> NamedTensors:
+        """Yield `(name, blocks)` for the `wanted` tensors as the GGUF stores them: uint8
+        (rows, bytes of a row's blocks), rows in Hugging Face order. Refuses, before reading
+        any, a checkpoint that is not a GGUF and a wanted tensor not of `gguf_type`."""
+        if self.read_blocks is None:
             raise InvalidRequestError(
-                f"quantization q4_1 keeps a GGUF file's Q4_1 weights; {self.path} is not a GGUF "
-                "file (use quantization none or int8)"
+                f"quantization q4_1 keeps a GGUF file's quantized blocks; {self.path} is not a "
+                "GGUF file (use quantization none or int8)"
             )
-        return self.read_q4_1_blocks(wanted)
+        other = sorted(n for n, t in self.gguf_types.items() if wanted(n) and t != gguf_type)
+        if other:
+            raise InvalidRequestError(
+                f"quantization q4_1 keeps a GGUF's {gguf_type} weights, but {other[0]} is "
+                f"{self.gguf_types[other[0]]} (use quantization none or int8)"
+            )
+        return self.read_blocks(wanted)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
-from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.errors import UnsupportedModelError
 from engine.gguf_metadata import GGUFMetadata, open_gguf
 from engine.loader.checkpoint import Checkpoint, NamedTensors, check_shapes
 from engine.model_config import ModelConfig
@@ -76,7 +76,8 @@ def load_gguf(path: Path) -> Checkpoint:
         tokenizer,
         shapes,
         partial(_read_tensors, tuple(plan)),
-        partial(_read_q4_1_blocks, tuple(plan)),
+        partial(_read_blocks, tuple(plan)),
+        {p.name: p.tensor.tensor_type.name for p in plan},
     )
 
 
@@ -153,18 +154,11 @@ def _read_tensors(plan: tuple[_PlannedTensor, ...], wanted: Callable[[str], bool
             yield planned.name, _dequantize(planned)
 
 
-def _read_q4_1_blocks(
-    plan: tuple[_PlannedTensor, ...], wanted: Callable[[str], bool]
-) -> NamedTensors:
+def _read_blocks(plan: tuple[_PlannedTensor, ...], wanted: Callable[[str], bool]) -> NamedTensors:
     for planned in plan:
         if not wanted(planned.name):
             continue
         tensor = planned.tensor
-        if tensor.tensor_type != _T.Q4_1:
-            raise InvalidRequestError(
-                f"quantization q4_1 keeps a GGUF's Q4_1 weights, but {tensor.name} is "
-                f"{tensor.tensor_type.name} (use quantization none or int8)"
-            )
         # (rows, bytes of a row's blocks), copied out of the read-only memory map.
         blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C"))
         if planned.unpermute_heads is not None:

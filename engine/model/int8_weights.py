@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
-from engine.model.q4_1_weights import Q4_1Weight
+from engine.model.block_weights import BlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    quantized: Int8Weight | Q4_1Weight | None,
+    quantized: Int8Weight | BlockWeight | None,
 ) -> torch.Tensor:
-    """F.linear, through the int8 or Q4_1 weight where the layer holds one, and through the
+    """F.linear, through the int8 or block weight where the layer holds one, and through the
     GEMV kernel for few tokens of bf16."""
     if quantized is not None:
         out = quantized.linear(x)

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.block_weights import FORMATS, BlockWeight
 from engine.model.layer_ops import (
     RotaryAngles,
     RotaryEmbedding,
@@ -25,7 +26,6 @@ from engine.model.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from engine.model.q4_1_weights import Q4_1Weight
 from engine.model_config import ModelConfig
 
 _PROJECTIONS = (
@@ -187,9 +187,9 @@ class LlamaForCausalLM(nn.Module):
         return self.is_last  # model.norm.weight, lm_head.weight
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy this rank's shard of every tensor this stage `wants`; fail on a missing or extra
-        one."""
-        expected = self._expected_tensors()
+        """Copy this rank's shard of every tensor this stage `wants` (but projections already
+        kept as blocks); fail on a missing or extra one."""
+        expected = self._expected_tensors() - self._projections_kept()
         for hf_name, tensor in tensors:
             if hf_name == "lm_head.weight" and self.lm_head is None:
                 continue  # a checkpoint may carry a copy of the tied embedding
@@ -222,29 +222,44 @@ class LlamaForCausalLM(nn.Module):
             assert part is not None
             module.load(part, parts[4], tensor)
 
-    def load_q4_1_weights(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Keep every projection of this stage as the checkpoint's Q4_1 `blocks` (this rank's
-        shard of each), freeing the float weights; fail on a missing or extra one."""
+    def keep_projection_blocks(
+        self, blocks: Iterable[tuple[str, torch.Tensor]], gguf_type: str
+    ) -> None:
+        """Keep every projection of this stage as the checkpoint's `blocks` of `gguf_type`
+        (this rank's shard of each), freeing the float weights; fail on a missing or extra
+        one. Call before `load_weights`, which then skips the projections."""
+        fmt = FORMATS[gguf_type]
         for module in self.modules():
             if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                 weight = module.weight
                 rows, columns = weight.shape
-                module.quantized = Q4_1Weight.empty(rows, columns, weight.dtype)
+                module.quantized = BlockWeight.empty(fmt, rows, columns, weight.dtype)
                 module.weight = nn.Parameter(weight.data.new_empty(0), requires_grad=False)
         expected = self.projection_weights()
         for hf_name, tensor in blocks:
             if hf_name not in expected:
                 raise KeyError(f"checkpoint tensor {hf_name} is not a projection of this stage")
             module, part = self._projection(hf_name.removeprefix("model."))
+            full = BlockWeight.from_gguf(tensor, fmt, module.weight.dtype)
             if isinstance(module, RowParallelLinear):
-                module.load_q4_1(tensor)
+                module.load_blocks(full)
             else:
                 assert part is not None
-                module.load_q4_1(part, tensor)
+                module.load_blocks(part, full)
             expected.remove(hf_name)
         if expected:
             missing = sorted(expected)
-            raise ValueError(f"checkpoint lacks {len(missing)} Q4_1 tensors, e.g. {missing[:3]}")
+            raise ValueError(
+                f"checkpoint lacks {len(missing)} {gguf_type} tensors, e.g. {missing[:3]}"
+            )
+
+    def _projections_kept(self) -> set[str]:
+        kept = any(
+            isinstance(m, ColumnParallelLinear | RowParallelLinear)
+            and isinstance(m.quantized, BlockWeight)
+            for m in self.modules()
+        )
+        return self.projection_weights() if kept else set()
 
     def projection_weights(self) -> set[str]:
         """The Hugging Face names of this stage's linear layers' weights."""

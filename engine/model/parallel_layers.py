@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TPGroup
+from engine.model.block_weights import BlockFormat, BlockWeight
 from engine.model.int8_weights import Int8Weight, linear
-from engine.model.q4_1_weights import Q4_1Weight
 
 
 class ColumnParallelLinear(nn.Module):
@@ -34,8 +34,8 @@ class ColumnParallelLinear(nn.Module):
             offset += stop - start
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
-        # Set by the runner's int8 or Q4_1 loading, which frees `weight`.
-        self.quantized: Int8Weight | Q4_1Weight | None = None
+        # Set by the runner's int8 or block (Q4_1) loading, which frees `weight`.
+        self.quantized: Int8Weight | BlockWeight | None = None
 
     def _shard_of(self, name: str, size: int) -> tuple[int, int]:
         shard = size // self.tp.size
@@ -50,13 +50,13 @@ class ColumnParallelLinear(nn.Module):
         target = getattr(self, param_name).data[rows[0] : rows[1]]
         _copy_checked(target, full[start:stop], f"{part}.{param_name}")
 
-    def load_q4_1(self, part: str, full_blocks: torch.Tensor) -> None:
-        """This rank's rows of `part` from the checkpoint's Q4_1 blocks (rows, K / 32 * 20)."""
-        assert isinstance(self.quantized, Q4_1Weight), "the runner sets up the Q4_1 weight first"
+    def load_blocks(self, part: str, full: BlockWeight) -> None:
+        """This rank's rows of `part` from the checkpoint's blocks."""
+        assert isinstance(self.quantized, BlockWeight), "the runner sets up the blocks first"
         start, stop = self.part_shards[part]
         rows = self.part_rows[part]
         target = self.quantized.blocks[rows[0] : rows[1]]
-        _copy_checked(target, full_blocks[start:stop], f"{part}.q4_1")
+        _copy_checked(target, full.blocks[start:stop], f"{part}.blocks")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -90,7 +90,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_shard = in_features // tp.size
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard))
-        self.quantized: Int8Weight | Q4_1Weight | None = None
+        self.quantized: Int8Weight | BlockWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight, None, self.quantized))
@@ -99,17 +99,19 @@ class RowParallelLinear(nn.Module):
         start = self.tp.rank * self.in_shard
         _copy_checked(self.weight.data, full[:, start : start + self.in_shard], "weight")
 
-    def load_q4_1(self, full_blocks: torch.Tensor) -> None:
-        """This rank's input columns from the checkpoint's Q4_1 blocks: whole blocks only."""
-        assert isinstance(self.quantized, Q4_1Weight), "the runner sets up the Q4_1 weight first"
+    def load_blocks(self, full: BlockWeight) -> None:
+        """This rank's input columns from the checkpoint's blocks: whole blocks only."""
+        assert isinstance(self.quantized, BlockWeight), "the runner sets up the blocks first"
         start = self.tp.rank * self.in_shard
-        full = Q4_1Weight(full_blocks, self.quantized.dtype)
-        _copy_checked(self.quantized.blocks, full.columns(start, start + self.in_shard), "q4_1")
+        _copy_checked(self.quantized.blocks, full.columns(start, start + self.in_shard), "blocks")
 
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a slice of the vocabulary; ids outside it look up zeros, and the
-    all-reduce assembles every token's row. The same slice serves as the tied LM head."""
+    all-reduce assembles every token's row. The same slice serves as the tied LM head, whose
+    steps of few tokens read `head_blocks` where the runner kept the file's blocks (Q8_0: about
+    half of bf16's bytes); lookups and bigger steps read the float rows, so a prefill chunk does
+    not dequantize the vocabulary."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
         super().__init__()
@@ -119,6 +121,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden))
         self.int8: Int8Weight | None = None
+        self.head_blocks: BlockWeight | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -139,9 +142,20 @@ class VocabParallelEmbedding(nn.Module):
         target[rows.shape[0] :].zero_()
         _copy_checked(target[: rows.shape[0]], rows, "weight")
 
+    def keep_head_blocks(self, full: torch.Tensor, fmt: BlockFormat) -> None:
+        """This rank's vocabulary rows of the file's blocks `full` (vocab, K / 32 * file bytes);
+        the padding rows of the last shard stay zero blocks (zero weights)."""
+        head = BlockWeight.empty(fmt, self.shard, self.weight.shape[1], self.weight.dtype)
+        rows = BlockWeight.from_gguf(full[self.start : self.start + self.shard], fmt, head.dtype)
+        _copy_checked(head.blocks[: rows.blocks.shape[0]], rows.blocks, "head blocks")
+        self.head_blocks = head
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> fp32 logits over the whole vocabulary (N, vocab)."""
-        local = linear(hidden, self.weight, None, self.int8).float()
+        if self.head_blocks is not None and self.head_blocks.kernels_for(hidden):
+            local = self.head_blocks.linear(hidden).float()
+        else:
+            local = linear(hidden, self.weight, None, self.int8).float()
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
 

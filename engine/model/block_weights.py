@@ -1,0 +1,140 @@
+"""Block-quantized weights kept as the GGUF stores them (Q4_1, Q8_0), read by our GEMV kernel.
+
+A decode step reads every weight once, so its time is the bytes it reads, or the instructions
+that turn them into weights. llama.cpp keeps each row as blocks of 32 weights:
+- Q4_1: an fp16 scale d, an fp16 min m and 16 bytes of nibbles (weight j in the low nibble of
+  byte j, weight j + 16 in the high one), w = d * q + m: 20 bytes per 32 weights;
+- Q8_0: an fp16 scale d and 32 int8 q, w = d * q: 34 bytes per 32 weights;
+against 64 in bf16. At load the fp16 scales are widened to fp32 (exact: every fp16 is an fp32)
+and the quants kept as they are (24 and 36 bytes a block): the kernel is bound by its
+instructions, and converting fp16 scales in its loop cost more than the bytes they save. So the
+model multiplies by the file's own weights, with no re-quantization: only the order of the
+fp32 sums differs from the dequantized model.
+
+`quantization="q4_1"` keeps the projections as Q4_1 (model/llama.py) and the tied LM head of
+the default file, Q8_0 there, as Q8_0 (model/parallel_layers.py). Steps of few tokens run the
+format's kernel (`q4_1_linear`, `q8_0_linear` in engine/kernels/gemv_cpu.cpp); steps of more
+tokens (a prefill chunk) dequantize the layer to the model's dtype and run `F.linear`, as does
+every step where the kernels are off (`MERIDIAN_CPU_KERNELS=0`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InvalidRequestError
+from engine.kernels import cpu_kernels
+
+BLOCK_WEIGHTS = 32
+# Steps of up to this many tokens take the kernel. It reads a row's blocks once per 4 tokens,
+# so its cost grows with the tokens, while dequantizing costs the same at any step size; they
+# crossed between 16 and 32 tokens on the model's Q4_1 shapes (see docs/benchmarks.md).
+GEMV_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    name: str  # "q4_1": the kernels' ops are q4_1_linear and q4_1_dequantize
+    gguf_type: str  # GGMLQuantizationType's name: "Q4_1"
+    num_scales: int  # fp32 scales at the front of a block (d, or d and m)
+    num_quant_bytes: int  # the quants after them
+
+    @property
+    def block_bytes(self) -> int:
+        return 4 * self.num_scales + self.num_quant_bytes
+
+    @property
+    def file_block_bytes(self) -> int:
+        """A block as the GGUF stores it, its scales fp16."""
+        return 2 * self.num_scales + self.num_quant_bytes
+
+
+Q4_1 = BlockFormat("q4_1", "Q4_1", num_scales=2, num_quant_bytes=16)
+Q8_0 = BlockFormat("q8_0", "Q8_0", num_scales=1, num_quant_bytes=32)
+FORMATS = {f.gguf_type: f for f in (Q4_1, Q8_0)}
+
+
+def widen_scales(file_blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Rows of blocks as the GGUF stores them (N, K / 32 * file bytes) -> as the kernel reads
+    them (N, K / 32 * block bytes): each fp16 scale widened to fp32, the quants unchanged."""
+    num_rows = file_blocks.shape[0]
+    blocks = file_blocks.reshape(num_rows, -1, fmt.file_block_bytes)
+    scale_bytes = 2 * fmt.num_scales
+    scales = blocks[..., :scale_bytes].contiguous().view(torch.float16).float()
+    return torch.cat((scales.view(torch.uint8), blocks[..., scale_bytes:]), dim=-1).reshape(
+        num_rows, -1
+    )
+
+
+@dataclass(slots=True)
+class BlockWeight:
+    blocks: torch.Tensor  # (N, K / 32 * block bytes) uint8: each row's blocks, scales fp32
+    format: BlockFormat
+    dtype: torch.dtype  # the model's: what x, the output and a dequantized weight are in
+
+    @classmethod
+    def empty(
+        cls, fmt: BlockFormat, out_features: int, in_features: int, dtype: torch.dtype
+    ) -> BlockWeight:
+        if in_features % BLOCK_WEIGHTS:
+            raise InvalidRequestError(
+                f"{fmt.gguf_type} weights: a row of {in_features} weights is not whole blocks "
+                f"of {BLOCK_WEIGHTS}"
+            )
+        row_bytes = in_features // BLOCK_WEIGHTS * fmt.block_bytes
+        return cls(torch.zeros(out_features, row_bytes, dtype=torch.uint8), fmt, dtype)
+
+    @classmethod
+    def from_gguf(
+        cls, file_blocks: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype
+    ) -> BlockWeight:
+        return cls(widen_scales(file_blocks, fmt), fmt, dtype)
+
+    def kernels_for(self, x: torch.Tensor) -> ModuleType | None:
+        """The kernels' module where this step of x takes the GEMV kernel, else None."""
+        if x.shape[0] <= GEMV_MAX_TOKENS and x.device.type == "cpu":
+            return cpu_kernels()
+        return None
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, K) -> x W^T (T, N)."""
+        if k := self.kernels_for(x):
+            return getattr(k, f"{self.format.name}_linear")(x.contiguous(), self.blocks)
+        return F.linear(x, self.dequantized())
+
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[1] // self.format.block_bytes * BLOCK_WEIGHTS
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight (N, K) in the model's dtype: each weight computed in fp32 as gguf's
+        dequantizer does (Q4_1: d * q, then + m), then rounded once to the dtype."""
+        if self.blocks.device.type == "cpu" and (k := cpu_kernels()):
+            # 13-36x the eager twin below (Q4_1 3072x576 in bf16: 1.9 against 25 ms, 1 thread).
+            dequantize = getattr(k, f"{self.format.name}_dequantize")
+            return dequantize(self.blocks, self.in_features, self.dtype)
+        num_rows, fmt = self.blocks.shape[0], self.format
+        blocks = self.blocks.view(num_rows, -1, fmt.block_bytes)
+        scales = blocks[..., : 4 * fmt.num_scales].contiguous().view(torch.float32)
+        quants = blocks[..., 4 * fmt.num_scales :]
+        if fmt is Q8_0:
+            weights = quants.view(torch.int8).float() * scales
+        else:
+            q = torch.cat((quants & 0x0F, quants >> 4), dim=-1).float()  # (N, blocks, 32)
+            weights = torch.addcmul(scales[..., 1:2], q, scales[..., 0:1])
+        return weights.reshape(num_rows, -1).to(self.dtype)
+
+    def columns(self, start: int, stop: int) -> torch.Tensor:
+        """Blocks of input columns [start, stop) of every row, for a row-parallel shard."""
+        if start % BLOCK_WEIGHTS or stop % BLOCK_WEIGHTS:
+            raise InvalidRequestError(
+                f"{self.format.gguf_type} weights: a tensor-parallel shard of input columns "
+                f"{start}-{stop} does not fall on blocks of {BLOCK_WEIGHTS}; use fewer ranks"
+            )
+        blocks = self.blocks.view(self.blocks.shape[0], -1, self.format.block_bytes)
+        part = blocks[:, start // BLOCK_WEIGHTS : stop // BLOCK_WEIGHTS]
+        return part.reshape(self.blocks.shape[0], -1)
