@@ -114,13 +114,19 @@ class PostgresStore(Store):
 
     def _migrate(self) -> None:
         with self._pool.connection() as conn:
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS meridian_schema "
-                "(one INTEGER PRIMARY KEY CHECK (one = 1), version INTEGER NOT NULL)"
-            )
-            conn.execute(
-                "INSERT INTO meridian_schema (one, version) VALUES (1, 0) ON CONFLICT DO NOTHING"
-            )
+            # Under the migration lock: replicas starting at once on a new database would race
+            # in CREATE TABLE IF NOT EXISTS, which PostgreSQL does not make safe (one of them
+            # fails on the catalog's unique key).
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+                conn.execute(
+                    "CREATE TABLE IF NOT EXISTS meridian_schema "
+                    "(one INTEGER PRIMARY KEY CHECK (one = 1), version INTEGER NOT NULL)"
+                )
+                conn.execute(
+                    "INSERT INTO meridian_schema (one, version) VALUES (1, 0) "
+                    "ON CONFLICT DO NOTHING"
+                )
             check_schema_version(_read_version(_PgConnection(conn)))
             for target, statements in enumerate(MIGRATIONS, start=1):
                 with conn.transaction():

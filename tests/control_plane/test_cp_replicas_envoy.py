@@ -44,16 +44,24 @@ def host_of(node_id: str) -> str:
     return heartbeat(node_id)["url"].removeprefix("http://")
 
 
-@pytest.mark.asyncio
-async def test_envoy_keeps_receiving_updates_when_its_replica_dies(
-    start_replica: Any, start_envoy: Any, tokens: TokenSet
-) -> None:
+def leading_pair_with_a_region(
+    start_replica: Any, tokens: TokenSet
+) -> tuple[ControlPlaneProcess, ControlPlaneProcess, tuple[int, int]]:
+    """Replicas a (leading) and b, each with an xDS port, and the region us-east."""
     xds_ports = free_port(), free_port()
     a = start_replica("a", HEARTBEAT_INTERVAL_S, xds_ports[0])
     wait_for(lambda: is_leader(a, tokens), "a to lead")
     b = start_replica("b", HEARTBEAT_INTERVAL_S, xds_ports[1])
-    admin = bearer(tokens.admin)
-    assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
+    response = httpx.post(a.base_url + "/v1/regions", json=REGION, headers=bearer(tokens.admin))
+    assert response.status_code == 201, response.text
+    return a, b, xds_ports
+
+
+@pytest.mark.asyncio
+async def test_envoy_keeps_receiving_updates_when_its_replica_dies(
+    start_replica: Any, start_envoy: Any, tokens: TokenSet
+) -> None:
+    a, b, xds_ports = leading_pair_with_a_region(start_replica, tokens)
     node_known_at(a, b, tokens, "n1")  # it beats at b; a counts it too (the shared health)
     envoy = await start_envoy(
         f"127.0.0.1:{xds_ports[0]}", "--region", "us-east", "--xds", f"127.0.0.1:{xds_ports[1]}"
@@ -82,12 +90,8 @@ def envoy_step(cp: ControlPlaneProcess, tokens: TokenSet, node_id: str) -> dict[
 async def test_a_drain_waits_for_the_envoys_of_the_replica_that_does_not_lead(
     start_replica: Any, start_envoy: Any, tokens: TokenSet
 ) -> None:
-    xds_ports = free_port(), free_port()
-    a = start_replica("a", HEARTBEAT_INTERVAL_S, xds_ports[0])
-    wait_for(lambda: is_leader(a, tokens), "a to lead")
-    b = start_replica("b", HEARTBEAT_INTERVAL_S, xds_ports[1])
+    a, b, xds_ports = leading_pair_with_a_region(start_replica, tokens)
     admin = bearer(tokens.admin)
-    assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
     token = node_known_at(a, a, tokens, "n1")
     node_known_at(a, a, tokens, "n2")
     # The only Envoy holds its stream to b, the replica that does not run the drains.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,14 @@ from conftest import REPO_ROOT, ControlPlaneClient, settings_on_each_db
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.store import MIGRATIONS, Connection, SqliteStore, StoreError, open_store
+from control_plane.store import (
+    MIGRATIONS,
+    Connection,
+    SqliteStore,
+    Store,
+    StoreError,
+    open_store,
+)
 
 settings = pytest.fixture(settings_on_each_db)  # every test on SQLite and PostgreSQL
 
@@ -114,3 +122,32 @@ async def test_rejected_change_leaves_no_audit_entry(cp: ControlPlaneClient) -> 
     assert duplicate.status_code == 409
     entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
     assert [e["action"] for e in entries] == ["region.create"]
+
+
+def test_replicas_opening_a_new_database_at_once_all_migrate_it(pg_url: str) -> None:
+    """`meridian up` starts every replica at once on a fresh database: none may fail on the
+    others' CREATE TABLE (CI saw "Key (typname, typnamespace)=(meridian_schema, ...) already
+    exists" from a replica)."""
+    num_replicas = 6
+    ready = threading.Barrier(num_replicas)
+    errors: list[BaseException] = []
+    stores: list[Store] = []
+
+    def open_one(replica: int) -> None:
+        ready.wait()
+        try:
+            stores.append(open_store(pg_url, replica_id=f"r{replica}"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(num_replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert errors == []
+        assert [store.schema_version for store in stores] == [len(MIGRATIONS)] * num_replicas
+    finally:
+        for store in stores:
+            store.close()
