@@ -79,15 +79,16 @@ class EngineConfig:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
 
-    def weight_quantization(self) -> str:
-        """How the weights are kept: "none" (as `dtype`), "int8" or "q4_1"; auto resolved."""
+    def weight_quantization(self, keeps_q4_1: bool = False) -> str:
+        """How the weights are kept: "none" (as `dtype`), "int8" or "q4_1"; auto resolved.
+        `keeps_q4_1`: the checkpoint's projections are Q4_1 blocks this engine's shards can keep,
+        and the CPU kernels that read them are built."""
         if self.quantization != "auto":
             return self.quantization
-        reads_fp32 = (
-            self.dtype == "auto"
-            and self.torch_device().type == "cpu"
-            and not _cpu_has_native_bf16()
-        )
+        on_cpu_as_auto = self.dtype == "auto" and self.torch_device().type == "cpu"
+        if on_cpu_as_auto and keeps_q4_1 and torch.cpu._is_avx512_supported():
+            return "q4_1"
+        reads_fp32 = on_cpu_as_auto and not _cpu_has_native_bf16()
         return "int8" if reads_fp32 else "none"
 
 

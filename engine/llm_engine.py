@@ -13,9 +13,11 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.executor import ModelExecutor
+from engine.kernels import cpu_kernels
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_profile import LargestStep, kv_budget_bytes, peak_step_bytes
 from engine.loader import load_checkpoint
+from engine.model.llama import keeps_q4_1_blocks
 from engine.model_config import ModelConfig
 from engine.model_runner import RunnerShape
 from engine.model_store import resolve_model
@@ -63,8 +65,13 @@ class LLMEngine:
             config.max_model_len or self.model_config.max_position_embeddings,
         )
         started = time.monotonic()
+        keeps_q4_1 = (
+            device.type == "cpu"
+            and keeps_q4_1_blocks(checkpoint, config.tensor_parallel_size)
+            and cpu_kernels() is not None
+        )
         shape = RunnerShape(
-            device, dtype, config.block_size, context_len, config.weight_quantization()
+            device, dtype, config.block_size, context_len, config.weight_quantization(keeps_q4_1)
         )
         self.executor = ModelExecutor(
             checkpoint,

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine import LLM, SamplingParams
+from engine import config as config_module
 from engine.chat_template import ChatMessage
 from engine.config import EngineConfig
 from engine.distributed import TPGroup
@@ -24,6 +25,7 @@ from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model import block_weights
 from engine.model.block_weights import GEMV_MAX_TOKENS, Q4_1, Q8_0, BlockFormat, BlockWeight
+from engine.model.llama import keeps_q4_1_blocks
 from engine.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -256,6 +258,39 @@ def test_q4_1_is_refused_where_the_weights_are_not_q4_1(smollm2_checkpoint: Chec
     not_gguf = dataclasses.replace(smollm2_checkpoint, read_blocks=None)
     with pytest.raises(InvalidRequestError, match="is not a GGUF file"):
         not_gguf.gguf_blocks(lambda name: True, "Q4_1")
+
+
+def test_a_q4_1_file_s_blocks_can_be_kept_where_every_shard_falls_on_blocks(
+    smollm2_checkpoint: Checkpoint,
+) -> None:
+    # SmolLM2's o and down projections split along K (576 and 1536 weights) fall on whole
+    # 32-weight blocks over 1 and 2 ranks, not over 4 (144 a shard).
+    assert keeps_q4_1_blocks(smollm2_checkpoint, 1)
+    assert keeps_q4_1_blocks(smollm2_checkpoint, 2)
+    assert not keeps_q4_1_blocks(smollm2_checkpoint, 4)
+    one_f16 = dict(smollm2_checkpoint.gguf_types, **{"model.layers.7.mlp.up_proj.weight": "F16"})
+    assert not keeps_q4_1_blocks(dataclasses.replace(smollm2_checkpoint, gguf_types=one_f16), 1)
+    not_gguf = dataclasses.replace(smollm2_checkpoint, read_blocks=None, gguf_types={})
+    assert not keeps_q4_1_blocks(not_gguf, 1)
+
+
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_auto_keeps_q4_1_blocks_on_avx512_cpus(
+    has_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(config_module, "_cpu_has_native_bf16", lambda: has_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    assert EngineConfig("m", device="cpu").weight_quantization(keeps_q4_1=True) == "q4_1"
+    # An explicit dtype, another setting or a file that cannot be kept: as before.
+    pinned = EngineConfig("m", device="cpu", dtype="float32")
+    assert pinned.weight_quantization(keeps_q4_1=True) == "none"
+    kept_as = EngineConfig("m", device="cpu", quantization="none")
+    assert kept_as.weight_quantization(keeps_q4_1=True) == "none"
+    before = "none" if has_bf16 else "int8"
+    assert EngineConfig("m", device="cpu").weight_quantization(keeps_q4_1=False) == before
+    # Without AVX-512 the blocks would be read by the portable loop: not chosen.
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    assert EngineConfig("m", device="cpu").weight_quantization(keeps_q4_1=True) == before
 
 
 def test_the_real_gguf_s_blocks_are_its_dequantized_weights(

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from engine.distributed import TPGroup
+from engine.loader.checkpoint import Checkpoint
 from engine.model.attention import AttentionMetadata, paged_attention
-from engine.model.block_weights import FORMATS, BlockWeight
+from engine.model.block_weights import BLOCK_WEIGHTS, FORMATS, BlockWeight
 from engine.model.layer_ops import (
     RotaryAngles,
     RotaryEmbedding,
@@ -37,6 +38,18 @@ _PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+
+
+def keeps_q4_1_blocks(checkpoint: Checkpoint, tensor_parallel_size: int) -> bool:
+    """Whether a model of `checkpoint` split over `tensor_parallel_size` ranks can keep every
+    projection as the file's Q4_1 blocks: all of them are Q4_1, and each row-parallel shard
+    (o and down, split along K) falls on whole blocks."""
+    config = checkpoint.config
+    names = (f"model.layers.{i}.{p}.weight" for i in range(config.num_layers) for p in _PROJECTIONS)
+    if any(checkpoint.gguf_types.get(name) != "Q4_1" for name in names):
+        return False
+    split_k = (config.num_heads * config.head_dim, config.intermediate_size)
+    return all(k % (tensor_parallel_size * BLOCK_WEIGHTS) == 0 for k in split_k)
 
 
 class RMSNorm(nn.Module):
