@@ -248,11 +248,15 @@ def test_a_client_leaving_mid_stream_stops_the_upstream_and_settles(
 ) -> None:
     upstream = two_regions.regions["us-east"].upstream
     upstream.behavior.num_chunks, upstream.behavior.chunk_delay_s = 50, 0.05
+    state = gateway.handlers.router.regions["us-east"]
     with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
-        for line in response.iter_lines():
+        # Held, so that leaving the loop does not close the iterator (and with it the stream).
+        lines = response.iter_lines()
+        for line in lines:
             if '"content":"t0 "' in line:
                 break  # leave after the first token
-    state = gateway.handlers.router.regions["us-east"]
+        # Streaming: in flight, but past its first byte (no queue of ours there for routing).
+        assert (state.num_in_flight, state.num_awaiting_first_byte) == (1, 0)
     wait_until(lambda: state.num_in_flight == 0, what="the stream to be abandoned")
     assert state.num_awaiting_first_byte == 0
     wait_until(lambda: upstream.num_abandoned == 1, what="the upstream to be closed")
