@@ -183,7 +183,9 @@ def kernel_ops(fused_layer_ops: bool) -> Iterator[None]:
 
 def compile_decodes(model: LlamaForCausalLM) -> None:
     """Compile `model`'s forward for decode-only steps (dynamic in the batch and the block
-    tables' width); steps with a prefill chunk keep the eager forward."""
+    tables' width); steps with a prefill chunk keep the eager forward. Give each layer's K and
+    V a tensor of its own first: views of one cache tensor are aliased graph inputs, whose
+    mutation (the KV write) compiles into copies (bench/engine_step.py does)."""
     eager = model.forward
     compiled = torch.compile(eager, dynamic=True)
 
