@@ -2,7 +2,7 @@
 so that the load of a shared machine falls on each about evenly.
 
     python -m bench.engine_step [--batch 1] [--context 256] [--rounds 5] [--steps 8]
-        [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head]
+        [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head compile ...]
 
 Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
 `ignore_eos`). `adaptive` is the default engine (the thread count chosen per step, see
@@ -10,7 +10,11 @@ engine/step_threads.py); `threads=N` pins it; `int8` is `quantization="int8"` an
 `quantization="q4_1"` (the GGUF's Q4_1 blocks kept, the LM head's Q8_0 blocks too), both with
 adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's dtype; `eager` is
 the default with the fused CPU layer ops swapped for their eager twins;
-`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`.
+`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `compile` is the
+default with its decode steps' forward under torch.compile and the fused layer ops left to
+inductor, `compile-fused` the same keeping our fused ops (bench/compiled_model.py), and
+`q4_1-compile`, `q4_1-compile-fused` those on q4_1; their first steps (the compiles) run before
+the rounds, and their time and Dynamo's counts are printed.
 Prints each round's median step time per variant and, per round, each variant against the
 first; the load average and CPU flags beside them.
 """
@@ -33,6 +37,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import DEFAULT_MODEL, pull
 from engine.sampling_params import SamplingParams
+from engine.step_threads import StepThreadPolicy
 
 
 @dataclass(slots=True)
@@ -40,6 +45,7 @@ class Variant:
     name: str
     engine: LLMEngine
     context: Callable[[], AbstractContextManager[object]] = nullcontext
+    compile_s: float | None = None  # the compiled variants' warm-up: the first steps' time
 
 
 def build(name: str, model: str, batch: int, context: int) -> Variant:
@@ -62,6 +68,8 @@ def build(name: str, model: str, batch: int, context: int) -> Variant:
         s.num_output_tokens == 0 for s in engine.scheduler.running
     ):
         engine.step()
+    if "compile" in name:
+        return compiled(name, engine)
     if name == "eager":
         return Variant(
             name, engine, lambda: mock.patch("engine.model.layer_ops._kernels_for", lambda x: None)
@@ -75,6 +83,27 @@ def build(name: str, model: str, batch: int, context: int) -> Variant:
     if pinned is not None:
         return Variant(name, engine, lambda: threads(pinned))
     return Variant(name, engine)
+
+
+def compiled(name: str, engine: LLMEngine, num_warmup_steps: int = 4) -> Variant:
+    from bench.compiled_model import compile_decodes, compile_stats, kernel_ops
+
+    fused = name.endswith("compile-fused")
+    runner = engine.executor.runner
+    # Each layer's K and V in a tensor of its own: as views of the runner's one cache tensor,
+    # they are graph inputs that alias each other, and a mutation of such an input is
+    # functionalized into copies (seconds a step with our KV-writing op, under the whole cache).
+    runner.kv_caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    compile_decodes(runner.model)
+    started = time.perf_counter()
+    with kernel_ops(fused):
+        for _ in range(num_warmup_steps):
+            engine.step()
+    compile_s = time.perf_counter() - started
+    # The compile's minute-long steps would make the thread policy shun the count they ran on.
+    runner.step_threads = StepThreadPolicy.for_this_process()
+    print(f"{name}: {num_warmup_steps} warm-up steps {compile_s:.1f} s, {compile_stats()}")
+    return Variant(name, engine, lambda: kernel_ops(fused), compile_s)
 
 
 @contextmanager
@@ -125,8 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         "median_ms": {n: statistics.median(r[n] for r in rounds) for n in args.variants},
         "load_average": [load_before, load_average()],
         "cpu_flags": cpu_vector_flags(),
+        "compile_s": {v.name: v.compile_s for v in variants if v.compile_s is not None},
     }
-    print(json.dumps({k: report[k] for k in ("median_ms", "load_average")}))
+    if any("compile" in n for n in args.variants):
+        from bench.compiled_model import compile_stats
+
+        report["compile_stats"] = compile_stats()
+    print(json.dumps({k: report[k] for k in ("median_ms", "load_average", "compile_s")}))
+    print(json.dumps({k: report.get(k) for k in ("compile_stats", "cpu_flags")}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
