@@ -2,6 +2,7 @@
 so that the load of a shared machine falls on each about evenly.
 
     python -m bench.engine_step [--batch 1] [--context 256] [--rounds 5] [--steps 8]
+        [--kv-cache-gib 0.25]
         [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head rebuild]
 
 Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
@@ -63,15 +64,15 @@ def time_prepare(variant: Variant) -> None:
     executor.input_batch.prepare = timed  # type: ignore[method-assign]
 
 
-def build(name: str, model: str, batch: int, context: int) -> Variant:
-    variant = build_engine(name, model, batch, context)
+def build(name: str, model: str, batch: int, context: int, kv_gib: float) -> Variant:
+    variant = build_engine(name, model, batch, context, kv_gib)
     time_prepare(variant)
     return variant
 
 
-def build_engine(name: str, model: str, batch: int, context: int) -> Variant:
+def build_engine(name: str, model: str, batch: int, context: int, kv_gib: float) -> Variant:
     quantization = "q4_1" if name.startswith("q4_1") else name if name == "int8" else "auto"
-    config = EngineConfig(model, cpu_kv_cache_gib=0.25, quantization=quantization)
+    config = EngineConfig(model, cpu_kv_cache_gib=kv_gib, quantization=quantization)
     engine = LLMEngine(config)
     runner = engine.executor.runner
     pinned = None
@@ -133,10 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8, help="steps per round and variant")
     parser.add_argument("--variants", nargs="+", default=["adaptive", "threads=1", "threads=2"])
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="per variant")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model = str(pull(DEFAULT_MODEL))
-    variants = [build(name, model, args.batch, args.context) for name in args.variants]
+    variants = [
+        build(name, model, args.batch, args.context, args.kv_cache_gib) for name in args.variants
+    ]
     load_before = load_average()
     rounds, prepare_rounds = [], []
     for _ in range(args.rounds):

@@ -46,6 +46,7 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         # Zero past each row's blocks: those are the padding of a decode table.
         self.block_tables = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
+        self._arange = np.arange(max_num_seqs)
         self._rows: dict[str, _Row] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest
 
@@ -78,10 +79,7 @@ class InputBatch:
             decode_positions.append(start)
             input_ids.append(seq.token_ids[start])
         positions = np.array(decode_positions, dtype=np.int64)
-        context_lens = positions + 1
-        width = -(-int(context_lens.max()) // bs) if len(context_lens) else 0
-        decode_tables = self.block_tables[decode_rows, :width]  # a copy: fancy indexing
-        slots = decode_tables[np.arange(len(decode_rows)), positions // bs] * bs + positions % bs
+        decode_tables, context_lens, slots = self._decode_arrays(decode_rows, positions)
         all_positions, all_slots = [positions], [slots]
         prefills: list[PrefillChunk] = []
         row = len(decode_rows)
@@ -101,7 +99,7 @@ class InputBatch:
             row += num_tokens
         lens = torch.from_numpy(context_lens)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(all_slots)),
+            slot_mapping=torch.from_numpy(np.concatenate(all_slots) if chunks else slots),
             num_decode_tokens=len(decode_rows),
             decode_block_tables=torch.from_numpy(decode_tables),
             decode_context_lens=lens,
@@ -110,11 +108,23 @@ class InputBatch:
         )
         inputs = StepInputs(
             torch.tensor(input_ids, dtype=torch.long),
-            torch.from_numpy(np.concatenate(all_positions)),
+            torch.from_numpy(np.concatenate(all_positions) if chunks else positions),
             meta,
             torch.tensor(logits_rows, dtype=torch.long),
         )
         return inputs, sampled
+
+    def _decode_arrays(
+        self, rows: list[int], positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The decodes' block tables (padded with block 0), context lengths and slots."""
+        bs = self.block_size
+        context_lens = positions + 1
+        width = -(-int(context_lens.max()) // bs) if len(context_lens) else 0
+        tables = self.block_tables[rows, :width]  # a copy: fancy indexing
+        slots = tables[self._arange[: len(rows)], positions // bs] * bs
+        slots += positions % bs
+        return tables, context_lens, slots
 
     def _sync(self, seq: Sequence, num_blocks: int) -> int:
         """`seq`'s row index, its first `num_blocks` block ids in it (a row is taken for a
