@@ -38,7 +38,9 @@ def decoding_batch(batch_size: int, context: int, num_steps: int) -> list[Sequen
         seq = Sequence(f"s{i}", [100 + (i + j) % 900 for j in range(context)], SamplingParams(), 1)
         seq.token_ids.append(7)
         seq.num_computed_tokens = context
-        seq.block_table = list(range(i * num_blocks, i * num_blocks + -(-context // BLOCK_SIZE)))
+        seq.block_table = list(
+            range(i * num_blocks, i * num_blocks + -(-seq.num_tokens // BLOCK_SIZE))
+        )
         seqs.append(seq)
     return seqs
 
