@@ -2,21 +2,26 @@
 so that the load of a shared machine falls on each about evenly.
 
     python -m bench.engine_step [--batch 1] [--context 256] [--rounds 5] [--steps 8]
-        [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head compile ...]
+        [--kv-cache-gib 0.25]
+        [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head rebuild compile ...]
 
 Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
-`ignore_eos`). `adaptive` is the default engine (the thread count chosen per step, see
-engine/step_threads.py); `threads=N` pins it; `int8` is `quantization="int8"` and `q4_1`
+`ignore_eos`). `adaptive` is the engine with float weights (`quantization="none"`: the model's
+dtype; the thread count chosen per step, see engine/step_threads.py), as is every variant not
+named for a quantization; `threads=N` pins it; `int8` is `quantization="int8"` and `q4_1`
 `quantization="q4_1"` (the GGUF's Q4_1 blocks kept, the LM head's Q8_0 blocks too), both with
 adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's dtype; `eager` is
 the default with the fused CPU layer ops swapped for their eager twins;
-`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `compile` is the
+`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `rebuild` is the
+default with each step's inputs built from the sequences alone (`build_step_inputs`, the path
+before the persistent input batch); `compile` is the
 default with its decode steps' forward under torch.compile and the fused layer ops left to
 inductor, `compile-fused` the same keeping our fused ops (bench/compiled_model.py), and
 `q4_1-compile`, `q4_1-compile-fused` those on q4_1; their first steps (the compiles) run before
 the rounds, and their time and Dynamo's counts are printed.
 Prints each round's median step time per variant and, per round, each variant against the
-first; the load average and CPU flags beside them.
+first, with the median time of preparing the step's inputs (inside the step time) and its
+share; the load average and CPU flags beside them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -35,8 +40,11 @@ import torch
 from bench.engine_throughput import cpu_vector_flags, load_average
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import StepInputs
 from engine.model_store import DEFAULT_MODEL, pull
 from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 from engine.step_threads import StepThreadPolicy
 
 
@@ -46,11 +54,33 @@ class Variant:
     engine: LLMEngine
     context: Callable[[], AbstractContextManager[object]] = nullcontext
     compile_s: float | None = None  # the compiled variants' warm-up: the first steps' time
+    prepare_s: list[float] = field(default_factory=list)  # each step's input preparation
 
 
-def build(name: str, model: str, batch: int, context: int) -> Variant:
-    quantization = "q4_1" if name.startswith("q4_1") else name if name == "int8" else "auto"
-    config = EngineConfig(model, cpu_kv_cache_gib=0.25, quantization=quantization)
+def time_prepare(variant: Variant) -> None:
+    """Record how long each step's input preparation takes (rebuild: the one-off build)."""
+    executor = variant.engine.executor
+    assert executor.input_batch is not None
+    prepare = executor.runner.prepare if variant.name == "rebuild" else executor.input_batch.prepare
+
+    def timed(batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+        started = time.perf_counter()
+        out = prepare(batch)
+        variant.prepare_s.append(time.perf_counter() - started)
+        return out
+
+    executor.input_batch.prepare = timed  # type: ignore[method-assign]
+
+
+def build(name: str, model: str, batch: int, context: int, kv_gib: float) -> Variant:
+    variant = build_engine(name, model, batch, context, kv_gib)
+    time_prepare(variant)
+    return variant
+
+
+def build_engine(name: str, model: str, batch: int, context: int, kv_gib: float) -> Variant:
+    quantization = "q4_1" if name.startswith("q4_1") else name if name == "int8" else "none"
+    config = EngineConfig(model, cpu_kv_cache_gib=kv_gib, quantization=quantization)
     engine = LLMEngine(config)
     runner = engine.executor.runner
     pinned = None
@@ -116,14 +146,16 @@ def threads(num_threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def time_steps(variant: Variant, num_steps: int) -> float:
+def time_steps(variant: Variant, num_steps: int) -> tuple[float, float]:
+    """Median step and input-preparation times (ms) over `num_steps` steps."""
     times = []
+    variant.prepare_s.clear()
     with variant.context():
         for _ in range(num_steps):
             started = time.perf_counter()
             variant.engine.step()
             times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, statistics.median(variant.prepare_s) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,18 +165,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8, help="steps per round and variant")
     parser.add_argument("--variants", nargs="+", default=["adaptive", "threads=1", "threads=2"])
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="per variant")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model = str(pull(DEFAULT_MODEL))
-    variants = [build(name, model, args.batch, args.context) for name in args.variants]
+    variants = [
+        build(name, model, args.batch, args.context, args.kv_cache_gib) for name in args.variants
+    ]
     load_before = load_average()
-    rounds = []
+    rounds, prepare_rounds = [], []
     for _ in range(args.rounds):
-        ms = {v.name: time_steps(v, args.steps) for v in variants}
+        timed = {v.name: time_steps(v, args.steps) for v in variants}
+        ms = {n: step for n, (step, _) in timed.items()}
         rounds.append(ms)
+        prepare_rounds.append({n: prep for n, (_, prep) in timed.items()})
         first = args.variants[0]
         print(
-            "  ".join(f"{n} {t:.1f} ms ({ms[first] / t:.2f}x)" for n, t in ms.items()),
+            "  ".join(
+                f"{n} {t:.1f} ms ({ms[first] / t:.2f}x; prepare {p:.3f} ms, {p / t:.1%})"
+                for n, (t, p) in timed.items()
+            ),
             flush=True,
         )
     report = {
@@ -152,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
         "rounds_ms": rounds,
         "median_ms": {n: statistics.median(r[n] for r in rounds) for n in args.variants},
+        "prepare_rounds_ms": prepare_rounds,
         "load_average": [load_before, load_average()],
         "cpu_flags": cpu_vector_flags(),
         "compile_s": {v.name: v.compile_s for v in variants if v.compile_s is not None},

@@ -36,7 +36,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both, for tests and tiny pools
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 512  # a step's tokens: bounds the decodes' inter-token latency
+    # A step's tokens while no running request decodes yet (a burst of prompts into an idle
+    # engine): no stream waits on that step. None: max_num_batched_tokens.
+    max_num_prefill_only_tokens: int | None = 2048
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -59,12 +62,18 @@ class EngineConfig:
             raise InvalidRequestError(
                 "block_size, max_num_seqs and max_num_batched_tokens must be >= 1"
             )
+        if self.max_num_prefill_only_tokens is not None and self.max_num_prefill_only_tokens < 1:
+            raise InvalidRequestError("max_num_prefill_only_tokens must be >= 1 or None")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise InvalidRequestError(
                 "tensor_parallel_size and pipeline_parallel_size must be >= 1"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be >= 1")
+
+    def max_step_tokens(self) -> int:
+        """The most tokens any one step may hold."""
+        return max(self.max_num_batched_tokens, self.max_num_prefill_only_tokens or 0)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

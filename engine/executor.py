@@ -18,6 +18,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, graphs_enabled
 from engine.distributed import PPGroup, valid_tp_sizes
 from engine.errors import EngineDeadError, UnsupportedModelError
+from engine.input_batch import InputBatch
 from engine.loader import Checkpoint
 from engine.model_runner import ModelRunner, RunnerShape
 from engine.pipeline import PipelineStage, StageWork, stage_layers
@@ -75,6 +76,7 @@ class ModelExecutor:
         self.workers: Workers | None = None
         self.max_model_len = shape.max_model_len
         self.decode_graphs: DecodeGraphs | None = None
+        self.input_batch: InputBatch | None = None  # sized in allocate_kv_cache
         if tp_size * pp_size == 1:
             self.stage = PipelineStage(ModelRunner(checkpoint, shape), PPGroup())
             return
@@ -98,6 +100,10 @@ class ModelExecutor:
         beyond it, the scratch block their padding rows write to."""
         if self.workers is not None:
             self.workers.send(num_blocks)
+        runner = self.runner
+        self.input_batch = InputBatch(
+            max_num_seqs, self.max_model_len, runner.block_size, runner.use_decode_kernel
+        )
         if graphs_enabled(self.runner, self.workers is None):
             self.runner.allocate_kv_cache(num_blocks + 1)
             self.decode_graphs = DecodeGraphs(
@@ -111,7 +117,8 @@ class ModelExecutor:
 
     def submit(self, batch: ScheduledBatch) -> None:
         """Start `batch` down the pipeline: send it to every worker and run the first stage."""
-        inputs, seqs = self.runner.prepare(batch)
+        assert self.input_batch is not None, "allocate_kv_cache comes before the first batch"
+        inputs, seqs = self.input_batch.prepare(batch)
         work = StageWork(next(self._tags) % 2**31, inputs)
         with self._failing_loudly():
             if self.workers is not None:

@@ -1,7 +1,7 @@
 """Sizing the KV cache after a profiling run, as vLLM does: the pool gets what is left of the
 device's memory once the weights are loaded and the largest step has run once.
 
-Without the run, the activations of a full step (a `max_num_batched_tokens` prefill, the LM
+Without the run, the activations of a full step (a prefill of the largest token budget, the LM
 head's logits) would come out of the share the pool was given, and the first long prompt
 could run out of memory mid-serving.
 """
@@ -22,7 +22,7 @@ from engine.sequence import Sequence
 class LargestStep:
     """The most one step computes: the token budget, the logits of every sequence slot."""
 
-    num_tokens: int  # max_num_batched_tokens
+    num_tokens: int  # EngineConfig.max_step_tokens()
     num_logits_rows: int  # max_num_seqs
     max_seq_len: int  # the context length: longer budgets run as several sequences
 

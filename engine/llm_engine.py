@@ -86,9 +86,10 @@ class LLMEngine:
         self.max_model_len = min(context_len, num_blocks * config.block_size)
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size)
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), kv_cache
+        scheduler_config = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefill_only_tokens
         )
+        self.scheduler = Scheduler(scheduler_config, kv_cache)
         self.requests: dict[str, RequestState] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -111,7 +112,7 @@ class LLMEngine:
             # Ranks in other processes would have to join the run; they are not profiled.
             if self.executor.workers is None:
                 step = LargestStep(
-                    self.config.max_num_batched_tokens, self.config.max_num_seqs, context_len
+                    self.config.max_step_tokens(), self.config.max_num_seqs, context_len
                 )
                 peak = peak_step_bytes(self.executor.runner, step)
             free_bytes, total_bytes = torch.cuda.mem_get_info(device)

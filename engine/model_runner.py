@@ -1,6 +1,6 @@
 """Turns a scheduled batch into tensors and runs this rank's shard of the model (its TP share
 of its pipeline stage's layers) over its share of the paged KV cache. The driver prepares the
-inputs; every rank runs them."""
+inputs (engine/input_batch.py); every rank runs them."""
 
 from __future__ import annotations
 
@@ -217,71 +217,85 @@ class ModelRunner:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
-        """Flatten the step's tokens (single-token queries first, then multi-token chunks);
-        also return the sequences owed a sampled token, in logits-row order."""
-        bs = self.block_size
-        entries = sorted(
-            zip(batch.seqs, batch.num_scheduled_tokens, strict=True), key=lambda e: e[1] > 1
-        )
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        sampling_seqs: list[Sequence] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        for seq, num_tokens in entries:
-            start = seq.num_computed_tokens
-            end = start + num_tokens
-            row = len(input_ids)
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            num_blocks = -(-end // bs)
-            if num_tokens == 1:
-                decode_tables.append(table[:num_blocks])
-                decode_lens.append(end)
-            else:
-                prefills.append(self._prefill_chunk(row, num_tokens, start, table[:num_blocks]))
-            if end == seq.num_tokens:
-                logits_rows.append(row + num_tokens - 1)
-                sampling_seqs.append(seq)
-        context_lens = self._tensor(decode_lens)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=self._tensor(_pad(decode_tables)),
-            decode_context_lens=context_lens,
-            decode_mask=None if self.use_decode_kernel else self._decode_mask(context_lens),
-            prefills=prefills,
-        )
-        inputs = StepInputs(
-            self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
-        )
-        return inputs, sampling_seqs
+        """The step's tensors built from the sequences alone, for one-off steps (the KV
+        profile, tests); the engine's steps come from the executor's persistent `InputBatch`,
+        which gives the same tensors."""
+        return build_step_inputs(batch, self.block_size, self.use_decode_kernel)
 
-    def _prefill_chunk(
-        self, row: int, num_tokens: int, num_context: int, block_ids: list[int]
-    ) -> PrefillChunk:
-        mask = None
-        if num_context:
-            query_pos = torch.arange(num_context, num_context + num_tokens)
-            key_pos = torch.arange(num_context + num_tokens)
-            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-        return PrefillChunk(row, num_tokens, num_context, self._tensor(block_ids), mask)
 
-    def _decode_mask(self, context_lens: torch.Tensor) -> torch.Tensor:
-        max_blocks = -(-int(context_lens.max()) // self.block_size) if len(context_lens) else 0
-        key_pos = torch.arange(max_blocks * self.block_size)
-        valid = key_pos.unsqueeze(0) < context_lens.unsqueeze(1)
-        return valid[:, None, None, :]
+def build_step_inputs(
+    batch: ScheduledBatch, block_size: int, use_decode_kernel: bool
+) -> tuple[StepInputs, list[Sequence]]:
+    """Flatten the step's tokens (single-token queries first, then multi-token chunks); also
+    return the sequences owed a sampled token, in logits-row order. Without
+    `use_decode_kernel`, decodes get the mask of the portable path."""
+    bs = block_size
+    entries = sorted(
+        zip(batch.seqs, batch.num_scheduled_tokens, strict=True), key=lambda e: e[1] > 1
+    )
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    sampling_seqs: list[Sequence] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for seq, num_tokens in entries:
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        row = len(input_ids)
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        table = seq.block_table
+        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        num_blocks = -(-end // bs)
+        if num_tokens == 1:
+            decode_tables.append(table[:num_blocks])
+            decode_lens.append(end)
+        else:
+            block_ids = _long_tensor(table[:num_blocks])
+            mask = prefill_mask(start, num_tokens)
+            prefills.append(PrefillChunk(row, num_tokens, start, block_ids, mask))
+        if end == seq.num_tokens:
+            logits_rows.append(row + num_tokens - 1)
+            sampling_seqs.append(seq)
+    context_lens = _long_tensor(decode_lens)
+    meta = AttentionMetadata(
+        slot_mapping=_long_tensor(slots),
+        num_decode_tokens=len(decode_lens),
+        decode_block_tables=_long_tensor(_pad(decode_tables)),
+        decode_context_lens=context_lens,
+        decode_mask=None if use_decode_kernel else decode_mask(context_lens, bs),
+        prefills=prefills,
+    )
+    inputs = StepInputs(
+        _long_tensor(input_ids), _long_tensor(positions), meta, _long_tensor(logits_rows)
+    )
+    return inputs, sampling_seqs
 
-    @staticmethod
-    def _tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-        # Built on the CPU: `run` moves them, on whichever rank runs them.
-        return torch.tensor(values, dtype=torch.long)
+
+def _long_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+    # Built on the CPU: `run` moves them, on whichever rank runs them.
+    return torch.tensor(values, dtype=torch.long)
+
+
+def prefill_mask(num_context: int, num_tokens: int) -> torch.Tensor | None:
+    """(num_tokens, num_context + num_tokens), True where a chunk's query may attend; None
+    without context (plain causal attention)."""
+    if not num_context:
+        return None
+    query_pos = torch.arange(num_context, num_context + num_tokens)
+    key_pos = torch.arange(num_context + num_tokens)
+    return key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+
+
+def decode_mask(context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(num_decodes, 1, 1, max_blocks * block_size) valid keys, for the portable decode path."""
+    max_blocks = -(-int(context_lens.max()) // block_size) if len(context_lens) else 0
+    key_pos = torch.arange(max_blocks * block_size)
+    valid = key_pos.unsqueeze(0) < context_lens.unsqueeze(1)
+    return valid[:, None, None, :]
 
 
 def _pad(tables: list[list[int]]) -> list[list[int]]:

@@ -3,7 +3,10 @@
 Every step, running requests come first (oldest first), then waiting ones are admitted while
 blocks, sequence slots and the step's token budget last. A request is scheduled for as many of
 its uncomputed tokens as the budget allows, so a long prompt is prefilled in chunks beside the
-decodes instead of stalling them. When the pool runs dry, the newest running request is
+decodes instead of stalling them. While no running request is decoding yet (a burst of prompts
+into an idle engine), a step may take up to `max_num_prefill_only_tokens` instead: no stream's
+inter-token latency waits on that step, and fewer, larger steps read the weights fewer times.
+When the pool runs dry, the newest running request is
 preempted: its blocks are freed and it is recomputed later from its tokens, which gives the
 same output. A request whose previous batch is still in flight (in the pipeline) waits for it:
 it is neither scheduled again nor preempted until `update_after_step` has seen that batch.
@@ -22,7 +25,16 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
+    # The token budget of a step; it bounds the inter-token latency of the decodes in it.
     max_num_batched_tokens: int = 512
+    # The budget of a step while no running request has sampled a token (every one is still
+    # prefilling, or none runs); None: `max_num_batched_tokens`.
+    max_num_prefill_only_tokens: int | None = None
+
+    def token_budget(self, has_decodes: bool) -> int:
+        if has_decodes or self.max_num_prefill_only_tokens is None:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, self.max_num_prefill_only_tokens)
 
 
 @dataclass(slots=True)
@@ -32,6 +44,9 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Sequences that left the running set (finished, aborted, preempted) since the batch
+    # before: the persistent input batch gives their rows back.
+    retired: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +72,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self._retired: list[Sequence] = []
 
     @property
     def num_unfinished(self) -> int:
@@ -80,7 +96,8 @@ class Scheduler:
         `max_num_seqs`), so that batches in flight together can be kept even."""
         cap = max_batch_seqs or self.config.max_num_seqs
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        # In flight or not: a decode in flight comes back for its next token soon.
+        budget = self.config.token_budget(any(s.num_output_tokens for s in self.running))
         num_preemptions = self.stats.num_preemptions
         index = 0
         while index < len(self.running) and budget > 0 and len(batch) < cap:
@@ -97,6 +114,8 @@ class Scheduler:
         # Admitting while preempting would only thrash: the pool is already too small.
         if self.stats.num_preemptions == num_preemptions:
             self._admit_waiting(batch, budget, cap)
+        if batch:  # an empty batch is not run, so nobody would see them
+            batch.retired, self._retired = self._retired, []
         return batch
 
     def _allocate_preempting(self, seq: Sequence, num_tokens: int, index: int) -> bool:
@@ -145,6 +164,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
+        self._retired.append(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -167,6 +187,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._retired.append(seq)
         else:
             self.waiting.remove(seq)
         self.kv_cache.free(seq)

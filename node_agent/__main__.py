@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-model-len", type=int, help="context length cap, in tokens")
     add("--max-num-seqs", type=int, help="most requests in one batch (64)")
     add("--max-num-batched-tokens", type=int, help="most tokens in one step (512)")
+    add(
+        "--max-num-prefill-only-tokens",
+        type=int,
+        help="most tokens in a step while no request decodes yet (2048)",
+    )
     add("--dtype", help="auto, float32, bfloat16 or float16")
     add(
         "--engine-process",

@@ -60,6 +60,7 @@ class NodeAgentSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
+    max_num_prefill_only_tokens: int | None = Field(default=2048, ge=1)
     # The engine core (scheduler and model stepping) in a process of its own, so that HTTP and
     # the event loop do not take cores from its threads; False: on a thread of this process.
     engine_process: bool = True
@@ -182,6 +183,7 @@ class NodeAgentSettings(BaseSettings):
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_prefill_only_tokens=self.max_num_prefill_only_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
         )

@@ -61,8 +61,14 @@ def hf_greedy(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf: Path) -> LLM:
-    # A small token budget, so prompts are prefilled in several chunks beside decodes.
-    return LLM(str(smollm2_gguf), dtype="float32", max_num_batched_tokens=48)
+    # A small token budget, so prompts are prefilled in several chunks beside decodes (also the
+    # first step's: no larger budget for steps without decodes).
+    return LLM(
+        str(smollm2_gguf),
+        dtype="float32",
+        max_num_batched_tokens=48,
+        max_num_prefill_only_tokens=None,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,7 @@ def test_pool_exhaustion_preempts_the_newest_and_frees_its_blocks() -> None:
     assert new.block_table == [] and new.num_computed_tokens == 0 and new.num_preemptions == 1
     assert new.token_ids[-1] == 7, "its generated token is kept and recomputed later"
     assert scheduler.stats.num_preemptions == 1
+    assert batch.retired == [new], "its input-batch row is given back with this batch"
 
 
 def test_preempted_request_resumes_with_its_prefix_from_the_cache() -> None:
@@ -148,3 +149,42 @@ def test_a_sequence_aborted_in_flight_is_not_advanced() -> None:
     scheduler.update_after_step(batch)  # the batch's result arrives after the abort
     assert a.num_computed_tokens == 0 and not a.in_flight
     assert scheduler.kv_cache.num_free_blocks == 8
+
+
+def test_steps_without_decodes_take_the_prefill_only_budget() -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(8, max_num_batched_tokens=16, max_num_prefill_only_tokens=40),
+        KVCacheManager(64, 4),
+    )
+    for i in range(4):
+        scheduler.add(seq(f"p{i}", 24, first_token=100 * i))
+    # Nothing decodes yet: 40 tokens (p0 whole, 16 of p1); then p0 decodes, so 16 again.
+    assert scheduled(run_step(scheduler)) == {"p0": 24, "p1": 16}
+    assert scheduled(run_step(scheduler)) == {"p0": 1, "p1": 8, "p2": 7}
+    assert scheduled(run_step(scheduler)) == {"p0": 1, "p1": 1, "p2": 14}
+
+
+def test_a_prefill_only_budget_below_the_step_budget_changes_nothing() -> None:
+    config = SchedulerConfig(8, max_num_batched_tokens=16, max_num_prefill_only_tokens=4)
+    assert config.token_budget(has_decodes=False) == config.token_budget(has_decodes=True) == 16
+    assert SchedulerConfig(8, 16).token_budget(has_decodes=False) == 16
+
+
+def test_retired_sequences_ride_with_the_next_batch_that_runs() -> None:
+    scheduler = make_scheduler(num_blocks=3, block_size=4, budget=16)
+    a, b = seq("a", 4), seq("b", 4, first_token=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert run_step(scheduler).retired == []
+    scheduler.finish(a, "abort")
+    assert scheduler.schedule().retired == [a]  # b decodes into its second block
+    scheduler.update_after_step(ScheduledBatch([b], [1]))
+    b.token_ids.append(7)
+    c = seq("c", 3, first_token=200)
+    scheduler.add(c)
+    scheduler.finish(c, "abort")  # never ran: holds no row
+    scheduler.finish(b, "stop")
+    assert not scheduler.schedule(), "nothing left to run"
+    d = seq("d", 4, first_token=300)
+    scheduler.add(d)
+    assert scheduler.schedule().retired == [b], "kept until a batch runs"

@@ -48,6 +48,14 @@ def test_parallel_sizes_reach_the_engine() -> None:
     assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (3, 2)
 
 
+def test_the_token_budgets_reach_the_engine() -> None:
+    config = load_settings(parse_args([])).engine_config()
+    assert (config.max_num_batched_tokens, config.max_num_prefill_only_tokens) == (512, 2048)
+    argv = ["--max-num-batched-tokens", "256", "--max-num-prefill-only-tokens", "1024"]
+    config = load_settings(parse_args(argv)).engine_config()
+    assert (config.max_num_batched_tokens, config.max_num_prefill_only_tokens) == (256, 1024)
+
+
 @pytest.mark.parametrize(
     ("argv", "status", "needle"),
     [

@@ -1,0 +1,113 @@
+"""TTFT of a burst of prompts into an idle engine, by the budget of steps without decodes
+(`max_num_prefill_only_tokens`), A/B in one process: rounds alternate between the budgets on
+one engine, so the load of a shared machine falls on each about evenly.
+
+    python -m bench.prefill_burst [--num-prompts 16] [--prompt-tokens 128 512]
+        [--max-tokens 16] [--budgets none 1024 2048] [--rounds 3]
+
+Each round submits NUM_PROMPTS prompts at once (seeded lengths drawn from PROMPT_TOKENS, greedy,
+`ignore_eos`, MAX_TOKENS each; prefix caching off, so no round reuses another's blocks) and
+steps until all are done. `none` is the step budget alone (`max_num_batched_tokens`). Prints
+per budget the TTFT p50/mean/max, the p50/max inter-token latency after the first token (what
+the budget must not blow up), and the time to drain the burst; the load average and CPU flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import time
+
+from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.loadgen import percentile
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_store import DEFAULT_MODEL, pull
+from engine.sampling_params import SamplingParams
+
+
+def run_burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"burst-{i}-{started}", prompt, params)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    itls: list[float] = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id not in first:
+                first[out.request_id] = now - started
+            else:
+                itls.append(now - last[out.request_id])
+            last[out.request_id] = now
+    ttfts = list(first.values())
+    return {
+        "ttft_p50_s": percentile(ttfts, 50) or 0.0,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_max_s": max(ttfts),
+        "itl_p50_s": percentile(itls, 50) or 0.0,
+        "itl_max_s": max(itls, default=0.0),
+        "drain_s": time.perf_counter() - started,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[128, 512])
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--budgets", nargs="+", default=["none", "1024", "2048"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    config = EngineConfig(str(pull(DEFAULT_MODEL)), enable_prefix_caching=False)
+    engine = LLMEngine(config)
+    rng = random.Random(0)
+    prompts = [
+        [100 + rng.randrange(40_000) for _ in range(rng.randint(*args.prompt_tokens))]
+        for _ in range(args.num_prompts)
+    ]
+    run_burst(engine, prompts[:2], 2)  # warm up
+    base = engine.scheduler.config
+    load_before = load_average()
+    rounds: list[dict[str, dict[str, float]]] = []
+    for r in range(args.rounds):
+        order = args.budgets if r % 2 == 0 else list(reversed(args.budgets))
+        results = {}
+        for name in order:
+            budget = None if name == "none" else int(name)
+            engine.scheduler.config = dataclasses.replace(base, max_num_prefill_only_tokens=budget)
+            results[name] = run_burst(engine, prompts, args.max_tokens)
+        rounds.append(results)
+        print(
+            "  ".join(
+                f"{n}: TTFT p50 {x['ttft_p50_s']:.2f} mean {x['ttft_mean_s']:.2f} "
+                f"max {x['ttft_max_s']:.2f} s, ITL p50 {x['itl_p50_s'] * 1e3:.0f} "
+                f"max {x['itl_max_s'] * 1e3:.0f} ms, drain {x['drain_s']:.2f} s"
+                for n, x in ((n, results[n]) for n in args.budgets)
+            ),
+            flush=True,
+        )
+    report = {
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "num_prompt_tokens": sum(len(p) for p in prompts),
+        "rounds": rounds,
+        "load_average": [load_before, load_average()],
+        "cpu_flags": cpu_vector_flags(),
+    }
+    print(json.dumps({k: report[k] for k in ("num_prompt_tokens", "load_average")}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
