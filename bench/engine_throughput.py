@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         workload,
         args.concurrency,
         f"meridian c={args.concurrency} ({engine.executor.runner.dtype}, "
-        f"{args.quantization} quantization)",
+        f"{args.quantization}: {engine.executor.runner.quantization} weights)",
         kv_use.sample,
     )
     runs.append(ours)

@@ -81,6 +81,7 @@ class ModelRunner:
         self.config = config = checkpoint.config
         self.device = device = shape.device
         self.dtype = shape.dtype
+        self.quantization = shape.quantization  # as resolved (never "auto")
         self.block_size = shape.block_size
         self.tp = tp or TPGroup()
         self.num_kv_heads = max(config.num_kv_heads // self.tp.size, 1)
