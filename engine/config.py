@@ -71,10 +71,6 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be >= 1")
 
-    def max_step_tokens(self) -> int:
-        """The most tokens any one step may hold."""
-        return max(self.max_num_batched_tokens, self.max_num_prefill_only_tokens or 0)
-
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

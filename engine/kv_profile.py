@@ -22,7 +22,7 @@ from engine.sequence import Sequence
 class LargestStep:
     """The most one step computes: the token budget, the logits of every sequence slot."""
 
-    num_tokens: int  # EngineConfig.max_step_tokens()
+    num_tokens: int  # the largest token budget (SchedulerConfig.token_budget without decodes)
     num_logits_rows: int  # max_num_seqs
     max_seq_len: int  # the context length: longer budgets run as several sequences
 

@@ -80,15 +80,18 @@ class LLMEngine:
             config.pipeline_parallel_size,
             config.parallel_step_timeout_s,
         )
-        num_blocks = self._num_kv_blocks(device, context_len)
+        scheduler_config = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefill_only_tokens
+        )
+        largest_step = LargestStep(
+            scheduler_config.token_budget(has_decodes=False), config.max_num_seqs, context_len
+        )
+        num_blocks = self._num_kv_blocks(device, largest_step)
         self.executor.allocate_kv_cache(num_blocks, config.max_num_seqs)
         # A request alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(context_len, num_blocks * config.block_size)
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size)
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        scheduler_config = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefill_only_tokens
-        )
         self.scheduler = Scheduler(scheduler_config, kv_cache)
         self.requests: dict[str, RequestState] = {}
         self._prompt_tokens_total = 0
@@ -104,17 +107,14 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _num_kv_blocks(self, device: torch.device, context_len: int) -> int:
+    def _num_kv_blocks(self, device: torch.device, largest_step: LargestStep) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if device.type == "cuda":
             peak = 0
             # Ranks in other processes would have to join the run; they are not profiled.
             if self.executor.workers is None:
-                step = LargestStep(
-                    self.config.max_step_tokens(), self.config.max_num_seqs, context_len
-                )
-                peak = peak_step_bytes(self.executor.runner, step)
+                peak = peak_step_bytes(self.executor.runner, largest_step)
             free_bytes, total_bytes = torch.cuda.mem_get_info(device)
             budget = kv_budget_bytes(
                 free_bytes, total_bytes, self.config.gpu_memory_utilization, peak
