@@ -40,12 +40,17 @@ _PROJECTIONS = (
 )
 
 
+def projection_names(layer_ids: range) -> set[str]:
+    """The Hugging Face names of these layers' linear layers' weights."""
+    return {f"model.layers.{i}.{p}.weight" for i in layer_ids for p in _PROJECTIONS}
+
+
 def keeps_q4_1_blocks(checkpoint: Checkpoint, tensor_parallel_size: int) -> bool:
     """Whether a model of `checkpoint` split over `tensor_parallel_size` ranks can keep every
     projection as the file's Q4_1 blocks: all of them are Q4_1, and each row-parallel shard
     (o and down, split along K) falls on whole blocks."""
     config = checkpoint.config
-    names = (f"model.layers.{i}.{p}.weight" for i in range(config.num_layers) for p in _PROJECTIONS)
+    names = projection_names(range(config.num_layers))
     if any(checkpoint.gguf_types.get(name) != "Q4_1" for name in names):
         return False
     split_k = (config.num_heads * config.head_dim, config.intermediate_size)
@@ -276,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
 
     def projection_weights(self) -> set[str]:
         """The Hugging Face names of this stage's linear layers' weights."""
-        return {f"model.layers.{i}.{p}.weight" for i in self.layer_ids for p in _PROJECTIONS}
+        return projection_names(self.layer_ids)
 
     def _projection(self, name: str) -> tuple[ColumnParallelLinear | RowParallelLinear, str | None]:
         """The layer holding `layers.3.self_attn.q_proj.<param>`, and the part it is of a fused
