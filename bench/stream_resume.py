@@ -52,7 +52,7 @@ import httpx
 from bench.chat_streams import TOPICS, StreamResult, read_streams
 from bench.engine_throughput import cpu_vector_flags, load_average
 from bench.gateway_overhead import Processes, free_port, wait_for_port
-from engine.model_store import DEFAULT_MODEL
+from engine.model_store import DEFAULT_MODEL, pull
 from wire.geo import locate, rtt_ms
 
 POP = "new-york"
@@ -146,7 +146,8 @@ class Fleet:
         while time.monotonic() < deadline:
             for region, node in self.nodes.items():
                 if node.poll() is not None:
-                    raise SystemExit(f"the {region} node exited: see {self.directory}")
+                    log = (self.directory / f"node-{region}.log").read_text(errors="replace")
+                    raise SystemExit(f"the {region} node exited; its log ends:\n{log[-2000:]}")
             try:
                 health = httpx.get(self.gateway_url + "/health", timeout=5.0, trust_env=False)
                 regions = health.json()["regions"]
@@ -427,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_flags": cpu_vector_flags(),
         "rounds": [],
     }
+    pull(DEFAULT_MODEL)  # the node agents load it from the store and never fetch it
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
         fleet = start_fleet(Path(tmp), args)
         try:

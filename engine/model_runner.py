@@ -15,7 +15,8 @@ from engine.distributed import TPGroup
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
-from engine.model.block_weights import FORMATS, GEMV_MAX_TOKENS
+from engine.model.block_weights import FORMATS, GEMV_MAX_TOKENS, BlockWeight
+from engine.model.dense_matmul import onednn_min_tokens
 from engine.model.int8_weights import BF16_GEMV_MAX_TOKENS, Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
@@ -101,6 +102,9 @@ class ModelRunner:
                 "matmuls: the bf16 GEMV kernel for steps of up to %d tokens, F.linear above",
                 BF16_GEMV_MAX_TOKENS,
             )
+        if device.type == "cpu" and shape.dtype == torch.float32:
+            for out_features, in_features in self._dense_shapes():
+                onednn_min_tokens(out_features, in_features)  # measured now, not in a request
         self.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, shape.max_model_len, device, config.rope_scaling
         )
@@ -114,6 +118,21 @@ class ModelRunner:
             if device.type == "cpu" and self.tp.size == 1
             else None
         )
+
+    def _dense_shapes(self) -> set[tuple[int, int]]:
+        """(N, K) of every weight the model multiplies by in its dtype (quantized ones
+        dequantized, in a prefill)."""
+        shapes: set[tuple[int, int]] = set()
+        for layer in self.model.modules():
+            if isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+                quantized: Int8Weight | BlockWeight | None = layer.quantized
+            elif isinstance(layer, VocabParallelEmbedding):
+                quantized = layer.int8
+            else:
+                continue
+            weight_shape = layer.weight.shape if quantized is None else quantized.shape
+            shapes.add((weight_shape[0], weight_shape[1]))
+        return shapes
 
     def _quantize_int8(self) -> None:
         c = self.config

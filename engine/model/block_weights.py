@@ -14,8 +14,8 @@ fp32 sums differs from the dequantized model.
 `quantization="q4_1"` keeps the projections as Q4_1 (model/llama.py) and the tied LM head of
 the default file, Q8_0 there, as Q8_0 (model/parallel_layers.py). Steps of few tokens run the
 format's kernel (`q4_1_linear`, `q8_0_linear` in engine/kernels/gemv_cpu.cpp); steps of more
-tokens (a prefill chunk) dequantize the layer to the model's dtype and run `F.linear`, as does
-every step where the kernels are off (`MERIDIAN_CPU_KERNELS=0`).
+tokens (a prefill chunk) dequantize the layer to the model's dtype and run the dense matmul
+(`dense_matmul.py`), as does every step where the kernels are off (`MERIDIAN_CPU_KERNELS=0`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import InvalidRequestError
 from engine.kernels import cpu_kernels
+from engine.model.dense_matmul import dense_linear
 
 BLOCK_WEIGHTS = 32
 # Steps of up to this many tokens take the kernel. It reads a row's blocks once per 4 tokens,
@@ -104,11 +104,16 @@ class BlockWeight:
         """x (T, K) -> x W^T (T, N)."""
         if k := self.kernels_for(x):
             return getattr(k, f"{self.format.name}_linear")(x.contiguous(), self.blocks)
-        return F.linear(x, self.dequantized())
+        return dense_linear(x, self.dequantized())
 
     @property
     def in_features(self) -> int:
         return self.blocks.shape[1] // self.format.block_bytes * BLOCK_WEIGHTS
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's (N, K)."""
+        return self.blocks.shape[0], self.in_features
 
     def dequantized(self) -> torch.Tensor:
         """The weight (N, K) in the model's dtype: each weight computed in fp32 as gguf's

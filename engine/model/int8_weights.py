@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
 from engine.model.block_weights import BlockWeight
+from engine.model.dense_matmul import dense_linear, median_s
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +55,12 @@ class Int8Weight:
         """x (T, K) -> x W^T (T, N)."""
         if x.shape[0] <= self.max_gemv_tokens:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
-        return F.linear(x, self.dequantized())
+        return dense_linear(x, self.dequantized())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's (N, K)."""
+        return self.qweight.shape[0], self.qweight.shape[1]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (T,) -> (T, K): an embedding lookup."""
@@ -85,7 +87,7 @@ def linear(
     ):
         out = kernels.bf16_linear(x.contiguous(), weight)
     else:
-        return F.linear(x, weight, bias)
+        return dense_linear(x, weight, bias)
     return out if bias is None else out + bias
 
 
@@ -98,8 +100,8 @@ def measure_max_gemv_tokens(in_features: int, out_features: int, dtype: torch.dt
     for num_tokens in _PROBE_TOKENS:
         x = torch.randn(num_tokens, in_features, dtype=dtype)
         weight.max_gemv_tokens = num_tokens
-        int8_s = _median_s(functools.partial(weight.linear, x))
-        dequant_s = _median_s(functools.partial(_dequantized_linear, x, weight))
+        int8_s = median_s(functools.partial(weight.linear, x))
+        dequant_s = median_s(functools.partial(_dequantized_linear, x, weight))
         if int8_s > dequant_s:
             break
         best = num_tokens
@@ -110,14 +112,4 @@ def measure_max_gemv_tokens(in_features: int, out_features: int, dtype: torch.dt
 
 
 def _dequantized_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-    return F.linear(x, weight.dequantized())
-
-
-def _median_s(fn: Callable[[], object], repeats: int = 7) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return dense_linear(x, weight.dequantized())

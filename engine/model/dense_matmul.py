@@ -1,0 +1,81 @@
+"""The dense matmul under every linear layer: `F.linear`, or oneDNN's where that is faster.
+
+On CPU, torch's fp32 `F.linear` calls MKL's sgemm (bf16 already runs on oneDNN). On the AMD
+EPYC of docs/benchmarks.md (AVX-512, no AMX) oneDNN's fp32 matmul took 0.72-0.79x MKL's time
+from 4 to 1,000 tokens on SmolLM2's shapes, while MKL's GEMV won at one token. MKL picks its
+code path by CPU vendor and model, so neither wins everywhere: the crossover is measured once
+per process and weight shape (`onednn_min_tokens`), as an fp32 model loads on CPU.
+fp32 is the dtype of CPUs without AVX-512 BF16 and of the exact-output runs (stream resume),
+and the prefill of int8 and block weights dequantizes into it there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_PROBE_TOKENS = (1, 2, 4, 8, 16, 64, 256)
+_MAX_PROBE_MACS = 2**29  # about 5 ms a product at this CPU's fp32 speed
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T + bias."""
+    if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu":
+        min_tokens = onednn_min_tokens(*weight.shape)
+        if min_tokens is not None and x.numel() >= min_tokens * x.shape[-1]:
+            return _onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_min_tokens(out_features: int, in_features: int) -> int | None:
+    """The fewest tokens from which oneDNN's fp32 matmul beats `F.linear` at every probe on a
+    weight of this shape on this CPU; None where it never does. Probes stop where they would
+    cost more than a few milliseconds (the LM head: its steps multiply few rows)."""
+    weight = torch.zeros(out_features, in_features)  # values do not change the time
+    probes = [n for n in _PROBE_TOKENS if n * weight.numel() <= _MAX_PROBE_MACS] or [1]
+    wins = []
+    for num_tokens in probes:
+        x = torch.randn(num_tokens, in_features)
+        mkl_s = median_s(functools.partial(F.linear, x, weight))
+        wins.append(median_s(functools.partial(_onednn_linear, x, weight)) < mkl_s)
+    # The smallest probe after which oneDNN loses no more; the last probe's verdict holds above.
+    losses = [i for i, won in enumerate(wins) if not won]
+    first = losses[-1] + 1 if losses else 0
+    min_tokens = probes[first] if first < len(probes) else None
+    logger.info(
+        "fp32 matmuls of %dx%d: %s",
+        out_features,
+        in_features,
+        "MKL (oneDNN was never faster)"
+        if min_tokens is None
+        else f"oneDNN from {min_tokens} tokens a step, MKL below",
+    )
+    return min_tokens
+
+
+def median_s(fn: Callable[[], object], repeats: int = 7) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -1,0 +1,59 @@
+"""The dense matmul: oneDNN's fp32 path from the measured crossover on, F.linear below it, the
+same products either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import dense_matmul
+from engine.model.dense_matmul import dense_linear, onednn_min_tokens
+
+pytestmark = pytest.mark.skipif(not dense_matmul._ONEDNN, reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the products that take oneDNN, with the crossover pinned at 4 tokens."""
+    calls: list[int] = []
+    real = dense_matmul._onednn_linear
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(dense_matmul, "_onednn_linear", counted)
+    monkeypatch.setattr(dense_matmul, "onednn_min_tokens", lambda k, n: 4)
+    return calls
+
+
+def test_steps_from_the_crossover_take_onednn_and_equal_f_linear(onednn_calls: list[int]) -> None:
+    weight, bias = torch.randn(96, 80), torch.randn(96)
+    for num_tokens in (1, 3, 4, 5, 257):
+        x = torch.randn(num_tokens, 80)
+        for b in (None, bias):
+            torch.testing.assert_close(
+                dense_linear(x, weight, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-4
+            )
+    assert onednn_calls == [4, 4, 5, 5, 257, 257]
+
+
+def test_tokens_count_over_leading_dimensions(onednn_calls: list[int]) -> None:
+    weight = torch.randn(32, 16)
+    x = torch.randn(2, 3, 16)  # six tokens
+    torch.testing.assert_close(dense_linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    assert onednn_calls == [6]
+
+
+def test_bf16_keeps_f_linear(onednn_calls: list[int]) -> None:
+    weight = torch.randn(32, 16, dtype=torch.bfloat16)
+    x = torch.randn(64, 16, dtype=torch.bfloat16)
+    assert torch.equal(dense_linear(x, weight), F.linear(x, weight))
+    assert onednn_calls == []
+
+
+def test_the_crossover_is_a_probe_or_never() -> None:
+    onednn_min_tokens.cache_clear()
+    assert onednn_min_tokens(64, 128) in (None, *dense_matmul._PROBE_TOKENS)
+    assert onednn_min_tokens.cache_info().currsize == 1
