@@ -1,16 +1,17 @@
-"""fp32 matmuls on CPU: MKL's (`F.linear`) against oneDNN's, A/B in one process, per layer shape
-and end to end (engine/model/dense_matmul.py).
+"""fp32 matmuls on CPU: oneDNN's against MKL's (`F.linear`), A/B in one process, per layer
+shape and end to end (engine/model/dense_matmul.py).
 
-    python -m bench.fp32_matmul [--tokens 1 4 16 64 256 1024] [--num-prompts 16]
-        [--prompt-tokens 32 96] [--rounds 3]
+    python -m bench.fp32_matmul [--tokens 1 4 16 64 256 1024] [--rounds 3]
+        [--num-prompts 16] [--prompt-tokens 32 96]
 
 1. Each of SmolLM2's projection shapes at each token count: the median time of MKL and of
-   oneDNN, interleaved, and their ratio; then the crossover the engine measured for it.
-2. A burst of NUM_PROMPTS prompts (seeded lengths from PROMPT_TOKENS, greedy, 16 tokens each,
-   prefix caching off) into an idle fp32 engine: the shape of a stream resume's continuations.
-   Rounds alternate between `mkl` (every product through `F.linear`) and `measured` (the
-   engine's choice), on one engine. Prints TTFT p50/max and drain time per round and their
-   ratios; the load average and CPU flags beside them.
+   oneDNN, interleaved, their ratio, and the crossover the engine measures for the shape.
+2. A burst of NUM_PROMPTS prompts (seeded lengths from PROMPT_TOKENS, greedy, 16 tokens
+   each, prefix caching off) into an idle fp32 engine, the shape of a stream resume's
+   continuations; rounds alternate between `before` (every product through `F.linear`) and
+   `after` (the engine's choice) on one engine.
+Prints TTFT p50/max and drain time per round with the before / after ratios; the load average
+and CPU flags beside them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import functools
 import json
 import random
 import statistics
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from unittest import mock
 
 import torch
@@ -61,6 +62,38 @@ def layer_table(token_counts: list[int]) -> list[dict[str, float | int | str | N
     return rows
 
 
+def ab_bursts(
+    engine: LLMEngine, prompts: list[list[int]], before: AbstractContextManager[object], rounds: int
+) -> list[dict[str, dict[str, float]]]:
+    """Rounds of the same burst, alternating `before` (inside the context) and `after`."""
+    run_burst(engine, prompts, 2)  # warm up both paths' shapes
+    with before:
+        run_burst(engine, prompts, 2)
+    results = []
+    for r in range(rounds):
+        one: dict[str, dict[str, float]] = {}
+        for name in ["before", "after"] if r % 2 == 0 else ["after", "before"]:
+            with before if name == "before" else nullcontext():
+                one[name] = run_burst(engine, prompts, 16)
+        results.append(one)
+        b, a = one["before"], one["after"]
+        print(
+            f"  round {r + 1}: TTFT p50 / max before {b['ttft_p50_s']:.3f} / "
+            f"{b['ttft_max_s']:.3f} s, after {a['ttft_p50_s']:.3f} / {a['ttft_max_s']:.3f} s"
+            f" ({b['ttft_max_s'] / a['ttft_max_s']:.2f}x); drain {b['drain_s']:.2f} /"
+            f" {a['drain_s']:.2f} s ({b['drain_s'] / a['drain_s']:.2f}x)",
+            flush=True,
+        )
+    return results
+
+
+def seeded_prompts(count: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(0)
+    return [
+        [100 + rng.randrange(40_000) for _ in range(rng.randint(*lengths))] for _ in range(count)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
@@ -73,43 +106,21 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("fp32_matmul: this torch has no oneDNN")
     load_before = load_average()
     table = layer_table(args.tokens)
+    model = str(pull(DEFAULT_MODEL))
 
-    config = EngineConfig(str(pull(DEFAULT_MODEL)), dtype="float32", enable_prefix_caching=False)
-    engine = LLMEngine(config)
-    rng = random.Random(0)
-    prompts = [
-        [100 + rng.randrange(40_000) for _ in range(rng.randint(*args.prompt_tokens))]
-        for _ in range(args.num_prompts)
-    ]
-    mkl_only = mock.patch.object(dense_matmul, "onednn_min_tokens", lambda k, n: None)
-    run_burst(engine, prompts, 2)  # warm up both paths' shapes
-    with mkl_only:
-        run_burst(engine, prompts, 2)
-    rounds = []
-    for r in range(args.rounds):
-        order = ["mkl", "measured"] if r % 2 == 0 else ["measured", "mkl"]
-        results = {}
-        for name in order:
-            with mkl_only if name == "mkl" else nullcontext():
-                results[name] = run_burst(engine, prompts, 16)
-        rounds.append(results)
-        mkl, ours = results["mkl"], results["measured"]
-        print(
-            f"round {r + 1}: TTFT p50 / max  MKL {mkl['ttft_p50_s']:.3f} / "
-            f"{mkl['ttft_max_s']:.3f} s,"
-            f" measured {ours['ttft_p50_s']:.3f} / {ours['ttft_max_s']:.3f} s"
-            f" ({mkl['ttft_max_s'] / ours['ttft_max_s']:.2f}x);  drain {mkl['drain_s']:.2f} /"
-            f" {ours['drain_s']:.2f} s ({mkl['drain_s'] / ours['drain_s']:.2f}x)",
-            flush=True,
-        )
+    print("a burst into an fp32 engine: MKL (before) against the measured choice (after)")
+    fp32 = LLMEngine(EngineConfig(model, dtype="float32", enable_prefix_caching=False))
+    prompts = seeded_prompts(args.num_prompts, args.prompt_tokens)
+    mkl_only = mock.patch.object(dense_matmul, "onednn_min_tokens", lambda n, k: None)
+    matmul_rounds = ab_bursts(fp32, prompts, mkl_only, args.rounds)
     report = {
         "layers": table,
-        "num_prompt_tokens": sum(len(p) for p in prompts),
-        "rounds": rounds,
+        "num_prompt_tokens": sum(map(len, prompts)),
+        "rounds": matmul_rounds,
         "load_average": [load_before, load_average()],
         "cpu_flags": cpu_vector_flags(),
     }
-    print(json.dumps({k: report[k] for k in ("num_prompt_tokens", "load_average", "cpu_flags")}))
+    print(json.dumps({k: report[k] for k in ("load_average", "cpu_flags")}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_feature_digest, cpu_kernels
-from engine.model.attention import AttentionMetadata, paged_attention, paged_decode_kernel
+from engine.model.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    paged_attention,
+    paged_decode_kernel,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
@@ -104,6 +109,54 @@ def test_decode_attention_equals_dense_attention(
     torch.testing.assert_close(
         out.float(), dense_reference(q, k_cache, v_cache, tables, lens), **tolerance
     )
+
+
+def prefill_metadata(
+    tables: list[list[int]], contexts: list[int], chunks: list[int]
+) -> AttentionMetadata:
+    """Metadata for one prefill chunk per sequence, each `chunks[i]` tokens after
+    `contexts[i]` cached ones."""
+    prefills, start = [], 0
+    for table, context, n in zip(tables, contexts, chunks, strict=True):
+        mask = None
+        if context:
+            keys = torch.arange(context + n)[None, :]
+            mask = keys <= (context + torch.arange(n))[:, None]
+        prefills.append(PrefillChunk(start, n, context, torch.tensor(table), mask))
+        start += n
+    empty = torch.empty(0, dtype=torch.long)
+    return AttentionMetadata(empty, 0, empty, empty, None, prefills)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_equals_dense_causal_attention(dtype: torch.dtype) -> None:
+    contexts, chunks = [0, 5, 12], [7, 9, 4]
+    lens = [c + n for c, n in zip(contexts, chunks, strict=True)]
+    _, k_cache, v_cache, tables, _ = random_batch(lens, dtype)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(chunks), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    # The chunk's own keys and values, as the layer passes them (already in the cache).
+    ks, vs, expected = [], [], []
+    for i, (table, context, n) in enumerate(zip(tables, contexts, chunks, strict=True)):
+        keys = k_cache[table].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[: context + n]
+        values = v_cache[table].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[: context + n]
+        ks.append(keys[context:])
+        vs.append(values[context:])
+        rows = q[sum(chunks[:i]) : sum(chunks[: i + 1])]
+        for t in range(n):  # each query over the keys up to its own position
+            one = rows[t : t + 1].float()
+            group = NUM_HEADS // NUM_KV_HEADS
+            k = keys[: context + t + 1].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            v = values[: context + t + 1].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            out = F.scaled_dot_product_attention(one.transpose(0, 1), k, v)  # (H, 1, D)
+            expected.append(out.transpose(0, 1))
+    meta = prefill_metadata(tables, contexts, chunks)
+    out = paged_attention(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta)
+    assert out.dtype == dtype
+    tolerance = (
+        {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    )
+    torch.testing.assert_close(out.float(), torch.cat(expected), **tolerance)
 
 
 # Runs the Triton decode kernel in Triton's interpreter, on CPU tensors: TRITON_INTERPRET must
