@@ -8,7 +8,9 @@ real node agent each (`python -m node_agent`, SmolLM2, `us-east` and `eu-west`, 
 stack's RTT proxy at its simulated distance from the `new-york` PoP) and one real gateway
 process (`python -m gateway --plain`). Each round, `--streams` concurrent greedy chat streams of
 `--max-tokens` tokens (`ignore_eos`) go through the gateway twice, each time through a fresh
-gateway process (so that the second does not avoid us-east from what it learnt in the first):
+gateway process (so that the second does not avoid us-east from what it learnt in the first),
+with that round's own prompts (so that no round's continuations find an earlier round's blocks
+in the far node's prefix cache):
 
 1. unbroken: the baseline, every stream to its end;
 2. broken: the same streams, and once every stream has had `--kill-after` content chunks the
@@ -216,7 +218,9 @@ def start_fleet(directory: Path, args: argparse.Namespace) -> Fleet:
     return fleet
 
 
-def bodies(num_streams: int, max_tokens: int) -> list[dict[str, object]]:
+def bodies(num_streams: int, max_tokens: int, round_index: int) -> list[dict[str, object]]:
+    """The round's streams. Each round's prompts are its own (the set named first), so that no
+    round's continuations find blocks that an earlier round cached in the far node."""
     return [
         {
             "model": DEFAULT_MODEL,
@@ -225,7 +229,11 @@ def bodies(num_streams: int, max_tokens: int) -> list[dict[str, object]]:
             "stream": True,
             "temperature": 0,
             "messages": [
-                {"role": "user", "content": f"Write a long essay about {TOPICS[i % len(TOPICS)]}."}
+                {
+                    "role": "user",
+                    "content": f"Essay set {round_index + 1}: write a long essay about "
+                    f"{TOPICS[i % len(TOPICS)]}.",
+                }
             ],
         }
         for i in range(num_streams)
@@ -233,7 +241,9 @@ def bodies(num_streams: int, max_tokens: int) -> list[dict[str, object]]:
 
 
 async def run_streams(
-    fleet: Fleet, num_streams: int, max_tokens: int, progress: tuple[int, asyncio.Event] | None
+    fleet: Fleet,
+    streams: list[dict[str, object]],
+    progress: tuple[int, asyncio.Event] | None,
 ) -> list[StreamResult]:
     headers = {"Authorization": f"Bearer {fleet.api_key}"}
     async with httpx.AsyncClient(
@@ -241,13 +251,13 @@ async def run_streams(
         headers=headers,
         timeout=RUN_TIMEOUT_S,
         trust_env=False,
-        limits=httpx.Limits(max_connections=num_streams),
+        limits=httpx.Limits(max_connections=len(streams)),
     ) as client:
-        return await read_streams(client, bodies(num_streams, max_tokens), progress)
+        return await read_streams(client, streams, progress)
 
 
 async def broken_run(
-    fleet: Fleet, args: argparse.Namespace
+    fleet: Fleet, args: argparse.Namespace, streams: list[dict[str, object]]
 ) -> tuple[list[StreamResult], float | None]:
     progress = asyncio.Event()
     broken_at: list[float] = []
@@ -260,9 +270,7 @@ async def broken_run(
 
     breaker = asyncio.create_task(break_near())
     try:
-        results = await run_streams(
-            fleet, args.streams, args.max_tokens, (args.kill_after, progress)
-        )
+        results = await run_streams(fleet, streams, (args.kill_after, progress))
     finally:
         breaker.cancel()
     return results, (broken_at[0] if broken_at else None)
@@ -310,7 +318,7 @@ def summary(results: list[StreamResult], baseline: list[StreamResult] | None) ->
     return report
 
 
-def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
+def one_round(fleet: Fleet, args: argparse.Namespace, round_index: int) -> dict[str, Any]:
     if fleet.nodes[NEAR].poll() is not None:
         fleet.start_node(NEAR)
     fleet.start_gateway()
@@ -318,7 +326,8 @@ def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     near_url = f"http://127.0.0.1:{fleet.node_ports[NEAR]}"
     near_before = fleet.metrics(near_url)
     started_s = time.monotonic()
-    unbroken = asyncio.run(run_streams(fleet, args.streams, args.max_tokens, None))
+    streams = bodies(args.streams, args.max_tokens, round_index)
+    unbroken = asyncio.run(run_streams(fleet, streams, None))
     unbroken_s = time.monotonic() - started_s
     near_after = fleet.metrics(near_url)
     fleet.start_gateway()  # fresh: no TTFT learnt from the unbroken run
@@ -327,7 +336,7 @@ def one_round(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     far_before = fleet.metrics(far_url)
     load_before = load_average()
     started_s = time.monotonic()
-    broken, broken_at_s = asyncio.run(broken_run(fleet, args))
+    broken, broken_at_s = asyncio.run(broken_run(fleet, args, streams))
     broken_s = time.monotonic() - started_s
     gateway_metrics, far_after = fleet.metrics(fleet.gateway_url), fleet.metrics(far_url)
     near = fleet.nodes[NEAR]
@@ -433,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet = start_fleet(Path(tmp), args)
         try:
             for i in range(args.rounds):
-                result = one_round(fleet, args)
+                result = one_round(fleet, args, i)
                 report["rounds"].append(result)
                 print_round(i, result, rtt_far_ms)
         finally:
