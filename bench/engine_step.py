@@ -27,7 +27,6 @@ share; the load average and CPU flags beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +36,7 @@ from unittest import mock
 
 import torch
 
-from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepInputs
@@ -201,11 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.compiled_model import compile_stats
 
         report["compile_stats"] = compile_stats()
-    print(json.dumps({k: report[k] for k in ("median_ms", "load_average", "compile_s")}))
-    print(json.dumps({k: report.get(k) for k in ("compile_stats", "cpu_flags")}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    summary = ("median_ms", "load_average", "compile_s", "compile_stats", "cpu_flags")
+    report_out(report, args.json, summary)
     for v in variants:
         v.engine.shutdown()
     return 0

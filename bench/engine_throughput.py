@@ -24,10 +24,10 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -242,6 +242,14 @@ def cpu_vector_flags() -> list[str]:
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def report_out(report: dict[str, Any], path: str | None, summary_keys: Sequence[str]) -> None:
+    """Print the report's `summary_keys` as one JSON line; write the whole report to `path`."""
+    print(json.dumps({k: report.get(k) for k in summary_keys}))
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import random
 import statistics
 from contextlib import AbstractContextManager, nullcontext
@@ -27,7 +26,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from bench.prefill_burst import run_burst
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -120,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [load_before, load_average()],
         "cpu_flags": cpu_vector_flags(),
     }
-    print(json.dumps({k: report[k] for k in ("load_average", "cpu_flags")}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    report_out(report, args.json, ("load_average", "cpu_flags"))
     return 0
 
 

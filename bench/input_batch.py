@@ -13,12 +13,11 @@ ratio, with the load average and CPU flags.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 
-from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from engine.input_batch import InputBatch
 from engine.model_runner import StepInputs, build_step_inputs
 from engine.sampling_params import SamplingParams
@@ -93,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [load_before, load_average()],
         "cpu_flags": cpu_vector_flags(),
     }
-    print(json.dumps({"load_average": report["load_average"]}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    report_out(report, args.json, ("load_average",))
     return 0
 
 

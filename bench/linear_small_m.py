@@ -17,7 +17,6 @@ ours bf16 over the block kernel's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from engine.kernels import cpu_kernels
 from engine.model.block_weights import Q4_1, Q8_0, BlockFormat, BlockWeight
 from engine.model.int8_weights import Int8Weight
@@ -111,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [load_before, load_average()],
         "cpu_flags": cpu_vector_flags(),
     }
-    print(json.dumps({k: report[k] for k in ("load_average", "cpu_flags")}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    report_out(report, args.json, ("load_average", "cpu_flags"))
     return 0
 
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import statistics
 import time
 
-from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from bench.loadgen import percentile
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -102,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [load_before, load_average()],
         "cpu_flags": cpu_vector_flags(),
     }
-    print(json.dumps({k: report[k] for k in ("num_prompt_tokens", "load_average")}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    report_out(report, args.json, ("num_prompt_tokens", "load_average"))
     return 0
 
 
