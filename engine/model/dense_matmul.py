@@ -1,8 +1,8 @@
 """The dense matmul under every linear layer: `F.linear`, or oneDNN's where that is faster.
 
 On CPU, torch's fp32 `F.linear` calls MKL's sgemm (bf16 already runs on oneDNN). On the AMD
-EPYC of docs/benchmarks.md (AVX-512, no AMX) oneDNN's fp32 matmul took 0.72-0.79x MKL's time
-from 4 to 1,000 tokens on SmolLM2's shapes, while MKL's GEMV won at one token. MKL picks its
+EPYC of docs/benchmarks.md (AVX-512, no AMX) a layer's four projections took 0.72-0.79x MKL's
+time from 4 to 1,000 tokens on SmolLM2's shapes, while MKL's GEMV won at one token. MKL picks its
 code path by CPU vendor and model, so neither wins everywhere: the crossover is measured once
 per process and weight shape (`onednn_min_tokens`), as an fp32 model loads on CPU.
 fp32 is the dtype of CPUs without AVX-512 BF16 and of the exact-output runs (stream resume),
