@@ -188,3 +188,36 @@ def test_retired_sequences_ride_with_the_next_batch_that_runs() -> None:
     d = seq("d", 4, first_token=300)
     scheduler.add(d)
     assert scheduler.schedule().retired == [b], "kept until a batch runs"
+
+
+def test_a_request_waits_a_step_for_a_block_another_fills_in_it() -> None:
+    scheduler = make_scheduler(budget=64)
+    scheduler.add(seq("a", 10))  # blocks of 4: its first two are full
+    scheduler.add(seq("b", 10))  # the same prompt
+    scheduler.add(seq("c", 10, first_token=100))  # behind b, first come first served
+    assert scheduled(run_step(scheduler)) == {"a": 10}
+    second = run_step(scheduler)
+    assert scheduled(second) == {"a": 1, "b": 2, "c": 10}
+    b = next(s for s in second.seqs if s.request_id == "b")
+    assert b.num_cached_tokens == 8  # the two blocks `a` filled, not computed again
+    assert scheduler.stats.num_prefix_hit_tokens == 8
+
+
+def test_requests_share_no_block_in_a_step_without_prefix_caching() -> None:
+    config = SchedulerConfig(8, 64)
+    scheduler = Scheduler(config, KVCacheManager(64, 4, enable_prefix_caching=False))
+    scheduler.add(seq("a", 10))
+    scheduler.add(seq("b", 10))
+    assert scheduled(run_step(scheduler)) == {"a": 10, "b": 10}
+
+
+def test_a_chunked_shared_prefix_is_computed_once() -> None:
+    scheduler = make_scheduler(budget=12)
+    scheduler.add(seq("a", 20))
+    scheduler.add(seq("b", 20))  # the same prompt, in blocks of 4
+    assert scheduled(run_step(scheduler)) == {"a": 12}  # blocks 0-2
+    # a's second chunk fills block 3, which b would reach after its hits on blocks 0-2.
+    assert scheduled(run_step(scheduler)) == {"a": 8}
+    third = run_step(scheduler)
+    assert scheduled(third) == {"a": 1, "b": 4}
+    assert third.seqs[1].num_cached_tokens == 16  # blocks 0-3, none computed twice

@@ -1,0 +1,79 @@
+"""A burst of prompts that share a cold prefix (one system prompt, not yet cached) into an idle
+engine, A/B in one process: `before` lets every request compute the shared blocks in the same
+step, `after` is the scheduler's rule (a request waits a step for a block another fills in it).
+
+    python -m bench.shared_prefix_burst [--num-prompts 16] [--shared-tokens 32]
+        [--own-tokens 16 48] [--rounds 4] [--dtype auto]
+
+Each round's burst starts with its own shared prefix (seeded tokens), so that it is cold in
+both variants; each prompt then has its own seeded tail of OWN_TOKENS, greedy, 4 tokens out.
+Rounds alternate which variant goes first, on one engine. Prints TTFT p50/max and drain time
+per round with before / after ratios; the load average and CPU flags beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from contextlib import nullcontext
+from unittest import mock
+
+from bench.engine_throughput import cpu_vector_flags, load_average, report_out
+from bench.prefill_burst import run_burst
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_store import DEFAULT_MODEL, pull
+from engine.scheduler import Scheduler
+
+
+def burst(rng: random.Random, args: argparse.Namespace) -> list[list[int]]:
+    shared = [100 + rng.randrange(40_000) for _ in range(args.shared_tokens)]
+    return [
+        shared + [100 + rng.randrange(40_000) for _ in range(rng.randint(*args.own_tokens))]
+        for _ in range(args.num_prompts)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--shared-tokens", type=int, default=32)
+    parser.add_argument("--own-tokens", type=int, nargs=2, default=[16, 48])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    engine = LLMEngine(EngineConfig(str(pull(DEFAULT_MODEL)), dtype=args.dtype))
+    rng = random.Random(0)
+    run_burst(engine, burst(rng, args), 2)  # warm up
+    every_request_computes = mock.patch.object(
+        Scheduler, "_blocks_completed_by", lambda self, batch, start=0: set[bytes]()
+    )
+    load_before = load_average()
+    rounds = []
+    for r in range(args.rounds):
+        one = {}
+        for name in ["before", "after"] if r % 2 == 0 else ["after", "before"]:
+            with every_request_computes if name == "before" else nullcontext():
+                one[name] = run_burst(engine, burst(rng, args), 4)
+        rounds.append(one)
+        b, a = one["before"], one["after"]
+        print(
+            f"round {r + 1}: TTFT p50 / max before {b['ttft_p50_s']:.3f} / {b['ttft_max_s']:.3f}"
+            f" s, after {a['ttft_p50_s']:.3f} / {a['ttft_max_s']:.3f} s"
+            f" ({b['ttft_max_s'] / a['ttft_max_s']:.2f}x); drain {b['drain_s']:.2f} /"
+            f" {a['drain_s']:.2f} s ({b['drain_s'] / a['drain_s']:.2f}x)",
+            flush=True,
+        )
+    report = {
+        "args": vars(args),
+        "rounds": rounds,
+        "load_average": [load_before, load_average()],
+        "cpu_flags": cpu_vector_flags(),
+    }
+    report_out(report, args.json, ("load_average", "cpu_flags"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
