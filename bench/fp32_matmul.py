@@ -20,14 +20,13 @@ import argparse
 import functools
 import random
 import statistics
-from contextlib import AbstractContextManager, nullcontext
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from bench.engine_throughput import cpu_vector_flags, load_average, report_out
-from bench.prefill_burst import run_burst
+from bench.prefill_burst import ab_bursts
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import dense_matmul
@@ -61,31 +60,6 @@ def layer_table(token_counts: list[int]) -> list[dict[str, float | int | str | N
     return rows
 
 
-def ab_bursts(
-    engine: LLMEngine, prompts: list[list[int]], before: AbstractContextManager[object], rounds: int
-) -> list[dict[str, dict[str, float]]]:
-    """Rounds of the same burst, alternating `before` (inside the context) and `after`."""
-    run_burst(engine, prompts, 2)  # warm up both paths' shapes
-    with before:
-        run_burst(engine, prompts, 2)
-    results = []
-    for r in range(rounds):
-        one: dict[str, dict[str, float]] = {}
-        for name in ["before", "after"] if r % 2 == 0 else ["after", "before"]:
-            with before if name == "before" else nullcontext():
-                one[name] = run_burst(engine, prompts, 16)
-        results.append(one)
-        b, a = one["before"], one["after"]
-        print(
-            f"  round {r + 1}: TTFT p50 / max before {b['ttft_p50_s']:.3f} / "
-            f"{b['ttft_max_s']:.3f} s, after {a['ttft_p50_s']:.3f} / {a['ttft_max_s']:.3f} s"
-            f" ({b['ttft_max_s'] / a['ttft_max_s']:.2f}x); drain {b['drain_s']:.2f} /"
-            f" {a['drain_s']:.2f} s ({b['drain_s'] / a['drain_s']:.2f}x)",
-            flush=True,
-        )
-    return results
-
-
 def seeded_prompts(count: int, lengths: list[int]) -> list[list[int]]:
     rng = random.Random(0)
     return [
@@ -111,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = LLMEngine(EngineConfig(model, dtype="float32", enable_prefix_caching=False))
     prompts = seeded_prompts(args.num_prompts, args.prompt_tokens)
     mkl_only = mock.patch.object(dense_matmul, "onednn_min_tokens", lambda n, k: None)
-    matmul_rounds = ab_bursts(fp32, prompts, mkl_only, args.rounds)
+    matmul_rounds = ab_bursts(fp32, lambda: prompts, mkl_only, args.rounds, max_tokens=16)
     report = {
         "layers": table,
         "num_prompt_tokens": sum(map(len, prompts)),

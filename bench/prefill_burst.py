@@ -19,6 +19,8 @@ import dataclasses
 import random
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from bench.loadgen import percentile
@@ -54,6 +56,36 @@ def run_burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
         "itl_max_s": max(itls, default=0.0),
         "drain_s": time.perf_counter() - started,
     }
+
+
+def ab_bursts(
+    engine: LLMEngine,
+    prompts: Callable[[], list[list[int]]],
+    before: AbstractContextManager[object],
+    rounds: int,
+    max_tokens: int,
+) -> list[dict[str, dict[str, float]]]:
+    """Rounds of bursts (each from `prompts()`), alternating which goes first: `before` inside
+    the context, `after` outside it."""
+    run_burst(engine, prompts(), 2)  # warm up both paths' shapes
+    with before:
+        run_burst(engine, prompts(), 2)
+    results = []
+    for r in range(rounds):
+        one: dict[str, dict[str, float]] = {}
+        for name in ["before", "after"] if r % 2 == 0 else ["after", "before"]:
+            with before if name == "before" else nullcontext():
+                one[name] = run_burst(engine, prompts(), max_tokens)
+        results.append(one)
+        b, a = one["before"], one["after"]
+        print(
+            f"  round {r + 1}: TTFT p50 / max before {b['ttft_p50_s']:.3f} / "
+            f"{b['ttft_max_s']:.3f} s, after {a['ttft_p50_s']:.3f} / {a['ttft_max_s']:.3f} s"
+            f" ({b['ttft_max_s'] / a['ttft_max_s']:.2f}x); drain {b['drain_s']:.2f} /"
+            f" {a['drain_s']:.2f} s ({b['drain_s'] / a['drain_s']:.2f}x)",
+            flush=True,
+        )
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,19 +7,19 @@ step, `after` is the scheduler's rule (a request waits a step for a block anothe
 
 Each round's burst starts with its own shared prefix (seeded tokens), so that it is cold in
 both variants; each prompt then has its own seeded tail of OWN_TOKENS, greedy, 4 tokens out.
-Rounds alternate which variant goes first, on one engine. Prints TTFT p50/max and drain time
-per round with before / after ratios; the load average and CPU flags beside them.
+Rounds alternate which variant goes first, on one engine (`prefill_burst.ab_bursts`). Prints
+TTFT p50/max and drain time per round with before / after ratios; the load average and CPU
+flags beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-from contextlib import nullcontext
 from unittest import mock
 
 from bench.engine_throughput import cpu_vector_flags, load_average, report_out
-from bench.prefill_burst import run_burst
+from bench.prefill_burst import ab_bursts
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import DEFAULT_MODEL, pull
@@ -45,26 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     engine = LLMEngine(EngineConfig(str(pull(DEFAULT_MODEL)), dtype=args.dtype))
     rng = random.Random(0)
-    run_burst(engine, burst(rng, args), 2)  # warm up
     every_request_computes = mock.patch.object(
         Scheduler, "_blocks_completed_by", lambda self, batch, start=0: set[bytes]()
     )
     load_before = load_average()
-    rounds = []
-    for r in range(args.rounds):
-        one = {}
-        for name in ["before", "after"] if r % 2 == 0 else ["after", "before"]:
-            with every_request_computes if name == "before" else nullcontext():
-                one[name] = run_burst(engine, burst(rng, args), 4)
-        rounds.append(one)
-        b, a = one["before"], one["after"]
-        print(
-            f"round {r + 1}: TTFT p50 / max before {b['ttft_p50_s']:.3f} / {b['ttft_max_s']:.3f}"
-            f" s, after {a['ttft_p50_s']:.3f} / {a['ttft_max_s']:.3f} s"
-            f" ({b['ttft_max_s'] / a['ttft_max_s']:.2f}x); drain {b['drain_s']:.2f} /"
-            f" {a['drain_s']:.2f} s ({b['drain_s'] / a['drain_s']:.2f}x)",
-            flush=True,
-        )
+    rounds = ab_bursts(engine, lambda: burst(rng, args), every_request_computes, args.rounds, 4)
     report = {
         "args": vars(args),
         "rounds": rounds,
