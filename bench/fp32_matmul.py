@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import random
 import statistics
 from unittest import mock
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.engine_throughput import cpu_vector_flags, load_average, report_out
-from bench.prefill_burst import ab_bursts
+from bench.prefill_burst import ab_bursts, seeded_prompts
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import dense_matmul
@@ -58,13 +57,6 @@ def layer_table(token_counts: list[int]) -> list[dict[str, float | int | str | N
         rows.append({"shape": name, "crossover_tokens": crossover})
         print(f"{name:8} the engine's choice: oneDNN from {crossover} tokens (None: never)")
     return rows
-
-
-def seeded_prompts(count: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(0)
-    return [
-        [100 + rng.randrange(40_000) for _ in range(rng.randint(*lengths))] for _ in range(count)
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,14 @@ from engine.model_store import DEFAULT_MODEL, pull
 from engine.sampling_params import SamplingParams
 
 
+def seeded_prompts(count: int, lengths: list[int]) -> list[list[int]]:
+    """`count` prompts of random tokens, their lengths drawn from `lengths` (low, high)."""
+    rng = random.Random(0)
+    return [
+        [100 + rng.randrange(40_000) for _ in range(rng.randint(*lengths))] for _ in range(count)
+    ]
+
+
 def run_burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
@@ -99,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = EngineConfig(str(pull(DEFAULT_MODEL)), enable_prefix_caching=False)
     engine = LLMEngine(config)
-    rng = random.Random(0)
-    prompts = [
-        [100 + rng.randrange(40_000) for _ in range(rng.randint(*args.prompt_tokens))]
-        for _ in range(args.num_prompts)
-    ]
+    prompts = seeded_prompts(args.num_prompts, args.prompt_tokens)
     run_burst(engine, prompts[:2], 2)  # warm up
     base = engine.scheduler.config
     load_before = load_average()

@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_feature_digest, cpu_kernels
+from engine.model import attention
 from engine.model.attention import (
     AttentionMetadata,
     PrefillChunk,
     paged_attention,
     paged_decode_kernel,
+    paged_prefill_kernel,
 )
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
@@ -128,35 +130,106 @@ def prefill_metadata(
     return AttentionMetadata(empty, 0, empty, empty, None, prefills)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_equals_dense_causal_attention(dtype: torch.dtype) -> None:
-    contexts, chunks = [0, 5, 12], [7, 9, 4]
-    lens = [c + n for c, n in zip(contexts, chunks, strict=True)]
-    _, k_cache, v_cache, tables, _ = random_batch(lens, dtype)
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(sum(chunks), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    # The chunk's own keys and values, as the layer passes them (already in the cache).
+def causal_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: list[list[int]],
+    contexts: list[int],
+    chunks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each chunk's own keys and values (as the layer passes them, already in the cache) and
+    each query's attention over the keys up to its own position, one query at a time."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    group = q.shape[1] // num_kv_heads
     ks, vs, expected = [], [], []
     for i, (table, context, n) in enumerate(zip(tables, contexts, chunks, strict=True)):
-        keys = k_cache[table].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[: context + n]
-        values = v_cache[table].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[: context + n]
+        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[: context + n]
+        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[: context + n]
         ks.append(keys[context:])
         vs.append(values[context:])
         rows = q[sum(chunks[:i]) : sum(chunks[: i + 1])]
-        for t in range(n):  # each query over the keys up to its own position
+        for t in range(n):
             one = rows[t : t + 1].float()
-            group = NUM_HEADS // NUM_KV_HEADS
             k = keys[: context + t + 1].float().repeat_interleave(group, dim=1).transpose(0, 1)
             v = values[: context + t + 1].float().repeat_interleave(group, dim=1).transpose(0, 1)
             out = F.scaled_dot_product_attention(one.transpose(0, 1), k, v)  # (H, 1, D)
             expected.append(out.transpose(0, 1))
-    meta = prefill_metadata(tables, contexts, chunks)
-    out = paged_attention(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta)
+    return torch.cat(ks), torch.cat(vs), torch.cat(expected)
+
+
+def prefill_kernel_or_skip(head_dim: int) -> None:
+    if paged_prefill_kernel(torch.device("cpu"), head_dim) is None:
+        pytest.skip("no native prefill kernel here (it needs AVX-512 and heads of 64k)")
+
+
+# The portable path on the small heads; the kernel on the shapes it serves, with contexts and
+# chunks that start and end inside its tiles of 16 queries and its chunks of 64 keys.
+PREFILL_CASES = [
+    pytest.param(Heads(), 4, [0, 5, 12], [7, 9, 4], False, id="portable"),
+    pytest.param(Heads(9, 3, 64), 16, [0, 5, 70, 128], [7, 40, 100, 3], False, id="portable-64"),
+    pytest.param(Heads(9, 3, 64), 16, [0, 5, 70, 128], [7, 40, 100, 3], True, id="kernel-64"),
+    pytest.param(Heads(4, 2, 128), 16, [0, 63, 200], [130, 2, 17], True, id="kernel-128"),
+    pytest.param(Heads(8, 1, 128), 16, [33], [65], True, id="kernel-mha"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("heads", "block_size", "contexts", "chunks", "with_kernel"), PREFILL_CASES
+)
+def test_prefill_attention_equals_dense_causal_attention(
+    dtype: torch.dtype,
+    heads: Heads,
+    block_size: int,
+    contexts: list[int],
+    chunks: list[int],
+    with_kernel: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if with_kernel:
+        prefill_kernel_or_skip(heads.head_dim)
+    else:
+        monkeypatch.setattr(attention, "paged_prefill_kernel", lambda device, head_dim: None)
+    lens = [c + n for c, n in zip(contexts, chunks, strict=True)]
+    _, k_cache, v_cache, tables, _ = random_batch(lens, dtype, block_size, heads)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(chunks), heads.num_heads, heads.head_dim, generator=gen).to(dtype)
+    k, v, expected = causal_reference(q, k_cache, v_cache, tables, contexts, chunks)
+    out = paged_attention(q, k, v, k_cache, v_cache, prefill_metadata(tables, contexts, chunks))
     assert out.dtype == dtype
     tolerance = (
         {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     )
-    torch.testing.assert_close(out.float(), torch.cat(expected), **tolerance)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_rows_do_not_depend_on_the_chunking(dtype: torch.dtype) -> None:
+    """A prompt prefilled whole and in two chunks (split inside a tile and a key chunk) gives
+    the same bits: what a node that resumes a stream relies on to match the first node."""
+    heads = Heads(9, 3, 64)
+    prefill_kernel_or_skip(heads.head_dim)
+    _, k_cache, v_cache, tables, _ = random_batch([150], dtype, 16, heads)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(150, heads.num_heads, heads.head_dim, generator=gen).to(dtype)
+    k, v, _ = causal_reference(q, k_cache, v_cache, tables, [0], [150])
+    whole = paged_attention(q, k, v, k_cache, v_cache, prefill_metadata(tables, [0], [150]))
+    parts = [
+        paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache,
+                        prefill_metadata(tables, [a], [b - a]))
+        for a, b in [(0, 71), (71, 150)]
+    ]  # fmt: skip
+    assert torch.equal(whole, torch.cat(parts))
+
+
+def test_prefill_kernel_rejects_blocks_short_of_the_chunk() -> None:
+    prefill_kernel_or_skip(64)
+    kernel = paged_prefill_kernel(torch.device("cpu"), 64)
+    assert kernel is not None
+    cache = torch.zeros(4, 16, 3, 64)
+    with pytest.raises(RuntimeError, match="do not cover"):
+        kernel(torch.zeros(20, 9, 64), cache, cache, torch.tensor([0]), 0, 0.125)
 
 
 # Runs the Triton decode kernel in Triton's interpreter, on CPU tensors: TRITON_INTERPRET must

@@ -36,7 +36,13 @@ _SOURCE_DIR = Path(__file__).parent
 # running maximum of an online softmax) are undefined behaviour. What it gave that is safe with
 # infinities stays: reassociation (vectorized reductions), no errno, no traps. The kernels carry
 # their own vectorizable exp, since glibc's vector exp is declared only under -ffast-math.
-_SOURCES = ["paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "gemv_cpu.cpp", "bindings_cpu.cpp"]
+_SOURCES = [
+    "paged_attention_cpu.cpp",
+    "prefill_attention_cpu.cpp",
+    "layer_ops_cpu.cpp",
+    "gemv_cpu.cpp",
+    "bindings_cpu.cpp",
+]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations"]
 
 

@@ -4,6 +4,10 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &meridian::paged_decode_attention,
         "Decode attention reading K and V in place from paged blocks");
+  m.def("paged_prefill_supported", &meridian::paged_prefill_supported,
+        "Whether this build has the prefill kernel for heads of this size");
+  m.def("paged_prefill_attention", &meridian::paged_prefill_attention,
+        "Causal prefill attention of one chunk, reading K and V in place from paged blocks");
   m.def("rms_norm", &meridian::rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &meridian::add_rms_norm,
         "residual += x in place, then RMSNorm of the new residual");

@@ -14,10 +14,6 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <limits>
 #include <vector>
 
@@ -75,30 +71,6 @@ void attend_portable(const float* qf, const scalar_t* k_ptr, const scalar_t* v_p
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// vector_exp on 16 lanes (the same polynomial).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.98412698e-4f);
-  for (float c : {1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f,
-                  1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One (sequence, KV head) with AVX-512: a head is NV vectors of 16, its queries (G of them) and
 // accumulators held in registers, each key and value read once for all G query heads.
 template <int NV, int G, typename scalar_t>

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
+# (q, k_cache, v_cache, block_ids, num_context_tokens, scale) -> out: one chunk, causal, reads
+# its context and its own keys (already written) in place.
+PrefillKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
+]
 
 
 @dataclass(slots=True)
@@ -79,6 +84,20 @@ def paged_decode_kernel(device: torch.device) -> DecodeKernel | None:
         kernels = cpu_kernels()
         return None if kernels is None else kernels.paged_decode_attention
     return _triton_decode_kernel() if device.type == "cuda" else None
+
+
+def paged_prefill_kernel(device: torch.device, head_dim: int) -> PrefillKernel | None:
+    """The prefill kernel that reads the cache in place: the C++ one, on CPUs with AVX-512 and
+    heads a multiple of 64. None: chunks gather their context for SDPA (the portable path)."""
+    return _cpu_prefill_kernel(head_dim) if device.type == "cpu" else None
+
+
+@cache
+def _cpu_prefill_kernel(head_dim: int) -> PrefillKernel | None:
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.paged_prefill_supported(head_dim):
+        return None
+    return kernels.paged_prefill_attention
 
 
 @cache
@@ -152,10 +171,15 @@ def _prefill_attention(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
 ) -> torch.Tensor:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    kernel = paged_prefill_kernel(q.device, head_dim)
+    if kernel is not None:
+        return kernel(
+            q, k_cache, v_cache, chunk.block_ids, chunk.num_context_tokens, head_dim**-0.5
+        )
     if chunk.mask is None:
         keys, values = k, v
     else:
-        num_kv_heads, head_dim = k_cache.shape[-2:]
         num_keys = chunk.num_context_tokens + chunk.num_tokens
         keys = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
         values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
