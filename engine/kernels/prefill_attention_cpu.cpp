@@ -4,12 +4,12 @@
 // The portable path gathers the keys into one tensor and, with a context, builds a dense mask
 // for torch's CPU flash kernel, which then computes the scores above the diagonal too. On
 // SmolLM2's heads of 64 (bf16, two Zen 4 cores) it did 55-80 GFLOP/s of useful work; this
-// kernel does 200-225 there, and 105-135 in fp32 (bench/prefill_attention.py).
+// kernel does 165-260 there, and 83-161 in fp32 (bench/prefill_attention.py).
 //
 // Two passes. First each KV head's keys and values are packed, in chunks of 64 keys, so that a
 // vector holds one component of 16 keys (see the formats below). Then one task per (KV head,
 // tile of 16 query tokens): the tile's query heads of that KV head are the rows of one small
-// matrix, taken four at a time through the key chunks with an online softmax: their 4 x 64
+// matrix, taken six at a time through the key chunks with an online softmax: their 6 x 64
 // scores and then their outputs in registers, no horizontal sums. A row block stops at its
 // last token's position: the chunks above the diagonal cost nothing. Chunks start at absolute
 // key positions and a masked key's weight is exactly 0, so a row's result depends only on its
@@ -38,7 +38,9 @@ namespace {
 constexpr int64_t kTileTokens = 16;  // query tokens per task
 constexpr int64_t kChunkKeys = 64;   // keys per step of the online softmax: 4 vectors of scores
 constexpr int64_t kChunkVectors = kChunkKeys / 16;
-constexpr int kBlockRows = 4;  // rows whose scores and outputs are held in registers at once
+// Rows whose scores (then outputs) are held in registers at once: 24 of the 32 vectors. Six
+// rows did 1.3-2x the work of four in fp32 (one load of keys per six FMAs, not four).
+constexpr int kBlockRows = 6;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using Scores = __m512[kBlockRows][kChunkVectors];
@@ -72,7 +74,7 @@ inline void softmax_step(Scores& s, const int64_t* pos, int64_t c0, float* row_m
   }
 }
 
-// 64 components of the block's four outputs (4 x D, at d0), the second product's accumulators.
+// 64 components of the block's outputs (at d0), the second product's accumulators.
 using Outputs = __m512[kBlockRows][4];
 
 inline void load_rescaled(const float* out, int64_t d, int64_t d0, const float* correction,
@@ -122,8 +124,8 @@ struct Fp32Format {
     for (int64_t e = 0; e < d; ++e) dst[e] *= scale;
   }
 
-  // Rows [0, 4) of qf (D apart) at positions pos[0..4) (non-decreasing) over the key chunk at
-  // c0: into their running maxima, sums and unnormalized outputs (4 x D).
+  // The block's rows of qf (D apart) at positions pos[] (non-decreasing) over the key chunk
+  // at c0: into their running maxima, sums and unnormalized outputs (rows x D).
   static void attend_chunk(const float* qf, const int64_t* pos, const float* kt,
                            const float* vf, int64_t c0, int64_t d, float, float* row_max,
                            float* row_sum, float* out) {
