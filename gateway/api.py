@@ -269,7 +269,12 @@ class Handlers:
         if relay.ttft_s is not None:
             if parsed.is_stream:
                 self.metrics.observe_ttft(first.region, "stream", relay.ttft_s)
-                self.router.observe_ttft(first.region, relay.ttft_s, first.predicted_ttft_s)
+                # The first attempt's prefix-cache hits, where its usage is the one read.
+                usage = relay.reader.usage
+                cached = usage.cached_tokens if usage and not relay.reader.num_resumes else 0
+                self.router.observe_ttft(
+                    first.region, relay.ttft_s, first.predicted_ttft_s, cached_tokens=cached
+                )
             else:  # as before: a non-stream's TTFT is its whole answer's, and not the router's
                 whole_s = time.monotonic() - relay.first.sent_at_s
                 self.metrics.observe_ttft(first.region, "whole", whole_s)

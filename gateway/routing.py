@@ -17,7 +17,9 @@ the TTFT this gateway measures on streams, and decays with a half-life so a regi
 judged slow is tried again; a region not measured yet takes the residual over all the regions
 measured (what every prediction misses), not 0. (It is fed when a stream ends: fed at the first
 token instead, it made the simulated surge's p99 worse, by reacting to the same stale queue
-twice.)
+twice.) A stream's prefix-cache hits, as its node's usage reports them, come off its
+prediction before the residual is taken: a region measured on hits would otherwise look
+cheaper for every prompt, and so would the regions not measured yet.
 
 Eligible regions are active, with healthy nodes, an ingress URL and a weight above 0. Among
 those, saturated ones (KV cache fuller than the policy's threshold) and ones whose circuit is
@@ -345,13 +347,22 @@ class Router:
         return self.regions.get(region)
 
     def observe_ttft(
-        self, region: str, ttft_s: float, predicted_s: float, now_s: float | None = None
+        self,
+        region: str,
+        ttft_s: float,
+        predicted_s: float,
+        cached_tokens: int = 0,
+        now_s: float | None = None,
     ) -> None:
+        """A stream's TTFT against its prediction. The prediction charged the whole prompt's
+        prefill; `cached_tokens` (the node's usage) were prefix-cache hits, so they come off
+        the prediction: the residual is what the summaries miss, not where a prompt happened
+        to be cached (a region measured on hits would look cheap for every prompt)."""
         state = self.regions.get(region)
         if state is None:
             return
         now_s = time.monotonic() if now_s is None else now_s
-        sample_s = ttft_s - predicted_s
+        sample_s = ttft_s - (predicted_s - cached_tokens / self.config.prefill_tokens_per_s)
         alpha = self.config.ttft_ewma_alpha
         if self.num_ttft_samples == 0:
             self.ttft_residual_s = sample_s

@@ -46,6 +46,9 @@ _FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens the node found in its prefix cache (`prompt_tokens_details.cached_tokens`):
+    # the last attempt's. Not summed: an attempt that broke sent no usage.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -68,7 +71,9 @@ def usage_of(payload: object) -> Usage | None:
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return Usage(prompt, completion)
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(prompt, completion, cached if isinstance(cached, int) else 0)
 
 
 def _has_finish(events: bytes) -> bool:
@@ -110,7 +115,11 @@ def summed_usage(last: Usage, starts: list[int]) -> Usage:
     first). A continuation's node counts the ids it resumed after as prompt, so the original
     prompt is the last attempt's less its start; each attempt prefilled that plus its start."""
     prompt = last.prompt_tokens - starts[-1]
-    return Usage(sum(prompt + start for start in starts), last.completion_tokens + starts[-1])
+    return Usage(
+        sum(prompt + start for start in starts),
+        last.completion_tokens + starts[-1],
+        last.cached_tokens,
+    )
 
 
 def is_first_token(event: bytes) -> bool:

@@ -240,7 +240,8 @@ class Traffic:
                 self.chooser.on_first_byte(flight.pop, flight.pick.region, now_s)
         if not flight.is_edge:
             ttft_s = flight.first_byte_s - flight.sent_s
-            self.chooser.on_done(flight.pop, flight.pick, ttft_s, now_s)
+            cached_tokens = job.prompt_tokens - job.prefill_tokens
+            self.chooser.on_done(flight.pop, flight.pick, ttft_s, cached_tokens, now_s)
         self._end(flight, Outcome.OK, done_s + flight.client_delay_s)
 
     def _expire_deadlines(self, _: None) -> None:
@@ -281,7 +282,10 @@ class Traffic:
         if flight.is_committed:
             if not flight.is_edge:
                 ttft_s = flight.first_byte_s - flight.sent_s
-                self.chooser.on_done(flight.pop, flight.pick, ttft_s, self.loop.now_s)
+                cached_tokens = job.prompt_tokens - job.prefill_tokens
+                self.chooser.on_done(
+                    flight.pop, flight.pick, ttft_s, cached_tokens, self.loop.now_s
+                )
             self._end(flight, Outcome.CUT)
         else:  # its first byte is on the way but nothing will follow: the gateway times out
             flight.job = None

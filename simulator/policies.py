@@ -71,7 +71,9 @@ class Chooser:
     def on_first_byte(self, pop: str, region: str, now_s: float) -> None:
         return None
 
-    def on_done(self, pop: str, pick: Pick, ttft_s: float, now_s: float) -> None:
+    def on_done(
+        self, pop: str, pick: Pick, ttft_s: float, cached_tokens: int, now_s: float
+    ) -> None:
         return None
 
 
@@ -122,12 +124,16 @@ class MeridianChooser(Chooser):
             state.num_awaiting_first_byte -= 1
             state.breaker.on_success()
 
-    def on_done(self, pop: str, pick: Pick, ttft_s: float, now_s: float) -> None:
+    def on_done(
+        self, pop: str, pick: Pick, ttft_s: float, cached_tokens: int, now_s: float
+    ) -> None:
         router = self.routers[pop]
         state = router.state_of(pick.region)
         if state is not None:
             state.num_in_flight -= 1
-        router.observe_ttft(pick.region, ttft_s, pick.predicted_ttft_s, now_s=now_s)
+        router.observe_ttft(
+            pick.region, ttft_s, pick.predicted_ttft_s, cached_tokens=cached_tokens, now_s=now_s
+        )
 
 
 class RoundRobinChooser(Chooser):
@@ -173,7 +179,9 @@ class LeastLoadedChooser(Chooser):
     def on_failure(self, pop: str, region: str, now_s: float) -> None:
         self.in_flight[(pop, region)] -= 1
 
-    def on_done(self, pop: str, pick: Pick, ttft_s: float, now_s: float) -> None:
+    def on_done(
+        self, pop: str, pick: Pick, ttft_s: float, cached_tokens: int, now_s: float
+    ) -> None:
         self.in_flight[(pop, pick.region)] -= 1
 
 

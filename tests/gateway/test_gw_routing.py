@@ -265,6 +265,23 @@ def test_a_region_not_measured_yet_is_assumed_off_as_the_measured_ones_are() -> 
     assert [r.plan(10, now_s=1.0).candidates[0].region for _ in range(20)] == ["us-east"] * 20
 
 
+def test_prefix_cache_hits_do_not_make_a_region_look_cheap() -> None:
+    # A stream whose 2,000 prompt tokens were all cached came back as fast as its network
+    # path: it beat the prediction by the prefill it skipped. That is where the prompt was
+    # cached, not something the region's other prompts gain, so the correction stays 0.
+    r = router(summary("us-east"), summary("toronto"))
+    east = r.regions["us-east"]
+    prefill_s = 2000 / r.config.prefill_tokens_per_s
+    predicted = r.predict(east, 2000, 1.0).predicted_ttft_s
+    r.observe_ttft("us-east", predicted - prefill_s, predicted, cached_tokens=2000, now_s=1.0)
+    assert r.correction_s(east, 1.0) == pytest.approx(0.0)
+    assert r.correction_s(r.regions["toronto"], 1.0) == pytest.approx(0.0)
+    # The same stream with its hits unreported reads as a region faster than predicted.
+    unaware = router(summary("us-east"), summary("toronto"))
+    unaware.observe_ttft("us-east", predicted - prefill_s, predicted, now_s=1.0)
+    assert unaware.correction_s(unaware.regions["us-east"], 1.0) == pytest.approx(-prefill_s)
+
+
 def test_updates_keep_what_was_learnt_about_a_region() -> None:
     r = router(summary("us-east"))
     r.regions["us-east"].num_in_flight = 3

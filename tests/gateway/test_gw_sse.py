@@ -25,6 +25,17 @@ def test_usage_is_read_and_passed_on_when_the_client_asked() -> None:
     assert reader.num_events == 5
 
 
+def test_usage_reads_the_node_s_cached_prompt_tokens() -> None:
+    details = USAGE.replace(b'"completion_tokens":2}', b'"completion_tokens":2,'
+                            b'"prompt_tokens_details":{"cached_tokens":2}}')  # fmt: skip
+    reader = StreamReader(strip_usage=False)
+    assert feed_all(reader, [ROLE + TOKEN + details + DONE]) == ROLE + TOKEN + details + DONE
+    assert reader.usage == Usage(3, 2, cached_tokens=2)
+    plain = StreamReader(strip_usage=False)
+    feed_all(plain, [STREAM])
+    assert plain.usage == Usage(3, 2, cached_tokens=0)
+
+
 def test_usage_is_hidden_when_the_client_did_not_ask() -> None:
     reader = StreamReader(strip_usage=True)
     out = feed_all(reader, [STREAM])

@@ -70,6 +70,27 @@ def test_every_request_of_every_policy_ends(scenario: str) -> None:
         assert stats.lost == 0, policy
 
 
+def test_the_router_hears_of_each_stream_s_prefix_cache_hits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    heard: list[int] = []
+    observe = Router.observe_ttft
+
+    def spy(self: Router, *args: object, cached_tokens: int = 0, **kwargs: object) -> None:
+        heard.append(cached_tokens)
+        observe(self, *args, cached_tokens=cached_tokens, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Router, "observe_ttft", spy)
+    spec = world_spec(SCENARIOS["prefix_heavy"], 0, NUM_REQUESTS, ServiceCalibration())
+    run(spec)
+    assert len(heard) == NUM_REQUESTS  # every stream answered, none failed here
+    hits = [n for n in heard if n]
+    # Tenants repeat their long system prompts: many streams find theirs cached (fewer in so
+    # short a run, while the caches are cold), in whole blocks.
+    assert len(hits) > NUM_REQUESTS // 3
+    assert all(n % ServiceCalibration().block_size == 0 for n in hits)
+
+
 def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
     spec = world_spec(SCENARIOS["steady"], 0, 50, ServiceCalibration())
     world = World(spec, "meridian")
