@@ -34,6 +34,7 @@ class Behavior:
     malformed_after_chunks: int | None = None  # send an event that is not JSON after this many
     die_after_finish: bool = False  # drop the connection after the finish, before the usage
     put_usage_in_last_choice: bool = False
+    cached_tokens: int = 0  # prompt tokens it reports as found in its prefix cache
 
 
 @dataclass
@@ -225,7 +226,7 @@ class FakeUpstream:
             await response.write(chunk({**choice, "finish_reason": None}))
         final: JSON = {"index": 0, "finish_reason": "stop"}
         final |= {"delta": {}} if is_chat else {"text": ""}
-        usage = _usage(num_tokens, PROMPT_TOKENS + start)
+        usage = _usage(num_tokens, PROMPT_TOKENS + start, behavior.cached_tokens)
         if include_usage and behavior.put_usage_in_last_choice:
             await response.write(_sse({**base, "choices": [final], "usage": usage}))
         else:
@@ -245,13 +246,17 @@ def _lower(headers: Mapping[str, str]) -> dict[str, str]:
     return {name.lower(): value for name, value in headers.items()}
 
 
-def _usage(num_tokens: int, num_prompt_tokens: int = PROMPT_TOKENS) -> JSON:
-    """A resumed request counts the ids it resumed after as prompt, as our node agent does."""
-    return {
+def _usage(num_tokens: int, num_prompt_tokens: int = PROMPT_TOKENS, cached: int = 0) -> JSON:
+    """A resumed request counts the ids it resumed after as prompt, as our node agent does;
+    prefix-cache hits are reported where there are some."""
+    usage: JSON = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_tokens,
         "total_tokens": num_prompt_tokens + num_tokens,
     }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def _sse(payload: JSON) -> bytes:

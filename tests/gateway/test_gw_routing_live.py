@@ -45,6 +45,23 @@ def test_farther_region_serves_once_the_nearer_is_loaded(
     assert served_by(http) == "us-east"
 
 
+def test_the_router_learns_the_node_s_prefix_cache_hits_from_the_stream_s_usage(
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
+) -> None:
+    # The node says 40,000 prompt tokens were cached: 10 s of prefill at the gateway's assumed
+    # 4,000 tokens/s that the prediction charged and the stream never waited for. The residual
+    # is taken against the prediction less them, so it reads about +10 s (the hits reached the
+    # router through the real SSE path); without them it would be near 0.
+    two_regions.regions["us-east"].upstream.behavior.cached_tokens = 40_000
+    east = gateway.handlers.router.regions["us-east"]
+    with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
+        assert response.status_code == 200
+        response.read()
+    wait_until(lambda: east.num_ttft_samples == 1, what="the stream's TTFT to reach the router")
+    prefill_s = 40_000 / gateway.handlers.router.config.prefill_tokens_per_s
+    assert abs(east.ttft_residual_s - prefill_s) < 1.0
+
+
 def test_draining_a_region_moves_new_traffic_within_a_second(
     two_regions: Fleet, http: httpx.Client
 ) -> None:
