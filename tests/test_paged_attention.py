@@ -227,6 +227,8 @@ def test_prefill_kernel_rejects_blocks_short_of_the_chunk() -> None:
     prefill_kernel_or_skip(64)
     kernel = paged_prefill_kernel(torch.device("cpu"), 64)
     assert kernel is not None
+    # Heads it has no buffers for take the portable path.
+    assert paged_prefill_kernel(torch.device("cpu"), 320) is None
     cache = torch.zeros(4, 16, 3, 64)
     with pytest.raises(RuntimeError, match="do not cover"):
         kernel(torch.zeros(20, 9, 64), cache, cache, torch.tensor([0]), 0, 0.125)

@@ -18,8 +18,8 @@
 // Layouts: q (T, H, D), each token's heads packed, tokens possibly apart (a view of QKV);
 // k_cache, v_cache (num_blocks, block_size, KVH, D); block_ids (blocks of the sequence,) int64,
 // covering its context and the chunk, whose own keys are already written; out (T, H, D).
-// Needs AVX-512 and D a multiple of 64 (paged_prefill_supported); the engine keeps the
-// portable path elsewhere.
+// Needs AVX-512 and D a multiple of 64, at most 256 (paged_prefill_supported); the engine
+// keeps the portable path elsewhere.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -42,6 +42,7 @@ constexpr int64_t kChunkVectors = kChunkKeys / 16;
 // rows did 1.3-2x the work of four in fp32 (one load of keys per six FMAs, not four).
 constexpr int kBlockRows = 6;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxHeadDim = 256;  // the packing's per-key buffers
 
 using Scores = __m512[kBlockRows][kChunkVectors];
 
@@ -178,7 +179,7 @@ struct Bf16Format {
     uint32_t* kp_chunk = kp + c0 * pairs;
     for (int64_t j = c0; j < c0 + kChunkKeys; j += 2) {
       uint32_t* v_pair = vp + (j / 2) * d;
-      uint16_t v_rows[2][256];
+      uint16_t v_rows[2][kMaxHeadDim];
       for (int64_t h = 0; h < 2; ++h) {
         const int64_t key = j + h;
         if (key >= num_keys) {  // padding: zeros, never weighted
@@ -187,7 +188,7 @@ struct Bf16Format {
           continue;
         }
         const auto [k_row, v_src] = row_of(key);
-        uint32_t k_pairs[128];
+        uint32_t k_pairs[kMaxHeadDim / 2];
         std::memcpy(k_pairs, k_row, d * 2);
         for (int64_t e = 0; e < pairs; ++e) kp_chunk[e * kChunkKeys + key - c0] = k_pairs[e];
         std::memcpy(v_rows[h], v_src, d * 2);
@@ -347,7 +348,7 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 bool paged_prefill_supported(int64_t head_dim) {
 #if defined(__AVX512F__)
-  return head_dim % 64 == 0;
+  return head_dim % 64 == 0 && head_dim <= kMaxHeadDim;
 #else
   (void)head_dim;
   return false;

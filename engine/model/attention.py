@@ -88,7 +88,8 @@ def paged_decode_kernel(device: torch.device) -> DecodeKernel | None:
 
 def paged_prefill_kernel(device: torch.device, head_dim: int) -> PrefillKernel | None:
     """The prefill kernel that reads the cache in place: the C++ one, on CPUs with AVX-512 and
-    heads a multiple of 64. None: chunks gather their context for SDPA (the portable path)."""
+    heads a multiple of 64 up to 256. None: chunks gather their context for SDPA (the portable
+    path)."""
     return _cpu_prefill_kernel(head_dim) if device.type == "cpu" else None
 
 
