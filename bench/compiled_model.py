@@ -173,7 +173,7 @@ def kernel_ops(fused_layer_ops: bool) -> Iterator[None]:
                 "engine.model.layer_ops._kernels_for",
                 _fused_layer_ops if fused_layer_ops else _eager_layer_ops,
             ),
-            ("engine.model.int8_weights._kernels_for", _matmuls_for),
+            ("engine.model.dense_matmul._kernels_for", _matmuls_for),
             ("engine.model.block_weights.cpu_kernels", _matmuls),
             ("engine.model.attention.paged_decode_kernel", _decode_kernel),
         ):

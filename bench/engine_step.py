@@ -12,7 +12,9 @@ named for a quantization; `threads=N` pins it; `int8` is `quantization="int8"` a
 `quantization="q4_1"` (the GGUF's Q4_1 blocks kept, the LM head's Q8_0 blocks too), both with
 adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's dtype; `eager` is
 the default with the fused CPU layer ops swapped for their eager twins;
-`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `rebuild` is the
+`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `gemv-4` (and
+`q4_1-gemv-4`) the default (q4_1) with that kernel for steps of up to 4 tokens only, and the LM
+head's blocks up to 16, as on CPUs with AMX; `rebuild` is the
 default with each step's inputs built from the sequences alone (`build_step_inputs`, the path
 before the persistent input batch); `compile` is the
 default with its decode steps' forward under torch.compile and the fused layer ops left to
@@ -107,11 +109,24 @@ def build_engine(name: str, model: str, batch: int, context: int, kv_gib: float)
         return Variant(
             name,
             engine,
-            lambda: mock.patch("engine.model.int8_weights._kernels_for", lambda x: None),
+            lambda: mock.patch("engine.model.dense_matmul._kernels_for", lambda x: None),
         )
+    if name.endswith("gemv-4"):
+        return Variant(name, engine, gemv_4)
     if pinned is not None:
         return Variant(name, engine, lambda: threads(pinned))
     return Variant(name, engine)
+
+
+@contextmanager
+def gemv_4() -> Iterator[None]:
+    """The bf16 GEMV kernel for steps of up to 4 tokens only, the LM head's blocks up to 16: the
+    ranges before they followed the CPU (AMX CPUs still run these)."""
+    with (
+        mock.patch("engine.model.dense_matmul.bf16_gemv_max_tokens", lambda: 4),
+        mock.patch("engine.model.parallel_layers.bf16_gemv_max_tokens", lambda: 4),
+    ):
+        yield
 
 
 def compiled(name: str, engine: LLMEngine, num_warmup_steps: int = 4) -> Variant:

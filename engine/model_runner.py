@@ -16,8 +16,8 @@ from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
 from engine.model.block_weights import FORMATS, GEMV_MAX_TOKENS, BlockWeight
-from engine.model.dense_matmul import onednn_min_tokens
-from engine.model.int8_weights import BF16_GEMV_MAX_TOKENS, Int8Weight, measure_max_gemv_tokens
+from engine.model.dense_matmul import bf16_gemv_max_tokens, onednn_min_tokens
+from engine.model.int8_weights import Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel_layers import (
@@ -100,7 +100,7 @@ class ModelRunner:
         elif device.type == "cpu" and shape.dtype == torch.bfloat16 and cpu_kernels():
             logger.info(
                 "matmuls: the bf16 GEMV kernel for steps of up to %d tokens, F.linear above",
-                BF16_GEMV_MAX_TOKENS,
+                bf16_gemv_max_tokens(),
             )
         if device.type == "cpu" and shape.dtype == torch.float32:
             for out_features, in_features in self._dense_shapes():
@@ -175,7 +175,8 @@ class ModelRunner:
             [(_, blocks)] = checkpoint.gguf_blocks(name.__eq__, gguf_type)
             head.keep_head_blocks(blocks, FORMATS[gguf_type])
             head_reads = (
-                f"its {gguf_type} blocks up to {GEMV_MAX_TOKENS} tokens a step, {self.dtype} above"
+                f"its {gguf_type} blocks up to {head.head_blocks_max_tokens()} tokens a step, "
+                f"{self.dtype} above"
             )
         matmuls = (
             f"the GEMV kernel up to {GEMV_MAX_TOKENS} tokens a step, dequantized above"

@@ -1,5 +1,5 @@
 """The dense matmul: oneDNN's fp32 path from the measured crossover on, F.linear below it, the
-same products either way."""
+same products either way; bf16's GEMV kernel range by the CPU's flags."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import dense_matmul
-from engine.model.dense_matmul import dense_linear, onednn_min_tokens
+from engine.model.dense_matmul import bf16_gemv_max_tokens, dense_linear, onednn_min_tokens
 
 pytestmark = pytest.mark.skipif(not dense_matmul._ONEDNN, reason="torch built without oneDNN")
 
@@ -46,11 +46,27 @@ def test_tokens_count_over_leading_dimensions(onednn_calls: list[int]) -> None:
     assert onednn_calls == [6]
 
 
-def test_bf16_keeps_f_linear(onednn_calls: list[int]) -> None:
+def test_bf16_above_the_gemv_kernel_keeps_f_linear(onednn_calls: list[int]) -> None:
     weight = torch.randn(32, 16, dtype=torch.bfloat16)
-    x = torch.randn(64, 16, dtype=torch.bfloat16)
+    x = torch.randn(bf16_gemv_max_tokens() + 1, 16, dtype=torch.bfloat16)
     assert torch.equal(dense_linear(x, weight), F.linear(x, weight))
     assert onednn_calls == []
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "expected"),
+    [(True, True, 4), (False, True, 64), (False, False, 4)],
+)
+def test_the_bf16_gemv_range_follows_the_cpu_s_flags(
+    monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool, expected: int
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    bf16_gemv_max_tokens.cache_clear()
+    try:
+        assert bf16_gemv_max_tokens() == expected
+    finally:
+        bf16_gemv_max_tokens.cache_clear()
 
 
 def test_the_crossover_is_a_probe_or_never() -> None:

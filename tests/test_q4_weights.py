@@ -23,8 +23,9 @@ from engine.distributed import TPGroup
 from engine.errors import InvalidRequestError
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
-from engine.model import block_weights
+from engine.model import block_weights, parallel_layers
 from engine.model.block_weights import GEMV_MAX_TOKENS, Q4_1, Q8_0, BlockFormat, BlockWeight
+from engine.model.dense_matmul import dense_linear
 from engine.model.llama import keeps_q4_1_blocks
 from engine.model.parallel_layers import (
     ColumnParallelLinear,
@@ -236,17 +237,33 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
     head.load(dense)
     head.keep_head_blocks(full, Q8_0)
     assert head.head_blocks is not None
-    for num_tokens in (1, 3, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
+    for num_tokens in (1, 3, 8, 9, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
         x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
         logits = head.logits(x)
         assert logits.dtype == torch.float32 and logits.shape == (num_tokens, vocab)
-        reads_blocks = kernels_on and num_tokens <= GEMV_MAX_TOKENS
-        expected = head.head_blocks.linear(x) if reads_blocks else torch.mm(x, head.weight.T)
+        reads_blocks = kernels_on and num_tokens <= head.head_blocks_max_tokens()
+        expected = head.head_blocks.linear(x) if reads_blocks else dense_linear(x, head.weight)
         assert torch.equal(logits, expected.float())
         # The float rows are the weights rounded to the dtype, as the blocks' bf16 loop rounds.
         rounded = not reads_blocks or _has_avx512_bf16()
         weights = dense.to(dtype).float() if rounded else dense
         _close(logits, x.float() @ weights.T, dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bf16_gemv_tokens", "expected"),
+    [
+        (torch.bfloat16, 64, 8),  # the bf16 rows' kernel takes the head's steps over 8
+        (torch.bfloat16, 4, GEMV_MAX_TOKENS),  # AMX: F.linear on the rows loses to the blocks
+        (torch.float32, 64, GEMV_MAX_TOKENS),  # fp32 rows: no bf16 kernel reads them
+    ],
+)
+def test_the_head_reads_its_blocks_where_they_beat_its_rows(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bf16_gemv_tokens: int, expected: int
+) -> None:
+    monkeypatch.setattr(parallel_layers, "bf16_gemv_max_tokens", lambda: bf16_gemv_tokens)
+    head = VocabParallelEmbedding(64, 32, TPGroup()).to(dtype)
+    assert head.head_blocks_max_tokens() == expected
 
 
 def test_q4_1_is_refused_where_the_weights_are_not_q4_1(smollm2_checkpoint: Checkpoint) -> None:

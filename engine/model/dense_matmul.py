@@ -1,6 +1,12 @@
-"""The dense matmul under every linear layer: `F.linear`, or oneDNN's where that is faster.
+"""The dense matmul under every linear layer: `F.linear`, oneDNN's, or our bf16 GEMV kernel,
+whichever is faster for the step.
 
-On CPU, torch's fp32 `F.linear` calls MKL's sgemm (bf16 already runs on oneDNN). On the AMD
+bf16 on CPU: steps of few tokens take our GEMV kernel (engine/kernels/gemv_cpu.cpp
+`bf16_linear`), which streams each weight row once; `F.linear`'s oneDNN GEMM is tiled for many
+tokens. How many depends on the CPU (`bf16_gemv_max_tokens`), and the choice is fixed by its
+flags, not timed, so two engines on one kind of CPU compute the same bits.
+
+fp32 on CPU: torch's `F.linear` calls MKL's sgemm (bf16 already runs on oneDNN). On the AMD
 EPYC of docs/benchmarks.md (AVX-512, no AMX) a layer's four projections took 0.72-0.79x MKL's
 time from 4 to 1,000 tokens on SmolLM2's shapes, while MKL's GEMV won at one token. MKL picks its
 code path by CPU vendor and model, so neither wins everywhere: the crossover is measured once
@@ -16,9 +22,12 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +40,35 @@ def dense_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T + bias."""
+    if (
+        weight.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[0] <= bf16_gemv_max_tokens()
+        and (kernels := _kernels_for(x))
+    ):
+        out = kernels.bf16_linear(x.contiguous(), weight)
+        return out if bias is None else out + bias
     if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu":
         min_tokens = onednn_min_tokens(*weight.shape)
         if min_tokens is not None and x.numel() >= min_tokens * x.shape[-1]:
             return _onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _kernels_for(x: torch.Tensor) -> ModuleType | None:
+    return cpu_kernels() if x.device.type == "cpu" else None
+
+
+@functools.cache
+def bf16_gemv_max_tokens() -> int:
+    """bf16 steps of up to this many tokens take the GEMV kernel. With AMX tiles (a Sapphire
+    Rapids) oneDNN's GEMM overtook it from 8 tokens (1.1x its time there); with AVX-512 BF16
+    alone (an AMD EPYC) the kernel took 0.55-0.95x F.linear's time on every shape of SmolLM2
+    up to 64 tokens, and lost at 128 (bench/linear_small_m.py). Without AVX-512 BF16 bf16 is
+    not the engine's dtype; the kernel's portable loop keeps the few tokens it was built for."""
+    if torch.cpu._is_amx_tile_supported() or not torch.cpu._is_avx512_bf16_supported():
+        return 4
+    return 64
 
 
 def _onednn_linear(

@@ -7,10 +7,9 @@ few tokens; it is not a tiled GEMM, so a step of many tokens (a prefill chunk) i
 dequantizing the weight first and running the ordinary matmul. Where the two cross depends on
 the CPU, so it is measured once per process (`measure_max_gemv_tokens`).
 
-bf16 weights (no int8) take our GEMV kernel for steps of few tokens where the kernels built
-(engine/kernels/gemv_cpu.cpp): it reads each weight row once, where `F.linear`'s AMX GEMM is
-tiled for many tokens; `F.linear` is its twin when the kernels are off. An int8 twin of that
-kernel was no faster than `_weight_int8pack_mm` and was dropped.
+bf16 weights (no int8) go to `dense_linear`, which takes our GEMV kernel for steps of few
+tokens (engine/model/dense_matmul.py). An int8 twin of that kernel was no faster than
+`_weight_int8pack_mm` and was dropped.
 """
 
 from __future__ import annotations
@@ -18,24 +17,15 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
-from engine.kernels import cpu_kernels
 from engine.model.block_weights import BlockWeight
 from engine.model.dense_matmul import dense_linear, median_s
 
 logger = logging.getLogger(__name__)
 
 _PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-# bf16 steps of up to this many tokens take the GEMV kernel: at 1-4 tokens it took 0.5-0.9x
-# F.linear's time on the model's shapes, at 8 about 1.1x (bench/linear_small_m.py).
-BF16_GEMV_MAX_TOKENS = 4
-
-
-def _kernels_for(x: torch.Tensor) -> ModuleType | None:
-    return cpu_kernels() if x.device.type == "cpu" else None
 
 
 @dataclass(slots=True)
@@ -76,18 +66,10 @@ def linear(
     bias: torch.Tensor | None,
     quantized: Int8Weight | BlockWeight | None,
 ) -> torch.Tensor:
-    """F.linear, through the int8 or block weight where the layer holds one, and through the
-    GEMV kernel for few tokens of bf16."""
-    if quantized is not None:
-        out = quantized.linear(x)
-    elif (
-        weight.dtype == torch.bfloat16
-        and x.shape[0] <= BF16_GEMV_MAX_TOKENS
-        and (kernels := _kernels_for(x))
-    ):
-        out = kernels.bf16_linear(x.contiguous(), weight)
-    else:
+    """F.linear, through the int8 or block weight where the layer holds one."""
+    if quantized is None:
         return dense_linear(x, weight, bias)
+    out = quantized.linear(x)
     return out if bias is None else out + bias
 
 
