@@ -200,7 +200,14 @@ class Handlers:
         on_end = partial(self._end_stream, request, key, admission, parsed, started_s)
         resumer = None
         if self.settings.max_resumes:
-            resumer = Resumer(proxy, self.router, self.metrics, upstream)
+            resumer = Resumer(
+                proxy,
+                self.router,
+                self.metrics,
+                upstream,
+                parsed.prompt_tokens,
+                parsed.affinity_key,
+            )
         relay = StreamRelay(opened, reader, on_end, resumer)
         if parsed.is_stream:
             return await relay.run(request, headers)

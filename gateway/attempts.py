@@ -1,11 +1,13 @@
 """Which region a request tries next: the attempt sequence as a pure state machine.
 
 No I/O and no clock of its own (the caller passes `now_s`), so that the proxy and the simulator
-drive the same decisions. A request first opens: regions in the plan's order, at most
-`max_attempts` of them, until one answers. Once its stream is committed and then breaks, it may
-resume (at most `max_resumes` times): each resume opens again, in the same order, among regions
-not tried yet, at most `max_attempts` of them. Every attempt stays within the deadline, and no
-region is tried twice for one request (a region that failed it once is the last place to ask).
+drive the same decisions. A request first opens: regions in the plan's order, at most `max_attempts`
+of them, until one answers. Once its stream is committed and then breaks, it may resume (at most
+`max_resumes` times): each resume opens again among regions not tried yet, at most `max_attempts` of
+them, in the order of a plan made at the break (the router's view then: the broken region's breaker,
+the other streams already moved) or, without one, the first plan's. Every attempt stays within the
+deadline, and no region is tried twice for one request (a region that failed it once is the last
+place to ask).
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class AttemptSequence:
     def __post_init__(self) -> None:
         self._num_left_in_opening = self.limits.max_attempts
 
+    @property
+    def tried_regions(self) -> list[str]:
+        return [c.region for c in self.candidates[: self.num_tried]]
+
     def next(self, now_s: float) -> Try | GiveUp:
         """The region to try now (the previous attempt, if any, failed before committing)."""
         if now_s >= self.deadline_s:
@@ -58,13 +64,17 @@ class AttemptSequence:
         self._num_left_in_opening -= 1
         return Try(candidate, self.num_resumes > 0)
 
-    def resume(self, now_s: float) -> GiveUp | None:
+    def resume(self, now_s: float, replan: list[Candidate] | None = None) -> GiveUp | None:
         """The committed stream broke: None if it may continue (then call `next`), else why
-        not."""
+        not. `replan`, the router's plan now, orders the regions not tried yet."""
         if self.num_resumes >= self.limits.max_resumes:
             return GiveUp("max_resumes")
         if now_s >= self.deadline_s:
             return GiveUp("deadline")
+        if replan is not None:
+            tried = self.candidates[: self.num_tried]
+            regions = set(self.tried_regions)
+            self.candidates = [*tried, *(c for c in replan if c.region not in regions)]
         if self.num_tried >= len(self.candidates):
             return GiveUp("exhausted")
         self.num_resumes += 1

@@ -2,11 +2,15 @@
 
 The continuation is the request as first sent upstream plus `resume_token_ids` (the output ids
 relayed so far, after any the client itself resumed from) and a `max_tokens` reduced by them
-(wire/resume.py). The node then produces what an unbroken run would have produced next: the
-same text for greedy decoding, and for seeded sampling where the engine's sampling is
-deterministic (docs/gateway.md). Every resume feeds the broken region's circuit breaker and the
-resume metrics; a resume that cannot happen (no region left, the deadline passed, the resume
-budget spent, the continuation refused) lets the stream end with its error event.
+(wire/resume.py). It goes to the regions the request has not tried yet, in the order of a plan
+made among them at the break: by then the breaker has heard of the streams broken before it, and
+those moved count as this gateway's requests awaiting a first byte, so a region's many broken
+streams spread instead of all following the first plan's second choice. The node then produces
+what an unbroken run would have produced next: the same text for greedy decoding, and for seeded
+sampling where the engine's sampling is deterministic (docs/gateway.md). Every resume feeds the
+broken region's circuit breaker and the resume metrics; a resume that cannot happen (no region
+left, the deadline passed, the resume budget spent, the continuation refused) lets the stream
+end with its error event.
 """
 
 from __future__ import annotations
@@ -51,12 +55,17 @@ class Resumer:
     router: Router
     metrics: GatewayMetrics
     request: UpstreamRequest
+    prompt_tokens: int  # the request's, for the plan at a break
+    affinity_key: str | None
 
     async def __call__(self, broken: Opened, reader: StreamReader, cause: str) -> Opened | None:
         attempts = broken.attempts
         if attempts is None:
             return None
-        refusal = attempts.resume(time.monotonic())
+        prompt_tokens = self.prompt_tokens + len(reader.token_ids)  # the continuation's
+        exclude = attempts.tried_regions
+        replan = self.router.plan(prompt_tokens, self.affinity_key, exclude=exclude).candidates
+        refusal = attempts.resume(time.monotonic(), replan)
         if refusal is not None:
             self.metrics.count_resume_refused(refusal.reason)
             return None

@@ -43,6 +43,7 @@ import math
 import operator
 import random
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -292,15 +293,22 @@ class Router:
         return Candidate(state.summary.name, load.url, cost_s, predicted_s)
 
     def plan(
-        self, prompt_tokens: int, affinity_key: str | None = None, now_s: float | None = None
+        self,
+        prompt_tokens: int,
+        affinity_key: str | None = None,
+        now_s: float | None = None,
+        exclude: Collection[str] = (),
     ) -> RoutePlan:
         """Regions to try, best first; empty if no region may take new work. `now_s` is the
-        monotonic clock unless given (the simulator drives the router on its own clock)."""
+        monotonic clock unless given (the simulator drives the router on its own clock);
+        `exclude`: regions this request has tried already (a resume chooses among the rest)."""
         now_s = time.monotonic() if now_s is None else now_s
         preferred: list[Candidate] = []
         others: list[Candidate] = []
         prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
-        for state in self.regions.values():
+        for name, state in self.regions.items():
+            if name in exclude:
+                continue
             load = state.load if state.load is not None else self.load_of(state)
             if not load.is_eligible:
                 continue

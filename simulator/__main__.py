@@ -36,6 +36,7 @@ from simulator.edge import (
     EdgeSpec,
     default_edge_thresholds,
 )
+from simulator.flow import DEFAULT_MAX_RESUMES
 from simulator.policies import POLICIES
 from simulator.report import table
 from simulator.scenarios import SCENARIOS
@@ -127,6 +128,12 @@ def parser() -> OneLineParser:
         default=DEFAULT_DEFLECT_AT_WAITING,
         help="the node agents' deflect_at_waiting (wire/deflection.py; 0: never deflect)",
     )
+    run.add_argument(
+        "--max-resumes",
+        type=_non_negative,
+        default=DEFAULT_MAX_RESUMES,
+        help="the gateways' max_resumes (gateway/resume.py; 0: a broken stream ends in an error)",
+    )
     thresholds = default_edge_thresholds()
     edge = run.add_argument_group("edge tier (gateway/tiers.py; defaults: the gateway's)")
     edge.add_argument("--edge", action="store_true", help="an edge node beside every PoP")
@@ -188,6 +195,7 @@ def _run_with_bars(
             args.access,
             _edge_spec(args),
             args.deflect_at_waiting,
+            args.max_resumes,
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from simulator.access import Access
 from simulator.calibration import ServiceCalibration
 from simulator.edge import EdgeSpec
+from simulator.flow import DEFAULT_MAX_RESUMES
 from simulator.results import PolicyStats, Recorder
 from simulator.run import World, WorldSpec
 from simulator.scenarios import Scenario, workload_of
@@ -61,14 +62,16 @@ def world_spec(
     access: Access = "anycast",
     edge: EdgeSpec | None = None,
     deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING,
+    max_resumes: int = DEFAULT_MAX_RESUMES,
 ) -> WorldSpec:
     geography = build_geography(seed)
     workload = workload_of(scenario, num_requests, calibration)
     requests = make_requests(workload, geography.population_shares(), seed)
     policy = routing_policy or RoutingPolicy()
     return WorldSpec(
-        scenario, geography, calibration, requests, seed, policy, access, edge, deflect_at_waiting
-    )
+        scenario, geography, calibration, requests, seed, policy, access, edge,
+        deflect_at_waiting, max_resumes,
+    )  # fmt: skip
 
 
 PROGRESS_POLL_S = 0.2
@@ -149,11 +152,13 @@ def run_scenario(
     access: Access = "anycast",
     edge: EdgeSpec | None = None,
     deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING,
+    max_resumes: int = DEFAULT_MAX_RESUMES,
 ) -> ScenarioResult:
     started_s = time.perf_counter()
     spec = world_spec(
-        scenario, seed, num_requests, calibration, routing_policy, access, edge, deflect_at_waiting
-    )
+        scenario, seed, num_requests, calibration, routing_policy, access, edge,
+        deflect_at_waiting, max_resumes,
+    )  # fmt: skip
     if jobs > 1 and len(policies) > 1:
         recorders = _run_parallel(spec, policies, min(jobs, len(policies)), progress)
     else:

@@ -1,22 +1,25 @@
-"""A request's way through the world: client → PoP → region → node, with failover.
+"""A request's way through the world: client → PoP → region → node, with failover and resume.
 
 Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts.py), driven on
-the simulated clock as `gateway/proxy.py` drives it on the real one: the policy's regions in
-order, at most `max_attempts`, within the request's deadline. An attempt fails over when the
-region does not connect in `connect_timeout_s` (it is down), answers 429 (its node's waiting
-queue is full) or sends no first byte within `first_byte_timeout_s`; once the first byte has
-come, the stream is committed and a failure after it ends the stream (the gateway's resume of a
-broken stream, gateway/resume.py, is not modelled: a node carries no partial output to resume
-from). Timeouts and limits are the gateway's default settings. Each outcome is reported to the
-policy (breakers, in-flight counts, observed TTFT), which is where the real gateway code learns.
-With an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
+the simulated clock as `gateway/proxy.py` and `gateway/resume.py` drive it on the real one: the
+policy's regions in order, at most `max_attempts` per opening, within the request's deadline. An
+attempt fails over when the region does not connect in `connect_timeout_s` (it is down), answers
+429 (its node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`. Once
+the first byte has come the stream is committed; when its node dies after that, the break
+reaches the gateway one way later (the region's Envoy resets the stream) and, if the sequence
+allows a resume, the continuation goes to the next region not tried yet: the prompt plus the
+tokens already relayed, the output less them, as `gateway.resume.continuation_of` builds it. The
+client keeps its first token's time; the stream ends when the continuation's does. Timeouts and
+limits are the gateway's default settings. Each outcome is reported to the policy (breakers,
+in-flight counts, observed TTFT), which is where the real gateway code learns. With an edge tier
+(simulator/edge.py), a light `auto` request first tries its PoP's edge node.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
 from gateway.routing import Candidate
@@ -39,10 +42,13 @@ def _gateway_default(name: str) -> float:
     return float(value)
 
 
+DEFAULT_MAX_RESUMES = int(_gateway_default("max_resumes"))
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayTiming:
     max_attempts: int = int(_gateway_default("max_attempts"))
-    max_resumes: int = int(_gateway_default("max_resumes"))
+    max_resumes: int = DEFAULT_MAX_RESUMES
     connect_timeout_s: float = _gateway_default("connect_timeout_s")
     first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
     request_deadline_s: float = _gateway_default("request_deadline_s")
@@ -54,18 +60,25 @@ class Flight:
     origin: Location  # where attempts leave from: the PoP, or the client itself
     pop: str  # "" when the client goes to a region directly
     client_delay_s: float  # client ↔ origin, one way
-    picks: list[Pick] = field(default_factory=list)
+    picks: dict[str, Pick] = field(default_factory=dict)  # by region, the latest plan's
     is_edge: bool = False  # the attempts under way are the edge's
-    attempts: AttemptSequence | None = None  # the gateway's sequencer over `picks`
-    attempt: int = -1  # the index in `picks` of the attempt under way
+    attempts: AttemptSequence | None = None  # the gateway's sequencer over the plan
+    attempt: int = -1  # the attempt under way: how many were handed out before it
     sent_s: float = 0.0
     pick: Pick | None = None
     site: Site | None = None  # the pick's
     job: Job | None = None
     node: Node | None = None
-    first_byte_s: float = 0.0  # at the origin
+    first_byte_s: float = 0.0  # at the origin: the client's first token
+    observed_ttft_s: float = 0.0  # the first byte's, from its attempt's send (the router's)
+    first_pick: Pick | None = None  # the region that sent the first byte
     num_attempts: int = 0
-    is_committed: bool = False
+    num_sent: int = 0  # output tokens relayed by attempts before the one under way
+    num_resumes: int = 0
+    broken_s: float = 0.0  # when the last break reached the origin
+    longest_resume_s: float = 0.0  # from a break reaching the origin to the continuation's byte
+    is_committed: bool = False  # the client has its first byte
+    is_streaming: bool = False  # the attempt under way has sent its first byte
     is_ended: bool = False
 
 
@@ -91,7 +104,11 @@ class Traffic:
         self.recorder = recorder
         self.timing = timing
         self.max_attempts = chooser.max_attempts or timing.max_attempts
-        self.limits = AttemptLimits(self.max_attempts, timing.max_resumes)
+        # Clients that go to a region directly have no gateway to continue their streams.
+        max_resumes = timing.max_resumes if chooser.is_via_pop else 0
+        self.limits = AttemptLimits(self.max_attempts, max_resumes)
+        # The whole plan, as the gateway keeps it: a resume opens on regions not tried yet.
+        self.plan_length = self.max_attempts * (1 + max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
         self._delays: dict[tuple[str, str], float] = {}
         self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
@@ -144,15 +161,14 @@ class Traffic:
 
     def _open_regions(self, flight: Flight) -> None:
         now_s = self.loop.now_s
-        picks = self.chooser.order(flight.pop, flight.request, now_s, self.max_attempts)
+        picks = self.chooser.order(flight.pop, flight.request, now_s, self.plan_length)
         if not picks:
             self._end(flight, Outcome.NO_CAPACITY)
             return
         self._open(flight, picks, self.limits)
 
     def _open(self, flight: Flight, picks: list[Pick], limits: AttemptLimits) -> None:
-        flight.picks = picks
-        candidates = [Candidate(p.region, "", 0.0, p.predicted_ttft_s) for p in picks]
+        candidates = self._candidates(flight, picks)
         started_s = flight.request.arrival_s + flight.client_delay_s
         deadline_s = started_s + self.timing.request_deadline_s
         flight.attempts = AttemptSequence(candidates, limits, deadline_s)
@@ -161,15 +177,20 @@ class Traffic:
     def _try_next(self, flight: Flight) -> None:
         now_s = self.loop.now_s
         assert flight.attempts is not None
-        if isinstance(flight.attempts.next(now_s), GiveUp):
+        step = flight.attempts.next(now_s)
+        if isinstance(step, GiveUp):
             if flight.is_edge:  # the edge failed it: the regions, within the same deadline
                 self._leave_edge(flight)
                 self._open_regions(flight)
                 return
-            self._end(flight, Outcome.FAILED)
+            if flight.is_committed:  # no continuation opened: the stream ends in an error
+                self._observe_ttft(flight, 0)
+                self._end(flight, Outcome.CUT)
+            else:
+                self._end(flight, Outcome.FAILED)
             return
         flight.attempt = flight.attempts.num_tried - 1
-        pick = flight.picks[flight.attempt]
+        pick = flight.picks[step.candidate.region]
         flight.num_attempts += 1
         flight.pick, flight.sent_s, flight.job, flight.node = pick, now_s, None, None
         if flight.is_edge:
@@ -192,9 +213,10 @@ class Traffic:
             self.loop.at(flight.sent_s + self.timing.connect_timeout_s, self._failed, event)
             return
         request = flight.request
+        sent = flight.num_sent  # a continuation: the prompt and the output relayed so far
         job = Job(
-            flight, request.prompt_tokens, request.output_tokens, request.affinity_key,
-            request.prefix_tokens,
+            flight, request.prompt_tokens + sent, request.output_tokens - sent,
+            request.affinity_key, request.prefix_tokens,
         )  # fmt: skip
         if node.is_overloaded() or not node.can_ever_fit(job):
             back_s = now_s + self.delay_s(site.location, flight.origin)
@@ -221,10 +243,20 @@ class Traffic:
         if attempt != flight.attempt or flight.is_ended or flight.job is None:
             return  # a newer attempt, or the node died with this first byte on the way
         assert flight.pick is not None
-        flight.is_committed = True
-        flight.first_byte_s = self.loop.now_s
+        self._stream_from(flight, self.loop.now_s)
         if not flight.is_edge:
             self.chooser.on_first_byte(flight.pop, flight.pick.region, self.loop.now_s)
+
+    def _stream_from(self, flight: Flight, first_byte_s: float) -> None:
+        """The attempt under way sent its first byte, at the origin at `first_byte_s`."""
+        flight.is_streaming = True
+        if flight.num_resumes:
+            wait_s = first_byte_s - flight.broken_s
+            flight.longest_resume_s = max(flight.longest_resume_s, wait_s)
+        if not flight.is_committed:
+            flight.is_committed, flight.first_byte_s = True, first_byte_s
+            flight.observed_ttft_s = first_byte_s - flight.sent_s
+            flight.first_pick = flight.pick
 
     def on_finished(self, job: Job) -> None:
         flight = job.owner
@@ -234,15 +266,22 @@ class Traffic:
         assert flight.pick is not None and flight.site is not None
         now_s = self.loop.now_s
         done_s = now_s + self.delay_s(flight.site.location, flight.origin)
-        if not flight.is_committed:  # the last token comes with the first (1-token answers)
-            flight.is_committed, flight.first_byte_s = True, done_s
+        if not flight.is_streaming:  # the last token comes with the first (1-token answers)
+            self._stream_from(flight, done_s)
             if not flight.is_edge:
                 self.chooser.on_first_byte(flight.pop, flight.pick.region, now_s)
         if not flight.is_edge:
-            ttft_s = flight.first_byte_s - flight.sent_s
-            cached_tokens = job.prompt_tokens - job.prefill_tokens
-            self.chooser.on_done(flight.pop, flight.pick, ttft_s, cached_tokens, now_s)
+            self.chooser.on_end(flight.pop, flight.pick.region, False, now_s)
+            # As gateway/api.py: the first attempt's cache hits, where no resume happened.
+            cached_tokens = job.prompt_tokens - job.prefill_tokens if not flight.num_resumes else 0
+            self._observe_ttft(flight, cached_tokens)
         self._end(flight, Outcome.OK, done_s + flight.client_delay_s)
+
+    def _observe_ttft(self, flight: Flight, cached_tokens: int) -> None:
+        assert flight.first_pick is not None
+        self.chooser.on_ttft(
+            flight.pop, flight.first_pick, flight.observed_ttft_s, cached_tokens, self.loop.now_s
+        )
 
     def _expire_deadlines(self, _: None) -> None:
         """First-byte timeouts: all the same length, so they fall due in the order they were
@@ -257,7 +296,7 @@ class Traffic:
 
     def _timed_out(self, event: tuple[Flight, int]) -> None:
         flight, attempt = event
-        if attempt != flight.attempt or flight.is_ended or flight.is_committed:
+        if attempt != flight.attempt or flight.is_ended or flight.is_streaming:
             return
         if flight.node is not None and flight.job is not None:
             flight.node.abort(flight.job, self.loop.now_s)
@@ -273,22 +312,55 @@ class Traffic:
         self._try_next(flight)
 
     def cut(self, job: Job) -> None:
-        """The node serving `job` died after its first token: the stream ends in an error."""
+        """The node serving `job` died after its first token: the break reaches the gateway one
+        way later, which continues the stream elsewhere if it may (else it ends in an error)."""
         flight = job.owner
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
             return
-        assert flight.pick is not None
-        if flight.is_committed:
+        assert flight.site is not None
+        flight.job = None  # nothing more comes from that node
+        if not flight.is_streaming:
+            return  # its first byte is on the way but nothing will follow: the gateway times out
+        flight.num_sent += job.num_generated
+        back_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
+        self.loop.at(back_s, self._broken, (flight, flight.attempt))
+
+    def _broken(self, event: tuple[Flight, int]) -> None:
+        flight, attempt = event
+        if attempt != flight.attempt or flight.is_ended:
+            return
+        assert flight.pick is not None and flight.attempts is not None
+        now_s = self.loop.now_s
+        if not flight.is_edge:
+            self.chooser.on_end(flight.pop, flight.pick.region, True, now_s)
+        nothing_left = flight.num_sent >= flight.request.output_tokens
+        replan = None if flight.is_edge else self._replan(flight, now_s)
+        if nothing_left or flight.attempts.resume(now_s, replan) is not None:
             if not flight.is_edge:
-                ttft_s = flight.first_byte_s - flight.sent_s
-                cached_tokens = job.prompt_tokens - job.prefill_tokens
-                self.chooser.on_done(
-                    flight.pop, flight.pick, ttft_s, cached_tokens, self.loop.now_s
-                )
+                self._observe_ttft(flight, 0)
             self._end(flight, Outcome.CUT)
-        else:  # its first byte is on the way but nothing will follow: the gateway times out
-            flight.job = None
+            return
+        flight.num_resumes += 1
+        flight.broken_s = now_s
+        flight.is_streaming = False
+        self._try_next(flight)
+
+    def _replan(self, flight: Flight, now_s: float) -> list[Candidate]:
+        """The policy's order now, among the regions not tried, for the continuation (its prompt
+        holds the tokens sent)."""
+        request = flight.request
+        continuation = replace(request, prompt_tokens=request.prompt_tokens + flight.num_sent)
+        assert flight.attempts is not None
+        tried = flight.attempts.tried_regions
+        picks = self.chooser.order(flight.pop, continuation, now_s, self.plan_length, tried)
+        return self._candidates(flight, picks)
+
+    @staticmethod
+    def _candidates(flight: Flight, picks: list[Pick]) -> list[Candidate]:
+        """The gateway's candidates for `picks`, whose details the flight keeps by region."""
+        flight.picks.update((p.region, p) for p in picks)
+        return [Candidate(p.region, "", 0.0, p.predicted_ttft_s) for p in picks]
 
     def _leave_edge(self, flight: Flight) -> None:
         assert self.edge is not None
@@ -302,7 +374,7 @@ class Traffic:
         if is_edge:
             self._leave_edge(flight)
         request = flight.request
-        ttft_s = e2e_s = float("nan")
+        ttft_s = e2e_s = nan = float("nan")
         if outcome is Outcome.OK:
             ttft_s = flight.first_byte_s + flight.client_delay_s - request.arrival_s
             e2e_s = done_s - request.arrival_s
@@ -310,4 +382,8 @@ class Traffic:
         tier = TIER_NONE
         if self.edge is not None and self.edge.is_auto(request):
             tier = TIER_EDGE if is_edge else TIER_REGION
-        self.recorder.record(request, outcome, region, flight.num_attempts, ttft_s, e2e_s, tier)
+        resume_s = flight.longest_resume_s if flight.is_streaming and flight.num_resumes else nan
+        self.recorder.record(
+            request, outcome, region, flight.num_attempts, flight.num_resumes, ttft_s, e2e_s,
+            resume_s, tier,
+        )  # fmt: skip

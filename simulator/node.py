@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class Job:
     prefill_tokens: int = 0  # what is left to compute once admitted (prefix hits removed)
     chunk_tokens: int = 0
     finish_v: float = 0.0
+    num_generated: int = 0  # output tokens it had produced when its node died
 
 
 class NodeLoad(NamedTuple):  # a tuple: one per heartbeat
@@ -146,8 +148,14 @@ class Node:
         return True
 
     def fail(self, now_s: float) -> list[Job]:
-        """The node dies: everything it holds is gone. Returns the jobs that had streamed."""
-        streaming = [job for _, _, job in self.decoding]
+        """The node dies: everything it holds is gone. Returns the jobs that had streamed, each
+        with the output tokens it had produced (`num_generated`)."""
+        self._advance(now_s)
+        streaming = []
+        for finish_v, _, job in self.decoding:
+            steps_left = finish_v - self.v  # one token per step after the first
+            job.num_generated = math.floor(job.output_tokens - steps_left + EPSILON_TOKENS)
+            streaming.append(job)
         self.is_up = False
         self.waiting.clear()
         self.prefilling.clear()

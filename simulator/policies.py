@@ -20,7 +20,7 @@ import heapq
 import ipaddress
 import itertools
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
@@ -58,8 +58,11 @@ class Chooser:
     needs_control_plane = True  # it decides on heartbeats and summaries
     max_attempts: int | None = None  # None: the gateway's setting
 
-    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
-        """At most `limit` regions to try, best first; empty if none can take the request."""
+    def order(
+        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
+    ) -> list[Pick]:
+        """At most `limit` regions to try, best first, none of `exclude` (those the request
+        tried before a resume); empty if none can take the request."""
         raise NotImplementedError
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
@@ -71,9 +74,14 @@ class Chooser:
     def on_first_byte(self, pop: str, region: str, now_s: float) -> None:
         return None
 
-    def on_done(
+    def on_end(self, pop: str, region: str, is_broken: bool, now_s: float) -> None:
+        """An attempt's stream ended there: done, or broken after its first byte."""
+        return None
+
+    def on_ttft(
         self, pop: str, pick: Pick, ttft_s: float, cached_tokens: int, now_s: float
     ) -> None:
+        """The request is over; `pick` sent its first byte, `ttft_s` after that attempt left."""
         return None
 
 
@@ -94,14 +102,16 @@ class MeridianChooser(Chooser):
             for pop, place in geography.pops.items()
         }
 
-    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
+    def order(
+        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
+    ) -> list[Pick]:
         router = self.routers[pop]
         document = self.watches[pop].read(now_s)
         if document is None:
             return []
         if not router.is_loaded or document.index != router.index:
             router.update(document)
-        plan = router.plan(request.prompt_tokens, request.affinity_key, now_s=now_s)
+        plan = router.plan(request.prompt_tokens, request.affinity_key, now_s, exclude)
         return [Pick(c.region, c.predicted_ttft_s) for c in plan.candidates[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
@@ -124,14 +134,17 @@ class MeridianChooser(Chooser):
             state.num_awaiting_first_byte -= 1
             state.breaker.on_success()
 
-    def on_done(
-        self, pop: str, pick: Pick, ttft_s: float, cached_tokens: int, now_s: float
-    ) -> None:
-        router = self.routers[pop]
-        state = router.state_of(pick.region)
+    def on_end(self, pop: str, region: str, is_broken: bool, now_s: float) -> None:
+        state = self.routers[pop].state_of(region)
         if state is not None:
             state.num_in_flight -= 1
-        router.observe_ttft(
+            if is_broken:  # as gateway/resume.py, or gateway/api.py at an error event
+                state.breaker.on_failure(now_s)
+
+    def on_ttft(
+        self, pop: str, pick: Pick, ttft_s: float, cached_tokens: int, now_s: float
+    ) -> None:
+        self.routers[pop].observe_ttft(
             pick.region, ttft_s, pick.predicted_ttft_s, cached_tokens=cached_tokens, now_s=now_s
         )
 
@@ -141,11 +154,13 @@ class RoundRobinChooser(Chooser):
         self.watches = watches
         self.turn = dict.fromkeys(watches, 0)
 
-    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
+    def order(
+        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
+    ) -> list[Pick]:
         document = self.watches[pop].read(now_s)
         if document is None:
             return []
-        names = [s.name for s in document.regions if _is_serving(s)]
+        names = [s.name for s in document.regions if _is_serving(s) and s.name not in exclude]
         if not names:
             return []
         turn = self.turn[pop] % len(names)
@@ -158,7 +173,9 @@ class LeastLoadedChooser(Chooser):
         self.watches = watches
         self.in_flight: dict[tuple[str, str], int] = {}
 
-    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
+    def order(
+        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
+    ) -> list[Pick]:
         document = self.watches[pop].read(now_s)
         if document is None:
             return []
@@ -170,7 +187,8 @@ class LeastLoadedChooser(Chooser):
             mine = self.in_flight.get((pop, summary.name), 0) / summary.healthy_nodes
             return summary.queue.expected_queue_delay_s, used, mine, summary.name
 
-        serving = sorted((s for s in document.regions if _is_serving(s)), key=load)
+        serving = [s for s in document.regions if _is_serving(s) and s.name not in exclude]
+        serving.sort(key=load)
         return [Pick(s.name) for s in serving[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
@@ -179,10 +197,8 @@ class LeastLoadedChooser(Chooser):
     def on_failure(self, pop: str, region: str, now_s: float) -> None:
         self.in_flight[(pop, region)] -= 1
 
-    def on_done(
-        self, pop: str, pick: Pick, ttft_s: float, cached_tokens: int, now_s: float
-    ) -> None:
-        self.in_flight[(pop, pick.region)] -= 1
+    def on_end(self, pop: str, region: str, is_broken: bool, now_s: float) -> None:
+        self.in_flight[(pop, region)] -= 1
 
 
 class NearestChooser(Chooser):
@@ -212,7 +228,9 @@ class NearestChooser(Chooser):
         self.cache[city] = (decision.target.name, now_s + self.config.ttl_s)
         return decision.target.name
 
-    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
+    def order(
+        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
+    ) -> list[Pick]:
         region = self.answer(request.city, now_s)
         return [] if region is None else [Pick(region)]
 
@@ -246,7 +264,9 @@ class OracleChooser(Chooser):
             num, total = self._incoming[name]
             self._incoming[name] = (num - 1, total - tokens)
 
-    def order(self, pop: str, request: Request, now_s: float, limit: int) -> list[Pick]:
+    def order(
+        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
+    ) -> list[Pick]:
         self._arrived_by(now_s)
         picks = []
         # Once per request, not once per node (`affinity_key` and `prefix_tokens` are properties).
@@ -254,7 +274,7 @@ class OracleChooser(Chooser):
         key, prefix_tokens = request.affinity_key, request.prefix_tokens
         incoming = self._incoming
         for site in self.sites.values():
-            if not site.is_up:
+            if not site.is_up or site.name in exclude:
                 continue
             rtt_s = self.rtt_s(pop, site)
             best: tuple[float, Node] | None = None

@@ -9,7 +9,8 @@ from rich.table import Table
 from simulator.compare import ScenarioResult
 
 COLUMNS = (
-    "policy", "TTFT p50 s", "p95 s", "p99 s", "e2e p99 s", "goodput", "failed", "retried", "lost",
+    "policy", "TTFT p50 s", "p95 s", "p99 s", "e2e p99 s", "goodput", "failed", "retried",
+    "resumed", "resume p99 s", "lost",
 )  # fmt: skip
 
 
@@ -40,6 +41,8 @@ def table(result: ScenarioResult) -> Table:
             f"{stats.goodput:.1%}",
             f"{stats.failed:,}",
             f"{stats.retried:,}",
+            f"{stats.resumed:,}",
+            _s(stats.resume_p99_s),
             f"{stats.lost:,}",
             *edge,
         )

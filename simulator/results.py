@@ -1,11 +1,15 @@
 """What each policy's run produced: one row per request, and the numbers the table shows.
 
-`failed`: requests that ended in an error for the client (every attempt failed, no region could
-take them, or their stream was cut by a dying node). `retried`: requests that needed more than
-one attempt, whatever their end. `lost`: requests that never ended when the world ran dry (an
-accounting check: it must be 0). `goodput`: the share of all requests whose first token reached
-the client within `GOODPUT_TTFT_S`. With an edge tier: `edge_share`, the share of all requests
-the edge answered, and `auto_ttft_p99_s`, the p99 TTFT of the requests sent as `auto`.
+`failed`: requests that ended in an error for the client (every attempt failed, no region could take
+them, or their stream broke and could not be continued). `retried`: requests that needed more than
+one attempt to get a first byte, from the first region or, after a break, from the next. `resumed`:
+requests whose stream broke and was continued in another region, whatever their end; `resume_p99_s`:
+over those whose continuation sent a byte, the p99 of the longest wait from a break reaching the
+gateway to the continuation's first byte there (what the client sees as a gap in its stream, less
+the one-way delay). `lost`: requests that never ended when the world ran dry (an accounting check:
+it must be 0). `goodput`: the share of all requests whose first token reached the client within
+`GOODPUT_TTFT_S`. With an edge tier: `edge_share`, the share of all requests the edge answered, and
+`auto_ttft_p99_s`, the p99 TTFT of the requests sent as `auto`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class Outcome(IntEnum):
     OK = 0
     FAILED = 1  # every attempt failed
     NO_CAPACITY = 2  # no region could take it
-    CUT = 3  # the stream broke after its first byte
+    CUT = 3  # the stream broke after its first byte and was not continued to its end
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,8 @@ class PolicyStats:
     failed: int
     retried: int
     lost: int
+    resumed: int = 0
+    resume_p99_s: float = float("nan")
     edge_share: float = 0.0
     auto_ttft_p99_s: float = float("nan")
 
@@ -58,11 +64,15 @@ class PolicyStats:
             "failed": self.failed,
             "retried": self.retried,
             "lost": self.lost,
+            "resumed": self.resumed,
+            "resume_p99_s": _rounded(self.resume_p99_s),
             "edge_share": round(self.edge_share, 4),
-            "auto_ttft_p99_s": (
-                None if math.isnan(self.auto_ttft_p99_s) else round(self.auto_ttft_p99_s, 4)
-            ),
+            "auto_ttft_p99_s": _rounded(self.auto_ttft_p99_s),
         }
+
+
+def _rounded(seconds: float) -> float | None:
+    return None if math.isnan(seconds) else round(seconds, 4)
 
 
 class Recorder:
@@ -72,9 +82,11 @@ class Recorder:
         self.outcome = np.full(num_requests, NOT_ENDED, dtype=np.int8)
         self.region = np.full(num_requests, -1, dtype=np.int16)
         self.num_attempts = np.zeros(num_requests, dtype=np.int16)
+        self.num_resumes = np.zeros(num_requests, dtype=np.int16)
         self.arrival_s = np.zeros(num_requests)
         self.ttft_s = np.full(num_requests, np.nan)
         self.e2e_s = np.full(num_requests, np.nan)
+        self.resume_s = np.full(num_requests, np.nan)
         self.tier = np.full(num_requests, TIER_NONE, dtype=np.int8)
         self.num_ended = 0
 
@@ -84,8 +96,10 @@ class Recorder:
         outcome: Outcome,
         region: str,
         num_attempts: int,
+        num_resumes: int,
         ttft_s: float,
         e2e_s: float,
+        resume_s: float,
         tier: int = TIER_NONE,
     ) -> None:
         i = request.request_id
@@ -94,9 +108,11 @@ class Recorder:
         self.outcome[i] = outcome
         self.region[i] = self._region_index.get(region, -1)
         self.num_attempts[i] = num_attempts
+        self.num_resumes[i] = num_resumes
         self.arrival_s[i] = request.arrival_s
         self.ttft_s[i] = ttft_s
         self.e2e_s[i] = e2e_s
+        self.resume_s[i] = resume_s
         self.tier[i] = tier
 
     def ok_ttfts_s(self) -> npt.NDArray[np.float64]:
@@ -117,8 +133,10 @@ class Recorder:
             e2e_p99_s=pct(e2e, 99),
             goodput=float(np.count_nonzero(ttft <= GOODPUT_TTFT_S)) / len(self.outcome),
             failed=int(np.count_nonzero((self.outcome != Outcome.OK) & (self.outcome >= 0))),
-            retried=int(np.count_nonzero(self.num_attempts > 1)),
+            retried=int(np.count_nonzero(self.num_attempts > 1 + self.num_resumes)),
             lost=int(np.count_nonzero(self.outcome == NOT_ENDED)),
+            resumed=int(np.count_nonzero(self.num_resumes)),
+            resume_p99_s=pct(self.resume_s[~np.isnan(self.resume_s)], 99),
             edge_share=float(np.count_nonzero(ok & (self.tier == TIER_EDGE))) / len(self.outcome),
             auto_ttft_p99_s=pct(self.ttft_s[ok & (self.tier != TIER_NONE)], 99),
         )

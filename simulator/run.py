@@ -18,7 +18,7 @@ from simulator.calibration import ServiceCalibration
 from simulator.control import ControlTiming, PopWatch, SimControlPlane
 from simulator.edge import EdgeSpec, EdgeTier, auto_requests, edge_site_name
 from simulator.events import EventLoop
-from simulator.flow import GatewayTiming, Traffic
+from simulator.flow import DEFAULT_MAX_RESUMES, GatewayTiming, Traffic
 from simulator.node import Job, Node
 from simulator.policies import (
     Chooser,
@@ -74,6 +74,7 @@ class WorldSpec:
     access: Access = "anycast"  # how clients find their PoP
     edge: EdgeSpec | None = None  # the edge tier (None: none)
     deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' (0: never)
+    max_resumes: int = DEFAULT_MAX_RESUMES  # the gateways' (0: a broken stream ends)
 
 
 def _ingress_url(index: int) -> str:
@@ -129,7 +130,7 @@ class World:
             self.sites,
             self.chooser,
             self.recorder,
-            GatewayTiming(),
+            GatewayTiming(max_resumes=spec.max_resumes),
             spec.access,
             self.edge,
         )

@@ -34,6 +34,18 @@ def test_a_resume_goes_on_with_regions_not_tried_yet_and_is_marked() -> None:
     assert names(sequence, 2.0) == ["c"]
 
 
+def test_a_resume_follows_the_plan_made_at_the_break_without_the_regions_tried() -> None:
+    sequence = AttemptSequence(plan("a", "b", "c", "d"), AttemptLimits(3, 2), deadline_s=10.0)
+    sequence.next(0.0)
+    assert sequence.resume(1.0, replan=plan("d", "a", "c")) is None
+    assert names(sequence, 1.0) == ["d", "c"]  # "a" broke once already; "b" is not in it now
+    assert sequence.resume(2.0, replan=plan("b", "c", "a")) is None
+    assert names(sequence, 2.0) == ["b"]
+    empty = AttemptSequence(plan("a", "b"), AttemptLimits(3, 2), deadline_s=10.0)
+    empty.next(0.0)
+    assert empty.resume(1.0, replan=[]) == GiveUp("exhausted")
+
+
 def test_resumes_are_refused_past_the_budget_the_deadline_or_the_last_region() -> None:
     limits = AttemptLimits(max_attempts=3, max_resumes=1)
     sequence = AttemptSequence(plan("a", "b", "c"), limits, deadline_s=10.0)

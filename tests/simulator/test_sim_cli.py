@@ -55,10 +55,11 @@ def test_a_run_prints_the_table_and_writes_the_json(
     assert set(result["policies"]) == {"meridian", "oracle"}
     assert set(result["policies"]["meridian"]) == {
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "e2e_p99_s", "goodput", "failed", "retried",
-        "lost", "edge_share", "auto_ttft_p99_s",
+        "lost", "resumed", "resume_p99_s", "edge_share", "auto_ttft_p99_s",
     }  # fmt: skip
     assert result["edge"] is False and result["policies"]["meridian"]["edge_share"] == 0.0
     assert result["policies"]["meridian"]["auto_ttft_p99_s"] is None  # no `auto` requests
+    assert result["policies"]["meridian"]["resume_p99_s"] is None  # no stream broke
 
 
 def test_all_runs_every_scenario_and_writes_a_list(tmp_path: Path) -> None:

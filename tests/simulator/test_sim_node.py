@@ -127,3 +127,15 @@ def test_a_dying_node_hands_back_only_the_requests_that_streamed() -> None:
     assert [j.owner for j in streaming] == ["a"]
     t.loop.run()
     assert "a" not in t.done and "b" not in t.first
+
+
+def test_a_dying_node_reports_the_tokens_each_stream_had_produced() -> None:
+    t = Timeline()
+    node = t.node()
+    node.submit(job("a", 100, 50), 0.0)
+    node.submit(job("b", 100, 50), 0.0)
+    # a: first token at 0.15 s (50 ms + 100 ms of prefill), one more during b's prefill step,
+    # b's first at 0.30 s; then steps of 60 ms at batch 2: five more each by 0.6 s.
+    t.loop.run(until_s=0.6)
+    streaming = {str(j.owner): j.num_generated for j in node.fail(0.6)}
+    assert streaming == {"a": 7, "b": 6}

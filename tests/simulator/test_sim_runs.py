@@ -12,7 +12,7 @@ from gateway.routing import Router
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
 from simulator.policies import POLICIES, MeridianChooser
-from simulator.results import Recorder
+from simulator.results import Outcome, Recorder
 from simulator.run import World, WorldSpec
 from simulator.scenarios import SCENARIOS
 from wire.routing_policy import RoutingPolicy
@@ -62,6 +62,32 @@ def test_changing_the_routing_policy_changes_the_simulated_decisions() -> None:
     assert np.nanmedian(distance_blind.ttft_s) > np.nanmedian(default.ttft_s)
 
 
+@pytest.mark.parametrize("policy", ["meridian", "oracle", "round_robin", "least_loaded"])
+def test_streams_a_dying_region_cuts_are_continued_elsewhere_as_the_gateway_does(
+    policy: str,
+) -> None:
+    spec = world_spec(SCENARIOS["region_failure"], 3, NUM_REQUESTS, ServiceCalibration())
+    resumed = run(spec, policy)
+    ended = run(dataclasses.replace(spec, max_resumes=0), policy)  # the gateway before resumes
+    cut = np.flatnonzero(ended.outcome == Outcome.CUT)
+    assert cut.size > 0 and ended.stats().resumed == 0
+    stats = resumed.stats()
+    assert stats.resumed == cut.size and stats.failed == 0
+    assert (resumed.outcome[cut] == Outcome.OK).all()
+    outage = SCENARIOS["region_failure"].region_failure
+    assert outage is not None
+    dead = resumed.regions.index(outage.name)
+    assert (resumed.region[cut] != dead).all()  # each ended where it was continued
+    assert (resumed.num_resumes[cut] == 1).all() and stats.resume_p99_s > 0.0
+    assert (resumed.ttft_s[cut] < resumed.e2e_s[cut]).all()
+
+
+def test_clients_that_go_to_a_region_directly_have_no_gateway_to_resume_for_them() -> None:
+    spec = world_spec(SCENARIOS["region_failure"], 3, NUM_REQUESTS, ServiceCalibration())
+    stats = run(spec, "nearest").stats()
+    assert stats.resumed == 0 and stats.failed > 0
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_every_request_of_every_policy_ends(scenario: str) -> None:
     spec = world_spec(SCENARIOS[scenario], 1, 200, ServiceCalibration())
@@ -78,7 +104,7 @@ def test_the_router_hears_of_each_stream_s_prefix_cache_hits(
 
     def spy(self: Router, *args: object, cached_tokens: int = 0, **kwargs: object) -> None:
         heard.append(cached_tokens)
-        observe(self, *args, cached_tokens=cached_tokens, **kwargs)  # type: ignore[arg-type]
+        observe(self, *args, cached_tokens=cached_tokens, **kwargs)  # type: ignore[arg-type, misc]
 
     monkeypatch.setattr(Router, "observe_ttft", spy)
     spec = world_spec(SCENARIOS["prefix_heavy"], 0, NUM_REQUESTS, ServiceCalibration())
