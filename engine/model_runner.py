@@ -15,7 +15,7 @@ from engine.distributed import TPGroup
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
-from engine.model.block_weights import FORMATS, GEMV_MAX_TOKENS, BlockWeight
+from engine.model.block_weights import FORMATS, BlockWeight, gemv_max_tokens
 from engine.model.dense_matmul import bf16_gemv_max_tokens, onednn_min_tokens
 from engine.model.int8_weights import Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
@@ -175,11 +175,11 @@ class ModelRunner:
             [(_, blocks)] = checkpoint.gguf_blocks(name.__eq__, gguf_type)
             head.keep_head_blocks(blocks, FORMATS[gguf_type])
             head_reads = (
-                f"its {gguf_type} blocks up to {head.head_blocks_max_tokens()} tokens a step, "
+                f"its {gguf_type} blocks up to {gemv_max_tokens(self.dtype)} tokens a step, "
                 f"{self.dtype} above"
             )
         matmuls = (
-            f"the GEMV kernel up to {GEMV_MAX_TOKENS} tokens a step, dequantized above"
+            f"the GEMV kernel up to {gemv_max_tokens(self.dtype)} tokens a step, dequantized above"
             if cpu_kernels()
             else "dequantized every step: no CPU kernels"
         )

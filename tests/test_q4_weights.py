@@ -23,8 +23,15 @@ from engine.distributed import TPGroup
 from engine.errors import InvalidRequestError
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
-from engine.model import block_weights, parallel_layers
-from engine.model.block_weights import GEMV_MAX_TOKENS, Q4_1, Q8_0, BlockFormat, BlockWeight
+from engine.model import block_weights
+from engine.model.block_weights import (
+    GEMV_MAX_TOKENS,
+    Q4_1,
+    Q8_0,
+    BlockFormat,
+    BlockWeight,
+    gemv_max_tokens,
+)
 from engine.model.dense_matmul import dense_linear
 from engine.model.llama import keeps_q4_1_blocks
 from engine.model.parallel_layers import (
@@ -241,7 +248,7 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
         x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
         logits = head.logits(x)
         assert logits.dtype == torch.float32 and logits.shape == (num_tokens, vocab)
-        reads_blocks = kernels_on and num_tokens <= head.head_blocks_max_tokens()
+        reads_blocks = kernels_on and num_tokens <= gemv_max_tokens(dtype)
         expected = head.head_blocks.linear(x) if reads_blocks else dense_linear(x, head.weight)
         assert torch.equal(logits, expected.float())
         # The float rows are the weights rounded to the dtype, as the blocks' bf16 loop rounds.
@@ -253,17 +260,35 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
 @pytest.mark.parametrize(
     ("dtype", "bf16_gemv_tokens", "expected"),
     [
-        (torch.bfloat16, 64, 8),  # the bf16 rows' kernel takes the head's steps over 8
-        (torch.bfloat16, 4, GEMV_MAX_TOKENS),  # AMX: F.linear on the rows loses to the blocks
-        (torch.float32, 64, GEMV_MAX_TOKENS),  # fp32 rows: no bf16 kernel reads them
+        (torch.bfloat16, 64, 8),  # the bf16 kernel on the dense weight takes the steps over 8
+        (torch.bfloat16, 4, GEMV_MAX_TOKENS),  # AMX: F.linear on the dense weight loses to blocks
+        (torch.float32, 64, GEMV_MAX_TOKENS),  # fp32: no bf16 kernel reads the dense weight
     ],
 )
-def test_the_head_reads_its_blocks_where_they_beat_its_rows(
+def test_blocks_are_read_where_they_beat_the_dense_weight(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bf16_gemv_tokens: int, expected: int
 ) -> None:
-    monkeypatch.setattr(parallel_layers, "bf16_gemv_max_tokens", lambda: bf16_gemv_tokens)
-    head = VocabParallelEmbedding(64, 32, TPGroup()).to(dtype)
-    assert head.head_blocks_max_tokens() == expected
+    monkeypatch.setattr(block_weights, "bf16_gemv_max_tokens", lambda: bf16_gemv_tokens)
+    assert gemv_max_tokens(dtype) == expected
+    calls: list[str] = []
+
+    class Recording:
+        def q4_1_linear(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+            calls.append("kernel")
+            return torch.zeros(x.shape[0], blocks.shape[0], dtype=x.dtype)
+
+        def q4_1_dequantize(self, blocks: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+            calls.append("dequantize")
+            return torch.zeros(blocks.shape[0], k, dtype=dtype)
+
+    monkeypatch.setattr(block_weights, "cpu_kernels", lambda: Recording())
+    monkeypatch.setattr(block_weights, "dense_linear", lambda x, w: x @ w.T)
+    weight = BlockWeight.from_gguf(
+        random_blocks(8, 64, torch.Generator().manual_seed(2)), Q4_1, dtype
+    )
+    for num_tokens in (expected, expected + 1):
+        weight.linear(torch.randn(num_tokens, 64).to(dtype))
+    assert calls == ["kernel", "dequantize"]
 
 
 def test_q4_1_is_refused_where_the_weights_are_not_q4_1(smollm2_checkpoint: Checkpoint) -> None:

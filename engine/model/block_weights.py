@@ -11,11 +11,12 @@ instructions, and converting fp16 scales in its loop cost more than the bytes th
 model multiplies by the file's own weights, with no re-quantization: only the order of the
 fp32 sums differs from the dequantized model.
 
-`quantization="q4_1"` keeps the projections as Q4_1 (model/llama.py) and the tied LM head of
-the default file, Q8_0 there, as Q8_0 (model/parallel_layers.py). Steps of few tokens run the
+`quantization="q4_1"` keeps the projections as Q4_1 (model/llama.py) and the tied LM head of the
+default file, Q8_0 there, as Q8_0 (model/parallel_layers.py). Steps of few tokens run the
 format's kernel (`q4_1_linear`, `q8_0_linear` in engine/kernels/gemv_cpu.cpp); steps of more
-tokens (a prefill chunk) dequantize the layer to the model's dtype and run the dense matmul
-(`dense_matmul.py`), as does every step where the kernels are off (`MERIDIAN_CPU_KERNELS=0`).
+tokens (`gemv_max_tokens`: 16, or 8 where the bf16 GEMV kernel takes more) dequantize the layer
+to the model's dtype and run the dense matmul (`dense_matmul.py`), as does every step where the
+kernels are off (`MERIDIAN_CPU_KERNELS=0`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,28 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.kernels import cpu_kernels
-from engine.model.dense_matmul import dense_linear
+from engine.model.dense_matmul import bf16_gemv_max_tokens, dense_linear
 
 BLOCK_WEIGHTS = 32
 # Steps of up to this many tokens take the kernel. It reads a row's blocks once per 4 tokens,
 # so its cost grows with the tokens, while dequantizing costs the same at any step size; they
-# crossed between 16 and 32 tokens on the model's Q4_1 shapes (see docs/benchmarks.md).
+# crossed between 16 and 32 tokens on the model's Q4_1 shapes (see docs/benchmarks.md), where
+# F.linear multiplied the dequantized weight. Where our bf16 GEMV kernel does instead, it takes
+# the steps over `BF16_GEMV_MAX_TOKENS`.
 GEMV_MAX_TOKENS = 16
+BF16_GEMV_MAX_TOKENS = 8
+
+
+def gemv_max_tokens(dtype: torch.dtype) -> int:
+    """Steps of up to this many tokens read a model's blocks, in `dtype`. The blocks' kernel
+    dequantizes as it goes, so where the bf16 GEMV kernel multiplies the dense weight (the
+    projection dequantized, the LM head's rows) for more than 8 tokens, it takes the steps
+    over 8 (AMD EPYC, a decode step of the model at 10 and 16 tokens: 1.10-1.27x faster in
+    12 of 16 rounds; the Q8_0 LM head against its bf16 rows: 2.8 against 3.0 ms at 8 tokens,
+    4.1 against 3.6 at 12)."""
+    if dtype == torch.bfloat16 and bf16_gemv_max_tokens() > BF16_GEMV_MAX_TOKENS:
+        return BF16_GEMV_MAX_TOKENS
+    return GEMV_MAX_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +112,7 @@ class BlockWeight:
 
     def kernels_for(self, x: torch.Tensor) -> ModuleType | None:
         """The kernels' module where this step of x takes the GEMV kernel, else None."""
-        if x.shape[0] <= GEMV_MAX_TOKENS and x.device.type == "cpu":
+        if x.shape[0] <= gemv_max_tokens(self.dtype) and x.device.type == "cpu":
             return cpu_kernels()
         return None
 

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TPGroup
-from engine.model.block_weights import GEMV_MAX_TOKENS, BlockFormat, BlockWeight
-from engine.model.dense_matmul import bf16_gemv_max_tokens
+from engine.model.block_weights import BlockFormat, BlockWeight
 from engine.model.int8_weights import Int8Weight, linear
 
 
@@ -151,22 +150,9 @@ class VocabParallelEmbedding(nn.Module):
         _copy_checked(head.blocks[: rows.blocks.shape[0]], rows.blocks, "head blocks")
         self.head_blocks = head
 
-    def head_blocks_max_tokens(self) -> int:
-        """Steps of up to this many tokens read `head_blocks`. They read about half the rows'
-        bytes but dequantize as they go, so where the bf16 GEMV kernel reads the rows for more
-        than 8 tokens, it takes the steps over 8 (AMD EPYC, the Q8_0 blocks against the bf16
-        rows: 2.8 against 3.0 ms at 8 tokens, 4.1 against 3.6 at 12)."""
-        if self.weight.dtype == torch.bfloat16 and bf16_gemv_max_tokens() > 8:
-            return 8
-        return GEMV_MAX_TOKENS
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> fp32 logits over the whole vocabulary (N, vocab)."""
-        if (
-            self.head_blocks is not None
-            and self.head_blocks.kernels_for(hidden)
-            and hidden.shape[0] <= self.head_blocks_max_tokens()
-        ):
+        if self.head_blocks is not None and self.head_blocks.kernels_for(hidden):
             local = self.head_blocks.linear(hidden).float()
         else:
             local = linear(hidden, self.weight, None, self.int8).float()
