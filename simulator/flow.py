@@ -4,15 +4,16 @@ Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts
 the simulated clock as `gateway/proxy.py` and `gateway/resume.py` drive it on the real one: the
 policy's regions in order, at most `max_attempts` per opening, within the request's deadline. An
 attempt fails over when the region does not connect in `connect_timeout_s` (it is down), answers
-429 (its node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`. Once
-the first byte has come the stream is committed; when its node dies after that, the break
-reaches the gateway one way later (the region's Envoy resets the stream) and, if the sequence
-allows a resume, the continuation goes to the next region not tried yet: the prompt plus the
-tokens already relayed, the output less them, as `gateway.resume.continuation_of` builds it. The
-client keeps its first token's time; the stream ends when the continuation's does. Timeouts and
-limits are the gateway's default settings. Each outcome is reported to the policy (breakers,
-in-flight counts, observed TTFT), which is where the real gateway code learns. With an edge tier
-(simulator/edge.py), a light `auto` request first tries its PoP's edge node.
+429 (its node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`.
+Once the first byte has come the stream is committed. A dying node resets its connections (the
+region's Envoy ends them), which reaches the gateway one way later: an attempt still waiting for
+its first byte fails over then; a stream, if the sequence allows a resume, continues in the next
+region not tried yet: the prompt plus the tokens already relayed, the output less them, as
+`gateway.resume.continuation_of` builds it. The client keeps its first token's time; the stream
+ends when the continuation's does. Timeouts and limits are the gateway's default settings. Each
+outcome is reported to the policy (breakers, in-flight counts, observed TTFT), which is where
+the real gateway code learns. With an edge tier (simulator/edge.py), a light `auto` request
+first tries its PoP's edge node.
 """
 
 from __future__ import annotations
@@ -240,8 +241,8 @@ class Traffic:
 
     def _first_byte(self, event: tuple[Flight, int]) -> None:
         flight, attempt = event
-        if attempt != flight.attempt or flight.is_ended or flight.job is None:
-            return  # a newer attempt, or the node died with this first byte on the way
+        if attempt != flight.attempt or flight.is_ended:
+            return  # a newer attempt (a node that died after sending it still delivers it)
         assert flight.pick is not None
         self._stream_from(flight, self.loop.now_s)
         if not flight.is_edge:
@@ -311,17 +312,16 @@ class Traffic:
             self.chooser.on_failure(flight.pop, flight.pick.region, self.loop.now_s)
         self._try_next(flight)
 
-    def cut(self, job: Job) -> None:
-        """The node serving `job` died after its first token: the break reaches the gateway one
-        way later, which continues the stream elsewhere if it may (else it ends in an error)."""
+    def reset(self, job: Job) -> None:
+        """The node serving `job` died and its connection reset, which reaches the gateway one
+        way later (after any byte the node had sent): an attempt without a first byte then fails
+        over, a stream continues elsewhere if it may (else it ends in an error)."""
         flight = job.owner
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
             return
         assert flight.site is not None
         flight.job = None  # nothing more comes from that node
-        if not flight.is_streaming:
-            return  # its first byte is on the way but nothing will follow: the gateway times out
         flight.num_sent += job.num_generated
         back_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
         self.loop.at(back_s, self._broken, (flight, flight.attempt))
@@ -329,6 +329,9 @@ class Traffic:
     def _broken(self, event: tuple[Flight, int]) -> None:
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended:
+            return
+        if not flight.is_streaming:  # reset before its first byte: the next region, at once
+            self._failed(event)
             return
         assert flight.pick is not None and flight.attempts is not None
         now_s = self.loop.now_s

@@ -148,14 +148,15 @@ class Node:
         return True
 
     def fail(self, now_s: float) -> list[Job]:
-        """The node dies: everything it holds is gone. Returns the jobs that had streamed, each
-        with the output tokens it had produced (`num_generated`)."""
+        """The node dies: everything it holds is gone. Returns every job it held, each with the
+        output tokens it had produced (`num_generated`: 0 for those still waiting or in
+        prefill)."""
         self._advance(now_s)
-        streaming = []
+        held = [*self.waiting, *self.prefilling]
         for finish_v, _, job in self.decoding:
             steps_left = finish_v - self.v  # one token per step after the first
             job.num_generated = math.floor(job.output_tokens - steps_left + EPSILON_TOKENS)
-            streaming.append(job)
+            held.append(job)
         self.is_up = False
         self.waiting.clear()
         self.prefilling.clear()
@@ -167,7 +168,7 @@ class Node:
         self.decode_rate = self.prefill_rate = 0.0
         self.wake_generation += 1
         self.last_s = now_s
-        return streaming
+        return held
 
     def restart(self, now_s: float) -> None:
         self.is_up = True

@@ -200,7 +200,7 @@ class World:
         site.is_up = False
         for node in site.nodes:
             for job in node.fail(self.loop.now_s):
-                self.traffic.cut(job)
+                self.traffic.reset(job)
 
     def _restore_region(self, name: str) -> None:
         site = self.sites[name]

@@ -117,16 +117,17 @@ def test_an_aborted_request_frees_its_slot_and_never_answers() -> None:
     assert "a" not in t.first and node.free_blocks == CAL.kv_blocks
 
 
-def test_a_dying_node_hands_back_only_the_requests_that_streamed() -> None:
+def test_a_dying_node_hands_back_every_request_it_held_and_finishes_none() -> None:
     t = Timeline()
     node = t.node()
     node.submit(job("a", 100, 50), 0.0)
     node.submit(job("b", 100, 50), 0.0)
-    t.loop.run(until_s=0.2)  # a decodes, b is still in prefill
-    streaming = node.fail(0.2)
-    assert [j.owner for j in streaming] == ["a"]
+    node.submit(job("c", 100, 50), 0.0)
+    t.loop.run(until_s=0.2)  # a decodes, b is in prefill, c waits for a slot
+    held = {str(j.owner): j.num_generated for j in node.fail(0.2)}
+    assert held == {"a": 1, "b": 0, "c": 0}
     t.loop.run()
-    assert "a" not in t.done and "b" not in t.first
+    assert "a" not in t.done and "b" not in t.first and "c" not in t.first
 
 
 def test_a_dying_node_reports_the_tokens_each_stream_had_produced() -> None:

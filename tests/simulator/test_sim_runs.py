@@ -11,6 +11,8 @@ import pytest
 from gateway.routing import Router
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
+from simulator.flow import Flight, GatewayTiming, Traffic
+from simulator.node import Job
 from simulator.policies import POLICIES, MeridianChooser
 from simulator.results import Outcome, Recorder
 from simulator.run import World, WorldSpec
@@ -80,6 +82,28 @@ def test_streams_a_dying_region_cuts_are_continued_elsewhere_as_the_gateway_does
     assert (resumed.region[cut] != dead).all()  # each ended where it was continued
     assert (resumed.num_resumes[cut] == 1).all() and stats.resume_p99_s > 0.0
     assert (resumed.ttft_s[cut] < resumed.e2e_s[cut]).all()
+
+
+def test_a_request_a_dying_node_held_before_its_first_byte_fails_over_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caught: list[bool] = []  # per reset: whether the attempt had its first byte yet
+    reset = Traffic.reset
+
+    def spy(self: Traffic, job: Job) -> None:
+        assert isinstance(job.owner, Flight)
+        caught.append(job.owner.is_streaming)
+        reset(self, job)
+
+    monkeypatch.setattr(Traffic, "reset", spy)
+    spec = world_spec(SCENARIOS["region_failure"], 3, NUM_REQUESTS, ServiceCalibration())
+    recorder = run(spec)
+    assert False in caught  # some request waited or was in prefill when the region died
+    stats = recorder.stats()
+    assert stats.failed == 0 and stats.retried > 0
+    # The reset reaches the gateway within a one-way delay: nobody waits out the first-byte
+    # timeout (a dark region's connect timeout, 2 s, is the longest wait left).
+    assert np.nanmax(recorder.ttft_s) < GatewayTiming().first_byte_timeout_s
 
 
 def test_clients_that_go_to_a_region_directly_have_no_gateway_to_resume_for_them() -> None:
