@@ -12,6 +12,7 @@ place to ask).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,10 +50,6 @@ class AttemptSequence:
     def __post_init__(self) -> None:
         self._num_left_in_opening = self.limits.max_attempts
 
-    @property
-    def tried_regions(self) -> list[str]:
-        return [c.region for c in self.candidates[: self.num_tried]]
-
     def next(self, now_s: float) -> Try | GiveUp:
         """The region to try now (the previous attempt, if any, failed before committing)."""
         if now_s >= self.deadline_s:
@@ -64,17 +61,20 @@ class AttemptSequence:
         self._num_left_in_opening -= 1
         return Try(candidate, self.num_resumes > 0)
 
-    def resume(self, now_s: float, replan: list[Candidate] | None = None) -> GiveUp | None:
+    def resume(
+        self, now_s: float, replan: Callable[[list[str]], list[Candidate]] | None = None
+    ) -> GiveUp | None:
         """The committed stream broke: None if it may continue (then call `next`), else why
-        not. `replan`, the router's plan now, orders the regions not tried yet."""
+        not. `replan(regions tried)`, the router's plan now among the others, orders them; it
+        is asked only for a resume that may happen."""
         if self.num_resumes >= self.limits.max_resumes:
             return GiveUp("max_resumes")
         if now_s >= self.deadline_s:
             return GiveUp("deadline")
         if replan is not None:
             tried = self.candidates[: self.num_tried]
-            regions = set(self.tried_regions)
-            self.candidates = [*tried, *(c for c in replan if c.region not in regions)]
+            regions = [c.region for c in tried]
+            self.candidates = [*tried, *(c for c in replan(regions) if c.region not in regions)]
         if self.num_tried >= len(self.candidates):
             return GiveUp("exhausted")
         self.num_resumes += 1

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Opened, Proxy, UpstreamRequest
-from gateway.routing import Router
+from gateway.routing import Candidate, Router
 from gateway.sse import StreamReader
 from wire.resume import RESUME_TOKEN_IDS
 
@@ -63,8 +63,10 @@ class Resumer:
         if attempts is None:
             return None
         prompt_tokens = self.prompt_tokens + len(reader.token_ids)  # the continuation's
-        exclude = attempts.tried_regions
-        replan = self.router.plan(prompt_tokens, self.affinity_key, exclude=exclude).candidates
+
+        def replan(tried: list[str]) -> list[Candidate]:
+            return self.router.plan(prompt_tokens, self.affinity_key, exclude=tried).candidates
+
         refusal = attempts.resume(time.monotonic(), replan)
         if refusal is not None:
             self.metrics.count_resume_refused(refusal.reason)

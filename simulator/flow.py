@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
 from gateway.routing import Candidate
@@ -75,12 +76,15 @@ class Flight:
     first_pick: Pick | None = None  # the region that sent the first byte
     num_attempts: int = 0
     num_sent: int = 0  # output tokens relayed by attempts before the one under way
-    num_resumes: int = 0
     broken_s: float = 0.0  # when the last break reached the origin
     longest_resume_s: float = 0.0  # from a break reaching the origin to the continuation's byte
     is_committed: bool = False  # the client has its first byte
     is_streaming: bool = False  # the attempt under way has sent its first byte
     is_ended: bool = False
+
+    @property
+    def num_resumes(self) -> int:
+        return self.attempts.num_resumes if self.attempts is not None else 0
 
 
 EDGE_LIMITS = AttemptLimits(max_attempts=1, max_resumes=0)  # the edge is one candidate
@@ -108,8 +112,6 @@ class Traffic:
         # Clients that go to a region directly have no gateway to continue their streams.
         max_resumes = timing.max_resumes if chooser.is_via_pop else 0
         self.limits = AttemptLimits(self.max_attempts, max_resumes)
-        # The whole plan, as the gateway keeps it: a resume opens on regions not tried yet.
-        self.plan_length = self.max_attempts * (1 + max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
         self._delays: dict[tuple[str, str], float] = {}
         self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
@@ -162,7 +164,7 @@ class Traffic:
 
     def _open_regions(self, flight: Flight) -> None:
         now_s = self.loop.now_s
-        picks = self.chooser.order(flight.pop, flight.request, now_s, self.plan_length)
+        picks = self.chooser.order(flight.pop, flight.request, now_s, self.max_attempts)
         if not picks:
             self._end(flight, Outcome.NO_CAPACITY)
             return
@@ -338,25 +340,22 @@ class Traffic:
         if not flight.is_edge:
             self.chooser.on_end(flight.pop, flight.pick.region, True, now_s)
         nothing_left = flight.num_sent >= flight.request.output_tokens
-        replan = None if flight.is_edge else self._replan(flight, now_s)
+        replan = None if flight.is_edge else partial(self._replan, flight, now_s)
         if nothing_left or flight.attempts.resume(now_s, replan) is not None:
             if not flight.is_edge:
                 self._observe_ttft(flight, 0)
             self._end(flight, Outcome.CUT)
             return
-        flight.num_resumes += 1
         flight.broken_s = now_s
         flight.is_streaming = False
         self._try_next(flight)
 
-    def _replan(self, flight: Flight, now_s: float) -> list[Candidate]:
-        """The policy's order now, among the regions not tried, for the continuation (its prompt
-        holds the tokens sent)."""
+    def _replan(self, flight: Flight, now_s: float, tried: list[str]) -> list[Candidate]:
+        """The policy's order now, among the regions not `tried`, for the continuation (its
+        prompt holds the tokens sent)."""
         request = flight.request
         continuation = replace(request, prompt_tokens=request.prompt_tokens + flight.num_sent)
-        assert flight.attempts is not None
-        tried = flight.attempts.tried_regions
-        picks = self.chooser.order(flight.pop, continuation, now_s, self.plan_length, tried)
+        picks = self.chooser.order(flight.pop, continuation, now_s, self.max_attempts, tried)
         return self._candidates(flight, picks)
 
     @staticmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp, Try
 from gateway.routing import Candidate
 
@@ -37,13 +39,25 @@ def test_a_resume_goes_on_with_regions_not_tried_yet_and_is_marked() -> None:
 def test_a_resume_follows_the_plan_made_at_the_break_without_the_regions_tried() -> None:
     sequence = AttemptSequence(plan("a", "b", "c", "d"), AttemptLimits(3, 2), deadline_s=10.0)
     sequence.next(0.0)
-    assert sequence.resume(1.0, replan=plan("d", "a", "c")) is None
+    asked: list[list[str]] = []
+
+    def replan(*regions: str) -> Callable[[list[str]], list[Candidate]]:
+        def plan_now(tried: list[str]) -> list[Candidate]:
+            asked.append(tried)
+            return plan(*regions)
+
+        return plan_now
+
+    assert sequence.resume(1.0, replan("d", "a", "c")) is None
     assert names(sequence, 1.0) == ["d", "c"]  # "a" broke once already; "b" is not in it now
-    assert sequence.resume(2.0, replan=plan("b", "c", "a")) is None
+    assert sequence.resume(2.0, replan("b", "c", "a")) is None
     assert names(sequence, 2.0) == ["b"]
+    assert asked == [["a"], ["a", "d", "c"]]  # the router is told what not to plan
+    assert sequence.resume(3.0, replan("e")) == GiveUp("max_resumes")
+    assert len(asked) == 2  # no plan for a resume that cannot happen
     empty = AttemptSequence(plan("a", "b"), AttemptLimits(3, 2), deadline_s=10.0)
     empty.next(0.0)
-    assert empty.resume(1.0, replan=[]) == GiveUp("exhausted")
+    assert empty.resume(1.0, lambda tried: []) == GiveUp("exhausted")
 
 
 def test_resumes_are_refused_past_the_budget_the_deadline_or_the_last_region() -> None:
