@@ -15,9 +15,10 @@ in the far node's prefix cache):
 1. unbroken: the baseline, every stream to its end;
 2. broken: the same streams, and once every stream has had `--kill-after` content chunks the
    `us-east` node is SIGKILLed (`--failure kill`: its sockets close, the gateway sees the
-   connection end) or SIGSTOPped (`--failure stop`: its sockets stay open, the gateway waits for
-   its stream idle timeout, `--stall-timeout-s`, set for both runs: below the unbroken run's
-   longest gap it would resume healthy streams too).
+   connection end) or SIGSTOPped (`--failure stop`: its sockets stay open and its heartbeats
+   stop; the gateway, at its default settings, gives up on a stream silent for
+   `unhealthy_region_silence_s` once the control plane reports the region with no healthy node,
+   not after its 60 s `stream_idle_timeout_s`).
 
 The killed node is started again for the next round. Reported per run: streams completed of
 `--streams`, texts identical to the unbroken run's, the longest gap between two content chunks of
@@ -174,8 +175,6 @@ def start_fleet(directory: Path, args: argparse.Namespace) -> Fleet:
     tokens = {name: f"{name[:3]}-{secrets.token_urlsafe(24)}" for name in ("admin", "gateway")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     env |= {"MERIDIAN_ADMIN_TOKEN": tokens["admin"], "MERIDIAN_GATEWAY_TOKEN": tokens["gateway"]}
-    if args.failure == "stop":
-        env["MERIDIAN_GATEWAY_STREAM_IDLE_TIMEOUT_S"] = str(args.stall_timeout_s)
     cp_port = free_port()
     processes.start_control_plane(cp_port, env)
     wait_for_port(cp_port)
@@ -418,12 +417,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill-after", type=int, default=16, help="content chunks per stream")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--failure", default="kill", choices=["kill", "stop"])
-    parser.add_argument(
-        "--stall-timeout-s",
-        type=float,
-        default=2.0,
-        help="the gateway's stream idle timeout, for --failure stop",
-    )
     parser.add_argument("--node-threads", type=int, help="torch threads per node agent")
     parser.add_argument("--json", type=Path, help="also write the report here")
     return parser.parse_args(argv)

@@ -31,7 +31,7 @@ from gateway.limits import Admission, Limiter
 from gateway.metrics import NO_REGION, GatewayMetrics
 from gateway.openai_request import Endpoint, ParsedRequest, parse_request
 from gateway.proxy import Opened, Proxy, UpstreamRequest
-from gateway.relay import StreamRelay
+from gateway.relay import SilenceLimits, StreamRelay
 from gateway.request_ids import HEADER, current_request_id, request_id_from
 from gateway.resume import Resumer
 from gateway.routing import Router
@@ -208,7 +208,13 @@ class Handlers:
                 parsed.prompt_tokens,
                 parsed.affinity_key,
             )
-        relay = StreamRelay(opened, reader, on_end, resumer)
+        settings = self.settings
+        silence = SilenceLimits(
+            settings.stream_idle_timeout_s,
+            settings.unhealthy_region_silence_s,
+            self.router.healthy_nodes,
+        )
+        relay = StreamRelay(opened, reader, on_end, silence, resumer)
         if parsed.is_stream:
             return await relay.run(request, headers)
         sink = BodySink()

@@ -95,14 +95,8 @@ class Proxy:
         self._limits = AttemptLimits(settings.max_attempts, settings.max_resumes)
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._min_decode_tokens_per_s = settings.min_decode_tokens_per_s
-        self._whole_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout_s
-        )
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=settings.connect_timeout_s,
-            sock_read=settings.stream_idle_timeout_s,
-        )
+        # Past the first byte, the relay bounds a stream's silence itself (gateway/relay.py).
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
 
     def _first_byte_timeout_s_of(self, request: UpstreamRequest) -> float:
         if request.is_stream:
@@ -172,14 +166,13 @@ class Proxy:
         self, request: UpstreamRequest, candidate: Candidate, remaining_s: float
     ) -> Opened:
         is_stream = request.is_stream
-        timeout = self._stream_timeout if is_stream else self._whole_timeout
         async with asyncio.timeout(min(remaining_s, self._first_byte_timeout_s_of(request))):
             response = await self._session.request(
                 request.method,
                 candidate.url + request.path,
                 data=request.body,
                 headers=request.headers,
-                timeout=timeout,
+                timeout=self._timeout,
             )
             try:
                 if is_stream and response.status == 200:

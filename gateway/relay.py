@@ -1,8 +1,8 @@
 """Relaying a committed upstream SSE stream to the client, chunk by chunk, without buffering.
 
 Each upstream read is forwarded as soon as it holds whole events. If the upstream fails, goes
-quiet for longer than the stream idle timeout, ends early or sends an error event after bytes
-were sent, the relay asks `resume` for a continuation in another region and carries on reading
+silent for longer than its limit (`SilenceLimits`), ends early or sends an error event after
+bytes were sent, the relay asks `resume` for a continuation in another region and carries on reading
 from it, the client seeing one stream (gateway/resume.py, gateway/sse.py). When no continuation
 can be had, the client gets an SSE error event and `[DONE]` (the upstream's own error event if it
 sent one; never a silent cut). If the client goes away (a failed write, or the server cancelling
@@ -14,6 +14,7 @@ error). A non-streamed request's internal stream is relayed the same way into a 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,23 @@ SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 
 # Given the broken attempt and why it broke: a continuation already answering, or None.
 Resume = Callable[[Opened, StreamReader, str], Awaitable[Opened | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class SilenceLimits:
+    """How long a stream may stay silent before it counts as broken: `idle_s`, but only
+    `unhealthy_s` while the summary this gateway holds shows the stream's region with no healthy
+    node. A node (or the path to it) that hangs with the connection open stops its heartbeats as
+    well, so the control plane tells the gateway within `unhealthy_after_s` that the silence will
+    last; a stream still flowing from such a region is left alone (the node is plainly alive).
+    The simulator plays its streams' silences with the same limits (simulator/flow.py)."""
+
+    idle_s: float
+    unhealthy_s: float
+    healthy_nodes: Callable[[str], int | None]  # a region's, in the summary held (None: unknown)
+
+    def of(self, region: str) -> float:
+        return self.unhealthy_s if self.healthy_nodes(region) == 0 else self.idle_s
 
 
 @dataclass(slots=True)
@@ -65,18 +83,21 @@ class StreamRelay:
         opened: Opened,
         reader: StreamReader,
         on_end: Callable[[StreamRelay], Awaitable[None]],
+        silence: SilenceLimits,
         resume: Resume | None = None,
     ) -> None:
         self.first = opened  # the attempt the stream began on (its TTFT, its retries)
         self.opened = opened  # the attempt being read now
         self.reader = reader
         self._on_end = on_end
+        self._silence = silence
         self._resume = resume
         self.ttft_s: float | None = None
         self.error: str | None = None  # why the stream ended early, if it did
         self.is_client_gone = False
         self._has_read_all = False
         self.last_chunk_s = time.monotonic()  # when bytes last went to the client
+        self._heard_s = self.last_chunk_s  # when the current attempt last sent bytes
         self.resumes: list[ResumeTiming] = []
 
     async def run(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
@@ -130,6 +151,7 @@ class StreamRelay:
                 break
             self._release()
             self.opened, self._has_read_all = continuation, False
+            self._heard_s = time.monotonic()
             self.reader.begin_continuation()
             self.resumes.append(ResumeTiming(self.last_chunk_s, detected_s, time.monotonic()))
             await self._forward(continuation.body, response)
@@ -155,17 +177,33 @@ class StreamRelay:
         content = self.opened.response.content
         while True:
             try:
-                chunk = await content.readany()
-            except TimeoutError:
-                return "the region stopped sending"
+                chunk = await self._next_bytes(content)
             except aiohttp.ClientError as exc:
                 return f"the region failed mid-stream ({type(exc).__name__})"
+            if chunk is None:
+                return "the region went silent"
+            self._heard_s = time.monotonic()
             if not chunk:
                 self._has_read_all = True
                 return None if self.reader.is_done else "the region ended the stream early"
             await self._forward(chunk, response)
             if self.reader.upstream_error is not None:
                 return "the region sent an error event"
+
+    async def _next_bytes(self, content: aiohttp.StreamReader) -> bytes | None:
+        """The attempt's next bytes (b"" at its end), or None once it has been silent past its
+        limit. The limit is looked up again every `unhealthy_s` of silence, so a region that
+        turns unhealthy during a long one cuts it short."""
+        region = self.opened.candidate.region
+        while True:
+            left_s = self._silence.of(region) - (time.monotonic() - self._heard_s)
+            if left_s <= 0.0:
+                return None
+            try:
+                async with asyncio.timeout(min(left_s, self._silence.unhealthy_s)):
+                    return await content.readany()
+            except TimeoutError:
+                continue  # what was read stays buffered for the next `readany`
 
     async def _forward(self, chunk: bytes, response: Sink) -> None:
         out = self.reader.feed(chunk)

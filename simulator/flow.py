@@ -9,8 +9,12 @@ Once the first byte has come the stream is committed. A dying node resets its co
 region's Envoy ends them), which reaches the gateway one way later: an attempt still waiting for
 its first byte fails over then; a stream, if the sequence allows a resume, continues in the next
 region not tried yet: the prompt plus the tokens already relayed, the output less them, as
-`gateway.resume.continuation_of` builds it. The client keeps its first token's time; the stream
-ends when the continuation's does. Timeouts and limits are the gateway's default settings. Each
+`gateway.resume.continuation_of` builds it. A hung node's connections stay open instead: its
+waiting attempts meet their first-byte timeout, and its streams break when the gateway's relay
+would give up on their silence (`gateway.relay.SilenceLimits`, read against the summaries this
+PoP holds: soon once they show the region with no healthy node); a hung region's restart
+resets them. The client keeps its first token's time; the stream ends when the continuation's
+does. Timeouts and limits are the gateway's default settings. Each
 outcome is reported to the policy (breakers, in-flight counts, observed TTFT), which is where
 the real gateway code learns. With an edge tier (simulator/edge.py), a light `auto` request
 first tries its PoP's edge node.
@@ -24,9 +28,11 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
+from gateway.relay import SilenceLimits
 from gateway.routing import Candidate
 from gateway.settings import GatewaySettings
 from simulator.access import Access, make_access
+from simulator.control import PopWatch
 from simulator.edge import POP_TO_EDGE_MS, EdgeTier
 from simulator.events import EventLoop
 from simulator.node import Job, Node
@@ -54,6 +60,8 @@ class GatewayTiming:
     connect_timeout_s: float = _gateway_default("connect_timeout_s")
     first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
     request_deadline_s: float = _gateway_default("request_deadline_s")
+    stream_idle_timeout_s: float = _gateway_default("stream_idle_timeout_s")
+    unhealthy_region_silence_s: float = _gateway_default("unhealthy_region_silence_s")
 
 
 @dataclass(slots=True)
@@ -76,8 +84,8 @@ class Flight:
     first_pick: Pick | None = None  # the region that sent the first byte
     num_attempts: int = 0
     num_sent: int = 0  # output tokens relayed by attempts before the one under way
-    broken_s: float = 0.0  # when the last break reached the origin
-    longest_resume_s: float = 0.0  # from a break reaching the origin to the continuation's byte
+    broken_s: float = 0.0  # when the last break's silence began at the origin
+    longest_resume_s: float = 0.0  # from then to the continuation's first byte
     is_committed: bool = False  # the client has its first byte
     is_streaming: bool = False  # the attempt under way has sent its first byte
     is_ended: bool = False
@@ -99,6 +107,7 @@ class Traffic:
         chooser: Chooser,
         recorder: Recorder,
         timing: GatewayTiming,
+        watches: Mapping[str, PopWatch],
         access: Access = "anycast",
         edge: EdgeTier | None = None,
     ) -> None:
@@ -113,9 +122,22 @@ class Traffic:
         max_resumes = timing.max_resumes if chooser.is_via_pop else 0
         self.limits = AttemptLimits(self.max_attempts, max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
+        self.silences = {
+            pop: SilenceLimits(
+                timing.stream_idle_timeout_s,
+                timing.unhealthy_region_silence_s,
+                partial(self._healthy_nodes, watch),
+            )
+            for pop, watch in watches.items()
+        }
+        # Clients that go to a region directly: only their own patience, the same idle limit.
+        self.silences[""] = SilenceLimits(
+            timing.stream_idle_timeout_s, timing.unhealthy_region_silence_s, lambda _: None
+        )
         self._delays: dict[tuple[str, str], float] = {}
         self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
         self._is_deadline_armed = False
+        self._hung: dict[str, list[tuple[Flight, int, float]]] = {}  # silences, by region
         self.edge = edge
         if edge is not None:  # the edge is one hop from its gateway, whatever the paths' jitter
             for pop, site in edge.sites.items():
@@ -328,7 +350,58 @@ class Traffic:
         back_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
         self.loop.at(back_s, self._broken, (flight, flight.attempt))
 
-    def _broken(self, event: tuple[Flight, int]) -> None:
+    def silence(self, job: Job) -> None:
+        """The node serving `job` hung with its connection open: nothing more comes from it
+        once the bytes on their way have arrived. An attempt without a first byte meets its
+        first-byte timeout; a stream breaks once its silence passes the relay's limit."""
+        flight = job.owner
+        assert isinstance(flight, Flight)
+        if flight.job is not job or flight.is_ended:
+            return
+        assert flight.site is not None
+        flight.job = None
+        flight.num_sent += job.num_generated
+        silent_from_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
+        event = (flight, flight.attempt, silent_from_s)
+        self._hung.setdefault(flight.site.name, []).append(event)
+        self.loop.at(silent_from_s + self.timing.unhealthy_region_silence_s, self._silent, event)
+
+    def restarted(self, region: str) -> None:
+        """The hung region's nodes were restarted: the old processes' connections reset, which
+        ends the silences still held one way later."""
+        site = self.sites[region]
+        for event in self._hung.pop(region, []):
+            flight = event[0]
+            if event[1] == flight.attempt and not flight.is_ended:
+                back_s = self.loop.now_s + self.delay_s(site.location, flight.origin)
+                self.loop.at(back_s, self._reset_silence, event)
+
+    def _reset_silence(self, event: tuple[Flight, int, float]) -> None:
+        self._broken(event[:2], event[2])
+
+    def _silent(self, event: tuple[Flight, int, float]) -> None:
+        """The relay's look at a silent stream, every `unhealthy_s` of its silence."""
+        flight, attempt, silent_from_s = event
+        if attempt != flight.attempt or flight.is_ended or not flight.is_streaming:
+            return  # resumed or ended, or no first byte (its timeout is armed)
+        assert flight.pick is not None
+        silence = self.silences[flight.pop]
+        now_s = self.loop.now_s
+        give_up_s = silent_from_s + silence.of(flight.pick.region)  # absolute: no float creep
+        if now_s >= give_up_s:
+            self._broken((flight, attempt), silent_from_s)
+        else:
+            self.loop.at(min(give_up_s, now_s + silence.unhealthy_s), self._silent, event)
+
+    def _healthy_nodes(self, watch: PopWatch, region: str) -> int | None:
+        document = watch.read(self.loop.now_s)
+        if document is None:
+            return None
+        return next((r.healthy_nodes for r in document.regions if r.name == region), None)
+
+    def _broken(self, event: tuple[Flight, int], silent_from_s: float | None = None) -> None:
+        """The stream under way broke, as the origin sees it now (a reset arriving, or a silence
+        since `silent_from_s` given up on)."""
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended:
             return
@@ -346,7 +419,7 @@ class Traffic:
                 self._observe_ttft(flight, 0)
             self._end(flight, Outcome.CUT)
             return
-        flight.broken_s = now_s
+        flight.broken_s = now_s if silent_from_s is None else silent_from_s
         flight.is_streaming = False
         self._try_next(flight)
 

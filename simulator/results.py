@@ -5,11 +5,12 @@ them, or their stream broke and could not be continued). `retried`: requests tha
 one attempt to get a first byte, from the first region or, after a break, from the next. `resumed`:
 requests whose stream broke and was continued in another region, whatever their end; `resume_p99_s`:
 over those whose continuation sent a byte, the p99 of the longest wait from a break reaching the
-gateway to the continuation's first byte there (what the client sees as a gap in its stream, less
-the one-way delay). `lost`: requests that never ended when the world ran dry (an accounting check:
-it must be 0). `goodput`: the share of all requests whose first token reached the client within
-`GOODPUT_TTFT_S`. With an edge tier: `edge_share`, the share of all requests the edge answered, and
-`auto_ttft_p99_s`, the p99 TTFT of the requests sent as `auto`.
+gateway (a reset's arrival; for a hung node, the start of its silence there) to the continuation's
+first byte there (what the client sees as a gap in its stream, less the one-way delay). `lost`:
+requests that never ended when the world ran dry (an accounting check: it must be 0). `goodput`: the
+share of all requests whose first token reached the client within `GOODPUT_TTFT_S`. With an edge
+tier: `edge_share`, the share of all requests the edge answered, and `auto_ttft_p99_s`, the p99 TTFT
+of the requests sent as `auto`.
 """
 
 from __future__ import annotations

@@ -131,6 +131,7 @@ class World:
             self.chooser,
             self.recorder,
             GatewayTiming(max_resumes=spec.max_resumes),
+            watches,
             spec.access,
             self.edge,
         )
@@ -190,6 +191,10 @@ class World:
             outage: Outage = scenario.region_failure
             self.loop.at(at(outage.start), self._fail_region, outage.name)
             self.loop.at(at(outage.end), self._restore_region, outage.name)
+        if scenario.region_hang is not None:
+            outage = scenario.region_hang
+            self.loop.at(at(outage.start), self._hang_region, outage.name)
+            self.loop.at(at(outage.end), self._restore_region, outage.name)
         if scenario.pop_withdrawal is not None:
             outage = scenario.pop_withdrawal
             self.loop.at(at(outage.start), self.traffic.withdraw, outage.name)
@@ -202,11 +207,21 @@ class World:
             for job in node.fail(self.loop.now_s):
                 self.traffic.reset(job)
 
+    def _hang_region(self, name: str) -> None:
+        """Its nodes stop (as if SIGSTOPped, or cut off by a partition): new connections time
+        out, open ones go silent, heartbeats stop. It comes back restarted."""
+        site = self.sites[name]
+        site.is_up = False
+        for node in site.nodes:
+            for job in node.fail(self.loop.now_s):
+                self.traffic.silence(job)
+
     def _restore_region(self, name: str) -> None:
         site = self.sites[name]
         site.is_up = True
         for node in site.nodes:
             node.restart(self.loop.now_s)
+        self.traffic.restarted(name)
 
     def _arrive(self, index: int) -> None:
         requests = self.spec.requests
@@ -221,7 +236,8 @@ class World:
 
     def _run(self, progress: Callable[[int], None] | None) -> Recorder:
         requests = self.spec.requests
-        if self.chooser.needs_control_plane:
+        # Without routing on summaries, only a gateway's stream silences read them.
+        if self.chooser.needs_control_plane or self.spec.scenario.region_hang is not None:
             self.control.start()
         self._schedule_outages()
         self.loop.at(requests[0].arrival_s, self._arrive, 0)

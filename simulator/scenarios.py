@@ -28,7 +28,7 @@ TYPICAL_BATCH: Final = 32
 
 @dataclass(frozen=True, slots=True)
 class Outage:
-    name: str  # a region (region_failure) or a PoP (pop_withdrawal)
+    name: str  # a region (region_failure, region_hang) or a PoP (pop_withdrawal)
     start: float  # fraction of the run
     end: float
 
@@ -39,7 +39,8 @@ class Scenario:
     description: str
     utilisation: float = 0.55
     surge: tuple[str, float, float, float] | None = None  # continent, start, end, factor
-    region_failure: Outage | None = None
+    region_failure: Outage | None = None  # its nodes die: their connections reset
+    region_hang: Outage | None = None  # its nodes hang: connections stay open, beats stop
     pop_withdrawal: Outage | None = None
     extra_beat_delay_s: float = 0.0
     workload: WorkloadSpec | None = None  # overrides of lengths and tenants (rate is derived)
@@ -64,6 +65,11 @@ SCENARIOS: Final[Mapping[str, Scenario]] = {
             "region_failure",
             "ap-northeast dies at 30% of the run and returns at 60%",
             region_failure=Outage("ap-northeast", 0.3, 0.6),
+        ),
+        Scenario(
+            "region_hang",
+            "ap-northeast hangs (connections open, silent) at 30% of the run, returns at 60%",
+            region_hang=Outage("ap-northeast", 0.3, 0.6),
         ),
         Scenario(
             "pop_withdrawal",

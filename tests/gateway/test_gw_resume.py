@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,20 @@ class Resumable:
             5.0,
         )
 
+    def stop_near_heartbeats_once_streaming(self, gateway: GatewayThread, body: object) -> str:
+        """Stream `body`, and once its first chunk is in, stop us-east's heartbeats (its node
+        hangs as far as the control plane can tell): the whole body, read to its end."""
+        headers = {"Authorization": f"Bearer {self.secret}"}
+        with (
+            httpx.Client(base_url=gateway.base_url, verify=self.verify, timeout=30.0) as http,
+            http.stream("POST", CHAT_PATH, json=body, headers=headers) as response,
+        ):
+            assert response.status_code == 200
+            parts = response.iter_bytes()
+            first = next(parts)
+            self.fleet.regions["us-east"].is_beating = False
+            return (first + b"".join(parts)).decode()
+
     def post(self, gateway: GatewayThread, body: object, path: str = CHAT_PATH) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.secret}"}
         with httpx.Client(base_url=gateway.base_url, verify=self.verify, timeout=30.0) as http:
@@ -135,6 +150,55 @@ def test_a_stream_broken_mid_way_continues_in_the_next_region_as_one_stream(
     )
     gaps = metric(gateway, "meridian_gateway_stream_resume_gap_seconds_count")
     assert 'region="eu-west"} 1.0' in gaps
+
+
+def test_a_stream_silent_from_a_region_with_no_healthy_node_resumes_without_the_idle_wait(
+    resumable: Resumable,
+) -> None:
+    gateway = resumable.gateway(stream_idle_timeout_s=60.0, unhealthy_region_silence_s=1.0)
+    resumable.near.behavior.stall_after_chunks = 2
+    started_s = time.monotonic()
+    text = resumable.stop_near_heartbeats_once_streaming(gateway, CHAT)
+    took_s = time.monotonic() - started_s
+    chunks = chunks_of(text)
+    assert text_of(chunks) == WHOLE_TEXT and events_of(text)[-1] == "[DONE]"
+    [final] = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]  # type: ignore[index]
+    assert final["meridian_resumes"] == 1
+    assert resumable.far.seen[-1].body["resume_token_ids"] == [100, 101]
+    # Heartbeats missed for unhealthy_after_s, the summary to the gateway, then at most the
+    # 1 s silence: far below the 60 s idle timeout (and the client's own 30 s).
+    print(f"\nresumed {took_s:.2f} s after the request")
+    assert took_s < 15.0
+
+
+def test_a_stream_still_flowing_from_a_region_with_no_healthy_node_is_left_alone(
+    resumable: Resumable,
+) -> None:
+    gateway = resumable.gateway(unhealthy_region_silence_s=1.0)
+    near = resumable.near
+    near.behavior.num_chunks, near.behavior.chunk_delay_s = 30, 0.25  # 7.5 s of stream
+    router = gateway.handlers.router
+    started_s = time.monotonic()
+    text = resumable.stop_near_heartbeats_once_streaming(gateway, CHAT)
+    chunks = chunks_of(text)
+    assert text_of(chunks) == "".join(f"t{i} " for i in range(30))
+    assert resumable.far.num_requests == 0
+    # The gateway did see the region unhealthy while the stream still flowed.
+    assert router.regions["us-east"].summary.healthy_nodes == 0
+    assert time.monotonic() - started_s > 7.0
+
+
+def test_a_silent_stream_from_a_healthy_region_waits_the_idle_timeout(
+    resumable: Resumable,
+) -> None:
+    gateway = resumable.gateway(stream_idle_timeout_s=3.0, unhealthy_region_silence_s=0.5)
+    resumable.near.behavior.stall_after_chunks = 2
+    started_s = time.monotonic()
+    response = resumable.post(gateway, CHAT)
+    took_s = time.monotonic() - started_s
+    assert text_of(chunks_of(response.text)) == WHOLE_TEXT
+    assert resumable.far.num_requests == 1
+    assert took_s >= 3.0  # the region kept beating: its silence may be a slow step
 
 
 def test_the_client_that_asks_for_token_ids_gets_them_across_the_resume(

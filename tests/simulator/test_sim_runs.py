@@ -4,6 +4,7 @@ decisions are the real gateway routing's (its policy settings change them)."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import numpy as np
 import pytest
@@ -104,6 +105,46 @@ def test_a_request_a_dying_node_held_before_its_first_byte_fails_over_at_once(
     # The reset reaches the gateway within a one-way delay: nobody waits out the first-byte
     # timeout (a dark region's connect timeout, 2 s, is the longest wait left).
     assert np.nanmax(recorder.ttft_s) < GatewayTiming().first_byte_timeout_s
+
+
+def test_streams_a_hung_region_holds_resume_once_the_summaries_show_it_without_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    silenced: list[Flight] = []  # the streams under way when their node hung
+    silence = Traffic.silence
+
+    def spy(self: Traffic, job: Job) -> None:
+        assert isinstance(job.owner, Flight)
+        if job.owner.is_streaming:
+            silenced.append(job.owner)
+        silence(self, job)
+
+    monkeypatch.setattr(Traffic, "silence", spy)
+    # Enough requests for the hang (30% to 60% of the run) to outlast unhealthy_after_s.
+    spec = world_spec(SCENARIOS["region_hang"], 3, 2000, ServiceCalibration())
+    recorder = run(spec)
+    assert silenced and recorder.stats().failed == 0
+    outage = SCENARIOS["region_hang"].region_hang
+    assert outage is not None
+    first_s, last_s = spec.requests[0].arrival_s, spec.requests[-1].arrival_s
+    restarted_s = first_s + outage.end * (last_s - first_s)
+
+    def continued_s(flight: Flight) -> float:  # the continuation's first byte at the PoP
+        return flight.broken_s + flight.longest_resume_s
+
+    assert all(f.num_resumes == 1 and f.is_ended for f in silenced)
+    # Heartbeats missed for unhealthy_after_s (3 s), the summary's way to the PoP, then the
+    # relay's next look: each continued long before the hung region came back.
+    assert min(f.longest_resume_s for f in silenced) > 3.0
+    assert all(continued_s(f) < restarted_s for f in silenced)
+    # A gateway that waits out the 60 s idle timeout whatever the summaries say holds every
+    # one of them until the region's restart resets its connections.
+    silenced.clear()
+    timing = GatewayTiming()
+    patient = partial(GatewayTiming, unhealthy_region_silence_s=timing.stream_idle_timeout_s)
+    monkeypatch.setattr("simulator.run.GatewayTiming", patient)
+    assert run(spec).stats().failed == 0
+    assert silenced and all(continued_s(f) > restarted_s for f in silenced)
 
 
 def test_clients_that_go_to_a_region_directly_have_no_gateway_to_resume_for_them() -> None:
