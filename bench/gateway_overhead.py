@@ -47,6 +47,8 @@ from typing import Any
 
 import aiohttp
 
+from bench.gateway_upstream import PACE_FIELD
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 30.0
 CHAT = json.dumps(
@@ -63,6 +65,7 @@ def stream_body(num_chunks: int) -> bytes:
         "messages": [{"role": "user", "content": "hi"}],
         "stream": True,
         "max_tokens": num_chunks,
+        PACE_FIELD: CHUNK_INTERVAL_MS,
     }
     return json.dumps(body).encode()
 
@@ -258,8 +261,6 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
                 "bench.gateway_upstream",
                 "--port",
                 str(upstream_port),
-                "--chunk-interval-ms",
-                str(CHUNK_INTERVAL_MS),
             ],
         )
     }

@@ -1,11 +1,13 @@
 """A fast OpenAI-shaped upstream for `bench/gateway_overhead.py`: no model, canned answers.
 
-    python -m bench.gateway_upstream --port 9100 [--chunk-interval-ms 20]
+    python -m bench.gateway_upstream --port 9100
 
 `POST /v1/chat/completions` answers a small chat completion (with usage) at once, or, with
 `"stream": true`, an SSE stream: the role chunk at once, then `max_tokens` content chunks (16 if
-not given, at most 4096) `--chunk-interval-ms` apart, the usage chunk if asked for, and
-`[DONE]`. aiohttp on uvloop, one
+not given, at most 4096), the usage chunk if asked for, and `[DONE]`. The content chunks go
+`"bench_chunk_interval_ms"` apart when the body carries it (a paced stream, like a model's),
+else at once: the gateway asks for a non-streamed completion as a stream (to resume it if it
+breaks), and that internal stream must cost only what the gateway adds. aiohttp on uvloop, one
 process, so it costs as little CPU as we can make it.
 """
 
@@ -46,10 +48,11 @@ MODELS = json.dumps({"object": "list", "data": [{"id": "bench", "object": "model
 
 
 DEFAULT_CHUNKS = 16
+PACE_FIELD = "bench_chunk_interval_ms"
 MAX_CHUNKS = 4096
 
 
-def make_app(chunk_interval_s: float) -> web.Application:
+def make_app() -> web.Application:
     base: Json = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "model": "bench"}
 
     async def complete(request: web.Request) -> web.StreamResponse:
@@ -57,6 +60,7 @@ def make_app(chunk_interval_s: float) -> web.Application:
         if not body.get("stream"):
             return web.Response(body=WHOLE, content_type="application/json")
         num_chunks = min(int(body.get("max_tokens") or DEFAULT_CHUNKS), MAX_CHUNKS)
+        chunk_interval_s = float(body.get(PACE_FIELD) or 0.0) / 1000.0
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage"))
         extra: Json = {"usage": None} if include_usage else {}
@@ -65,7 +69,8 @@ def make_app(chunk_interval_s: float) -> web.Application:
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
         await response.write(_sse({**base, "choices": [role], **extra}))
         for i in range(num_chunks):
-            await asyncio.sleep(chunk_interval_s)
+            if chunk_interval_s:
+                await asyncio.sleep(chunk_interval_s)
             choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
             await response.write(_sse({**base, "choices": [choice], **extra}))
         final = {"index": 0, "delta": {}, "finish_reason": "stop"}
@@ -90,9 +95,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway_upstream")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9100)
-    parser.add_argument("--chunk-interval-ms", type=float, default=20.0)
     args = parser.parse_args()
-    app = make_app(args.chunk_interval_ms / 1000.0)
+    app = make_app()
     web.run_app(
         app,
         host=args.host,
