@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from aiohttp import web
@@ -78,6 +78,14 @@ class Handlers:
     proxy: Proxy | None = None  # set by the lifespan
     limiter: Limiter | None = None
     auto: AutoTier | None = None  # the `auto` alias and the edge tier, when configured
+    silence: SilenceLimits = field(init=False)  # every stream's, from the settings and router
+
+    def __post_init__(self) -> None:
+        self.silence = SilenceLimits(
+            self.settings.stream_idle_timeout_s,
+            self.settings.unhealthy_region_silence_s,
+            self.router.healthy_nodes,
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "chat", "/v1/chat/completions")
@@ -208,13 +216,7 @@ class Handlers:
                 parsed.prompt_tokens,
                 parsed.affinity_key,
             )
-        settings = self.settings
-        silence = SilenceLimits(
-            settings.stream_idle_timeout_s,
-            settings.unhealthy_region_silence_s,
-            self.router.healthy_nodes,
-        )
-        relay = StreamRelay(opened, reader, on_end, silence, resumer)
+        relay = StreamRelay(opened, reader, on_end, self.silence, resumer)
         if parsed.is_stream:
             return await relay.run(request, headers)
         sink = BodySink()

@@ -2,14 +2,14 @@
 
 Each upstream read is forwarded as soon as it holds whole events. If the upstream fails, goes
 silent for longer than its limit (`SilenceLimits`), ends early or sends an error event after
-bytes were sent, the relay asks `resume` for a continuation in another region and carries on reading
-from it, the client seeing one stream (gateway/resume.py, gateway/sse.py). When no continuation
-can be had, the client gets an SSE error event and `[DONE]` (the upstream's own error event if it
-sent one; never a silent cut). If the client goes away (a failed write, or the server cancelling
-the handler when the connection drops), the upstream request is closed at once so the node stops
-generating. However the stream ends, `on_end` runs once with what was learnt (usage, TTFT,
-error). A non-streamed request's internal stream is relayed the same way into a buffer
-(`collect`; gateway/whole.py makes its body).
+bytes were sent, the relay asks `resume` for a continuation in another region and carries on
+reading from it, the client seeing one stream (gateway/resume.py, gateway/sse.py). When no
+continuation can be had, the client gets an SSE error event and `[DONE]` (the upstream's own
+error event if it sent one; never a silent cut). If the client goes away (a failed write, or the
+server cancelling the handler when the connection drops), the upstream request is closed at once
+so the node stops generating. However the stream ends, `on_end` runs once with what was learnt
+(usage, TTFT, error). A non-streamed request's internal stream is relayed the same way into a
+buffer (`collect`; gateway/whole.py makes its body).
 """
 
 from __future__ import annotations

@@ -12,12 +12,11 @@ region not tried yet: the prompt plus the tokens already relayed, the output les
 `gateway.resume.continuation_of` builds it. A hung node's connections stay open instead: its
 waiting attempts meet their first-byte timeout, and its streams break when the gateway's relay
 would give up on their silence (`gateway.relay.SilenceLimits`, read against the summaries this
-PoP holds: soon once they show the region with no healthy node); a hung region's restart
-resets them. The client keeps its first token's time; the stream ends when the continuation's
-does. Timeouts and limits are the gateway's default settings. Each
-outcome is reported to the policy (breakers, in-flight counts, observed TTFT), which is where
-the real gateway code learns. With an edge tier (simulator/edge.py), a light `auto` request
-first tries its PoP's edge node.
+PoP holds: soon once they show the region with no healthy node); a hung region's restart resets
+them. The client keeps its first token's time; the stream ends when the continuation's does.
+Timeouts and limits are the gateway's default settings. Each outcome is reported to the policy
+(breakers, in-flight counts, observed TTFT), which is where the real gateway code learns. With
+an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
 """
 
 from __future__ import annotations
