@@ -17,7 +17,7 @@ in the far node's prefix cache):
    `us-east` node is SIGKILLed (`--failure kill`: its sockets close, the gateway sees the
    connection end) or SIGSTOPped (`--failure stop`: its sockets stay open and its heartbeats
    stop; the gateway, at its default settings, gives up on a stream silent for
-   `unhealthy_region_silence_s` once the control plane reports the region with no healthy node,
+   `unhealthy_node_silence_s` once the control plane reports the node unhealthy,
    not after its 60 s `stream_idle_timeout_s`).
 
 The killed node is started again for the next round. Reported per run: streams completed of

@@ -46,8 +46,11 @@ def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
     num_routable = num_waiting = num_waiting_prefill_tokens = num_running_prefill_tokens = 0
     kv_blocks_free = kv_blocks_total = 0
     decode_tokens_per_s = 0.0
+    unhealthy: list[str] = []
     for node in nodes:
         if not node.is_in_summaries:
+            if not node.is_healthy:
+                unhealthy.append(node.node_id)
             continue
         num_routable += 1
         beat = node.last_beat
@@ -76,6 +79,7 @@ def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
         state=region.state,
         ingress_url=region.ingress_url,
         healthy_nodes=num_routable,
+        unhealthy_nodes=tuple(sorted(unhealthy)),
         kv_blocks_free=kv_blocks_free,
         kv_blocks_total=kv_blocks_total,
         queue=queue,

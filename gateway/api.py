@@ -83,8 +83,8 @@ class Handlers:
     def __post_init__(self) -> None:
         self.silence = SilenceLimits(
             self.settings.stream_idle_timeout_s,
-            self.settings.unhealthy_region_silence_s,
-            self.router.healthy_nodes,
+            self.settings.unhealthy_node_silence_s,
+            self.router.summary_of,
         )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:

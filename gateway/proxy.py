@@ -32,6 +32,7 @@ from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate, RegionState, RoutePlan, Router
 from gateway.settings import GatewaySettings
+from wire.heartbeat import NODE_ID_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,11 @@ class Opened:
     @property
     def status(self) -> int:
         return self.response.status
+
+    @property
+    def node(self) -> str | None:
+        """The node that answered, as it names itself (None: it did not say)."""
+        return self.response.headers.get(NODE_ID_HEADER)
 
     def passed_headers(self) -> dict[str, str]:
         headers = self.response.headers

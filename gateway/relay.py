@@ -28,6 +28,7 @@ from aiohttp import web
 from gateway.errors import sse_error_event
 from gateway.proxy import Opened
 from gateway.sse import DONE_EVENT, EVENT_END, StreamReader
+from wire.region_summary import RegionSummary
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +41,24 @@ Resume = Callable[[Opened, StreamReader, str], Awaitable[Opened | None]]
 @dataclass(frozen=True, slots=True)
 class SilenceLimits:
     """How long a stream may stay silent before it counts as broken: `idle_s`, but only
-    `unhealthy_s` while the summary this gateway holds shows the stream's region with no healthy
-    node. A node (or the path to it) that hangs with the connection open stops its heartbeats as
-    well, so the control plane tells the gateway within `unhealthy_after_s` that the silence will
-    last; a stream still flowing from such a region is left alone (the node is plainly alive).
-    The simulator plays its streams' silences with the same limits (simulator/flow.py)."""
+    `unhealthy_s` while the summary this gateway holds shows the stream's node among its
+    region's unhealthy ones, or the region with no healthy node at all. A node (or the path to
+    it) that hangs with the connection open stops its heartbeats as well, so the control plane
+    tells the gateway within `unhealthy_after_s` that the silence will last, while the region's
+    other nodes serve on; a stream still flowing from such a node is left alone (it is plainly
+    alive). The simulator plays its streams' silences with the same limits (simulator/flow.py)."""
 
     idle_s: float
     unhealthy_s: float
-    healthy_nodes: Callable[[str], int | None]  # a region's, in the summary held (None: unknown)
+    summary_of: Callable[[str], RegionSummary | None]  # a region's, as held (None: unknown)
 
-    def of(self, region: str) -> float:
-        return self.unhealthy_s if self.healthy_nodes(region) == 0 else self.idle_s
+    def of(self, region: str, node: str | None) -> float:
+        """The limit for a stream from `node` (the node's own name for itself; None if it gave
+        none) in `region`."""
+        summary = self.summary_of(region)
+        if summary is not None and (summary.healthy_nodes == 0 or node in summary.unhealthy_nodes):
+            return self.unhealthy_s
+        return self.idle_s
 
 
 @dataclass(slots=True)
@@ -192,11 +199,11 @@ class StreamRelay:
 
     async def _next_bytes(self, content: aiohttp.StreamReader) -> bytes | None:
         """The attempt's next bytes (b"" at its end), or None once it has been silent past its
-        limit. The limit is looked up again every `unhealthy_s` of silence, so a region that
+        limit. The limit is looked up again every `unhealthy_s` of silence, so a node that
         turns unhealthy during a long one cuts it short."""
-        region = self.opened.candidate.region
+        region, node = self.opened.candidate.region, self.opened.node
         while True:
-            left_s = self._silence.of(region) - (time.monotonic() - self._heard_s)
+            left_s = self._silence.of(region, node) - (time.monotonic() - self._heard_s)
             if left_s <= 0.0:
                 return None
             try:

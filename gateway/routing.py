@@ -351,10 +351,10 @@ class Router:
 
     # Feedback from the proxy.
 
-    def healthy_nodes(self, region: str) -> int | None:
-        """The region's healthy nodes in the summary held (None: a region not in it)."""
+    def summary_of(self, region: str) -> RegionSummary | None:
+        """The region's summary as held (None: a region not in it)."""
         state = self.regions.get(region)
-        return None if state is None else state.summary.healthy_nodes
+        return None if state is None else state.summary
 
     def state_of(self, region: str) -> RegionState | None:
         return self.regions.get(region)

@@ -85,9 +85,10 @@ class GatewaySettings(BaseSettings):
     min_decode_tokens_per_s: float = Field(default=5.0, gt=0.0)
     # Longest silence between two chunks of a stream before it is ended with an error event.
     stream_idle_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
-    # ... but only this long while the control plane reports the stream's region with no
-    # healthy node (its node hung with the connection open: its heartbeats stopped too).
-    unhealthy_region_silence_s: float = Field(default=2.0, gt=0.0, le=3600.0)
+    # ... but only this long while the control plane reports the stream's node unhealthy, or
+    # its region with no healthy node (a node hung with the connection open: its heartbeats
+    # stopped too; the node names itself in each response's X-Meridian-Node).
+    unhealthy_node_silence_s: float = Field(default=2.0, gt=0.0, le=3600.0)
     max_attempts: int = Field(default=3, ge=1, le=10)
     # A stream that breaks after its first chunk (connection lost, silent past the limits
     # above, an error event) continues in the next region, at most this many

@@ -68,7 +68,7 @@ def create_app(settings: NodeAgentSettings, llm: AsyncEngine | None = None) -> F
     if settings.serving_token is not None:
         # Added first, so it runs inside the request-id middleware: refusals carry an id too.
         app.add_middleware(ServingAuthMiddleware, token=settings.serving_token.get_secret_value())
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, node_id=runtime.node_id)
     install_error_handlers(app)
     app.include_router(router)
     return app

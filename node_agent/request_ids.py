@@ -1,4 +1,6 @@
-"""Request ids: take the caller's `X-Request-Id` (the gateway sends one) or make one; echo it.
+"""Request ids: take the caller's `X-Request-Id` (the gateway sends one) or make one; echo it,
+beside the node's own id (`X-Meridian-Node`: a gateway matches a stream's node against the
+region summary's unhealthy nodes).
 
 A pure ASGI middleware, so that streaming bodies and disconnect detection pass through untouched.
 The id is in `request.state.request_id` for handlers and logs.
@@ -11,6 +13,8 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wire.heartbeat import NODE_ID_HEADER
+
 HEADER = "x-request-id"
 _VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, bounded
 
@@ -21,8 +25,9 @@ def request_id_of(scope: Scope) -> str:
 
 
 class RequestIdMiddleware:
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, node_id: str):
         self.app = app
+        self._node_header = (NODE_ID_HEADER.encode(), node_id.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -39,7 +44,7 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), header]
+                message["headers"] = [*message.get("headers", []), header, self._node_header]
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -12,8 +12,9 @@ region not tried yet: the prompt plus the tokens already relayed, the output les
 `gateway.resume.continuation_of` builds it. A hung node's connections stay open instead: its
 waiting attempts meet their first-byte timeout, and its streams break when the gateway's relay
 would give up on their silence (`gateway.relay.SilenceLimits`, read against the summaries this
-PoP holds: soon once they show the region with no healthy node); a hung region's restart resets
-them. The client keeps its first token's time; the stream ends when the continuation's does.
+PoP holds: soon once they show the node unhealthy, or its region with no healthy node); a hung
+node's restart resets them. The client keeps its first token's time; the stream ends when the
+continuation's does.
 Timeouts and limits are the gateway's default settings. Each outcome is reported to the policy
 (breakers, in-flight counts, observed TTFT), which is where the real gateway code learns. With
 an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
@@ -22,7 +23,7 @@ an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's e
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -41,6 +42,7 @@ from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
 from wire.geo import Location
+from wire.region_summary import RegionSummary
 
 
 def _gateway_default(name: str) -> float:
@@ -60,7 +62,7 @@ class GatewayTiming:
     first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
     request_deadline_s: float = _gateway_default("request_deadline_s")
     stream_idle_timeout_s: float = _gateway_default("stream_idle_timeout_s")
-    unhealthy_region_silence_s: float = _gateway_default("unhealthy_region_silence_s")
+    unhealthy_node_silence_s: float = _gateway_default("unhealthy_node_silence_s")
 
 
 @dataclass(slots=True)
@@ -124,19 +126,20 @@ class Traffic:
         self.silences = {
             pop: SilenceLimits(
                 timing.stream_idle_timeout_s,
-                timing.unhealthy_region_silence_s,
-                partial(self._healthy_nodes, watch),
+                timing.unhealthy_node_silence_s,
+                partial(self._summary_of, watch),
             )
             for pop, watch in watches.items()
         }
         # Clients that go to a region directly: only their own patience, the same idle limit.
         self.silences[""] = SilenceLimits(
-            timing.stream_idle_timeout_s, timing.unhealthy_region_silence_s, lambda _: None
+            timing.stream_idle_timeout_s, timing.unhealthy_node_silence_s, lambda _: None
         )
         self._delays: dict[tuple[str, str], float] = {}
         self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
         self._is_deadline_armed = False
-        self._hung: dict[str, list[tuple[Flight, int, float]]] = {}  # silences, by region
+        # Silences, by region: (flight, attempt, silence's start at the origin, node).
+        self._hung: dict[str, list[tuple[Flight, int, float, str]]] = {}
         self.edge = edge
         if edge is not None:  # the edge is one hop from its gateway, whatever the paths' jitter
             for pop, site in edge.sites.items():
@@ -357,46 +360,48 @@ class Traffic:
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
             return
-        assert flight.site is not None
+        assert flight.site is not None and flight.node is not None
         flight.job = None
         flight.num_sent += job.num_generated
         silent_from_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
-        event = (flight, flight.attempt, silent_from_s)
+        event = (flight, flight.attempt, silent_from_s, flight.node.name)
         self._hung.setdefault(flight.site.name, []).append(event)
-        self.loop.at(silent_from_s + self.timing.unhealthy_region_silence_s, self._silent, event)
+        self.loop.at(silent_from_s + self.timing.unhealthy_node_silence_s, self._silent, event)
 
-    def restarted(self, region: str) -> None:
-        """The hung region's nodes were restarted: the old processes' connections reset, which
-        ends the silences still held one way later."""
+    def restarted(self, region: str, nodes: Collection[str]) -> None:
+        """These hung nodes of `region` were restarted: the old processes' connections reset,
+        which ends the silences they still held one way later."""
         site = self.sites[region]
-        for event in self._hung.pop(region, []):
+        held = self._hung.pop(region, [])
+        self._hung[region] = [event for event in held if event[3] not in nodes]
+        for event in held:
             flight = event[0]
-            if event[1] == flight.attempt and not flight.is_ended:
+            if event[3] in nodes and event[1] == flight.attempt and not flight.is_ended:
                 back_s = self.loop.now_s + self.delay_s(site.location, flight.origin)
                 self.loop.at(back_s, self._reset_silence, event)
 
-    def _reset_silence(self, event: tuple[Flight, int, float]) -> None:
+    def _reset_silence(self, event: tuple[Flight, int, float, str]) -> None:
         self._broken(event[:2], event[2])
 
-    def _silent(self, event: tuple[Flight, int, float]) -> None:
+    def _silent(self, event: tuple[Flight, int, float, str]) -> None:
         """The relay's look at a silent stream, every `unhealthy_s` of its silence."""
-        flight, attempt, silent_from_s = event
+        flight, attempt, silent_from_s, node = event
         if attempt != flight.attempt or flight.is_ended or not flight.is_streaming:
             return  # resumed or ended, or no first byte (its timeout is armed)
         assert flight.pick is not None
         silence = self.silences[flight.pop]
         now_s = self.loop.now_s
-        give_up_s = silent_from_s + silence.of(flight.pick.region)  # absolute: no float creep
+        give_up_s = silent_from_s + silence.of(flight.pick.region, node)  # absolute: no creep
         if now_s >= give_up_s:
             self._broken((flight, attempt), silent_from_s)
         else:
             self.loop.at(min(give_up_s, now_s + silence.unhealthy_s), self._silent, event)
 
-    def _healthy_nodes(self, watch: PopWatch, region: str) -> int | None:
+    def _summary_of(self, watch: PopWatch, region: str) -> RegionSummary | None:
         document = watch.read(self.loop.now_s)
         if document is None:
             return None
-        return next((r.healthy_nodes for r in document.regions if r.name == region), None)
+        return next((r for r in document.regions if r.name == region), None)
 
     def _broken(self, event: tuple[Flight, int], silent_from_s: float | None = None) -> None:
         """The stream under way broke, as the origin sees it now (a reset arriving, or a silence

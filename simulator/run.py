@@ -195,6 +195,10 @@ class World:
             outage = scenario.region_hang
             self.loop.at(at(outage.start), self._hang_region, outage.name)
             self.loop.at(at(outage.end), self._restore_region, outage.name)
+        if scenario.node_hang is not None:
+            outage = scenario.node_hang
+            self.loop.at(at(outage.start), self._hang_node, outage.name)
+            self.loop.at(at(outage.end), self._restore_node, outage.name)
         if scenario.pop_withdrawal is not None:
             outage = scenario.pop_withdrawal
             self.loop.at(at(outage.start), self.traffic.withdraw, outage.name)
@@ -213,15 +217,31 @@ class World:
         site = self.sites[name]
         site.is_up = False
         for node in site.nodes:
-            for job in node.fail(self.loop.now_s):
-                self.traffic.silence(job)
+            self._hang(node)
+
+    def _hang_node(self, name: str) -> None:
+        """One node stops as a hung region's do; its region's ingress sends new work to the
+        others (the simulated Envoy routes to live nodes only)."""
+        self._hang(self._node(name))
+
+    def _hang(self, node: Node) -> None:
+        for job in node.fail(self.loop.now_s):
+            self.traffic.silence(job)
 
     def _restore_region(self, name: str) -> None:
         site = self.sites[name]
         site.is_up = True
         for node in site.nodes:
             node.restart(self.loop.now_s)
-        self.traffic.restarted(name)
+        self.traffic.restarted(name, {node.name for node in site.nodes})
+
+    def _restore_node(self, name: str) -> None:
+        node = self._node(name)
+        node.restart(self.loop.now_s)
+        self.traffic.restarted(node.region, {name})
+
+    def _node(self, name: str) -> Node:
+        return next(n for site in self.sites.values() for n in site.nodes if n.name == name)
 
     def _arrive(self, index: int) -> None:
         requests = self.spec.requests
@@ -237,7 +257,9 @@ class World:
     def _run(self, progress: Callable[[int], None] | None) -> Recorder:
         requests = self.spec.requests
         # Without routing on summaries, only a gateway's stream silences read them.
-        if self.chooser.needs_control_plane or self.spec.scenario.region_hang is not None:
+        scenario = self.spec.scenario
+        is_hang = scenario.region_hang is not None or scenario.node_hang is not None
+        if self.chooser.needs_control_plane or is_hang:
             self.control.start()
         self._schedule_outages()
         self.loop.at(requests[0].arrival_s, self._arrive, 0)

@@ -28,7 +28,7 @@ TYPICAL_BATCH: Final = 32
 
 @dataclass(frozen=True, slots=True)
 class Outage:
-    name: str  # a region (region_failure, region_hang) or a PoP (pop_withdrawal)
+    name: str  # a region (region_failure, region_hang), a node (node_hang) or a PoP
     start: float  # fraction of the run
     end: float
 
@@ -41,6 +41,7 @@ class Scenario:
     surge: tuple[str, float, float, float] | None = None  # continent, start, end, factor
     region_failure: Outage | None = None  # its nodes die: their connections reset
     region_hang: Outage | None = None  # its nodes hang: connections stay open, beats stop
+    node_hang: Outage | None = None  # one node hangs; the others of its region serve on
     pop_withdrawal: Outage | None = None
     extra_beat_delay_s: float = 0.0
     workload: WorkloadSpec | None = None  # overrides of lengths and tenants (rate is derived)
@@ -70,6 +71,11 @@ SCENARIOS: Final[Mapping[str, Scenario]] = {
             "region_hang",
             "ap-northeast hangs (connections open, silent) at 30% of the run, returns at 60%",
             region_hang=Outage("ap-northeast", 0.3, 0.6),
+        ),
+        Scenario(
+            "node_hang",
+            "one of ap-northeast's nodes hangs at 30% of the run, returns at 60%",
+            node_hang=Outage("ap-northeast-0", 0.3, 0.6),
         ),
         Scenario(
             "pop_withdrawal",

@@ -17,6 +17,9 @@ HEARTBEAT_SCHEMA_VERSION: Final = 1
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=63)]
 MAX_URL_LEN = 2048
+# The node agent names itself (its heartbeats' `node_id`) on every response, so that a gateway
+# knows which node a stream comes from and can match it against the region summary's health.
+NODE_ID_HEADER: Final = "x-meridian-node"
 
 
 # An http(s) URL with a host; a pattern (not pydantic's HttpUrl) so the value travels byte for byte

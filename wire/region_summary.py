@@ -49,6 +49,10 @@ class RegionSummary(BaseModel):
     ingress_url: HttpUrlStr | None = None
     # Nodes whose heartbeats are current and that are not draining: the ones that take traffic.
     healthy_nodes: int = Field(ge=0)
+    # Registered nodes the control plane counts unhealthy (beats missed, or Consul critical),
+    # by node id, sorted: a gateway cuts a silent stream from one of them short (gateway/relay.py)
+    # while the region's other nodes serve on. Empty from control planes that predate it.
+    unhealthy_nodes: tuple[Name, ...] = ()
     kv_blocks_free: int = Field(ge=0)
     kv_blocks_total: int = Field(ge=0)
     queue: QueueEstimate

@@ -102,6 +102,9 @@ async def test_a_silent_node_leaves_the_summary_of_a_waiting_gateway(
     document, _ = await watch(live_cp, before.index)
     silent_s = time.monotonic() - last_beat_at
     assert document.regions[0].healthy_nodes == 0 and document.regions[0].kv_blocks_total == 0
+    assert before.regions[0].unhealthy_nodes == () and document.regions[0].unhealthy_nodes == (
+        "n1",
+    )
     # Unhealthy once 3 × 0.2 s have passed, not before; and the waiting gateway hears of it at
     # the next sweep, not when its 10 s wait ends.
     assert 0.6 <= silent_s < 5
@@ -136,22 +139,27 @@ async def test_routing_policy_change_is_published_with_the_summaries(
     assert document.routing.rtt_weight == 2.0 and document.routing.affinity_enabled is False
 
 
+def beat_of(node_id: str, identity: NodeIdentity) -> Heartbeat:
+    """An idle node's beat (100 KV blocks, all free)."""
+    return Heartbeat(
+        node_id=node_id,
+        region=identity.region,
+        url=identity.url,
+        model=identity.model,
+        kv_blocks_total=100,
+        kv_blocks_free=100,
+        block_size=16,
+        timestamp=0.0,
+    )
+
+
 def test_a_beat_publishes_a_node_back_to_health_now_and_capacity_at_the_tick() -> None:
     region = Region("us-east", 39.0, -77.5, None, 1.0, "active", 0.0, 0.0)
     fleet = Fleet(unhealthy_after_s=3.0, regions={"us-east": region})
     identity = NodeIdentity(region="us-east", url="http://n1.test:9001", model="m", tp_size=1)
     node = fleet.nodes["n1"] = Node("n1", identity, False, 0.0)
     publisher = SummaryPublisher(fleet, RoutingPolicy, ChangeFeed(1))
-    beat = Heartbeat(
-        node_id="n1",
-        region="us-east",
-        url=identity.url,
-        model="m",
-        kv_blocks_total=100,
-        kv_blocks_free=100,
-        block_size=16,
-        timestamp=0.0,
-    )
+    beat = beat_of("n1", identity)
 
     def record(beat: Heartbeat, now_s: float) -> bool:
         was = route_view(node)
@@ -175,16 +183,7 @@ def test_a_tick_recomputes_only_the_regions_whose_nodes_beat_or_fell_silent() ->
     for name in names:
         identity = NodeIdentity(region=name, url=f"http://{name}.test:9001", model="m", tp_size=1)
         fleet.nodes[name] = Node(name, identity, False, 0.0)
-        beats[name] = Heartbeat(
-            node_id=name,
-            region=name,
-            url=identity.url,
-            model="m",
-            kv_blocks_total=100,
-            kv_blocks_free=100,
-            block_size=16,
-            timestamp=0.0,
-        )
+        beats[name] = beat_of(name, identity)
         fleet.record_beat(fleet.nodes[name], beats[name], 0.0, 0.0)
     publisher = SummaryPublisher(fleet, RoutingPolicy, ChangeFeed(1))
     summarized: list[str] = []
@@ -207,6 +206,19 @@ def test_a_tick_recomputes_only_the_regions_whose_nodes_beat_or_fell_silent() ->
         publisher.tick(3.5)  # eu-west silent for 3.5 s: it alone leaves the summary
         assert summarized == ["us-east", "eu-west"] and publisher.current.index > index
         assert [r.healthy_nodes for r in publisher.current.regions] == [0, 1]
+
+
+def test_a_summary_names_the_unhealthy_nodes_and_not_the_draining_ones() -> None:
+    region = Region("us-east", 39.0, -77.5, None, 1.0, "active", 0.0, 0.0)
+    fleet = Fleet(unhealthy_after_s=3.0, regions={"us-east": region})
+    for name in ("n3", "n1", "n2", "n4"):
+        identity = NodeIdentity("us-east", f"http://{name}.test:9001", "m", 1)
+        node = fleet.nodes[name] = Node(name, identity, name == "n4", 0.0)
+        fleet.record_beat(node, beat_of(name, identity), 0.0 if name in ("n1", "n3") else 2.0, 0.0)
+    fleet.sweep(4.0)  # n1 and n3 silent for 4 s; n2 beats; n4 beats, but drains
+    summary = summarize_region(region, list(fleet.nodes.values()))
+    assert summary.healthy_nodes == 1  # n2: n4 takes no traffic, but is not unhealthy
+    assert summary.unhealthy_nodes == ("n1", "n3")
 
 
 def test_expected_queue_delay() -> None:

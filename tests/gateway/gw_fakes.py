@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from wire.heartbeat import NODE_ID_HEADER
+
 JSON = dict[str, object]
 PROMPT_TOKENS = 7  # what the fake reports as prompt usage
 
@@ -47,6 +49,7 @@ class Seen:
 @dataclass
 class FakeUpstream:
     name: str
+    node_id: str  # named on every answer, as the node agent names itself
     behavior: Behavior = field(default_factory=Behavior)
     seen: list[Seen] = field(default_factory=list)
     num_abandoned: int = 0  # streams whose reader went away before the end
@@ -118,7 +121,8 @@ class FakeUpstream:
             start = len(resumed)
             num_new = min(behavior.num_chunks - start, int(max_tokens))
             return await self._stream(request, body, is_chat, start, num_new)
-        return web.json_response(self._whole(is_chat, num_tokens, body))
+        headers = {NODE_ID_HEADER: self.node_id}
+        return web.json_response(self._whole(is_chat, num_tokens, body), headers=headers)
 
     def _whole(self, is_chat: bool, num_tokens: int, body: JSON) -> JSON:
         text = "".join(f"t{i} " for i in range(num_tokens))
@@ -165,7 +169,8 @@ class FakeUpstream:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         with_ids = body.get("return_token_ids") is True
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        headers = {"Content-Type": "text/event-stream", NODE_ID_HEADER: self.node_id}
+        response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         base: JSON = {
             "id": f"chunk-{self.name}-{len(self.seen)}",

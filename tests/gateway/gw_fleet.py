@@ -98,7 +98,18 @@ class FakeRegion:
     proxy: DelayProxy
     rtt_ms: float
     load: Load = field(default_factory=Load)
-    is_beating: bool = True
+    is_beating: bool = True  # the upstream's node
+    # More nodes of the region, by id, that beat (at the same URL and load) while True.
+    spare_nodes: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def node_id(self) -> str:
+        """The upstream's node: the one that beats while `is_beating`."""
+        return self.upstream.node_id
+
+    def beating_nodes(self) -> list[str]:
+        spares = [node_id for node_id, is_beating in self.spare_nodes.items() if is_beating]
+        return [self.node_id, *spares] if self.is_beating else spares
 
 
 class GatewayThread:
@@ -204,13 +215,12 @@ class Fleet:
         async with aiohttp.ClientSession() as session:
             while True:
                 for region in list(self.regions.values()):
-                    if region.is_beating:
+                    for node_id in region.beating_nodes():
                         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                            await self._beat(session, region)
+                            await self._beat(session, region, node_id)
                 await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def _beat(self, session: aiohttp.ClientSession, region: FakeRegion) -> None:
-        node_id = f"{region.name}-n1"
+    async def _beat(self, session: aiohttp.ClientSession, region: FakeRegion, node_id: str) -> None:
         token = self.tokens.node.get(node_id)
         if token is None:
             token = await self._mint(session, node_id, region.name)
@@ -264,7 +274,7 @@ class Fleet:
         """A fake region at the location table's place `name`, behind the simulated RTT."""
         place = locate(name)
         region_rtt_ms = rtt_ms(locate(pop), place)
-        upstream = FakeUpstream(name)
+        upstream = FakeUpstream(name, f"{name}-n1")
         self.loop.run(upstream.start())
         proxy = DelayProxy(upstream.port, region_rtt_ms / 2000.0)
         self.loop.run(proxy.start())

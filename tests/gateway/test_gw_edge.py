@@ -64,7 +64,7 @@ HEAVY = {"model": "auto", "max_tokens": 200, "messages": [{"role": "user", "cont
 
 @pytest.fixture
 def edge(two_regions: Fleet) -> Iterator[FakeUpstream]:
-    upstream = FakeUpstream("edge")
+    upstream = FakeUpstream("edge", "edge-n1")
     two_regions.loop.run(upstream.start())
     yield upstream
     two_regions.loop.run(upstream.stop())

@@ -15,6 +15,9 @@ import pytest
 from gw_fakes import PROMPT_TOKENS, FakeUpstream
 from gw_fleet import Fleet, GatewayThread, wait_until
 
+from gateway.relay import SilenceLimits
+from wire.region_summary import QueueEstimate, RegionSummary
+
 CHAT = {
     "model": "fake-model",
     "messages": [{"role": "user", "content": "hello there"}],
@@ -91,6 +94,23 @@ class Resumable:
             self.fleet.regions["us-east"].is_beating = False
             return (first + b"".join(parts)).decode()
 
+    def stall_near_and_resume_once_its_heartbeats_stop(self, gateway: GatewayThread) -> None:
+        """us-east's stream goes silent after 2 chunks and its node stops beating: the stream
+        resumes in eu-west, far sooner than a 60 s idle timeout (or the client's own 30 s)."""
+        self.near.behavior.stall_after_chunks = 2
+        started_s = time.monotonic()
+        text = self.stop_near_heartbeats_once_streaming(gateway, CHAT)
+        took_s = time.monotonic() - started_s
+        chunks = chunks_of(text)
+        assert text_of(chunks) == WHOLE_TEXT and events_of(text)[-1] == "[DONE]"
+        [final] = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]  # type: ignore[index]
+        assert final["meridian_resumes"] == 1
+        assert self.far.seen[-1].body["resume_token_ids"] == [100, 101]
+        # Heartbeats missed for unhealthy_after_s, the summary to the gateway, then at most the
+        # gateway's short silence limit.
+        print(f"\nresumed {took_s:.2f} s after the request")
+        assert took_s < 15.0
+
     def post(self, gateway: GatewayThread, body: object, path: str = CHAT_PATH) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.secret}"}
         with httpx.Client(base_url=gateway.base_url, verify=self.verify, timeout=30.0) as http:
@@ -155,26 +175,72 @@ def test_a_stream_broken_mid_way_continues_in_the_next_region_as_one_stream(
 def test_a_stream_silent_from_a_region_with_no_healthy_node_resumes_without_the_idle_wait(
     resumable: Resumable,
 ) -> None:
-    gateway = resumable.gateway(stream_idle_timeout_s=60.0, unhealthy_region_silence_s=1.0)
-    resumable.near.behavior.stall_after_chunks = 2
+    gateway = resumable.gateway(stream_idle_timeout_s=60.0, unhealthy_node_silence_s=1.0)
+    resumable.stall_near_and_resume_once_its_heartbeats_stop(gateway)
+
+
+def test_a_stream_silent_from_an_unhealthy_node_resumes_while_its_region_serves_on(
+    resumable: Resumable,
+) -> None:
+    near = resumable.fleet.regions["us-east"]
+    near.spare_nodes["us-east-n2"] = True  # keeps beating: us-east stays healthy throughout
+    gateway = resumable.gateway(stream_idle_timeout_s=60.0, unhealthy_node_silence_s=1.0)
+    router = gateway.handlers.router
+    wait_until(lambda: router.regions["us-east"].summary.healthy_nodes == 2, 5.0, "2 nodes")
+    resumable.stall_near_and_resume_once_its_heartbeats_stop(gateway)
+    # Its node (us-east-n1, as it named itself) unhealthy, its region not: the node decided.
+    summary = router.regions["us-east"].summary
+    assert summary.healthy_nodes == 1 and summary.unhealthy_nodes == ("us-east-n1",)
+
+
+def test_a_silent_stream_from_a_healthy_node_waits_the_idle_timeout_beside_an_unhealthy_one(
+    resumable: Resumable,
+) -> None:
+    near = resumable.fleet.regions["us-east"]
+    near.spare_nodes["us-east-n2"] = True
+    gateway = resumable.gateway(stream_idle_timeout_s=3.0, unhealthy_node_silence_s=0.5)
+    router = gateway.handlers.router
+    wait_until(lambda: router.regions["us-east"].summary.healthy_nodes == 2, 5.0, "2 nodes")
+    near.spare_nodes["us-east-n2"] = False  # the other node hangs; the stream's beats on
+    wait_until(lambda: router.regions["us-east"].summary.unhealthy_nodes == ("us-east-n2",), 5.0)
+    near.upstream.behavior.stall_after_chunks = 2
     started_s = time.monotonic()
-    text = resumable.stop_near_heartbeats_once_streaming(gateway, CHAT)
+    response = resumable.post(gateway, CHAT)
     took_s = time.monotonic() - started_s
-    chunks = chunks_of(text)
-    assert text_of(chunks) == WHOLE_TEXT and events_of(text)[-1] == "[DONE]"
-    [final] = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]  # type: ignore[index]
-    assert final["meridian_resumes"] == 1
-    assert resumable.far.seen[-1].body["resume_token_ids"] == [100, 101]
-    # Heartbeats missed for unhealthy_after_s, the summary to the gateway, then at most the
-    # 1 s silence: far below the 60 s idle timeout (and the client's own 30 s).
-    print(f"\nresumed {took_s:.2f} s after the request")
-    assert took_s < 15.0
+    assert text_of(chunks_of(response.text)) == WHOLE_TEXT
+    assert resumable.far.num_requests == 1
+    assert took_s >= 3.0  # its own node kept beating: its silence may be a slow step
+
+
+def test_the_silence_limit_follows_the_streams_node_and_region() -> None:
+    def summary(healthy: int, unhealthy: tuple[str, ...]) -> RegionSummary:
+        queue = QueueEstimate(
+            num_waiting=0, num_waiting_prefill_tokens=0, decode_tokens_per_s=0.0,
+            expected_queue_delay_s=0.0,
+        )  # fmt: skip
+        return RegionSummary(
+            name="us-east", lat=0.0, lon=0.0, state="active", healthy_nodes=healthy,
+            unhealthy_nodes=unhealthy, kv_blocks_free=0, kv_blocks_total=0, queue=queue,
+            weight=1.0,
+        )  # fmt: skip
+
+    summaries: dict[str, RegionSummary] = {}
+    limits = SilenceLimits(60.0, 2.0, summaries.get)
+    assert limits.of("us-east", "n1") == 60.0  # a region not in the summaries: unknown
+    summaries["us-east"] = summary(2, ())
+    assert limits.of("us-east", "n1") == 60.0
+    summaries["us-east"] = summary(1, ("n1",))
+    assert limits.of("us-east", "n1") == 2.0
+    assert limits.of("us-east", "n2") == 60.0
+    assert limits.of("us-east", None) == 60.0  # a node that did not name itself
+    summaries["us-east"] = summary(0, ())
+    assert limits.of("us-east", None) == 2.0 and limits.of("us-east", "n2") == 2.0
 
 
 def test_a_stream_still_flowing_from_a_region_with_no_healthy_node_is_left_alone(
     resumable: Resumable,
 ) -> None:
-    gateway = resumable.gateway(unhealthy_region_silence_s=1.0)
+    gateway = resumable.gateway(unhealthy_node_silence_s=1.0)
     near = resumable.near
     near.behavior.num_chunks, near.behavior.chunk_delay_s = 30, 0.25  # 7.5 s of stream
     router = gateway.handlers.router
@@ -191,7 +257,7 @@ def test_a_stream_still_flowing_from_a_region_with_no_healthy_node_is_left_alone
 def test_a_silent_stream_from_a_healthy_region_waits_the_idle_timeout(
     resumable: Resumable,
 ) -> None:
-    gateway = resumable.gateway(stream_idle_timeout_s=3.0, unhealthy_region_silence_s=0.5)
+    gateway = resumable.gateway(stream_idle_timeout_s=3.0, unhealthy_node_silence_s=0.5)
     resumable.near.behavior.stall_after_chunks = 2
     started_s = time.monotonic()
     response = resumable.post(gateway, CHAT)

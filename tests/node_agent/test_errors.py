@@ -135,10 +135,16 @@ def test_unknown_route_is_404_in_openai_shape(http: httpx.Client) -> None:
     assert_openai_error(http.get("/v1/engines"), 404)
 
 
-def test_request_id_is_echoed_or_made(http: httpx.Client) -> None:
+def test_request_id_is_echoed_or_made_beside_the_nodes_own(
+    http: httpx.Client, node: NodeHandle
+) -> None:
     body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1}
     response = http.post(CHAT, json=body, headers={"X-Request-Id": "gw-42"})
     assert response.headers["x-request-id"] == "gw-42"
+    # The node names itself as its heartbeats do: a gateway matches it to the summary's health.
+    assert response.headers["x-meridian-node"] == node.runtime.node_id
+    streamed = http.post(CHAT, json={**body, "stream": True})
+    assert streamed.headers["x-meridian-node"] == node.runtime.node_id
     made = http.post(CHAT, json=body).headers["x-request-id"]
     assert made and made != "gw-42"
     # Errors carry it too.

@@ -9,6 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 
+from gateway.relay import SilenceLimits
 from gateway.routing import Router
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
@@ -107,24 +108,27 @@ def test_a_request_a_dying_node_held_before_its_first_byte_fails_over_at_once(
     assert np.nanmax(recorder.ttft_s) < GatewayTiming().first_byte_timeout_s
 
 
-def test_streams_a_hung_region_holds_resume_once_the_summaries_show_it_without_nodes(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("scenario", ["region_hang", "node_hang"])
+def test_streams_a_hung_node_holds_resume_once_the_summaries_show_it_unhealthy(
+    monkeypatch: pytest.MonkeyPatch, scenario: str
 ) -> None:
     silenced: list[Flight] = []  # the streams under way when their node hung
+    hung_nodes: set[str] = set()
     silence = Traffic.silence
 
     def spy(self: Traffic, job: Job) -> None:
-        assert isinstance(job.owner, Flight)
+        assert isinstance(job.owner, Flight) and job.owner.node is not None
         if job.owner.is_streaming:
             silenced.append(job.owner)
+            hung_nodes.add(job.owner.node.name)
         silence(self, job)
 
     monkeypatch.setattr(Traffic, "silence", spy)
     # Enough requests for the hang (30% to 60% of the run) to outlast unhealthy_after_s.
-    spec = world_spec(SCENARIOS["region_hang"], 3, 2000, ServiceCalibration())
+    spec = world_spec(SCENARIOS[scenario], 3, 2000, ServiceCalibration())
     recorder = run(spec)
     assert silenced and recorder.stats().failed == 0
-    outage = SCENARIOS["region_hang"].region_hang
+    outage = SCENARIOS[scenario].region_hang or SCENARIOS[scenario].node_hang
     assert outage is not None
     first_s, last_s = spec.requests[0].arrival_s, spec.requests[-1].arrival_s
     restarted_s = first_s + outage.end * (last_s - first_s)
@@ -141,10 +145,21 @@ def test_streams_a_hung_region_holds_resume_once_the_summaries_show_it_without_n
     # one of them until the region's restart resets its connections.
     silenced.clear()
     timing = GatewayTiming()
-    patient = partial(GatewayTiming, unhealthy_region_silence_s=timing.stream_idle_timeout_s)
-    monkeypatch.setattr("simulator.run.GatewayTiming", patient)
-    assert run(spec).stats().failed == 0
+    patient = partial(GatewayTiming, unhealthy_node_silence_s=timing.stream_idle_timeout_s)
+    with monkeypatch.context() as patched:
+        patched.setattr("simulator.run.GatewayTiming", patient)
+        assert run(spec).stats().failed == 0
     assert silenced and all(continued_s(f) > restarted_s for f in silenced)
+    if scenario == "node_hang":
+        # One node of five: its region stayed healthy, so only the node's own health (the
+        # summaries' unhealthy_nodes) could cut the silence short: a relay that knew only the
+        # stream's region held every one until the restart.
+        assert hung_nodes == {outage.name}
+        silenced.clear()
+        limit_of = SilenceLimits.of
+        monkeypatch.setattr(SilenceLimits, "of", lambda s, region, _: limit_of(s, region, None))
+        assert run(spec).stats().failed == 0
+        assert silenced and all(continued_s(f) > restarted_s for f in silenced)
 
 
 def test_clients_that_go_to_a_region_directly_have_no_gateway_to_resume_for_them() -> None:
