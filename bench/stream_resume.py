@@ -1,7 +1,8 @@
 """Benchmark: streams resumed in another region when their region's node dies (issue 15).
 
     python -m bench.stream_resume [--rounds 2] [--streams 16] [--max-tokens 128]
-        [--kill-after 16] [--dtype float32] [--failure kill|stop] [--json out.json]
+        [--kill-after 16] [--dtype float32] [--failure kill|stop] [--prompt-notes N] [--prewarm]
+        [--json out.json]
 
 One run starts on 127.0.0.1: a real control plane (`python -m control_plane`), two regions of one
 real node agent each (`python -m node_agent`, SmolLM2, `us-east` and `eu-west`, each behind the
@@ -31,6 +32,10 @@ first byte), from the kill to each resumed stream's next chunk (as the client sa
 continuing node's TTFT for the continuations (`meridian:time_to_first_token_seconds`, arrival to
 first token: its queue and the prefill of prompt plus resumed tokens). With the load average
 and the CPU's vector flags: the machine may be shared.
+
+`--prewarm`: each round then makes a second pair of runs over prompts of its own, the broken one
+through a gateway with `resume_prewarm` on (each stream's prompt sent to eu-west at its first
+chunk, gateway/prewarm.py), and prints the longest gap of both broken runs and their ratio.
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ class Fleet:
         self.processes.start(f"node-{region}", args, env)
         self.nodes[region] = self.processes.started[-1]
 
-    def start_gateway(self) -> None:
+    def start_gateway(self, prewarm: bool = False) -> None:
         self.stop_gateway()
         port = free_port()
         args = [
@@ -132,7 +137,8 @@ class Fleet:
             "--plain",
             "--no-access-log",
         ]
-        self.processes.start("gateway", args, self.env)
+        env = self.env | {"MERIDIAN_GATEWAY_RESUME_PREWARM": "true" if prewarm else "false"}
+        self.processes.start("gateway", args, env)
         self.gateway = self.processes.started[-1]
         self.gateway_url = f"http://127.0.0.1:{port}"
         wait_for_port(port)
@@ -217,9 +223,12 @@ def start_fleet(directory: Path, args: argparse.Namespace) -> Fleet:
     return fleet
 
 
-def bodies(num_streams: int, max_tokens: int, round_index: int) -> list[dict[str, object]]:
+def bodies(
+    num_streams: int, max_tokens: int, round_index: int, notes: int = 0
+) -> list[dict[str, object]]:
     """The round's streams. Each round's prompts are its own (the set named first), so that no
-    round's continuations find blocks that an earlier round cached in the far node."""
+    round's continuations find blocks that an earlier round cached in the far node; `notes`
+    numbered lines of the stream's own (about 12 tokens each) make a long prompt."""
     return [
         {
             "model": DEFAULT_MODEL,
@@ -230,7 +239,10 @@ def bodies(num_streams: int, max_tokens: int, round_index: int) -> list[dict[str
             "messages": [
                 {
                     "role": "user",
-                    "content": f"Essay set {round_index + 1}: write a long essay about "
+                    "content": "".join(
+                        f"Note {n} of stream {i} in set {round_index + 1}.\n" for n in range(notes)
+                    )
+                    + f"Essay set {round_index + 1}: write a long essay about "
                     f"{TOPICS[i % len(TOPICS)]}.",
                 }
             ],
@@ -318,18 +330,29 @@ def summary(results: list[StreamResult], baseline: list[StreamResult] | None) ->
 
 
 def one_round(fleet: Fleet, args: argparse.Namespace, round_index: int) -> dict[str, Any]:
+    """The round's pass at the gateway's defaults; with `--prewarm` also one with
+    `resume_prewarm` on, over prompts of its own (none cached anywhere yet)."""
+    result = one_pass(fleet, args, round_index, prewarm=False)
+    if args.prewarm:
+        result["prewarm"] = one_pass(fleet, args, args.rounds + round_index, prewarm=True)
+    return result
+
+
+def one_pass(
+    fleet: Fleet, args: argparse.Namespace, prompt_set: int, prewarm: bool
+) -> dict[str, Any]:
     if fleet.nodes[NEAR].poll() is not None:
         fleet.start_node(NEAR)
-    fleet.start_gateway()
+    fleet.start_gateway()  # the unbroken run never prewarms: the far node stays cold
     fleet.wait_until_ready()
     near_url = f"http://127.0.0.1:{fleet.node_ports[NEAR]}"
     near_before = fleet.metrics(near_url)
     started_s = time.monotonic()
-    streams = bodies(args.streams, args.max_tokens, round_index)
+    streams = bodies(args.streams, args.max_tokens, prompt_set, args.prompt_notes)
     unbroken = asyncio.run(run_streams(fleet, streams, None))
     unbroken_s = time.monotonic() - started_s
     near_after = fleet.metrics(near_url)
-    fleet.start_gateway()  # fresh: no TTFT learnt from the unbroken run
+    fleet.start_gateway(prewarm)  # fresh: no TTFT learnt from the unbroken run
     fleet.wait_until_ready()
     far_url = f"http://127.0.0.1:{fleet.node_ports[FAR]}"
     far_before = fleet.metrics(far_url)
@@ -377,10 +400,20 @@ def one_round(fleet: Fleet, args: argparse.Namespace, round_index: int) -> dict[
 
 
 def print_round(i: int, result: dict[str, Any], rtt_far_ms: float) -> None:
+    print(f"round {i + 1}")
+    print_pass(result, rtt_far_ms)
+    warm = result.get("prewarm")
+    if warm is not None:
+        print("  with resume_prewarm:")
+        print_pass(warm, rtt_far_ms)
+        off, on = result["broken"]["max_gap_s"]["max"], warm["broken"]["max_gap_s"]["max"]
+        if off and on:
+            print(f"  longest gap, prewarm off / on: {off} / {on} s = {off / on:.2f}x")
+
+
+def print_pass(result: dict[str, Any], rtt_far_ms: float) -> None:
     u, b = result["unbroken"], result["broken"]
-    print(
-        f"round {i + 1} (load average {result['load_average'][0]} -> {result['load_average'][1]})"
-    )
+    print(f"  load average {result['load_average'][0]} -> {result['load_average'][1]}")
     print(
         f"  unbroken: {u['completed']}/{u['streams']} completed in {u['wall_s']} s, longest "
         f"gap p50 {u['max_gap_s']['p50']} s, max {u['max_gap_s']['max']} s; {NEAR} node TTFT "
@@ -418,6 +451,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--failure", default="kill", choices=["kill", "stop"])
     parser.add_argument("--node-threads", type=int, help="torch threads per node agent")
+    parser.add_argument(
+        "--prompt-notes",
+        type=int,
+        default=0,
+        help="lines of its own (about 12 tokens each) before each stream's question",
+    )
+    parser.add_argument(
+        "--prewarm",
+        action="store_true",
+        help="each round also breaks a run with the gateway's resume_prewarm on, and compares",
+    )
     parser.add_argument("--json", type=Path, help="also write the report here")
     return parser.parse_args(argv)
 

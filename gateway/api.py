@@ -8,6 +8,7 @@ aiohttp.web handlers: this is the hot path (see docs/gateway.md for why not Fast
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from gateway.keys import ApiKey, KeyTable
 from gateway.limits import Admission, Limiter
 from gateway.metrics import NO_REGION, GatewayMetrics
 from gateway.openai_request import Endpoint, ParsedRequest, parse_request
+from gateway.prewarm import prewarm
 from gateway.proxy import Opened, Proxy, UpstreamRequest
 from gateway.relay import SilenceLimits, StreamRelay
 from gateway.request_ids import HEADER, current_request_id, request_id_from
@@ -79,6 +81,7 @@ class Handlers:
     limiter: Limiter | None = None
     auto: AutoTier | None = None  # the `auto` alias and the edge tier, when configured
     silence: SilenceLimits = field(init=False)  # every stream's, from the settings and router
+    _prewarms: set[asyncio.Task[None]] = field(default_factory=set, init=False)  # while running
 
     def __post_init__(self) -> None:
         self.silence = SilenceLimits(
@@ -216,6 +219,8 @@ class Handlers:
                 parsed.prompt_tokens,
                 parsed.affinity_key,
             )
+            if self.settings.resume_prewarm and tier == "region":
+                self._prewarm(proxy, upstream, region, parsed)
         relay = StreamRelay(opened, reader, on_end, self.silence, resumer)
         if parsed.is_stream:
             return await relay.run(request, headers)
@@ -319,6 +324,22 @@ class Handlers:
                 relay.first.num_retries,
                 num_used,
             )
+
+    def _prewarm(
+        self, proxy: Proxy, upstream: UpstreamRequest, region: str, parsed: ParsedRequest
+    ) -> None:
+        warm = prewarm(
+            proxy,
+            self.router,
+            self.metrics,
+            upstream,
+            region,
+            parsed.prompt_tokens,
+            parsed.affinity_key,
+        )
+        task = asyncio.create_task(warm)
+        self._prewarms.add(task)
+        task.add_done_callback(self._prewarms.discard)
 
     @staticmethod
     def _num_used(parsed: ParsedRequest, reader: StreamReader) -> int:

@@ -83,6 +83,13 @@ class GatewayMetrics:
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         )
+        self._prewarms = Counter(
+            "meridian_gateway_resume_prewarms_total",
+            "Prompts sent ahead to the region a stream would resume in (resume_prewarm), by "
+            "region and outcome (ok, an HTTP status, timeout or connect).",
+            ["region", "outcome"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "meridian_gateway_in_flight_requests",
             "Requests being proxied now.",
@@ -138,6 +145,9 @@ class GatewayMetrics:
 
     def observe_resume_latency(self, region: str, phase: str, seconds: float) -> None:
         self._histogram(self._resume_latency, region, phase).observe(seconds)
+
+    def count_prewarm(self, region: str, outcome: str) -> None:
+        self._counter(self._prewarms, region, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -123,6 +123,17 @@ class Proxy:
         caller has had `attempts.resume` allow it. Raises GatewayError as `open` does."""
         return await self._open_next(request, attempts)
 
+    async def send_aside(self, request: UpstreamRequest, candidate: Candidate) -> str:
+        """One attempt at `candidate` whose answer nobody waits for (a prewarm): read whole and
+        dropped, outside the region's breaker and in-flight counts. Returns "ok", the HTTP
+        status, or why no answer came ("timeout", "connect")."""
+        try:
+            opened = await self._attempt(request, candidate, self._first_byte_timeout_s_of(request))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return _cause_of(exc)
+        opened.finish()
+        return "ok" if opened.status == 200 else str(opened.status)
+
     async def _open_next(self, request: UpstreamRequest, attempts: AttemptSequence) -> Opened:
         last_answer: Opened | None = None
         num_retries = 0

@@ -94,6 +94,10 @@ class GatewaySettings(BaseSettings):
     # above, an error event) continues in the next region, at most this many
     # times within request_deadline_s (0: end it with an error event instead).
     max_resumes: int = Field(default=2, ge=0, le=10)
+    # Send each stream's prompt (one output token, not streamed) to the region it would resume
+    # in, at its first chunk, so that a continuation there finds the prompt in the prefix cache
+    # (gateway/prewarm.py): a shorter resume gap for twice the prompts' prefill.
+    resume_prewarm: bool = False
 
     # Circuit breaker per region.
     breaker_failures: int = Field(default=5, ge=1, le=1000)

@@ -267,6 +267,38 @@ def test_a_silent_stream_from_a_healthy_region_waits_the_idle_timeout(
     assert took_s >= 3.0  # the region kept beating: its silence may be a slow step
 
 
+def test_with_resume_prewarm_the_far_region_gets_the_prompt_at_the_stream_s_start(
+    resumable: Resumable,
+) -> None:
+    gateway = resumable.gateway(resume_prewarm=True)
+    resumable.near.behavior.die_after_chunks = 3
+    response = resumable.post(gateway, CHAT)
+    assert text_of(chunks_of(response.text)) == WHOLE_TEXT
+    far = resumable.far.seen
+    [warm] = [s for s in far if s.body.get("max_tokens") == 1]
+    [continuation] = [s for s in far if "resume_token_ids" in s.body]
+    # The prompt as the stream sent it, one token, whole; the tenant's cache salt with it.
+    assert warm.body["messages"] == CHAT["messages"]
+    assert warm.body["stream"] is False and "stream_options" not in warm.body
+    assert warm.headers["x-request-id"] == continuation.headers["x-request-id"] + "-prewarm"
+    salt = "x-meridian-cache-salt"
+    assert warm.headers[salt] == continuation.headers[salt] == resumable.near.seen[0].headers[salt]
+    assert continuation.body["resume_token_ids"] == [100, 101, 102]
+    wait_until(lambda: "1.0" in metric(gateway, "meridian_gateway_resume_prewarms_total{"), 5.0)
+    assert 'outcome="ok",region="eu-west"} 1.0' in metric(
+        gateway, "meridian_gateway_resume_prewarms_total"
+    )
+
+
+def test_without_resume_prewarm_the_far_region_sees_only_the_continuation(
+    resumable: Resumable,
+) -> None:
+    gateway = resumable.gateway()
+    resumable.near.behavior.die_after_chunks = 3
+    assert text_of(chunks_of(resumable.post(gateway, CHAT).text)) == WHOLE_TEXT
+    assert [s.body.get("resume_token_ids") for s in resumable.far.seen] == [[100, 101, 102]]
+
+
 def test_the_client_that_asks_for_token_ids_gets_them_across_the_resume(
     resumable: Resumable,
 ) -> None:

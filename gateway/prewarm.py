@@ -1,0 +1,65 @@
+"""Warming the region a stream would resume in: its prompt sent there once, at the stream's start.
+
+A continuation is prefilled in full where it resumes: the prompt and every token relayed so far
+(gateway/resume.py). With `resume_prewarm` on, the gateway also sends each stream's request, cut
+to one output token and not streamed, to the region a resume would go to now (the router's plan
+without the stream's own region), as soon as the stream's first chunk is in. That region's
+prefix cache then holds the prompt's whole blocks (per tenant: the same cache-salt header), and a
+continuation there prefills only the rest: the resume's gap shrinks by the prompt's prefill, for
+the price of prefilling every stream's prompt twice. Off by default; meant for tenants whose
+streams must survive a region with the shortest gap. Nothing waits on it and its answer is
+dropped: a failure only costs the warm cache (counted in
+`meridian_gateway_resume_prewarms_total{region, outcome}`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Proxy, UpstreamRequest
+from gateway.request_ids import HEADER as REQUEST_ID_HEADER
+from gateway.routing import Router
+
+logger = logging.getLogger(__name__)
+
+
+def prewarm_of(request: UpstreamRequest) -> UpstreamRequest | None:
+    """`request` cut to one output token, whole rather than streamed, its request id marked as
+    a prewarm's (None: it has no body)."""
+    if request.body is None:
+        return None
+    body = json.loads(request.body)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body.pop("stream_options", None)
+    encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    headers = dict(request.headers)
+    if REQUEST_ID_HEADER in headers:
+        headers[REQUEST_ID_HEADER] += "-prewarm"
+    return replace(request, body=encoded, headers=headers, is_stream=False, max_tokens=1)
+
+
+async def prewarm(
+    proxy: Proxy,
+    router: Router,
+    metrics: GatewayMetrics,
+    request: UpstreamRequest,
+    home: str,
+    prompt_tokens: int,
+    affinity_key: str | None,
+) -> None:
+    """Send `request`'s prewarm to the region a stream from `home` would resume in now."""
+    warm = prewarm_of(request)
+    candidates = router.plan(prompt_tokens, affinity_key, exclude=(home,)).candidates
+    if warm is None or not candidates:
+        return
+    region = candidates[0].region
+    outcome = await proxy.send_aside(warm, candidates[0])
+    metrics.count_prewarm(region, outcome)
+    if outcome != "ok":
+        logger.info("prewarm of %s failed: %s", region, outcome)
