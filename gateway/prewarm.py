@@ -6,9 +6,9 @@ to one output token and not streamed, to the region a resume would go to now (th
 without the stream's own region), as soon as the stream's first chunk is in. That region's
 prefix cache then holds the prompt's whole blocks (per tenant: the same cache-salt header), and a
 continuation there prefills only the rest: the resume's gap shrinks by the prompt's prefill, for
-the price of prefilling every stream's prompt twice. Off by default; meant for tenants whose
-streams must survive a region with the shortest gap. Nothing waits on it and its answer is
-dropped: a failure only costs the warm cache (counted in
+the price of prefilling every stream's prompt twice. Off by default (a gateway-wide setting):
+for a fleet whose streams must survive a region with the shortest gap. Nothing waits on it and
+its answer is dropped: a failure only costs the warm cache (counted in
 `meridian_gateway_resume_prewarms_total{region, outcome}`).
 """
 
