@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy, UpstreamRequest
@@ -32,16 +31,12 @@ def prewarm_of(request: UpstreamRequest) -> UpstreamRequest | None:
     if request.body is None:
         return None
     body = json.loads(request.body)
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
     body["stream"] = False
     body.pop("stream_options", None)
-    encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     headers = dict(request.headers)
     if REQUEST_ID_HEADER in headers:
         headers[REQUEST_ID_HEADER] += "-prewarm"
-    return replace(request, body=encoded, headers=headers, is_stream=False, max_tokens=1)
+    return request.with_body(body, 1, headers=headers, is_stream=False)
 
 
 async def prewarm(
@@ -55,8 +50,10 @@ async def prewarm(
 ) -> None:
     """Send `request`'s prewarm to the region a stream from `home` would resume in now."""
     warm = prewarm_of(request)
+    if warm is None:
+        return
     candidates = router.plan(prompt_tokens, affinity_key, exclude=(home,)).candidates
-    if warm is None or not candidates:
+    if not candidates:
         return
     region = candidates[0].region
     outcome = await proxy.send_aside(warm, candidates[0])

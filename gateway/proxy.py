@@ -21,9 +21,11 @@ later is continued through `resume` with the same sequence (see gateway/resume.p
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
 
@@ -48,6 +50,17 @@ class UpstreamRequest:
     headers: dict[str, str]  # all of them: nothing of the client's is forwarded
     is_stream: bool
     max_tokens: int  # sizes a non-stream's first-byte timeout
+
+    def with_body(
+        self, body: dict[str, object], max_tokens: int, **changes: Any
+    ) -> UpstreamRequest:
+        """This request sent with `body` (the caller's edit of it), its output limit set to
+        `max_tokens` under both of OpenAI's names (where the body used the newer one)."""
+        body["max_tokens"] = max_tokens
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = max_tokens
+        encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        return replace(self, body=encoded, max_tokens=max_tokens, **changes)
 
 
 @dataclass(slots=True)

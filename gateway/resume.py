@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
@@ -40,11 +40,7 @@ def continuation_of(request: UpstreamRequest, token_ids: list[int]) -> UpstreamR
     resumed = [*(body.get(RESUME_TOKEN_IDS) or ()), *token_ids]
     if resumed:  # else it broke before any output: the continuation starts afresh
         body[RESUME_TOKEN_IDS] = resumed
-    body["max_tokens"] = num_left
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = num_left
-    encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    return replace(request, body=encoded, max_tokens=num_left)
+    return request.with_body(body, num_left)
 
 
 @dataclass(slots=True)
