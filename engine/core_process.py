@@ -3,7 +3,8 @@ of one pipe (engine/core_client.py).
 
 The process lives exactly as long as its parent wants it: it ends on `StopCore`, when the pipe
 closes (the parent exited, however it died), and, should a long step keep it from reading the
-pipe, when a watchdog sees that the parent is gone. Its parallel workers, if any, follow it
+pipe, when a watchdog sees that the parent is gone; it then exits at once, without the
+interpreter's teardown. Its parallel workers, if any, follow it
 (engine/workers.py: they end when its pipes close).
 """
 
@@ -92,6 +93,16 @@ def _watch_parent(parent_pid: int, stopped: threading.Event) -> None:
 
 def run_core(config: EngineConfig, pipe: Connection, parent_pid: int, log_level: int) -> None:
     """The process's target."""
+    _serve(config, pipe, parent_pid, log_level)
+    # Leave without the interpreter's teardown: collecting and freeing the engine's objects one
+    # by one kept both cores busy for most of a second after a node died, while the node that
+    # took over its streams prefilled them on the same machine (issue 15). Nothing is left to
+    # clean up: the pipe is closed and the parallel workers, if any, are stopped.
+    logging.shutdown()
+    os._exit(0)
+
+
+def _serve(config: EngineConfig, pipe: Connection, parent_pid: int, log_level: int) -> None:
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (core): %(message)s"
     )

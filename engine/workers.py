@@ -240,5 +240,7 @@ def _worker_main(spec: ParallelSpec, rank: int, pipe: Connection) -> None:
         while (message := pipe.recv()) is not None:
             stage.forward(message)
     except EOFError:
-        return  # the driver is gone; so is the group
-    dist.destroy_process_group()
+        pass  # the driver is gone; so is the group
+    else:
+        dist.destroy_process_group()
+    os._exit(0)  # as the engine core leaves (engine/core_process.py): no interpreter teardown
