@@ -1,6 +1,6 @@
 """A burst of prompts that share a cold prefix (one system prompt, not yet cached) into an idle
 engine, A/B in one process: `before` lets every request compute the shared blocks in the same
-step, `after` is the scheduler's rule (a request waits a step for a block another fills in it).
+step, `after` is the scheduler's rule (a request reads the blocks another fills in that step).
 
     python -m bench.shared_prefix_burst [--num-prompts 16] [--shared-tokens 32]
         [--own-tokens 16 48] [--rounds 4] [--dtype auto]
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(str(pull(DEFAULT_MODEL)), dtype=args.dtype))
     rng = random.Random(0)
     every_request_computes = mock.patch.object(
-        Scheduler, "_blocks_completed_by", lambda self, batch, start=0: set[bytes]()
+        Scheduler, "_blocks_filled_by", lambda self, batch, start=0: dict[bytes, int]()
     )
     load_before = load_average()
     rounds = ab_bursts(engine, lambda: burst(rng, args), every_request_computes, args.rounds, 4)

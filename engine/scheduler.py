@@ -6,10 +6,11 @@ its uncomputed tokens as the budget allows, so a long prompt is prefilled in chu
 decodes instead of stalling them. While no running request is decoding yet (a burst of prompts
 into an idle engine), a step may take up to `max_num_prefill_only_tokens` instead: no stream's
 inter-token latency waits on that step, and fewer, larger steps read the weights fewer times.
-A waiting request whose next uncached block another request fills in this step waits for the
-next step (and the queue behind it, first come first served), where that block is a cache hit:
-a burst of requests with one cold system prompt computes it once, not once per request. When
-the pool runs dry, the newest running request is
+A waiting request whose next uncached blocks another request fills in this step shares them at
+once: every layer writes the step's keys and values to the cache before any of its attention
+reads them, so the request's own tokens after those blocks attend to them in the same step. A
+burst of requests with one cold system prompt computes it once, not once per request, and none
+of them waits a step for it. When the pool runs dry, the newest running request is
 preempted: its blocks are freed and it is recomputed later from its tokens, which gives the
 same output. A request whose previous batch is still in flight (in the pipeline) waits for it:
 it is neither scheduled again nor preempted until `update_after_step` has seen that batch.
@@ -141,7 +142,7 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, cap: int) -> None:
         block_size = self.kv_cache.block_size
-        completing = self._blocks_completed_by(batch)
+        filling = self._blocks_filled_by(batch)
         while (
             self.waiting
             and budget > 0
@@ -151,8 +152,8 @@ class Scheduler:
             seq = self.waiting[0]
             computed = self.kv_cache.get_computed_blocks(seq)
             hashes = seq.block_hashes
-            if len(computed) < len(hashes) and hashes[len(computed)] in completing:
-                break  # this step fills its next block: from the next step on, a cache hit
+            while len(computed) < len(hashes) and hashes[len(computed)] in filling:
+                computed.append(filling[hashes[len(computed)]])  # filled in this very step
             num_cached = len(computed) * block_size
             num_tokens = min(seq.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(seq, num_tokens, computed):
@@ -168,18 +169,20 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_batch(batch, seq, num_tokens)
             budget -= num_tokens
-            completing |= self._blocks_completed_by(batch, len(batch) - 1)
+            filling |= self._blocks_filled_by(batch, len(batch) - 1)
 
-    def _blocks_completed_by(self, batch: ScheduledBatch, start: int = 0) -> set[bytes]:
-        """The hashes of the prompt blocks that the batch's sequences from `start` on fill."""
+    def _blocks_filled_by(self, batch: ScheduledBatch, start: int = 0) -> dict[bytes, int]:
+        """Hash -> block id of the prompt blocks that the batch's sequences from `start` on
+        fill in this step."""
         block_size = self.kv_cache.block_size
-        completing: set[bytes] = set()
+        filling: dict[bytes, int] = {}
         seqs, num_scheduled = batch.seqs[start:], batch.num_scheduled_tokens[start:]
         for seq, num_tokens in zip(seqs, num_scheduled, strict=True):
             first = seq.num_computed_tokens // block_size
             last = (seq.num_computed_tokens + num_tokens) // block_size
-            completing.update(seq.block_hashes[first:last])
-        return completing
+            for index, block_hash in enumerate(seq.block_hashes[first:last], first):
+                filling.setdefault(block_hash, seq.block_table[index])
+        return filling
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)

@@ -152,23 +152,32 @@ def test_preemption_under_a_tiny_pool_changes_no_output(
 
 
 def test_prefix_cache_hits_change_no_output(llm: LLM, smollm2_gguf: Path) -> None:
-    system = "You are a meticulous assistant. " * 12
+    """One by one, each request finds the system prompt's blocks an earlier one cached; in one
+    burst with a cold system prompt, the others read the blocks the first fills in that very
+    step (engine/scheduler.py). Neither changes a token against an engine without the cache."""
     tokenizer = llm.get_tokenizer()
-    prompts = [
-        tokenizer.render_chat(
-            [{"role": "system", "content": system}, {"role": "user", "content": q}]
-        )
-        for q in QUESTIONS[:4]
-    ]
+
+    def with_system(system: str) -> list[str]:
+        return [
+            tokenizer.render_chat(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            )
+            for q in QUESTIONS[:4]
+        ]
+
+    prompts = with_system("You are a meticulous assistant. " * 12)
+    burst_prompts = with_system("Answer as a ship's captain writing the day's log. " * 8)
     params = SamplingParams(temperature=0, max_tokens=12)
     before = llm.engine.stats().prefix_cache_hit_tokens
     cached = [llm.generate(p, params)[0] for p in prompts]
     assert llm.engine.stats().prefix_cache_hit_tokens - before >= 3 * 64
     assert all(o.num_cached_tokens >= 64 for o in cached[1:])
+    burst = llm.generate(burst_prompts, params)
+    assert burst[0].num_cached_tokens == 0 and all(o.num_cached_tokens >= 64 for o in burst[1:])
     uncached_llm = LLM(str(smollm2_gguf), dtype="float32", enable_prefix_caching=False)
-    uncached = uncached_llm.generate(prompts, params)
+    uncached = uncached_llm.generate(prompts + burst_prompts, params)
     assert uncached_llm.engine.stats().prefix_cache_hit_tokens == 0
-    for a, b in zip(cached, uncached, strict=True):
+    for a, b in zip(cached + burst, uncached, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 

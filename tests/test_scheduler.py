@@ -190,17 +190,29 @@ def test_retired_sequences_ride_with_the_next_batch_that_runs() -> None:
     assert scheduler.schedule().retired == [b], "kept until a batch runs"
 
 
-def test_a_request_waits_a_step_for_a_block_another_fills_in_it() -> None:
+def test_a_request_shares_the_blocks_another_fills_in_the_same_step() -> None:
     scheduler = make_scheduler(budget=64)
     scheduler.add(seq("a", 10))  # blocks of 4: its first two are full
     scheduler.add(seq("b", 10))  # the same prompt
-    scheduler.add(seq("c", 10, first_token=100))  # behind b, first come first served
-    assert scheduled(run_step(scheduler)) == {"a": 10}
-    second = run_step(scheduler)
-    assert scheduled(second) == {"a": 1, "b": 2, "c": 10}
-    b = next(s for s in second.seqs if s.request_id == "b")
-    assert b.num_cached_tokens == 8  # the two blocks `a` filled, not computed again
+    scheduler.add(seq("c", 10, first_token=100))
+    first = run_step(scheduler)
+    assert scheduled(first) == {"a": 10, "b": 2, "c": 10}  # b computes only its partial block
+    a, b, _ = first.seqs
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert b.num_cached_tokens == 8  # the two blocks `a` fills, not computed again
     assert scheduler.stats.num_prefix_hit_tokens == 8
+    assert all(s.num_output_tokens == 1 for s in first.seqs)  # every prompt done in one step
+
+
+def test_a_shared_block_aligned_prompt_still_computes_its_last_token() -> None:
+    scheduler = make_scheduler(budget=64)
+    scheduler.add(seq("a", 8))  # exactly two blocks of 4
+    scheduler.add(seq("b", 8))  # the same prompt: its last token's logits are still needed
+    first = run_step(scheduler)
+    assert scheduled(first) == {"a": 8, "b": 4}
+    a, b = first.seqs
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+    assert b.num_output_tokens == 1
 
 
 def test_requests_share_no_block_in_a_step_without_prefix_caching() -> None:
@@ -215,9 +227,9 @@ def test_a_chunked_shared_prefix_is_computed_once() -> None:
     scheduler = make_scheduler(budget=12)
     scheduler.add(seq("a", 20))
     scheduler.add(seq("b", 20))  # the same prompt, in blocks of 4
-    assert scheduled(run_step(scheduler)) == {"a": 12}  # blocks 0-2
-    # a's second chunk fills block 3, which b would reach after its hits on blocks 0-2.
-    assert scheduled(run_step(scheduler)) == {"a": 8}
-    third = run_step(scheduler)
-    assert scheduled(third) == {"a": 1, "b": 4}
-    assert third.seqs[1].num_cached_tokens == 16  # blocks 0-3, none computed twice
+    assert scheduled(run_step(scheduler)) == {"a": 12}  # blocks 0-2, the budget spent
+    # a's second chunk fills block 3; b takes its hits on blocks 0-2 and shares block 3.
+    second = run_step(scheduler)
+    assert scheduled(second) == {"a": 8, "b": 4}
+    a, b = second.seqs
+    assert b.num_cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
