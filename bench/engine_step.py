@@ -3,7 +3,7 @@ so that the load of a shared machine falls on each about evenly.
 
     python -m bench.engine_step [--batch 1] [--context 256] [--rounds 5] [--steps 8]
         [--kv-cache-gib 0.25]
-        [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head q4_1-blocks-16 ...]
+        [--variants adaptive threads=1 threads=2 int8 q4_1 q4_1-float-head fixed-64 ...]
 
 Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (greedy,
 `ignore_eos`). `adaptive` is the engine with float weights (`quantization="none"`: the model's
@@ -14,8 +14,9 @@ adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's
 the default with the fused CPU layer ops swapped for their eager twins;
 `torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `gemv-4` (and
 `q4_1-gemv-4`) the default (q4_1) with that kernel for steps of up to 4 tokens only, and the
-blocks up to 16, as on CPUs with AMX; `q4_1-blocks-16` is q4_1 with its blocks read up to 16
-tokens a step where the bf16 kernel would take the steps over 8 (the range before); `rebuild` is the
+blocks up to 16, as on CPUs with AMX; `fixed-64` (and `q4_1-fixed-64`) with the kernel's range
+fixed at 64 tokens on every shape and the blocks read up to 8, the layer dequantized above (the
+rule before the range was measured per shape); `rebuild` is the
 default with each step's inputs built from the sequences alone (`build_step_inputs`, the path
 before the persistent input batch); `compile` is the
 default with its decode steps' forward under torch.compile and the fused layer ops left to
@@ -42,6 +43,7 @@ import torch
 from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model.block_weights import BlockWeight
 from engine.model_runner import StepInputs
 from engine.model_store import DEFAULT_MODEL, pull
 from engine.sampling_params import SamplingParams
@@ -114,10 +116,8 @@ def build_engine(name: str, model: str, batch: int, context: int, kv_gib: float)
         )
     if name.endswith("gemv-4"):
         return Variant(name, engine, gemv_4)
-    if name == "q4_1-blocks-16":
-        return Variant(
-            name, engine, lambda: mock.patch("engine.model.block_weights.BF16_GEMV_MAX_TOKENS", 16)
-        )
+    if name.endswith("fixed-64"):
+        return Variant(name, engine, fixed_64)
     if pinned is not None:
         return Variant(name, engine, lambda: threads(pinned))
     return Variant(name, engine)
@@ -128,8 +128,18 @@ def gemv_4() -> Iterator[None]:
     """The bf16 GEMV kernel for steps of up to 4 tokens only, the Q4_1 and Q8_0 blocks up to 16:
     the ranges before they followed the CPU (AMX CPUs still run these)."""
     with (
-        mock.patch("engine.model.dense_matmul.bf16_gemv_max_tokens", lambda: 4),
-        mock.patch("engine.model.block_weights.bf16_gemv_max_tokens", lambda: 4),
+        mock.patch("engine.model.dense_matmul.bf16_gemv_max_tokens", lambda n, k: 4),
+        mock.patch("engine.model.block_weights.bf16_gemv_max_tokens", lambda n, k: 4),
+    ):
+        yield
+
+
+@contextmanager
+def fixed_64() -> Iterator[None]:
+    """The bf16 GEMV kernel up to 64 tokens on every shape, the blocks up to 8."""
+    with (
+        mock.patch("engine.model.dense_matmul.bf16_gemv_max_tokens", lambda n, k: 64),
+        mock.patch.object(BlockWeight, "max_kernel_tokens", lambda self: 8),
     ):
         yield
 

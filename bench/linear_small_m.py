@@ -7,9 +7,10 @@ For each shape of SmolLM2-135M (fused QKV, O, fused gate-up, down, the tied LM h
 count and thread count, times `F.linear` on bf16 weights, our `bf16_linear`, and torch's
 `_weight_int8pack_mm` on per-row int8 weights (what `quantization="int8"` runs), and our block
 kernel on random blocks in the format `quantization="q4_1"` keeps the layer in (Q4_1, the LM head
-Q8_0; fp32 scales as at load). Each call reads a
-different copy of the weight, cycling through enough copies to exceed 256 MB, so the weights
-come from memory as in a decode step, not from a cache that one repeated call keeps warm.
+Q8_0; fp32 scales as at load), and the same blocks dequantized and multiplied by our bf16 kernel
+(what a q4_1 step of 9-64 tokens ran before the blocks' kernel dequantized in L1). Each call
+reads a different copy of the weight, cycling through enough copies to exceed 256 MB, so the
+weights come from memory as in a decode step, not from a cache that one repeated call keeps warm.
 Prints the median microseconds per call, F.linear's time over ours, ours over int8pack's and
 ours bf16 over the block kernel's.
 """
@@ -79,6 +80,10 @@ def time_shape(n: int, k: int, num_tokens: int, repeats: int) -> dict[str, float
         "ours bf16": [partial(kernels.bf16_linear, x, w) for w in weights],
         "int8pack": [partial(int8pack, x, q.qweight, q.scales) for q in int8],
         "ours blocks": [partial(block_linear, x, b.blocks) for b in blocks],
+        # What the engine ran above the blocks' range before they dequantized in L1.
+        "dequantized + ours bf16": [
+            partial(lambda b: kernels.bf16_linear(x, b.dequantized()), b) for b in blocks
+        ],
     }
     return {name: _median_us(calls, repeats) for name, calls in paths.items()}
 

@@ -15,7 +15,7 @@ from engine.distributed import TPGroup
 from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
-from engine.model.block_weights import FORMATS, BlockWeight, gemv_max_tokens
+from engine.model.block_weights import FORMATS, BlockWeight
 from engine.model.dense_matmul import bf16_gemv_max_tokens, onednn_min_tokens
 from engine.model.int8_weights import Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
@@ -97,10 +97,12 @@ class ModelRunner:
             self._quantize_int8()
         elif shape.quantization == "q4_1":
             self._keep_head_blocks(checkpoint)
-        elif device.type == "cpu" and shape.dtype == torch.bfloat16 and cpu_kernels():
+        if device.type == "cpu" and shape.dtype == torch.bfloat16 and cpu_kernels():
+            # Measured now, not in a request.
+            ranges = [(bf16_gemv_max_tokens(*s), s) for s in sorted(self._dense_shapes())]
             logger.info(
-                "matmuls: the bf16 GEMV kernel for steps of up to %d tokens, F.linear above",
-                bf16_gemv_max_tokens(),
+                "bf16 matmuls: the GEMV kernel for steps of up to %s tokens, F.linear above",
+                ", ".join(f"{tokens} ({n}x{k})" for tokens, (n, k) in ranges),
             )
         if device.type == "cpu" and shape.dtype == torch.float32:
             for out_features, in_features in self._dense_shapes():
@@ -118,6 +120,14 @@ class ModelRunner:
             if device.type == "cpu" and self.tp.size == 1
             else None
         )
+
+    def _block_weights(self) -> list[BlockWeight]:
+        return [
+            layer.quantized
+            for layer in self.model.modules()
+            if isinstance(layer, ColumnParallelLinear | RowParallelLinear)
+            and isinstance(layer.quantized, BlockWeight)
+        ]
 
     def _dense_shapes(self) -> set[tuple[int, int]]:
         """(N, K) of every weight the model multiplies by in its dtype (quantized ones
@@ -174,12 +184,14 @@ class ModelRunner:
         if head is not None and gguf_type in FORMATS and cpu_kernels():
             [(_, blocks)] = checkpoint.gguf_blocks(name.__eq__, gguf_type)
             head.keep_head_blocks(blocks, FORMATS[gguf_type])
+            assert head.head_blocks is not None
             head_reads = (
-                f"its {gguf_type} blocks up to {gemv_max_tokens(self.dtype)} tokens a step, "
-                f"{self.dtype} above"
+                f"its {gguf_type} blocks up to {head.head_blocks.max_kernel_tokens()} tokens a "
+                f"step, {self.dtype} above"
             )
+        most = sorted({w.max_kernel_tokens() for w in self._block_weights()})
         matmuls = (
-            f"the GEMV kernel up to {gemv_max_tokens(self.dtype)} tokens a step, dequantized above"
+            f"the GEMV kernel up to {'/'.join(map(str, most))} tokens a step, dequantized above"
             if cpu_kernels()
             else "dequantized every step: no CPU kernels"
         )

@@ -1,5 +1,6 @@
 """The dense matmul: oneDNN's fp32 path from the measured crossover on, F.linear below it, the
-same products either way; bf16's GEMV kernel range by the CPU's flags."""
+same products either way; bf16's GEMV kernel range by the CPU's flags or, where they do not
+settle it, by probes."""
 
 from __future__ import annotations
 
@@ -48,25 +49,66 @@ def test_tokens_count_over_leading_dimensions(onednn_calls: list[int]) -> None:
 
 def test_bf16_above_the_gemv_kernel_keeps_f_linear(onednn_calls: list[int]) -> None:
     weight = torch.randn(32, 16, dtype=torch.bfloat16)
-    x = torch.randn(bf16_gemv_max_tokens() + 1, 16, dtype=torch.bfloat16)
+    x = torch.randn(bf16_gemv_max_tokens(32, 16) + 1, 16, dtype=torch.bfloat16)
     assert torch.equal(dense_linear(x, weight), F.linear(x, weight))
     assert onednn_calls == []
 
 
-@pytest.mark.parametrize(
-    ("amx", "avx512_bf16", "expected"),
-    [(True, True, 4), (False, True, 64), (False, False, 4)],
-)
-def test_the_bf16_gemv_range_follows_the_cpu_s_flags(
-    monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool, expected: int
+@pytest.mark.parametrize(("amx", "avx512_bf16"), [(True, True), (False, False)])
+def test_the_bf16_gemv_range_is_4_where_the_cpu_s_flags_settle_it(
+    monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool
 ) -> None:
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(dense_matmul, "median_s", lambda call: pytest.fail("probed"))
     bf16_gemv_max_tokens.cache_clear()
     try:
-        assert bf16_gemv_max_tokens() == expected
+        assert bf16_gemv_max_tokens(64, 128) == 4
     finally:
         bf16_gemv_max_tokens.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("kernel_wins_to", "expected", "probes"),
+    [
+        (0, 4, [8]),
+        (8, 8, [8, 16]),
+        (16, 16, [8, 16, 32]),
+        (32, 32, [8, 16, 32, 64]),
+        (64, 64, [8, 16, 32, 64]),
+    ],
+)
+def test_the_bf16_gemv_range_is_the_last_probe_the_kernel_won(
+    monkeypatch: pytest.MonkeyPatch, kernel_wins_to: int, expected: int, probes: list[int]
+) -> None:
+    """With AVX-512 BF16 alone, each probe times the kernel and F.linear on cold copies of
+    the weight; the range ends before the first probe the kernel loses."""
+    if dense_matmul.cpu_kernels() is None:
+        pytest.skip("the CPU kernels could not be built")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    probed: list[tuple[str, int, int]] = []
+
+    def tagged(linear, x, weights):  # type: ignore[no-untyped-def]
+        path = "F.linear" if linear is F.linear else "kernel"
+        return path, x.shape[0], len(weights)
+
+    def timed(call: tuple[str, int, int]) -> float:
+        probed.append(call)
+        path, num_tokens, _ = call
+        return 1.0 if (path == "kernel") == (num_tokens <= kernel_wins_to) else 2.0
+
+    monkeypatch.setattr(dense_matmul, "_cycling", tagged)
+    monkeypatch.setattr(dense_matmul, "median_s", timed)
+    bf16_gemv_max_tokens.cache_clear()
+    try:
+        assert bf16_gemv_max_tokens(64, 128) == expected
+    finally:
+        bf16_gemv_max_tokens.cache_clear()
+    assert [n for path, n, _ in probed if path == "kernel"] == probes
+    assert [n for path, n, _ in probed if path == "F.linear"] == probes
+    # Enough copies of the weight to pass the caches.
+    assert {copies for _, _, copies in probed} == {dense_matmul._COLD_BYTES // (2 * 64 * 128)}
 
 
 def test_the_crossover_is_a_probe_or_never() -> None:

@@ -61,9 +61,9 @@ def test_the_kernel_refuses_mismatched_inputs() -> None:
 def test_linear_gives_the_same_result_with_kernels_on_and_off(
     monkeypatch: pytest.MonkeyPatch, kernels_on: bool, num_tokens: int
 ) -> None:
-    """bf16 weights: up to bf16_gemv_max_tokens() through our kernel (on) or F.linear (off), above
-    it through F.linear. int8 weights: int8pack up to max_gemv_tokens, then the dequantized
-    matmul, with the kernels on or off."""
+    """bf16 weights: up to bf16_gemv_max_tokens(N, K) through our kernel (on) or F.linear
+    (off), above it through F.linear. int8 weights: int8pack up to max_gemv_tokens, then the
+    dequantized matmul, with the kernels on or off."""
     if not kernels_on:
         monkeypatch.setattr(dense_matmul, "_kernels_for", lambda x: None)
     gen = torch.Generator().manual_seed(num_tokens)
@@ -96,7 +96,7 @@ def test_linear_takes_the_kernel_for_few_bf16_tokens_only(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(dense_matmul, "_kernels_for", lambda x: Recording())
     weight = torch.randn(8, 16, dtype=torch.bfloat16)
-    most = bf16_gemv_max_tokens()
+    most = bf16_gemv_max_tokens(8, 16)
     for num_tokens in (1, most, most + 1):
         linear(torch.randn(num_tokens, 16, dtype=torch.bfloat16), weight, None, None)
     linear(torch.randn(1, 16), weight.float(), None, None)  # fp32: F.linear

@@ -26,11 +26,11 @@ from engine.loader import Checkpoint
 from engine.model import block_weights
 from engine.model.block_weights import (
     GEMV_MAX_TOKENS,
+    HEAD_BLOCKS_MAX_TOKENS,
     Q4_1,
     Q8_0,
     BlockFormat,
     BlockWeight,
-    gemv_max_tokens,
 )
 from engine.model.dense_matmul import dense_linear
 from engine.model.llama import keeps_q4_1_blocks
@@ -43,7 +43,7 @@ from engine.outputs import CompletionOutput
 
 # (N, K): one row; a partial group of four rows; the model's shapes; many short rows.
 SHAPES = [(1, 32), (5, 96), (7, 64), (576, 576), (130, 1536), (2051, 32)]
-TOKENS = [1, 2, 3, 4, 5, GEMV_MAX_TOKENS]
+TOKENS = [1, 2, 3, 4, 5, 13, GEMV_MAX_TOKENS, 64]
 FORMATS = [Q4_1, Q8_0]
 
 
@@ -248,7 +248,7 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
         x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
         logits = head.logits(x)
         assert logits.dtype == torch.float32 and logits.shape == (num_tokens, vocab)
-        reads_blocks = kernels_on and num_tokens <= gemv_max_tokens(dtype)
+        reads_blocks = kernels_on and num_tokens <= head.head_blocks.max_kernel_tokens()
         expected = head.head_blocks.linear(x) if reads_blocks else dense_linear(x, head.weight)
         assert torch.equal(logits, expected.float())
         # The float rows are the weights rounded to the dtype, as the blocks' bf16 loop rounds.
@@ -258,18 +258,27 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "bf16_gemv_tokens", "expected"),
+    ("dtype", "bf16_gemv_tokens", "float_rows_kept", "expected"),
     [
-        (torch.bfloat16, 64, 8),  # the bf16 kernel on the dense weight takes the steps over 8
-        (torch.bfloat16, 4, GEMV_MAX_TOKENS),  # AMX: F.linear on the dense weight loses to blocks
-        (torch.float32, 64, GEMV_MAX_TOKENS),  # fp32: no bf16 kernel reads the dense weight
+        # The bf16 kernel on the dense weight takes the steps over 16: so do the blocks.
+        (torch.bfloat16, 64, False, 64),
+        (torch.bfloat16, 8, False, GEMV_MAX_TOKENS),  # F.linear from 16: blocks to 16
+        (torch.bfloat16, 4, False, GEMV_MAX_TOKENS),  # AMX: F.linear on the dense weight
+        (torch.float32, 64, False, GEMV_MAX_TOKENS),  # fp32: no bf16 kernel reads the dense weight
+        # The LM head: its float rows beat its blocks over 8 where the kernel reads them.
+        (torch.bfloat16, 64, True, HEAD_BLOCKS_MAX_TOKENS),
+        (torch.bfloat16, 8, True, HEAD_BLOCKS_MAX_TOKENS),
+        (torch.bfloat16, 4, True, GEMV_MAX_TOKENS),
     ],
 )
 def test_blocks_are_read_where_they_beat_the_dense_weight(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bf16_gemv_tokens: int, expected: int
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    bf16_gemv_tokens: int,
+    float_rows_kept: bool,
+    expected: int,
 ) -> None:
-    monkeypatch.setattr(block_weights, "bf16_gemv_max_tokens", lambda: bf16_gemv_tokens)
-    assert gemv_max_tokens(dtype) == expected
+    monkeypatch.setattr(block_weights, "bf16_gemv_max_tokens", lambda n, k: bf16_gemv_tokens)
     calls: list[str] = []
 
     class Recording:
@@ -283,12 +292,29 @@ def test_blocks_are_read_where_they_beat_the_dense_weight(
 
     monkeypatch.setattr(block_weights, "cpu_kernels", lambda: Recording())
     monkeypatch.setattr(block_weights, "dense_linear", lambda x, w: x @ w.T)
-    weight = BlockWeight.from_gguf(
-        random_blocks(8, 64, torch.Generator().manual_seed(2)), Q4_1, dtype
+    weight = dataclasses.replace(
+        BlockWeight.from_gguf(random_blocks(8, 64, torch.Generator().manual_seed(2)), Q4_1, dtype),
+        float_rows_kept=float_rows_kept,
     )
+    assert weight.max_kernel_tokens() == expected
     for num_tokens in (expected, expected + 1):
         weight.linear(torch.randn(num_tokens, 64).to(dtype))
     assert calls == ["kernel", "dequantize"]
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the bf16 loops need AVX-512 BF16")
+@pytest.mark.parametrize("num_tokens", [1, 4, 5, 13, 64])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_bf16_blocks_give_the_dequantized_weight_s_bits(num_tokens: int, fmt: BlockFormat) -> None:
+    """Up to 4 tokens the blocks' loop forms each block's weights in registers, over 4 it
+    dequantizes a group of rows in L1 for the dense loop; either way the products and their
+    order are the dense kernel's on the dequantized weight, to the bit."""
+    kernels = cpu_kernels() or pytest.skip("the CPU kernels could not be built")
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = BlockWeight.from_gguf(random_blocks(130, 1536, gen, fmt), fmt, torch.bfloat16)
+    x = torch.randn(num_tokens, 1536, generator=gen).to(torch.bfloat16)
+    ours = getattr(kernels, f"{fmt.name}_linear")(x, weight.blocks)
+    assert torch.equal(ours, kernels.bf16_linear(x, weight.dequantized()))
 
 
 def test_q4_1_is_refused_where_the_weights_are_not_q4_1(smollm2_checkpoint: Checkpoint) -> None:

@@ -109,11 +109,10 @@ inline void with_tile(int64_t rows, int64_t tokens, Fn&& fn) {
   }
 }
 
-// Runs tile(first_row, num_rows, first_token, num_tokens) over every tile of the output: the
-// weight's rows in groups of kRowsPerGroup (a last partial group row by row), split across
-// torch's threads; the tokens in tiles of kMaxTileTokens, so each task reads its rows once.
+// Runs group(first_row, num_rows) over the weight's rows in groups of kRowsPerGroup (a last
+// partial group row by row), split across torch's threads.
 template <typename Fn>
-void for_tiles(int64_t num_rows, int64_t num_tokens, int64_t row_bytes, Fn&& tile) {
+void for_row_groups(int64_t num_rows, int64_t row_bytes, Fn&& group) {
   const int64_t grain = std::max<int64_t>(kRowsPerGroup, kBytesPerTask / row_bytes);
   const int64_t num_groups = (num_rows + kRowsPerGroup - 1) / kRowsPerGroup;
   const int64_t grain_groups = (grain + kRowsPerGroup - 1) / kRowsPerGroup;
@@ -122,13 +121,26 @@ void for_tiles(int64_t num_rows, int64_t num_tokens, int64_t row_bytes, Fn&& til
       const int64_t row = g * kRowsPerGroup;
       const int64_t rows = std::min<int64_t>(kRowsPerGroup, num_rows - row);
       const int64_t step = rows == kRowsPerGroup ? kRowsPerGroup : 1;
-      for (int64_t r = row; r < row + rows; r += step) {
-        for (int64_t t = 0; t < num_tokens; t += kMaxTileTokens) {
-          tile(r, step, t, std::min<int64_t>(kMaxTileTokens, num_tokens - t));
-        }
-      }
+      for (int64_t r = row; r < row + rows; r += step) group(r, step);
     }
   });
+}
+
+// For one group of `rows` weight rows from `row`: runs dots_of(R, T, first_token, dots) over the
+// tokens in tiles of kMaxTileTokens (R and T compile-time constants, see with_tile), each
+// filling dots[t * R + r], and stores them to out (M, N), so each weight row is read once for
+// every tile from the cache it is in.
+template <typename scalar_t, typename Fn>
+inline void group_tiles(int64_t num_tokens, int64_t row, int64_t rows, scalar_t* out, int64_t n,
+                        Fn&& dots_of) {
+  for (int64_t token = 0; token < num_tokens; token += kMaxTileTokens) {
+    const int64_t tokens = std::min<int64_t>(kMaxTileTokens, num_tokens - token);
+    float dots[kRowsPerGroup * kMaxTileTokens];
+    with_tile(rows, tokens, [&](auto r, auto t) { dots_of(r, t, token, dots); });
+    for (int64_t t = 0; t < tokens; ++t) {
+      from_float(dots + t * rows, out + (token + t) * n + row, rows);
+    }
+  }
 }
 
 constexpr int64_t kBlockWeights = 32;
@@ -289,40 +301,6 @@ void check_blocks(const torch::Tensor& blocks, int64_t k) {
               ") for K = ", k);
 }
 
-template <typename Format>
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
-  const int64_t m = x.size(0), k = x.size(1);
-  check_blocks<Format>(blocks, k);
-  const int64_t row_bytes = blocks.size(1), n = blocks.size(0);
-  auto out = torch::empty({m, n}, x.options());
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  std::vector<float> xf(m * k);
-  dispatch_storage_type(x.scalar_type(), "block_linear", [&](auto type) {
-    using scalar_t = decltype(type);
-    to_float(x.data_ptr<scalar_t>(), xf.data(), m * k);
-    auto* dst = out.data_ptr<scalar_t>();
-    for_tiles(n, m, row_bytes, [&](int64_t row, int64_t rows, int64_t token, int64_t tokens) {
-      float dots[kRowsPerGroup * kMaxTileTokens];
-      with_tile(rows, tokens, [&](auto r, auto t) {
-        constexpr int R = decltype(r)::value, T = decltype(t)::value;
-#if defined(MERIDIAN_AVX512_BF16)
-        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-          const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-          tile_blocks_bf16<Format, R, T>(xb + token * k, k, w + row * row_bytes, row_bytes, dots);
-          return;
-        }
-#endif
-        tile_blocks<Format, R, T>(xf.data() + token * k, k, w + row * row_bytes, row_bytes, dots);
-      });
-      for (int64_t t = 0; t < tokens; ++t) {
-        from_float(dots + t * rows, dst + (token + t) * n + row, rows);
-      }
-    });
-  });
-  return out;
-}
-
 // One block's 32 weights as gguf's dequantizer computes them in fp32, stored rounded to nearest
 // even in the output's dtype.
 template <typename Format, typename scalar_t>
@@ -339,6 +317,71 @@ inline void dequantize_block(const uint8_t* block, scalar_t* dst) {
   float row[kBlockWeights];
   Format::exact(block, row);
   from_float(row, dst, kBlockWeights);
+}
+
+#if defined(MERIDIAN_AVX512_BF16)
+// Rows of blocks in bf16, each weight as dequantize_block forms it, in a buffer of the calling
+// thread's that the next group reuses (a group's rows are a few KB: they stay in L1).
+template <typename Format>
+const uint16_t* dequantize_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t k) {
+  thread_local std::vector<at::BFloat16> dense;
+  dense.resize(rows * k);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < k / kBlockWeights; ++b) {
+      dequantize_block<Format>(w + r * row_bytes + b * Format::kBlockBytes,
+                               dense.data() + r * k + b * kBlockWeights);
+    }
+  }
+  return reinterpret_cast<const uint16_t*>(dense.data());
+}
+#endif
+
+// With bf16 x on AVX-512 BF16, a step of more tokens than a tile dequantizes each group of rows
+// once into L1 and runs the bf16 tiles on it: the blocks' own tiles would dequantize every
+// block once per tile, and dequantizing the whole layer first (as the steps above the kernel's
+// range do) writes and reads it back through memory. All three give the same bits.
+template <typename Format>
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_blocks<Format>(blocks, k);
+  const int64_t row_bytes = blocks.size(1), n = blocks.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  dispatch_storage_type(x.scalar_type(), "block_linear", [&](auto type) {
+    using scalar_t = decltype(type);
+    auto* dst = out.data_ptr<scalar_t>();
+#if defined(MERIDIAN_AVX512_BF16)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      for_row_groups(n, row_bytes, [&](int64_t row, int64_t rows) {
+        const uint8_t* w_rows = w + row * row_bytes;
+        if (m > kMaxTileTokens) {
+          const uint16_t* dense = dequantize_rows<Format>(w_rows, rows, row_bytes, k);
+          group_tiles(m, row, rows, dst, n, [&](auto r, auto t, int64_t token, float* dots) {
+            tile_bf16<decltype(r)::value, decltype(t)::value>(xb + token * k, nullptr, k, dense,
+                                                              k, dots);
+          });
+          return;
+        }
+        group_tiles(m, row, rows, dst, n, [&](auto r, auto t, int64_t token, float* dots) {
+          tile_blocks_bf16<Format, decltype(r)::value, decltype(t)::value>(
+              xb + token * k, k, w_rows, row_bytes, dots);
+        });
+      });
+      return;
+    }
+#endif
+    std::vector<float> xf(m * k);
+    to_float(x.data_ptr<scalar_t>(), xf.data(), m * k);
+    for_row_groups(n, row_bytes, [&](int64_t row, int64_t rows) {
+      group_tiles(m, row, rows, dst, n, [&](auto r, auto t, int64_t token, float* dots) {
+        tile_blocks<Format, decltype(r)::value, decltype(t)::value>(
+            xf.data() + token * k, k, w + row * row_bytes, row_bytes, dots);
+      });
+    });
+  });
+  return out;
 }
 
 template <typename Format>
@@ -374,18 +417,19 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight) {
   auto out = torch::empty({m, n}, x.options());
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  std::vector<float> xf(m * k);
-  to_float(x.data_ptr<at::BFloat16>(), xf.data(), m * k);
+#if defined(MERIDIAN_AVX512_BF16)
+  const float* xf = nullptr;  // the dot products take x in bf16
+#else
+  std::vector<float> x_float(m * k);
+  to_float(x.data_ptr<at::BFloat16>(), x_float.data(), m * k);
+  const float* xf = x_float.data();
+#endif
   auto* dst = out.data_ptr<at::BFloat16>();
-  for_tiles(n, m, 2 * k, [&](int64_t row, int64_t rows, int64_t token, int64_t tokens) {
-    float dots[kRowsPerGroup * kMaxTileTokens];
-    with_tile(rows, tokens, [&](auto r, auto t) {
-      tile_bf16<decltype(r)::value, decltype(t)::value>(xb + token * k, xf.data() + token * k, k,
-                                                        w + row * k, k, dots);
+  for_row_groups(n, 2 * k, [&](int64_t row, int64_t rows) {
+    group_tiles(m, row, rows, dst, n, [&](auto r, auto t, int64_t token, float* dots) {
+      tile_bf16<decltype(r)::value, decltype(t)::value>(
+          xb + token * k, xf == nullptr ? nullptr : xf + token * k, k, w + row * k, k, dots);
     });
-    for (int64_t t = 0; t < tokens; ++t) {
-      from_float(dots + t * rows, dst + (token + t) * n + row, rows);
-    }
   });
   return out;
 }

@@ -14,9 +14,9 @@ fp32 sums differs from the dequantized model.
 `quantization="q4_1"` keeps the projections as Q4_1 (model/llama.py) and the tied LM head of the
 default file, Q8_0 there, as Q8_0 (model/parallel_layers.py). Steps of few tokens run the
 format's kernel (`q4_1_linear`, `q8_0_linear` in engine/kernels/gemv_cpu.cpp); steps of more
-tokens (`gemv_max_tokens`: 16, or 8 where the bf16 GEMV kernel takes more) dequantize the layer
-to the model's dtype and run the dense matmul (`dense_matmul.py`), as does every step where the
-kernels are off (`MERIDIAN_CPU_KERNELS=0`).
+tokens (`BlockWeight.max_kernel_tokens`) dequantize the layer to the model's dtype and run the
+dense matmul (`dense_matmul.py`), as does every step where the kernels are off
+(`MERIDIAN_CPU_KERNELS=0`).
 """
 
 from __future__ import annotations
@@ -31,25 +31,15 @@ from engine.kernels import cpu_kernels
 from engine.model.dense_matmul import bf16_gemv_max_tokens, dense_linear
 
 BLOCK_WEIGHTS = 32
-# Steps of up to this many tokens take the kernel. It reads a row's blocks once per 4 tokens,
-# so its cost grows with the tokens, while dequantizing costs the same at any step size; they
-# crossed between 16 and 32 tokens on the model's Q4_1 shapes (see docs/benchmarks.md), where
-# F.linear multiplied the dequantized weight. Where our bf16 GEMV kernel does instead, it takes
-# the steps over `BF16_GEMV_MAX_TOKENS`.
+# Steps of up to this many tokens read the blocks where F.linear multiplies the dequantized
+# weight above: the blocks' loop reads a row's blocks once per 4 tokens, so its cost grows with
+# the tokens while dequantizing costs the same at any step size; they crossed between 16 and 32
+# tokens on the model's Q4_1 shapes (see docs/benchmarks.md).
 GEMV_MAX_TOKENS = 16
-BF16_GEMV_MAX_TOKENS = 8
-
-
-def gemv_max_tokens(dtype: torch.dtype) -> int:
-    """Steps of up to this many tokens read a model's blocks, in `dtype`. The blocks' kernel
-    dequantizes as it goes, so where the bf16 GEMV kernel multiplies the dense weight (the
-    projection dequantized, the LM head's rows) for more than 8 tokens, it takes the steps
-    over 8 (AMD EPYC, a decode step of the model at 10 and 16 tokens: 1.10-1.27x faster in
-    12 of 16 rounds; the Q8_0 LM head against its bf16 rows: 2.8 against 3.0 ms at 8 tokens,
-    4.1 against 3.6 at 12)."""
-    if dtype == torch.bfloat16 and bf16_gemv_max_tokens() > BF16_GEMV_MAX_TOKENS:
-        return BF16_GEMV_MAX_TOKENS
-    return GEMV_MAX_TOKENS
+# The LM head, whose float rows the model keeps too, reads its blocks up to 8 tokens where the
+# bf16 kernel takes the float rows to 8 or more: above 8 the rows were faster (the Q8_0 blocks
+# against the rows, AMD EPYC: 2.8 against 3.0 ms at 8 tokens, 4.1 against 3.6 at 12).
+HEAD_BLOCKS_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +81,16 @@ class BlockWeight:
     blocks: torch.Tensor  # (N, K / 32 * block bytes) uint8: each row's blocks, scales fp32
     format: BlockFormat
     dtype: torch.dtype  # the model's: what x, the output and a dequantized weight are in
+    float_rows_kept: bool = False  # the model keeps the weight in its dtype too (the LM head)
 
     @classmethod
     def empty(
-        cls, fmt: BlockFormat, out_features: int, in_features: int, dtype: torch.dtype
+        cls,
+        fmt: BlockFormat,
+        out_features: int,
+        in_features: int,
+        dtype: torch.dtype,
+        float_rows_kept: bool = False,
     ) -> BlockWeight:
         if in_features % BLOCK_WEIGHTS:
             raise InvalidRequestError(
@@ -102,7 +98,8 @@ class BlockWeight:
                 f"of {BLOCK_WEIGHTS}"
             )
         row_bytes = in_features // BLOCK_WEIGHTS * fmt.block_bytes
-        return cls(torch.zeros(out_features, row_bytes, dtype=torch.uint8), fmt, dtype)
+        blocks = torch.zeros(out_features, row_bytes, dtype=torch.uint8)
+        return cls(blocks, fmt, dtype, float_rows_kept)
 
     @classmethod
     def from_gguf(
@@ -111,10 +108,21 @@ class BlockWeight:
         return cls(widen_scales(file_blocks, fmt), fmt, dtype)
 
     def kernels_for(self, x: torch.Tensor) -> ModuleType | None:
-        """The kernels' module where this step of x takes the GEMV kernel, else None."""
-        if x.shape[0] <= gemv_max_tokens(self.dtype) and x.device.type == "cpu":
-            return cpu_kernels()
+        """The kernels' module where this step of x reads the blocks, else None."""
+        on_cpu = x.device.type == "cpu"
+        if on_cpu and (k := cpu_kernels()) and x.shape[0] <= self.max_kernel_tokens():
+            return k
         return None
+
+    def max_kernel_tokens(self) -> int:
+        """Steps of up to this many tokens read the blocks; bigger ones the dense weight. Where
+        the bf16 kernel multiplies a dense weight over 16 tokens, the blocks take those steps
+        too: each group of rows dequantized in L1 for the same loop (engine/kernels/gemv_cpu.cpp),
+        where the dense path would dequantize the layer through memory first."""
+        dense_tokens = bf16_gemv_max_tokens(*self.shape) if self.dtype == torch.bfloat16 else 0
+        if self.float_rows_kept and dense_tokens >= HEAD_BLOCKS_MAX_TOKENS:
+            return HEAD_BLOCKS_MAX_TOKENS
+        return max(GEMV_MAX_TOKENS, dense_tokens)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, K) -> x W^T (T, N)."""

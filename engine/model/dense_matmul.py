@@ -3,8 +3,9 @@ whichever is faster for the step.
 
 bf16 on CPU: steps of few tokens take our GEMV kernel (engine/kernels/gemv_cpu.cpp
 `bf16_linear`), which streams each weight row once; `F.linear`'s oneDNN GEMM is tiled for many
-tokens. How many depends on the CPU (`bf16_gemv_max_tokens`), and the choice is fixed by its
-flags, not timed, so two engines on one kind of CPU compute the same bits.
+tokens. How many depends on the CPU (`bf16_gemv_max_tokens`): fixed by its flags where they
+settle it, else measured once per process and weight shape, as the fp32 choice below is (so
+two bf16 engines on one kind of CPU may round a step differently, as two fp32 ones may).
 
 fp32 on CPU: torch's `F.linear` calls MKL's sgemm (bf16 already runs on oneDNN). On the AMD
 EPYC of docs/benchmarks.md (AVX-512, no AMX) a layer's four projections took 0.72-0.79x MKL's
@@ -18,6 +19,7 @@ and the prefill of int8 and block weights dequantizes into it there.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import statistics
 import time
@@ -32,6 +34,9 @@ from engine.kernels import cpu_kernels
 logger = logging.getLogger(__name__)
 
 _PROBE_TOKENS = (1, 2, 4, 8, 16, 64, 256)
+_GEMV_PROBE_TOKENS = (8, 16, 32, 64)  # the bf16 kernel's: it won at 4 tokens on every CPU here
+_GEMV_MIN_TOKENS = 4
+_COLD_BYTES = 64 * 2**20  # twice this CPU's last-level cache
 _MAX_PROBE_MACS = 2**29  # about 5 ms a product at this CPU's fp32 speed
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -43,8 +48,8 @@ def dense_linear(
     if (
         weight.dtype == torch.bfloat16
         and x.dim() == 2
-        and x.shape[0] <= bf16_gemv_max_tokens()
         and (kernels := _kernels_for(x))
+        and x.shape[0] <= bf16_gemv_max_tokens(*weight.shape)
     ):
         out = kernels.bf16_linear(x.contiguous(), weight)
         return out if bias is None else out + bias
@@ -60,15 +65,53 @@ def _kernels_for(x: torch.Tensor) -> ModuleType | None:
 
 
 @functools.cache
-def bf16_gemv_max_tokens() -> int:
-    """bf16 steps of up to this many tokens take the GEMV kernel. With AMX tiles (a Sapphire
-    Rapids) oneDNN's GEMM overtook it from 8 tokens (1.1x its time there); with AVX-512 BF16
-    alone (an AMD EPYC) the kernel took 0.55-0.95x F.linear's time on every shape of SmolLM2
-    up to 64 tokens, and lost at 128 (bench/linear_small_m.py). Without AVX-512 BF16 bf16 is
-    not the engine's dtype; the kernel's portable loop keeps the few tokens it was built for."""
-    if torch.cpu._is_amx_tile_supported() or not torch.cpu._is_avx512_bf16_supported():
-        return 4
-    return 64
+def bf16_gemv_max_tokens(out_features: int, in_features: int) -> int:
+    """bf16 steps of up to this many tokens take the GEMV kernel on a weight of this shape.
+
+    With AMX tiles (a Sapphire Rapids) oneDNN's GEMM overtook it from 8 tokens (1.1x its time
+    there), and without AVX-512 BF16 bf16 is not the engine's dtype (the kernel's portable loop
+    keeps the few tokens it was built for): 4 on both. With AVX-512 BF16 alone (an AMD EPYC)
+    the crossover moved between sessions on one kind of CPU: the kernel took 0.55-0.95x
+    F.linear's time on every shape of SmolLM2 up to 64 tokens on one day, 1.4-2.2x from 32 on
+    another (bench/linear_small_m.py, docs/benchmarks.md). So there it is measured: the largest
+    probe up to which the kernel beat F.linear at every probe, 4 at least. Probes stop where
+    they would cost more than a few milliseconds (the LM head's steps multiply few rows)."""
+    kernels = cpu_kernels()
+    if (
+        kernels is None
+        or torch.cpu._is_amx_tile_supported()
+        or not torch.cpu._is_avx512_bf16_supported()
+    ):
+        return _GEMV_MIN_TOKENS
+    # A step reads its weights from memory, not from a cache that one repeated call keeps warm
+    # (warm, F.linear won from 8 tokens on three of SmolLM2's shapes where, cold, the kernel
+    # won to 16): each call reads the next of enough copies to pass the caches. Ones, not
+    # zeros: untouched zeroed pages may all map one page. The values do not change the time.
+    numel = out_features * in_features
+    copies = [
+        torch.ones(out_features, in_features, dtype=torch.bfloat16)
+        for _ in range(max(1, _COLD_BYTES // (2 * numel)))
+    ]
+    most = _GEMV_MIN_TOKENS
+    for num_tokens in _GEMV_PROBE_TOKENS:
+        if num_tokens * numel > _MAX_PROBE_MACS:
+            break
+        x = torch.randn(num_tokens, in_features, dtype=torch.bfloat16)
+        kernel_s = median_s(_cycling(kernels.bf16_linear, x, copies))
+        if kernel_s >= median_s(_cycling(F.linear, x, copies)):
+            break
+        most = num_tokens
+    return most
+
+
+def _cycling(
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+) -> Callable[[], object]:
+    """A call of `linear` on x and the next of `weights` each time."""
+    calls = itertools.cycle(functools.partial(linear, x, w) for w in weights)
+    return lambda: next(calls)()
 
 
 def _onednn_linear(

@@ -145,7 +145,7 @@ class VocabParallelEmbedding(nn.Module):
     def keep_head_blocks(self, full: torch.Tensor, fmt: BlockFormat) -> None:
         """This rank's vocabulary rows of the file's blocks `full` (vocab, K / 32 * file bytes);
         the padding rows of the last shard stay zero blocks (zero weights)."""
-        head = BlockWeight.empty(fmt, self.shard, self.weight.shape[1], self.weight.dtype)
+        head = BlockWeight.empty(fmt, self.shard, self.weight.shape[1], self.weight.dtype, True)
         rows = BlockWeight.from_gguf(full[self.start : self.start + self.shard], fmt, head.dtype)
         _copy_checked(head.blocks[: rows.blocks.shape[0]], rows.blocks, "head blocks")
         self.head_blocks = head
