@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _PROBE_TOKENS = (1, 2, 4, 8, 16, 64, 256)
 _GEMV_PROBE_TOKENS = (8, 16, 32, 64)  # the bf16 kernel's: it won at 4 tokens on every CPU here
 _GEMV_MIN_TOKENS = 4
-_COLD_BYTES = 64 * 2**20  # twice this CPU's last-level cache
+_COLD_BYTES = 64 * 2**20  # twice the last-level cache of the AMD EPYC measured here
 _MAX_PROBE_MACS = 2**29  # about 5 ms a product at this CPU's fp32 speed
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -72,10 +72,11 @@ def bf16_gemv_max_tokens(out_features: int, in_features: int) -> int:
     there), and without AVX-512 BF16 bf16 is not the engine's dtype (the kernel's portable loop
     keeps the few tokens it was built for): 4 on both. With AVX-512 BF16 alone (an AMD EPYC)
     the crossover moved between sessions on one kind of CPU: the kernel took 0.55-0.95x
-    F.linear's time on every shape of SmolLM2 up to 64 tokens on one day, 1.4-2.2x from 32 on
-    another (bench/linear_small_m.py, docs/benchmarks.md). So there it is measured: the largest
-    probe up to which the kernel beat F.linear at every probe, 4 at least. Probes stop where
-    they would cost more than a few milliseconds (the LM head's steps multiply few rows)."""
+    F.linear's time on every shape of SmolLM2 up to 64 tokens on one day, 1.1-1.8x at 32 and
+    1.6-2.2x at 64 on another (bench/linear_small_m.py, docs/benchmarks.md). So there it is
+    measured: the largest probe up to which the kernel beat F.linear at every probe, 4 at
+    least. Probes stop where they would cost more than a few milliseconds (the LM head's steps
+    multiply few rows)."""
     kernels = cpu_kernels()
     if (
         kernels is None
