@@ -82,7 +82,7 @@ def test_the_bf16_gemv_range_is_the_last_probe_the_kernel_won(
     monkeypatch: pytest.MonkeyPatch, kernel_wins_to: int, expected: int, probes: list[int]
 ) -> None:
     """With AVX-512 BF16 alone, each probe times the kernel and F.linear on cold copies of
-    the weight; the range ends before the first probe the kernel loses."""
+    the weight; the range ends before the first probe the kernel loses by more than 10%."""
     if dense_matmul.cpu_kernels() is None:
         pytest.skip("the CPU kernels could not be built")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
@@ -96,7 +96,9 @@ def test_the_bf16_gemv_range_is_the_last_probe_the_kernel_won(
     def timed(call: tuple[str, int, int]) -> float:
         probed.append(call)
         path, num_tokens, _ = call
-        return 1.0 if (path == "kernel") == (num_tokens <= kernel_wins_to) else 2.0
+        if path == "F.linear":
+            return 1.0
+        return 1.05 if num_tokens <= kernel_wins_to else 1.15  # within the band, then out
 
     monkeypatch.setattr(dense_matmul, "_cycling", tagged)
     monkeypatch.setattr(dense_matmul, "median_s", timed)
