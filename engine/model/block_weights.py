@@ -21,7 +21,7 @@ dense matmul (`dense_matmul.py`), as does every step where the kernels are off
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -82,6 +82,8 @@ class BlockWeight:
     format: BlockFormat
     dtype: torch.dtype  # the model's: what x, the output and a dequantized weight are in
     float_rows_kept: bool = False  # the model keeps the weight in its dtype too (the LM head)
+    # max_kernel_tokens, worked out at the first step: every linear call asks for it.
+    _max_kernel_tokens: int = field(default=0, init=False, repr=False, compare=False)
 
     @classmethod
     def empty(
@@ -119,6 +121,11 @@ class BlockWeight:
         the bf16 kernel multiplies a dense weight over 16 tokens, the blocks take those steps
         too: each group of rows dequantized in L1 for the same loop (engine/kernels/gemv_cpu.cpp),
         where the dense path would dequantize the layer through memory first."""
+        if not self._max_kernel_tokens:
+            self._max_kernel_tokens = self._kernel_range()
+        return self._max_kernel_tokens
+
+    def _kernel_range(self) -> int:
         dense_tokens = bf16_gemv_max_tokens(*self.shape) if self.dtype == torch.bfloat16 else 0
         if self.float_rows_kept and dense_tokens >= HEAD_BLOCKS_MAX_TOKENS:
             return HEAD_BLOCKS_MAX_TOKENS
