@@ -227,6 +227,8 @@ def shared_prefix_ttfts(
     return ttfts
 
 
+SHARED_PREFIX_KV_BLOCKS = 64  # the shared-prefix requests' ~400 tokens, one at a time
+
 # (number of requests, prompt tokens per output token); None: prompts of 32-512 drawn apart.
 WORKLOADS: dict[str, tuple[int, int | None]] = {"mixed": (64, None), "prompt-heavy": (32, 3)}
 
@@ -348,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             quantization=args.quantization,
             enable_prefix_caching=False,
+            # One request at a time needs a few blocks; a pool of the default size would not
+            # fit beside the first engine's on a GPU, where each takes its share of the device.
+            num_kv_blocks=SHARED_PREFIX_KV_BLOCKS,
         )
     )
     uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
