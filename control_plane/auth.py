@@ -20,6 +20,7 @@ from control_plane.errors import AuthenticationError, PermissionDeniedError
 from control_plane.node_credentials import NodeCredential
 from control_plane.services import ControlPlane, ServicesDep
 from control_plane.tokens import ENV_NAMES, TokenKind, TokenSet
+from wire.errors import INVALID_CREDENTIAL, MISSING_CREDENTIAL
 
 MAX_AGENT_LEN = 120
 
@@ -66,13 +67,16 @@ def authenticate(
     kind: TokenKind, request: Request, services: ControlPlane, credentials: Credentials
 ) -> Actor:
     if credentials is None:
-        raise AuthenticationError("missing bearer token", "missing_token")
+        # HTTPBearer reads another scheme as no credential; a header that holds one is a bad one.
+        if request.headers.get("authorization", "").strip():
+            raise AuthenticationError("invalid bearer token", INVALID_CREDENTIAL)
+        raise AuthenticationError("missing bearer token", MISSING_CREDENTIAL)
     presented = credentials.credentials
     matched = match_token(services.tokens, presented)
     if matched is None and services.registry.credentials.find(presented) is not None:
         matched = TokenKind.NODE
     if matched is None:
-        raise AuthenticationError("invalid bearer token", "invalid_token")
+        raise AuthenticationError("invalid bearer token", INVALID_CREDENTIAL)
     if matched is not kind:
         raise PermissionDeniedError(
             f"this route needs the {kind.value} token, not the {matched.value} token",

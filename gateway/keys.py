@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 from gateway.errors import AuthenticationError, NotReadyError
+from wire.errors import INVALID_CREDENTIAL, MISSING_CREDENTIAL
 from wire.key_snapshot import KeySnapshot
 
 MAX_KEY_LEN = 512
@@ -50,15 +51,15 @@ class KeyTable:
         if not authorization:
             raise AuthenticationError(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
-                "missing_api_key",
+                MISSING_CREDENTIAL,
             )
         scheme, _, secret = authorization.partition(" ")
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret or len(secret) > MAX_KEY_LEN:
             raise AuthenticationError(
-                "Malformed Authorization header: expected 'Bearer <key>'.", "invalid_api_key"
+                "Malformed Authorization header: expected 'Bearer <key>'.", INVALID_CREDENTIAL
             )
         key = by_hash.get(hashlib.sha256(secret.encode("utf-8", "replace")).hexdigest())
         if key is None:
-            raise AuthenticationError("Incorrect API key provided.", "invalid_api_key")
+            raise AuthenticationError("Incorrect API key provided.", INVALID_CREDENTIAL)
         return key

@@ -13,7 +13,7 @@ import hmac
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from wire.errors import error_body
+from wire.errors import INVALID_CREDENTIAL, MISSING_CREDENTIAL, error_body
 
 _GUARDED_PREFIX = "/v1"
 _SCHEME = b"bearer "
@@ -24,11 +24,12 @@ def is_guarded(path: str) -> bool:
 
 
 def bearer_of(scope: Scope) -> bytes | None:
-    """The bearer credential of the request's `Authorization` header, if it has one."""
+    """The bearer credential of the request's `Authorization` header: None without one (or with
+    an empty one), empty when the header holds no bearer credential."""
     for name, value in scope["headers"]:
-        if name == b"authorization":
+        if name == b"authorization" and value.strip():
             if value[: len(_SCHEME)].lower() != _SCHEME:
-                return None
+                return b""
             return value[len(_SCHEME) :].strip()
     return None
 
@@ -45,17 +46,19 @@ class ServingAuthMiddleware:
         given = bearer_of(scope)
         # Constant time, so that the answer's timing says nothing about how much of a guess
         # was right.
-        if given is not None and hmac.compare_digest(given, self._token):
+        if given and hmac.compare_digest(given, self._token):
             await self.app(scope, receive, send)
             return
-        message = (
-            "Missing bearer token: this node serves only requests with "
-            "`Authorization: Bearer <serving token>`"
-            if given is None
-            else "Invalid serving token"
-        )
+        if given is None:
+            message = (
+                "Missing bearer token: this node serves only requests with "
+                "`Authorization: Bearer <serving token>`"
+            )
+            code = MISSING_CREDENTIAL
+        else:
+            message, code = "Invalid serving token", INVALID_CREDENTIAL
         response = JSONResponse(
-            error_body(401, message, "invalid_api_key"),
+            error_body(401, message, code),
             status_code=401,
             headers={"WWW-Authenticate": "Bearer"},
         )

@@ -13,10 +13,16 @@ from typing import Final
 
 from pydantic import BaseModel
 
+# The two 401 codes of every service, for any credential (API key, serving token, admin, gateway
+# or node token): no `Authorization` header (or an empty one), and one that holds no valid
+# credential (another scheme, malformed, unknown, revoked).
+MISSING_CREDENTIAL: Final = "missing_api_key"
+INVALID_CREDENTIAL: Final = "invalid_api_key"
+
 # status -> (type, the code used when the raiser names none)
 STATUS_MAP: Final[dict[int, tuple[str, str]]] = {
     400: ("invalid_request_error", "invalid_request"),
-    401: ("authentication_error", "invalid_api_key"),
+    401: ("authentication_error", INVALID_CREDENTIAL),
     403: ("permission_error", "permission_denied"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),

@@ -97,7 +97,7 @@ async def test_401_carries_www_authenticate(cp: ControlPlaneClient) -> None:
     response = await cp.http.get("/v1/status")
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
-    assert response.json()["error"]["code"] == "missing_token"
+    assert response.json()["error"]["code"] == "missing_api_key"
 
 
 def test_match_token_tells_kinds_apart() -> None:

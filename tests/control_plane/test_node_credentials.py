@@ -103,7 +103,7 @@ async def test_minting_again_replaces_the_token_which_is_stored_hashed(
     assert (await post_beat(cp, first)).status_code == 200
     second = await cp.mint("n1")
     response = await post_beat(cp, first)
-    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_token"
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert (await post_beat(cp, second)).status_code == 200
     with sqlite3.connect(cp.db_path) as conn:
         dump = "\n".join(conn.iterdump())

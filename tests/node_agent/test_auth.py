@@ -25,11 +25,11 @@ def guarded(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[No
     handle.stop()
 
 
-def assert_401(response: httpx.Response) -> None:
+def assert_401(response: httpx.Response, code: str = "invalid_api_key") -> None:
     assert response.status_code == 401, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    assert error["type"] == "authentication_error" and error["code"] == code
     assert response.headers["www-authenticate"] == "Bearer"
     assert response.headers["x-request-id"]  # refusals can be traced like any answer
     assert SERVING_TOKEN not in response.text
@@ -61,7 +61,8 @@ def test_every_v1_route_refuses_a_missing_or_wrong_token_with_401(
 ) -> None:
     before = guarded.stats().prompt_tokens_total
     with guarded.client() as http:
-        assert_401(http.request(method, path, headers=headers, json=CHAT_BODY))
+        code = "invalid_api_key" if headers else "missing_api_key"
+        assert_401(http.request(method, path, headers=headers, json=CHAT_BODY), code)
     assert guarded.stats().prompt_tokens_total == before
 
 
@@ -72,7 +73,7 @@ def test_a_malformed_body_without_the_token_is_still_401(guarded: NodeHandle) ->
             content=b"{not json",
             headers={"Content-Type": "application/json"},
         )
-    assert_401(response)
+    assert_401(response, "missing_api_key")
 
 
 def test_the_official_client_with_the_token_is_served(guarded: NodeHandle) -> None:
