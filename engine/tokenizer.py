@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import tokenizers
@@ -153,11 +153,37 @@ class Tokenizer:
         return self._chat_template is not None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in it map to their ids."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special tokens written in it map to their ids.
+
+        Releases the GIL while it encodes, so that encoding in a worker thread leaves the event
+        loop running (the library's `encode` holds the GIL throughout: seconds for megabytes).
+        """
+        encoding = self._backend.encode_batch([text], add_special_tokens=False)[0]
+        ids: list[int] = encoding.ids
         if self._special.add_bos and self._special.bos_id is not None:
             return [self._special.bos_id, *ids]
         return ids
+
+    @cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of text one token stands for, so that text of B bytes encodes to
+        at least B / this many tokens; None where no such bound holds: only a byte-level
+        vocabulary without a normalizer or whitespace-stripping added tokens tokenizes every byte
+        of its input (others may drop or fuse text). Computed on first use (~0.1 s)."""
+        backend = self._backend
+        added = backend.get_added_tokens_decoder().values()
+        if (
+            not isinstance(backend.decoder, decoders.ByteLevel)
+            or backend.normalizer is not None
+            or any(token.lstrip or token.rstrip for token in added)
+        ):
+            return None
+        # A byte-level token decodes to exactly its bytes (a partial UTF-8 sequence to U+FFFD,
+        # longer than the bytes it stands for: the bound stays safe).
+        return max(
+            len(self.decode([token_id], skip_special_tokens=False).encode())
+            for token_id in range(self.vocab_size)
+        )
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

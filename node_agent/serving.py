@@ -6,22 +6,22 @@ starts, so a stream never begins for a request the engine would refuse.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatMessage
-from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from node_agent.admission import Ticket
-from node_agent.errors import BadRequestError, ContextLengthExceededError
+from node_agent.errors import BadRequestError
 from node_agent.metrics import RequestTimer
 from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from node_agent.prompts import ContextWindow, PromptEncoder
 from node_agent.responses import ResponseHeader, TokenTexts
 
 # OpenAI's name for the system role in newer models; chat templates know only "system".
@@ -52,8 +52,8 @@ class Serving:
     def __init__(self, llm: AsyncEngine, model_name: str):
         self.llm = llm
         self.model_name = model_name
-        self.max_model_len = llm.max_model_len
         self.texts = TokenTexts(llm.tokenizer)
+        self.prompts = PromptEncoder(llm.tokenizer, ContextWindow(llm.max_model_len))
 
     async def prepare_chat(
         self, body: ChatCompletionRequest, cache_salt: str | None
@@ -67,8 +67,8 @@ class Serving:
             if message.name:
                 entry["name"] = message.name
             messages.append(entry)
-        token_ids = await asyncio.to_thread(self._render_and_encode, messages)
-        self._check_length(token_ids, body, body.max_output_tokens, "messages")
+        num_resumed = len(body.resume_token_ids or ())
+        token_ids = await self.prompts.encode_chat(messages, num_resumed, body.max_output_tokens)
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
         return self._prepared("chatcmpl", token_ids, params, body, body.engine_logprobs, cache_salt)
 
@@ -76,13 +76,14 @@ class Serving:
         self, body: CompletionRequest, cache_salt: str | None
     ) -> PreparedRequest:
         prompt = body.single_prompt
+        num_resumed = len(body.resume_token_ids or ())
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequestError("the prompt is empty", param="prompt")
-            token_ids = await asyncio.to_thread(self.llm.tokenizer.encode, prompt)
+            token_ids = await self.prompts.encode_text(prompt, num_resumed, body.max_tokens)
         else:
             token_ids = prompt
-        self._check_length(token_ids, body, body.max_tokens, "prompt")
+            self.prompts.check(token_ids, num_resumed, body.max_tokens, "prompt")
         params = self._params(body, body.max_tokens, body.logprobs)
         return self._prepared("cmpl", token_ids, params, body, body.logprobs, cache_salt)
 
@@ -103,37 +104,6 @@ class Serving:
                     ticket.mark_started()
                 timer.on_output(output)
                 yield output
-
-    def _render_and_encode(self, messages: Sequence[ChatMessage]) -> list[int]:
-        tokenizer = self.llm.tokenizer
-        try:
-            prompt = tokenizer.render_chat(messages, add_generation_prompt=True)
-        except UnsupportedModelError as exc:
-            raise BadRequestError(str(exc), param="messages") from exc
-        except InvalidRequestError as exc:
-            raise BadRequestError(
-                f"the chat template refused the messages: {exc}", param="messages"
-            ) from exc
-        return tokenizer.encode(prompt)
-
-    def _check_length(
-        self, token_ids: list[int], body: SamplingRequest, max_tokens: int | None, param: str
-    ) -> None:
-        limit = self.max_model_len
-        num_prompt = len(token_ids) + len(body.resume_token_ids or ())
-        if num_prompt >= limit:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"prompt has {num_prompt} tokens, and at least one must be left to generate.",
-                param=param,
-            )
-        if max_tokens is not None and num_prompt + max_tokens > limit:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
-                "the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens",
-            )
 
     def _params(
         self, body: SamplingRequest, max_tokens: int | None, logprobs: int | None
