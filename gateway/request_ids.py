@@ -1,4 +1,5 @@
-"""Request ids: the client's `X-Request-Id` (if sane) or a new one; in every log line.
+"""Request ids: the client's `X-Request-Id` (if safe, wire/request_ids.py) or a new one; in every
+log line.
 
 The id is set in a context variable for the request's task, and a logging filter copies it into
 each record (`%(request_id)s`), so every line logged while handling a request names it, and "-"
@@ -9,19 +10,12 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import re
-import secrets
 
-HEADER = "x-request-id"
-_VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, bounded
+from wire.request_ids import HEADER, request_id_from
+
+__all__ = ["HEADER", "RequestIdFilter", "current_request_id", "request_id_from"]
 
 current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-
-
-def request_id_from(given: str | None) -> str:
-    if given and _VALID.match(given):
-        return given
-    return secrets.token_hex(16)
 
 
 class RequestIdFilter(logging.Filter):

@@ -1,6 +1,6 @@
-"""Request ids: take the caller's `X-Request-Id` (the gateway sends one) or make one; echo it,
-beside the node's own id (`X-Meridian-Node`: a gateway matches a stream's node against the
-region summary's unhealthy nodes).
+"""Request ids: take the caller's `X-Request-Id` (the gateway sends one) if it is safe
+(wire/request_ids.py) or make one; echo it, beside the node's own id (`X-Meridian-Node`: a
+gateway matches a stream's node against the region summary's unhealthy nodes).
 
 A pure ASGI middleware, so that streaming bodies and disconnect detection pass through untouched.
 The id is in `request.state.request_id` for handlers and logs.
@@ -8,15 +8,10 @@ The id is in `request.state.request_id` for handlers and logs.
 
 from __future__ import annotations
 
-import re
-import uuid
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wire.heartbeat import NODE_ID_HEADER
-
-HEADER = "x-request-id"
-_VALID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, bounded
+from wire.request_ids import HEADER, request_id_from
 
 
 def request_id_of(scope: Scope) -> str:
@@ -33,12 +28,12 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = ""
+        given = None
         for name, value in scope["headers"]:
             if name == HEADER.encode():
                 given = value.decode("latin-1")
                 break
-        request_id = given if _VALID.match(given) else uuid.uuid4().hex
+        request_id = request_id_from(given)
         scope.setdefault("state", {})["request_id"] = request_id
         header = (HEADER.encode(), request_id.encode())
 
