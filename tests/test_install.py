@@ -2,16 +2,19 @@
 
 A fresh virtualenv gets torch and then this project, nothing else; each service starts from it
 (outside the source tree, so nothing is imported from the checkout) and answers. Optional parts
-(Redis's client, Envoy, Terraform) are extras, and their absence must not stop a service.
+(Redis's client, Envoy, Terraform) are extras, and their absence must not stop a service. A wheel
+carries the CPU kernels' sources, which build from where it is installed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -116,6 +119,8 @@ def test_services_start_from_a_plain_install(
         "--port",
         str(gw_port),
         "--plain",
+        "--metrics-port",
+        "0",
         "--control-plane",
         f"http://127.0.0.1:{cp_port}",
     )
@@ -138,3 +143,46 @@ def test_services_start_from_a_plain_install(
     )
     assert answer.status_code == 200, answer.text
     assert 1 <= answer.json()["usage"]["completion_tokens"] <= 4
+    assert "CPU kernels unavailable" not in (tmp_path / "node_agent.log").read_text()
+
+
+def _source_copy(directory: Path) -> Path:
+    """What a wheel is built from (the packages, pyproject.toml and the readme), away from the
+    checkout, which an in-tree build would leave build/ and *.egg-info in."""
+    found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    directory.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, directory / name)
+    for package in (pattern.rstrip("*") for pattern in found["find"]["include"]):
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(REPO / package, directory / package, ignore=ignore)
+    return directory
+
+
+def test_the_cpu_kernels_build_from_an_installed_wheel(tmp_path: Path) -> None:
+    """Not an editable install: the wheel's files alone, with torch and the rest from this
+    environment, give the engine its kernels. A build the checkout made is found only if the
+    installed sources are all there and the same (the build's name holds their digest)."""
+    source = _source_copy(tmp_path / "source")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)]
+    subprocess.run(build, check=True, timeout=600)
+    (wheel,) = wheels.glob("meridian-*.whl")
+    install = [*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)]
+    subprocess.run(install, check=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERIDIAN_", "PYTHON"))}
+    env["PYTHONPATH"] = str(site)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=1200,
+        )  # fmt: skip
+
+    where = run("-c", "import engine.kernels; print(engine.kernels.__file__)")
+    assert where.stdout.strip() == str(site / "engine" / "kernels" / "__init__.py"), where
+    done = run("-m", "engine", "kernels")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("CPU kernels ready: ")
+    assert "CPU kernels unavailable" not in done.stderr
