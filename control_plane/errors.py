@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from control_plane.safe_text import ERROR_TYPE as UNSAFE_CHARACTERS
 from wire.errors import ErrorBody, error_body, route_error_code, route_error_message
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": description}
     for status, description in (
-        (400, "Body is not JSON"),
+        (400, "Body is not JSON, or a name holds control, format or separator characters"),
         (401, "Missing or unknown bearer token"),
         (403, "A valid token of the wrong kind, or a node's for another node, region or URL"),
         (404, "Not found"),
@@ -68,15 +69,15 @@ def error_response(
     return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, bool]:
-    """One readable line per problem, and whether the body was not JSON at all."""
+def _describe_validation(exc: RequestValidationError) -> tuple[str, set[str]]:
+    """One readable line per problem, and the problems' types."""
     parts: list[str] = []
-    is_bad_json = False
+    types: set[str] = set()
     for err in exc.errors():
-        is_bad_json = is_bad_json or err.get("type") == "json_invalid"
+        types.add(str(err.get("type")))
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request", is_bad_json
+    return "; ".join(parts) or "invalid request", types
 
 
 async def _on_control_plane_error(request: Request, exc: Exception) -> JSONResponse:
@@ -87,9 +88,11 @@ async def _on_control_plane_error(request: Request, exc: Exception) -> JSONRespo
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    message, is_bad_json = _describe_validation(exc)
-    if is_bad_json:
+    message, types = _describe_validation(exc)
+    if "json_invalid" in types:
         return error_response(400, "request body is not valid JSON", "invalid_json")
+    if UNSAFE_CHARACTERS in types:
+        return error_response(400, message, "invalid_characters")
     return error_response(422, message)
 
 

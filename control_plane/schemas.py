@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from control_plane.fleet import ConsulStatus, NodeSource
+from control_plane.safe_text import refuse_unsafe
 from control_plane.xds.status import XdsStatus
 from wire.heartbeat import Heartbeat, HttpUrlStr, Name
 from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
@@ -17,14 +18,16 @@ from wire.routing_policy import RoutingPolicy
 # Path segments under /v1/regions that are routes, not region names.
 RESERVED_REGION_NAMES = frozenset({"summary"})
 
-# Free text shown to operators: printable, one line.
-Label = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# Free text shown to operators: one line, shown as it reads (control_plane/safe_text.py).
+Label = Annotated[str, Field(min_length=1, max_length=128), BeforeValidator(refuse_unsafe)]
+# A name an operator gives (a region, a node): unsafe characters get a 400 before the pattern.
+SafeName = Annotated[Name, BeforeValidator(refuse_unsafe)]
 
 
 class RegionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: Name
+    name: SafeName
     lat: Latitude
     lon: Longitude
     ingress_url: HttpUrlStr | None = None
@@ -122,7 +125,7 @@ class NodeCredentialCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    region: Name
+    region: SafeName
     url: HttpUrlStr | None = None
 
 
@@ -142,7 +145,7 @@ class NodePatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
 
-    region: Name | SkipJsonSchema[None] = None
+    region: SafeName | SkipJsonSchema[None] = None
     url: HttpUrlStr | SkipJsonSchema[None] = None
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_js
 from control_plane.auth import AdminAuth, GatewayAuth
 from control_plane.changes import parse_wait_s
 from control_plane.errors import ERROR_RESPONSES
+from control_plane.safe_text import SafePathName
 from control_plane.schemas import KeyCreate, KeyCreated, KeyList
 from control_plane.services import ServicesDep
 from wire.key_snapshot import KeySnapshot
@@ -43,6 +44,6 @@ async def list_keys(actor: AdminAuth, services: ServicesDep) -> KeyList:
 
 
 @router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def revoke_key(actor: AdminAuth, services: ServicesDep, key_id: str) -> None:
+async def revoke_key(actor: AdminAuth, services: ServicesDep, key_id: SafePathName) -> None:
     """Revoke a key; gateways watching the snapshot drop it within about a second."""
     await services.keys.revoke(actor, key_id)

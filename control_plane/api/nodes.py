@@ -9,6 +9,7 @@ from control_plane.auth import AdminAuth, NodeAuth
 from control_plane.drain import STEPS, DrainSequence, has_reached
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.fleet import Node
+from control_plane.safe_text import SafePathName
 from control_plane.schemas import (
     DrainStepView,
     DrainView,
@@ -17,9 +18,10 @@ from control_plane.schemas import (
     NodeList,
     NodePatch,
     NodeView,
+    SafeName,
 )
 from control_plane.services import ControlPlane, ServicesDep
-from wire.heartbeat import Heartbeat, HeartbeatReply, Name
+from wire.heartbeat import Heartbeat, HeartbeatReply
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=ERROR_RESPONSES)
 
@@ -106,14 +108,14 @@ async def list_nodes(actor: AdminAuth, services: ServicesDep) -> NodeList:
 
 
 @router.get("/{node_id}")
-async def get_node(actor: AdminAuth, services: ServicesDep, node_id: str) -> NodeView:
+async def get_node(actor: AdminAuth, services: ServicesDep, node_id: SafePathName) -> NodeView:
     """The node, with its drain sequence (phase, and when each step started and ended)."""
     return node_view(services, services.registry.get_node(node_id))
 
 
 @router.post("/{node_id}/credential", status_code=status.HTTP_201_CREATED)
 async def mint_credential(
-    actor: AdminAuth, services: ServicesDep, node_id: Name, body: NodeCredentialCreate
+    actor: AdminAuth, services: ServicesDep, node_id: SafeName, body: NodeCredentialCreate
 ) -> NodeCredentialCreated:
     """A node agent's own token (its MERIDIAN_NODE_TOKEN), bound to this node id and region (and
     URL, else its first heartbeat binds one). Shown only in this response; minting again
@@ -131,7 +133,7 @@ async def mint_credential(
 
 @router.patch("/{node_id}")
 async def move_node(
-    actor: AdminAuth, services: ServicesDep, node_id: str, patch: NodePatch
+    actor: AdminAuth, services: ServicesDep, node_id: SafePathName, patch: NodePatch
 ) -> NodeView:
     """Move a node to another region or URL (its heartbeats cannot): its registration and its
     credential change together, and routing follows at once. (A node that has not beaten yet:
@@ -140,19 +142,19 @@ async def move_node(
 
 
 @router.post("/{node_id}/drain")
-async def drain_node(actor: AdminAuth, services: ServicesDep, node_id: str) -> NodeView:
+async def drain_node(actor: AdminAuth, services: ServicesDep, node_id: SafePathName) -> NodeView:
     """Start the node's drain sequence (idempotent): it stops admitting, leaves EDS, the
     summaries, DNS and Consul in that order, finishes what is in flight, and is told to exit."""
     return node_view(services, await services.registry.set_drain(actor, node_id, drain=True))
 
 
 @router.post("/{node_id}/undrain")
-async def undrain_node(actor: AdminAuth, services: ServicesDep, node_id: str) -> NodeView:
+async def undrain_node(actor: AdminAuth, services: ServicesDep, node_id: SafePathName) -> NodeView:
     """Cancel an operator's drain: the node is back in routing at once (unless its region is
     draining, or it drains on its own)."""
     return node_view(services, await services.registry.set_drain(actor, node_id, drain=False))
 
 
 @router.delete("/{node_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete_node(actor: AdminAuth, services: ServicesDep, node_id: str) -> None:
+async def delete_node(actor: AdminAuth, services: ServicesDep, node_id: SafePathName) -> None:
     await services.registry.delete_node(actor, node_id)

@@ -10,6 +10,7 @@ from control_plane.auth import AdminAuth, GatewayAuth
 from control_plane.changes import parse_wait_s
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.fleet import Region
+from control_plane.safe_text import SafePathName
 from control_plane.schemas import RegionCreate, RegionList, RegionPatch, RegionView
 from control_plane.services import ServicesDep
 from wire.region_summary import RegionSummaryIndex
@@ -59,13 +60,13 @@ async def list_regions(actor: AdminAuth, services: ServicesDep) -> RegionList:
 
 
 @router.get("/{name}")
-async def get_region(actor: AdminAuth, services: ServicesDep, name: str) -> RegionView:
+async def get_region(actor: AdminAuth, services: ServicesDep, name: SafePathName) -> RegionView:
     return view_of(services.registry.get_region(name))
 
 
 @router.patch("/{name}")
 async def update_region(
-    actor: AdminAuth, services: ServicesDep, name: str, patch: RegionPatch
+    actor: AdminAuth, services: ServicesDep, name: SafePathName, patch: RegionPatch
 ) -> RegionView:
     return view_of(await services.registry.update_region(actor, name, patch))
 
@@ -77,7 +78,7 @@ async def update_region(
         202: {"model": RegionView, "description": "Its nodes drain first; then it is deleted"}
     },
 )
-async def delete_region(actor: AdminAuth, services: ServicesDep, name: str) -> Response:
+async def delete_region(actor: AdminAuth, services: ServicesDep, name: SafePathName) -> Response:
     """Deregister a region (`terraform destroy`). With no nodes known in it: deleted now (204).
     Otherwise 202: it is set draining, each node runs the drain sequence, and once all have been
     told to exit the region and its nodes are forgotten (then GET answers 404). Idempotent."""

@@ -119,7 +119,6 @@ async def test_snapshot_wait_times_out_with_the_same_index(cp: ControlPlaneClien
         {"name": "x", "rpm": 0, "tpm": 1},
         {"name": "x", "rpm": 1, "tpm": -5},
         {"name": "", "rpm": 1, "tpm": 1},
-        {"name": "line\nbreak", "rpm": 1, "tpm": 1},
         {"name": "x", "rpm": 1},
         {"name": "x", "rpm": 1, "tpm": 1, "secret": "chosen"},
     ],
