@@ -4,6 +4,8 @@ Unknown fields are tolerated, as OpenAI's own servers tolerate them. Fields Open
 this node cannot honour (n > 1, tools, penalties, logit_bias, echo, suffix, best_of > 1, a
 non-text response_format, non-text message parts) are rejected with 400 rather than ignored.
 `ignore_eos` and `top_k` are accepted as vLLM accepts them, for benchmarks.
+`max_tokens: null` means absent, as at OpenAI: 16 on /v1/completions, and on chat as many as the
+context leaves.
 Text with a lone surrogate (JSON's "\ud800" unpaired) is refused with 400: it is not Unicode, so
 no tokenizer or UTF-8 encoder downstream can take it.
 Responses are plain dicts built in `responses.py`: no pydantic in the token loop.
@@ -12,7 +14,10 @@ Responses are plain dicts built in `responses.py`: no pydantic in the token loop
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from itertools import compress, count, repeat
+from operator import is_
+from typing import Annotated, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -27,7 +32,10 @@ from engine.sampling_params import MAX_TOP_LOGPROBS
 from node_agent.cache_salt import MAX_CACHE_SALT_LEN
 
 MAX_STOP_STRINGS = 16
+# OpenAI's default `max_tokens` for /v1/completions; chat has none (the context bounds it).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTAINER_TYPES = frozenset({list, dict})
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -66,20 +74,56 @@ class ChatMessageIn(_Lenient):
 def lone_surrogate_at(value: object, path: str) -> str | None:
     """Where in `value` (JSON data) a string holds a lone surrogate, or None.
 
-    Iterative: the parser allows nesting deeper than the room left on Python's stack here."""
-    pending: list[tuple[object, str]] = [(value, path)]
+    Iterative: the parser allows nesting deeper than the room left on Python's stack here. It
+    runs on the event loop, so lists and objects are gone through in C (`_queue_children`): a
+    prompt of a million token ids, or an object of a million keys, costs no Python step each.
+    """
+    # Each item's place links back through its parents: (parent's place, key or index), or None.
+    pending: list[tuple[object, object]] = [(value, None)]
     while pending:
         item, where = pending.pop()
         if isinstance(item, str):
             if _SURROGATE.search(item):
-                return where
+                return path + _spelled(where)
         elif isinstance(item, dict):
-            for key, child in item.items():
-                pending.append((key, where))
-                pending.append((child, f"{where}.{key}"))
+            keys = list(item)
+            if _any_string_has_surrogate(keys, list(map(type, keys))):
+                return path + _spelled(where)
+            _queue_children(pending, list(item.values()), keys, where)
         elif isinstance(item, list):
-            pending.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+            _queue_children(pending, item, count(), where)
     return None
+
+
+def _queue_children(
+    pending: list[tuple[object, object]],
+    children: list[object],
+    steps: Iterable[object],
+    where: object,
+) -> None:
+    """Queue the children that may hold a lone surrogate, each with its place: strings only if
+    one of them does (all searched at once), and lists and objects."""
+    types = list(map(type, children))
+    placed = zip(children, zip(repeat(where), steps), strict=False)
+    if _any_string_has_surrogate(children, types):
+        pending.extend(placed)
+    else:
+        pending.extend(compress(placed, map(_CONTAINER_TYPES.__contains__, types)))
+
+
+def _any_string_has_surrogate(items: list[object], types: list[type]) -> bool:
+    # A surrogate in a Python string is always a lone one (JSON's pairs decode to one code
+    # point), so joining strings cannot make or hide one.
+    strings = compress(items, map(is_, types, repeat(str)))
+    return _SURROGATE.search("".join(cast(Iterable[str], strings))) is not None
+
+
+def _spelled(where: object) -> str:
+    steps: list[str] = []
+    while isinstance(where, tuple):
+        where, step = where
+        steps.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    return "".join(reversed(steps))
 
 
 class SamplingRequest(_Lenient):
@@ -91,7 +135,13 @@ class SamplingRequest(_Lenient):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    max_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens | None = Field(
+        default=None,
+        description=(
+            "The most tokens to generate; null or absent: as many as the context leaves after "
+            "the prompt (and any resumed ids)."
+        ),
+    )
     stop: Stop | None = None
     seed: int | None = None
     n: int = 1
@@ -105,7 +155,13 @@ class SamplingRequest(_Lenient):
     # Resuming a generation elsewhere (wire/resume.py): ids out, and ids to continue after.
     return_token_ids: bool = False
     resume_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = (
-        None
+        Field(
+            default=None,
+            description=(
+                "A gateway's own field: output ids an earlier attempt generated, to continue "
+                "after; they count as prompt tokens. Accepted only with the serving token."
+            ),
+        )
     )
 
     @field_validator("*", mode="before")
@@ -161,7 +217,10 @@ class SamplingRequest(_Lenient):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
-    max_completion_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = Field(
+        default=None,
+        description="The newer name of `max_tokens`, read first; null or absent: `max_tokens`.",
+    )
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[dict[str, object]] | None = None
@@ -202,7 +261,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
-    max_tokens: MaxTokens | None = 16
+    max_tokens: MaxTokens | None = Field(
+        default=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        description=(
+            "The most tokens to generate; null or absent: "
+            f"{COMPLETIONS_DEFAULT_MAX_TOKENS}, OpenAI's default for legacy completions."
+        ),
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -219,6 +284,11 @@ class CompletionRequest(SamplingRequest):
             if isinstance(value[0], list) and not value[0]:
                 raise ValueError("the prompt is empty")
         return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_the_default(cls, value: int | None) -> int:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if value is None else value
 
     @field_validator("echo")
     @classmethod

@@ -1,5 +1,5 @@
-"""A multi-megabyte prompt to a live node agent: refused as too long, while the event loop that
-answers probes and sends heartbeats keeps answering."""
+"""A multi-megabyte prompt (text or token ids) to a live node agent: refused as too long, while
+the event loop that answers probes and sends heartbeats keeps answering."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ pytestmark = pytest.mark.slow
 
 # 4 MB, about 900,000 tokens: what stalled a node's loop for seconds when it was encoded there.
 BIG_TEXT = " The quick brown fox jumps over the lazy dog." * 90_000
+# 2 MB of token ids, which stalled it for a second while their text was checked for surrogates.
+BIG_IDS = [5] * 600_000
 MAX_PROBE_S = 0.5
 
 
@@ -21,6 +23,7 @@ MAX_PROBE_S = 0.5
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": BIG_TEXT}, "prompt"),
+        ("/v1/completions", {"prompt": BIG_IDS}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG_TEXT}]}, "messages"),
     ],
 )

@@ -165,3 +165,13 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
+def test_a_completion_with_max_tokens_null_stops_at_openais_default_of_16(
+    node: NodeHandle,
+) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Once", "max_tokens": None, "ignore_eos": True}
+    with node.client() as http:
+        answer = http.post("/v1/completions", json=body).json()
+    assert answer["usage"]["completion_tokens"] == 16
+    assert answer["choices"][0]["finish_reason"] == "length"

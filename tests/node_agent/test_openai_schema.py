@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest
+from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest, lone_surrogate_at
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -71,6 +71,15 @@ def test_completion_prompt_forms() -> None:
     assert CompletionRequest(model="m", prompt=[1, 2]).single_prompt == [1, 2]
     assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt == [1, 2]
     assert CompletionRequest(model="m", prompt="a").max_tokens == 16  # OpenAI's default
+    assert (
+        CompletionRequest.model_validate(
+            {"model": "m", "prompt": "a", "max_tokens": None}
+        ).max_tokens
+        == 16
+    )  # null means absent, as at OpenAI
+    assert (
+        ChatCompletionRequest.model_validate(BASE | {"max_tokens": None}).max_output_tokens is None
+    )
     bad_prompts: list[object] = [["a", "b"], [[1], [2]], [[]], []]
     for bad in bad_prompts:
         with pytest.raises(ValidationError):
@@ -78,3 +87,18 @@ def test_completion_prompt_forms() -> None:
     for extra in ({"echo": True}, {"suffix": "x"}, {"best_of": 2}, {"logprobs": 21}):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({"model": "m", "prompt": "a"} | extra)
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ([{"content": [{"text": "ok"}, {"text": "x\ud800"}]}], "f[0].content[1].text"),
+        ({"k\udc00": 1}, "f"),
+        ([1, 2.5, None, [3, "\ud801"]], "f[3][1]"),
+        ([1, "a", {"b": ["c", "\udfff"]}], "f[2].b[1]"),
+        ("\ud800", "f"),
+        ([5] * 1000 + ["fine", {"k": "v"}, "🤖"], None),
+    ],
+)
+def test_a_lone_surrogate_is_found_with_its_path(value: object, where: str | None) -> None:
+    assert lone_surrogate_at(value, "f") == where
