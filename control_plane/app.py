@@ -16,6 +16,7 @@ from control_plane import health_snapshot
 from control_plane import keys as key_store
 from control_plane.api import keys, nodes, regions, routing, status
 from control_plane.api.fast_heartbeat import HeartbeatFastPath
+from control_plane.api.refused import install_refusal_handler
 from control_plane.changes import ChangeFeed
 from control_plane.consul_sync import follow_consul
 from control_plane.dns.server import DnsServer
@@ -29,6 +30,7 @@ from control_plane.health_snapshot import SAVE_EVERY_S, SAVE_EVERY_S_REPLICAS
 from control_plane.keys import KeyRegistry
 from control_plane.limits import RequestLimits
 from control_plane.node_credentials import CredentialRegistry, NodeCredential, load_credentials
+from control_plane.refusals import RefusalAudit, RefusalLimits
 from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry, load_policy
 from control_plane.services import ControlPlane
@@ -84,6 +86,10 @@ def build(
 
     policies = PolicyRegistry(store, policy, on_change=publish_now)
     publisher = SummaryPublisher(fleet, lambda: policies.policy, summary_feed)
+    refusals = RefusalAudit(
+        store,
+        RefusalLimits(settings.max_refusals_audited_per_address, settings.max_refusals_audited),
+    )
     xds = XdsServer(fleet, summary_feed, refresh_interval_s=settings.sweep_interval_s)
     book = DrainBook(fleet, publisher, xds, DrainTimes.of(settings), clock=clock)
     book.restore(drains)
@@ -98,6 +104,7 @@ def build(
         keys=KeyRegistry(store, ChangeFeed(keys_index)),
         routing=policies,
         summaries=publisher,
+        refusals=refusals,
         xds=xds,
         dns=DnsServer(settings.dns, publisher),
     )
@@ -163,9 +170,11 @@ def create_app(settings: Settings) -> FastAPI:
             sweep = asyncio.create_task(services.summaries.run(settings.sweep_interval_s))
             registry = services.registry
             draining = asyncio.create_task(registry.run_drains(settings.sweep_interval_s))
-            tasks = [sweep, draining, *_replica_tasks(services)]
-            save_every_s = SAVE_EVERY_S_REPLICAS if tasks[2:] else SAVE_EVERY_S
+            replica_tasks = _replica_tasks(services)
+            tasks = [sweep, draining, *replica_tasks]
+            save_every_s = SAVE_EVERY_S_REPLICAS if replica_tasks else SAVE_EVERY_S
             tasks.append(asyncio.create_task(health_snapshot.save_forever(registry, save_every_s)))
+            tasks.append(asyncio.create_task(services.refusals.run(), name="refusal-audit"))
             logger.info(
                 "control plane ready: %d regions, %d nodes known",
                 len(services.registry.fleet.regions),
@@ -202,6 +211,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app)
+    install_refusal_handler(app)
     app.add_exception_handler(StoreBusyError, _on_store_busy)
     app.add_middleware(HeartbeatFastPath)
     # Added last, so it runs first: nothing reads a body or a token before the caps are checked.

@@ -1,17 +1,23 @@
-"""The audit log: who changed what, and when, written inside the change's own transaction."""
+"""The audit log: who changed what, and when, written inside the change's own transaction.
+
+An entry's detail holds the new values and, under `old`, what they were before the change (read
+inside the same transaction, so it is what the change replaced even between replicas). Calls
+that were refused (401, 403) are entries too (`control_plane.refusals`).
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pydantic import BaseModel
+from pydantic import BaseModel, JsonValue
 
 from control_plane.store import Connection
 
-JsonScalar = str | int | float | bool | None
-AuditDetail = dict[str, JsonScalar]
+AuditDetail = dict[str, JsonValue]
+OLD_KEY = "old"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +36,11 @@ class AuditEntry(BaseModel):
     action: str  # e.g. "region.create", "key.revoke", "node.drain"
     target: str  # the name or id of what changed
     detail: AuditDetail
+
+
+def changed_from(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> AuditDetail:
+    """The previous values (in `old`) of the fields `new` gives that differ from them."""
+    return {name: old.get(name) for name, value in new.items() if old.get(name) != value}
 
 
 def record(conn: Connection, actor: Actor, action: str, target: str, detail: AuditDetail) -> None:

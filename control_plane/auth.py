@@ -81,6 +81,7 @@ def authenticate(
         raise PermissionDeniedError(
             f"this route needs the {kind.value} token, not the {matched.value} token",
             "wrong_token_kind",
+            matched.value,
         )
     return Actor(kind=matched.value, client=_describe_client(request))
 

@@ -54,6 +54,10 @@ class AuthenticationError(ControlPlaneError):
 class PermissionDeniedError(ControlPlaneError):
     status_code = 403
 
+    def __init__(self, message: str, code: str, presented: str) -> None:
+        super().__init__(message, code)
+        self.presented = presented  # the kind of the valid credential that was refused
+
 
 class NotFoundError(ControlPlaneError):
     status_code = 404
@@ -80,10 +84,14 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, set[str]]:
     return "; ".join(parts) or "invalid request", types
 
 
-async def _on_control_plane_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ControlPlaneError)
+def control_plane_error_response(exc: ControlPlaneError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
     return error_response(exc.status_code, exc.message, exc.code, headers)
+
+
+async def _on_control_plane_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ControlPlaneError)
+    return control_plane_error_response(exc)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:

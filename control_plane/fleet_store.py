@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from control_plane import audit
-from control_plane.audit import Actor
+from control_plane.audit import OLD_KEY, Actor, changed_from
 from control_plane.drain import ACTOR as DRAIN_ACTOR
 from control_plane.drain import DrainSequence, StepRecord, is_known_phase
 from control_plane.errors import ConflictError, NotFoundError
@@ -126,7 +126,44 @@ def load_health(conn: Connection, seen_since: float = 0.0) -> SavedBeats:
     return [(r["node_id"], Heartbeat.model_validate_json(r["beat"]), r["seen_at"]) for r in rows]
 
 
-def _update_region(conn: Connection, region: Region) -> None:
+def _region_values(region: Region) -> audit.AuditDetail:
+    """What an operator sets on a region (its timestamps aside), as audit entries show it."""
+    return {
+        "lat": region.lat,
+        "lon": region.lon,
+        "ingress_url": region.ingress_url,
+        "weight": region.weight,
+        "state": region.state,
+        "is_deleting": region.is_deleting,
+    }
+
+
+def _identity_values(identity: NodeIdentity) -> audit.AuditDetail:
+    return {
+        "region": identity.region,
+        "url": identity.url,
+        "model": identity.model,
+        "tp_size": identity.tp_size,
+    }
+
+
+def _stored_region(conn: Connection, name: str) -> Region:
+    row = conn.execute("SELECT * FROM regions WHERE name = ?", (name,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"region {name!r} not found", "region_not_found")
+    return _region_of(row)
+
+
+def _stored_node(conn: Connection, node_id: str) -> Node:
+    row = conn.execute("SELECT * FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
+    return _node_of(row)
+
+
+def _update_region(conn: Connection, region: Region) -> audit.AuditDetail:
+    """Write the region; returns the previous values of what changed."""
+    old = _region_values(_stored_region(conn, region.name))
     cursor = conn.execute(
         "UPDATE regions SET lat = ?, lon = ?, ingress_url = ?, weight = ?, state = ?, "
         "is_deleting = ?, updated_at = ? WHERE name = ?",
@@ -143,10 +180,11 @@ def _update_region(conn: Connection, region: Region) -> None:
     )
     if cursor.rowcount != 1:
         raise NotFoundError(f"region {region.name!r} not found", "region_not_found")
+    return changed_from(old, _region_values(region))
 
 
 def _register(conn: Connection, reg: Registration, now: float) -> None:
-    existed = conn.execute("SELECT 1 FROM nodes WHERE node_id = ?", (reg.node_id,)).fetchone()
+    row = conn.execute("SELECT * FROM nodes WHERE node_id = ?", (reg.node_id,)).fetchone()
     identity = reg.identity
     conn.execute(
         "INSERT INTO nodes (node_id, region, url, model, tp_size, drain_requested, "
@@ -158,13 +196,11 @@ def _register(conn: Connection, reg: Registration, now: float) -> None:
     )
     # The beat matched its credential: this binds a URL that was left open.
     write_binding(conn, reg.node_id, identity.region, identity.url)
-    detail: audit.AuditDetail = {
-        "region": identity.region,
-        "url": identity.url,
-        "model": identity.model,
-        "tp_size": identity.tp_size,
-    }
-    action = "node.update" if existed else "node.register"
+    detail = _identity_values(identity)
+    if row is not None:
+        old = _identity_values(_node_of(row).identity)
+        detail[OLD_KEY] = changed_from(old, _identity_values(identity))
+    action = "node.update" if row is not None else "node.register"
     audit.record(conn, reg.actor, action, reg.node_id, detail)
 
 
@@ -200,8 +236,8 @@ class FleetStore:
         self, actor: Actor, region: Region, action: str, detail: audit.AuditDetail
     ) -> None:
         def change(conn: Connection) -> None:
-            _update_region(conn, region)
-            audit.record(conn, actor, action, region.name, detail)
+            old = _update_region(conn, region)
+            audit.record(conn, actor, action, region.name, detail | {OLD_KEY: old})
 
         await self.store.write(change, ("regions",))
 
@@ -211,13 +247,13 @@ class FleetStore:
         """Delete a region; with it `node_ids` (the nodes drained out of it) and their drains."""
 
         def change(conn: Connection) -> None:
-            if conn.execute("DELETE FROM regions WHERE name = ?", (name,)).rowcount != 1:
-                raise NotFoundError(f"region {name!r} not found", "region_not_found")
+            old = _region_values(_stored_region(conn, name))
+            conn.execute("DELETE FROM regions WHERE name = ?", (name,))
             for node_id in node_ids:
                 conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
                 conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
             detail: audit.AuditDetail = {"num_nodes_removed": len(node_ids)} if node_ids else {}
-            audit.record(conn, actor, action, name, detail)
+            audit.record(conn, actor, action, name, detail | {OLD_KEY: old})
 
         await self.store.write(change, ("regions", "nodes", "drains") if node_ids else ("regions",))
 
@@ -235,13 +271,13 @@ class FleetStore:
         self, actor: Actor, node_id: str, drain: bool, now: float
     ) -> None:
         def change(conn: Connection) -> None:
-            cursor = conn.execute(
+            was_requested = _stored_node(conn, node_id).drain_requested
+            conn.execute(
                 "UPDATE nodes SET drain_requested = ?, updated_at = ? WHERE node_id = ?",
                 (int(drain), now, node_id),
             )
-            if cursor.rowcount != 1:
-                raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
-            audit.record(conn, actor, "node.drain" if drain else "node.undrain", node_id, {})
+            detail: audit.AuditDetail = {OLD_KEY: {"drain_requested": was_requested}}
+            audit.record(conn, actor, "node.drain" if drain else "node.undrain", node_id, detail)
 
         await self.store.write(change, ("nodes",))
 
@@ -251,22 +287,25 @@ class FleetStore:
         """An operator's move: the registration and the credential's binding change together."""
 
         def change(conn: Connection) -> None:
+            old = _stored_node(conn, node_id).identity
             conn.execute(
                 "UPDATE nodes SET region = ?, url = ?, updated_at = ? WHERE node_id = ?",
                 (identity.region, identity.url, now, node_id),
             )
             write_binding(conn, node_id, identity.region, identity.url)
             detail: audit.AuditDetail = {"region": identity.region, "url": identity.url}
+            detail[OLD_KEY] = changed_from(_identity_values(old), detail)
             audit.record(conn, actor, "node.move", node_id, detail)
 
         await self.store.write(change, ("nodes", "credentials"))
 
     async def delete_node(self, actor: Actor, node_id: str) -> None:
         def change(conn: Connection) -> None:
-            if conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)).rowcount != 1:
-                raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
+            old = _stored_node(conn, node_id)
+            conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
             conn.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
-            audit.record(conn, actor, "node.delete", node_id, {})
+            values = _identity_values(old.identity) | {"drain_requested": old.drain_requested}
+            audit.record(conn, actor, "node.delete", node_id, {OLD_KEY: values})
 
         await self.store.write(change, ("nodes", "drains"))
 

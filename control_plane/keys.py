@@ -111,8 +111,10 @@ class KeyRegistry:
                 raise NotFoundError(f"key {key_id!r} not found", "key_not_found")
             if row["revoked_at"] is not None:
                 raise ConflictError(f"key {key_id!r} is already revoked", "key_revoked")
-            conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (time.time(), key_id))
-            audit.record(conn, actor, "key.revoke", key_id, {})
+            now = time.time()
+            conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (now, key_id))
+            detail: audit.AuditDetail = {"revoked_at": now, audit.OLD_KEY: {"revoked_at": None}}
+            audit.record(conn, actor, "key.revoke", key_id, detail)
             updated = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
             return _view_of(updated), _bump_index(conn)
 

@@ -42,18 +42,21 @@ class NodeCredential:
             return PermissionDeniedError(
                 f"this credential belongs to node {self.node_id!r}, not {beat.node_id!r}",
                 "node_id_mismatch",
+                "node",
             )
         if beat.region != self.region:
             return PermissionDeniedError(
                 f"node {self.node_id!r} is registered in region {self.region!r}, not "
                 f"{beat.region!r}; an operator can move it (PATCH /v1/nodes/{self.node_id})",
                 "region_mismatch",
+                "node",
             )
         if self.url is not None and beat.url != self.url:
             return PermissionDeniedError(
                 f"node {self.node_id!r} is registered at {self.url}, not {beat.url}; an "
                 f"operator can change it (PATCH /v1/nodes/{self.node_id})",
                 "url_mismatch",
+                "node",
             )
         return None
 
@@ -134,6 +137,10 @@ class CredentialRegistry:
         credential = NodeCredential(node_id, region, url, hash_secret(token), now)
 
         def change(conn: Connection) -> None:
+            replaced = conn.execute(
+                "SELECT region, url, created_at FROM node_credentials WHERE node_id = ?",
+                (node_id,),
+            ).fetchone()
             conn.execute(
                 "INSERT INTO node_credentials (node_id, region, url, secret_sha256, created_at, "
                 "updated_at) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
@@ -143,6 +150,8 @@ class CredentialRegistry:
                 (node_id, region, url, credential.secret_sha256, now, now),
             )
             detail: audit.AuditDetail = {"region": region, "url": url}
+            if replaced is not None:  # its token stops working now
+                detail[audit.OLD_KEY] = {k: replaced[k] for k in ("region", "url", "created_at")}
             audit.record(conn, actor, "node.credential", node_id, detail)
 
         await self._store.write(change, (naming("credentials", [node_id]),))

@@ -48,8 +48,10 @@ class PolicyRegistry:
 
     async def replace(self, actor: Actor, policy: RoutingPolicy) -> RoutingPolicy:
         def change(conn: Connection) -> None:
+            old = load_policy(conn)
             set_meta(conn, POLICY_KEY, policy.model_dump_json())
-            audit.record(conn, actor, "routing.replace", "routing", policy.model_dump())
+            detail = policy.model_dump() | {audit.OLD_KEY: old.model_dump()}
+            audit.record(conn, actor, "routing.replace", "routing", detail)
 
         async with self._lock:
             await self._store.write(change, ("routing",))

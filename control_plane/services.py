@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from control_plane.dns.server import DnsServer
 from control_plane.keys import KeyRegistry
+from control_plane.refusals import RefusalAudit
 from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry
 from control_plane.settings import Settings
@@ -27,6 +28,7 @@ class ControlPlane:
     keys: KeyRegistry
     routing: PolicyRegistry
     summaries: SummaryPublisher
+    refusals: RefusalAudit  # refused calls, in the log and the audit log (rate-limited)
     xds: XdsServer | None = None  # the ADS server for Envoy, started by the lifespan
     dns: DnsServer | None = None  # the authoritative DNS, bound by the lifespan
 

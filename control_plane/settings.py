@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     # legitimate bodies (a routing policy, a region) are a few KiB.
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    # Refused calls (401, 403, refused xDS streams) written to the log and the audit log in a
+    # minute, per client address and in all (control_plane/refusals.py); the rest are counted
+    # and summed up in one entry when the minute ends.
+    max_refusals_audited_per_address: int = Field(default=10, ge=0, le=10_000)
+    max_refusals_audited: int = Field(default=100, ge=0, le=100_000)
     # Upper bound on a blocking query's `wait` (Consul caps at 10 minutes).
     max_wait_s: float = Field(default=300.0, gt=0.0, le=600.0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -363,10 +363,12 @@ async def test_region_delete_drains_its_nodes_then_forgets_them(rig: Rig) -> Non
     assert rig.fleet.regions == {} and rig.fleet.nodes == {} and rig.drains.sequences == {}
     assert rig.store.read_sync(load_drains) == []
     deleted = [(a, d) for a, t, d in rig.audit() if a.startswith("region.delete")]
-    assert deleted == [
+    assert [(action, {k: v for k, v in d.items() if k != "old"}) for action, d in deleted] == [
         ("region.delete", {"drain_first": True}),
         ("region.deleted", {"num_nodes_removed": 2}),
     ]
+    assert deleted[0][1]["old"] == {"state": "active", "is_deleting": False}
+    assert deleted[1][1]["old"]["state"] == "draining"
     # A region without nodes goes at once.
     await rig.registry.create_region(ADMIN, RegionCreate(name="empty", lat=0.0, lon=0.0))
     assert await rig.registry.delete_region(ADMIN, "empty") is None
