@@ -256,9 +256,9 @@ def _metric(text: str, name: str, **labels: str) -> float:
 def edge_tier(bench: Bench, city: str, num_requests: int) -> None:
     url = bench.city_url(city)
     pop = bench.pop_via(url)
-    gateway_url = bench.state.pops[pop]
+    metrics_url = bench.state.pop_metrics[pop]
     http = httpx.Client(verify=bench.verify, timeout=60.0, trust_env=False)
-    metrics_before = http.get(gateway_url + "/metrics").text
+    metrics_before = http.get(metrics_url).text
     client = openai.OpenAI(base_url=url + "/v1", api_key=bench.api_key, http_client=http)  # type: ignore[arg-type]
     _ttft_s(client, bench.model)  # warm: the connection, both paths
     _ttft_s(client, "auto")
@@ -269,7 +269,7 @@ def edge_tier(bench: Bench, city: str, num_requests: int) -> None:
             ttft, tier = _ttft_s(client, model)
             samples[label].append(ttft)
             tiers[label].add(tier)
-    metrics_after = http.get(gateway_url + "/metrics").text
+    metrics_after = http.get(metrics_url).text
     http.close()
     p50 = {label: statistics.median(values) for label, values in samples.items()}
     auto_at_edge = _metric(

@@ -300,6 +300,8 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
             "new-york",
             "--port",
             str(gw_port),
+            "--metrics-port",
+            "0",
             "--control-plane",
             cp_url,
             "--plain",

@@ -83,6 +83,7 @@ class Fleet:
     dtype: str = "float32"
     gateway: subprocess.Popen[bytes] | None = None
     gateway_url: str = ""
+    gateway_metrics_url: str = ""  # its metrics listener's base URL
     api_key: str = ""
 
     def admin(self, method: str, path: str, body: object = None) -> Any:
@@ -123,7 +124,7 @@ class Fleet:
 
     def start_gateway(self, prewarm: bool = False) -> None:
         self.stop_gateway()
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         args = [
             sys.executable,
             "-m",
@@ -132,6 +133,8 @@ class Fleet:
             POP,
             "--port",
             str(port),
+            "--metrics-port",
+            str(metrics_port),
             "--control-plane",
             self.cp_url,
             "--plain",
@@ -141,6 +144,7 @@ class Fleet:
         self.processes.start("gateway", args, env)
         self.gateway = self.processes.started[-1]
         self.gateway_url = f"http://127.0.0.1:{port}"
+        self.gateway_metrics_url = f"http://127.0.0.1:{metrics_port}"
         wait_for_port(port)
 
     def stop_gateway(self) -> None:
@@ -360,7 +364,7 @@ def one_pass(
     started_s = time.monotonic()
     broken, broken_at_s = asyncio.run(broken_run(fleet, args, streams))
     broken_s = time.monotonic() - started_s
-    gateway_metrics, far_after = fleet.metrics(fleet.gateway_url), fleet.metrics(far_url)
+    gateway_metrics, far_after = fleet.metrics(fleet.gateway_metrics_url), fleet.metrics(far_url)
     near = fleet.nodes[NEAR]
     if args.failure == "stop":
         near.send_signal(signal.SIGCONT)

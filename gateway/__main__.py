@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m gateway",
         description="Meridian gateway: the HTTPS front door of one point of presence. Its "
-        "control-plane token comes from MERIDIAN_GATEWAY_TOKEN.",
+        "control-plane token comes from MERIDIAN_GATEWAY_TOKEN, the optional one scrapes of "
+        "/metrics must send from MERIDIAN_GATEWAY_METRICS_TOKEN.",
         argument_default=argparse.SUPPRESS,
     )
     add = parser.add_argument
@@ -82,6 +83,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--edge-policy", action="append", metavar="KEY_ID=forbid|force", help="per API key")
     add("--default-max-tokens", type=int, help="cap for chat requests without max_tokens (1024)")
     add("--request-deadline", dest="request_deadline_s", type=float, help="seconds (600)")
+    add("--metrics-host", help="address of the /metrics listener, plain HTTP (127.0.0.1)")
+    add("--metrics-port", type=int, help="port of the /metrics listener (9464; 0: any free)")
+    add(
+        "--metrics-key-labels",
+        action="store_true",
+        help="count requests by API key id too (lists the tenants to whoever can scrape)",
+    )
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add("--no-access-log", dest="access_log", action="store_false", help="no line per request")
     return parser.parse_args(argv)
@@ -117,17 +125,28 @@ def main(argv: list[str] | None = None) -> int:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
         return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}", 1)
+    try:
+        metrics_sock = bind_socket(settings.metrics_host, settings.metrics_port)
+    except OSError as exc:
+        sock.close()
+        where = f"{settings.metrics_host}:{settings.metrics_port}"
+        return _fail(f"cannot listen on {where} for metrics: {exc.strerror}", 1)
+    metrics_host, metrics_port = metrics_sock.getsockname()[:2]
     logger.info(
-        "gateway %s on %s://%s:%d, control plane %s, limits %s, prefix caches %s",
+        "gateway %s on %s://%s:%d (metrics on http://%s:%d/metrics), control plane %s, "
+        "limits %s, prefix caches %s",
         settings.pop,
         settings.scheme,
         settings.host,
         settings.port,
+        metrics_host,
+        metrics_port,
         settings.control_plane_url,
         "shared through redis" if settings.redis else "in this process",
         "shared by all keys" if settings.share_prefix_cache else "per key",
     )
-    uvloop.run(_serve(GatewayServer(create_app(settings), sock, context), log_handler))
+    app = create_app(settings, metrics_sock)
+    uvloop.run(_serve(GatewayServer(app, sock, context), log_handler))
     return 0
 
 

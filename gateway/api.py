@@ -1,4 +1,5 @@
-"""The gateway's HTTP handlers: the OpenAI routes, `/health` and `/metrics`.
+"""The gateway's public HTTP handlers: the OpenAI routes and `/health` (`/metrics` has its own
+listener: metrics_listener.py).
 
 A completion request goes: request id → API key → body checks → rate-limit admission (one
 request and the whole token reservation) → route plan → upstream with failover → the answer,
@@ -151,11 +152,6 @@ class Handlers:
             "edge": self.auto.edge_health() if self.auto is not None else None,
         }
         return web.json_response(body, status=200 if is_ready else 503)
-
-    async def render_metrics(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(
-            body=self.metrics.render(), headers={"content-type": "text/plain; version=0.0.4"}
-        )
 
     # The completion flow.
 

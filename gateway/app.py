@@ -1,6 +1,6 @@
-"""`create_app(settings)`: the gateway's aiohttp.web application, with a lifespan (a cleanup
-context) that owns the one aiohttp client session (upstreams and control plane), the rate
-limiter and the two watch loops.
+"""`create_app(settings, metrics_sock)`: the gateway's aiohttp.web application, with a lifespan
+(a cleanup context) that owns the one aiohttp client session (upstreams and control plane), the
+rate limiter, the two watch loops and the metrics listener (on `metrics_sock`, if given).
 
 Client and server are both aiohttp, chosen by measurement (docs/gateway.md): as a client, httpx
 added 2-8x the latency of aiohttp and degraded badly with many concurrent streams; as a server,
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -24,6 +25,7 @@ from gateway.errors import GatewayError, error_response
 from gateway.keys import KeyTable
 from gateway.limits import Limiter, LocalLimiter
 from gateway.metrics import GatewayMetrics
+from gateway.metrics_listener import MetricsListener
 from gateway.proxy import Proxy
 from gateway.region_ingress import with_region_ingress
 from gateway.routing import Router, RouterConfig
@@ -119,8 +121,15 @@ async def openai_errors(
         return web.Response(body=body, status=500, content_type="application/json")
 
 
-def create_app(settings: GatewaySettings) -> web.Application:
-    metrics = GatewayMetrics(settings.pop)
+def create_app(
+    settings: GatewaySettings, metrics_sock: socket.socket | None = None
+) -> web.Application:
+    metrics = GatewayMetrics(settings.pop, settings.metrics_key_labels)
+    metrics_listener = None
+    if metrics_sock is not None:
+        metrics_listener = MetricsListener(
+            metrics_sock, metrics.render, settings.metrics_token, [openai_errors]
+        )
     router = Router(router_config(settings), locate(settings.pop))
     handlers = Handlers(settings, KeyTable(), router, metrics)
     if settings.auto_model is not None:
@@ -138,6 +147,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
         handlers.proxy = Proxy(session, router, metrics, settings)
         handlers.limiter = limiter
         try:
+            if metrics_listener is not None:
+                await metrics_listener.start()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FIRST_LOAD_WAIT_S):
                     await asyncio.gather(*(watch.loaded.wait() for watch in watches))
@@ -161,6 +172,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if metrics_listener is not None:
+                await metrics_listener.stop()
             handlers.proxy = None
             handlers.limiter = None
             await limiter.close()
@@ -174,5 +187,4 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models, allow_head=False)
     app.router.add_get("/health", handlers.health, allow_head=False)
-    app.router.add_get("/metrics", handlers.render_metrics, allow_head=False)
     return app

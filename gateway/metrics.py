@@ -1,5 +1,8 @@
 """Prometheus metrics for one gateway (its own registry, so several can live in one process).
 
+Counts carry an API key's id only when the operator asks (`metrics_key_labels`): a label per key
+lists the tenants and their volume to whoever can scrape.
+
 Label children are cached: `labels()` costs a lock and a dict lookup in prometheus_client, too
 much to pay several times per request at thousands of requests a second.
 """
@@ -13,13 +16,16 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 
 
 class GatewayMetrics:
-    def __init__(self, pop: str) -> None:
+    def __init__(self, pop: str, key_labels: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"pop": pop}
+        self._key_labels = key_labels
+        key_id = ["key_id"] if key_labels else []
         self._requests = Counter(
             "meridian_gateway_requests_total",
-            "Requests answered, by serving region, HTTP status and API key id.",
-            ["region", "status", "key_id"],
+            "Requests answered, by serving region and HTTP status (and API key id when "
+            "metrics_key_labels is on).",
+            ["region", "status", *key_id],
             registry=self.registry,
         )
         self._decisions = Counter(
@@ -44,8 +50,9 @@ class GatewayMetrics:
         )
         self._rate_limited = Counter(
             "meridian_gateway_rate_limited_total",
-            "Requests refused by a per-key limit, by key id and limit.",
-            ["key_id", "limit"],
+            "Requests refused by a per-key limit, by limit (and API key id when "
+            "metrics_key_labels is on).",
+            [*key_id, "limit"],
             registry=self.registry,
         )
         self._stream_errors = Counter(
@@ -116,8 +123,11 @@ class GatewayMetrics:
             child = self._histograms[cache_key] = metric.labels(*values)
         return child
 
+    def _key_id(self, key_id: str) -> tuple[str, ...]:
+        return (key_id,) if self._key_labels else ()
+
     def count_request(self, region: str, status: int, key_id: str) -> None:
-        self._counter(self._requests, region, str(status), key_id).inc()
+        self._counter(self._requests, region, str(status), *self._key_id(key_id)).inc()
 
     def count_decision(self, region: str, reason: str) -> None:
         self._counter(self._decisions, region, reason).inc()
@@ -129,7 +139,7 @@ class GatewayMetrics:
         self._histogram(self._ttft, region, kind).observe(seconds)
 
     def count_rate_limited(self, key_id: str, limit: str) -> None:
-        self._counter(self._rate_limited, key_id, limit).inc()
+        self._counter(self._rate_limited, *self._key_id(key_id), limit).inc()
 
     def count_stream_error(self, region: str) -> None:
         self._counter(self._stream_errors, region).inc()

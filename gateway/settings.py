@@ -125,6 +125,14 @@ class GatewaySettings(BaseSettings):
     # Per API key id: never the edge (forbid), or the edge whatever the size (force).
     edge_policy: dict[str, Literal["forbid", "force"]] = Field(default_factory=dict)
 
+    # Prometheus `/metrics` on its own plain-HTTP listener (gateway/metrics_listener.py), never
+    # on the public port; off loopback only with a token, which scrapes then send as a bearer
+    # token. Counts are by API key only if asked: such labels list the tenants and their volume.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_token: SecretStr | None = Field(default=None, min_length=MIN_TOKEN_LEN)
+    metrics_key_labels: bool = False
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = True
     # Move what start-up allocated out of the garbage collector's way (off in tests, which run
@@ -168,6 +176,11 @@ class GatewaySettings(BaseSettings):
             raise ValueError(
                 "control_plane must be https:// unless it is on loopback: the gateway's token "
                 "and every API key's hash would cross the network in the clear"
+            )
+        if self.metrics_token is None and not is_loopback_host(self.metrics_host):
+            raise ValueError(
+                "metrics off loopback need MERIDIAN_GATEWAY_METRICS_TOKEN: without it anyone "
+                "who reaches the address could list the tenants and watch their volume"
             )
         if self.redis is not None and not _REDIS_URL.match(self.redis):
             raise ValueError("redis must be a redis://, rediss:// or unix:// URL")

@@ -198,6 +198,7 @@ def gateway(
     argv = _python(
         "gateway",
         *("--pop", pop.name, "--host", pop.address, "--port", str(pop.port)),
+        *("--metrics-host", pop.address, "--metrics-port", str(pop.metrics_port)),
         *("--control-plane", layout.control_plane_urls),
         *("--tls-cert", str(tls.cert), "--tls-key", str(tls.key)),
         *ingress,

@@ -134,6 +134,8 @@ class PortsConfig(_Section):
     # Every PoP's gateway listens on this port, PoP i on its own loopback address 127.0.1.(i+1)
     # (a DNS answer is an address: the port must be the same everywhere).
     gateway: Port = 8443
+    # ... and serves its /metrics on this one, plain HTTP, on the same address.
+    gateway_metrics: Port = 9464
     # The Anycast front: client city k listens on `anycast_base + k`; its admin HTTP on
     # `anycast_admin`.
     anycast_base: Port = 8601

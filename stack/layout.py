@@ -95,12 +95,17 @@ class PopLayout:
     lon: float
     address: str
     port: int
+    metrics_port: int  # the gateway's /metrics, on the same address
     region_ingress: tuple[tuple[str, str], ...]  # (region, URL through this PoP's RTT path)
     edge_port: int | None = None
 
     @property
     def url(self) -> str:
         return f"https://{self.address}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.address}:{self.metrics_port}/metrics"
 
     @property
     def edge_url(self) -> str | None:
@@ -240,7 +245,10 @@ class StackLayout:
     def tcp_sockets(self) -> list[tuple[str, int, str]]:
         """Every TCP (address, port) the stack listens on, with what listens there."""
         sockets = [(HOST, port, owner) for port, owner in self.tcp_ports()]
-        return sockets + [(pop.address, pop.port, f"gateway {pop.name}") for pop in self.pops]
+        for pop in self.pops:
+            sockets.append((pop.address, pop.port, f"gateway {pop.name}"))
+            sockets.append((pop.address, pop.metrics_port, f"gateway {pop.name} metrics"))
+        return sockets
 
 
 def _region_layout(config: StackConfig, i: int, use_envoy: bool) -> RegionLayout:
@@ -280,6 +288,7 @@ def _pop_layout(config: StackConfig, p: int, regions: tuple[RegionLayout, ...]) 
         lon=place.lon,
         address=pop_address(p),
         port=config.ports.gateway,
+        metrics_port=config.ports.gateway_metrics,
         region_ingress=tuple(
             (region.name, region.ingress_url_of(region.paths[p].rtt_proxy_port))
             for region in regions

@@ -104,6 +104,7 @@ class StackState:
     ca_cert: str = ""
     ready: bool = False
     pops: dict[str, str] = field(default_factory=dict)  # PoP → its gateway's URL
+    pop_metrics: dict[str, str] = field(default_factory=dict)  # PoP → its gateway's /metrics
     clients: dict[str, str] = field(default_factory=dict)  # client city → its Anycast URL
     anycast_url: str = ""  # the Anycast front's admin
     dns_name: str = ""

@@ -131,13 +131,14 @@ def front_lines(state: StackState) -> list[str]:
     if not state.pops:
         return []
     context = ssl.create_default_context(cafile=state.ca_cert) if state.ca_cert else None
-    rows = [["POP", "URL", "HEALTH", "TIERS"]]
+    rows = [["POP", "URL", "HEALTH", "TIERS", "METRICS"]]
     for name, url in state.pops.items():
         health = _get_json(f"{url}/health", verify=context) if context is not None else "no CA"
+        metrics = state.pop_metrics.get(name, "-")
         if isinstance(health, str):
-            rows.append([name, url, health, "-"])
+            rows.append([name, url, health, "-", metrics])
         else:
-            rows.append([name, url, str(health.get("status", "?")), pop_tiers(health)])
+            rows.append([name, url, str(health.get("status", "?")), pop_tiers(health), metrics])
     lines = ["", *_table(rows)]
     if state.anycast_url:
         front = _get_json(f"{state.anycast_url}/v1/anycast")

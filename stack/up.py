@@ -167,6 +167,7 @@ class StackStarter:
             gateway_url=self.layout.gateway_url,
             ca_cert=str(self.ca_cert),
             pops={pop.name: pop.url for pop in self.layout.pops},
+            pop_metrics={pop.name: pop.metrics_url for pop in self.layout.pops},
             clients={client.city: client.url for client in self.layout.clients},
             anycast_url=self.layout.anycast_admin_url or "",
             dns_name=self.layout.dns_name,

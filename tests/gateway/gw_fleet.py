@@ -117,7 +117,9 @@ class GatewayThread:
 
     def __init__(self, settings: GatewaySettings, cert: tuple[Path, Path] | None) -> None:
         self.settings = settings
-        self.app = create_app(settings)
+        metrics_sock = bind_socket("127.0.0.1", 0)
+        self.metrics_url = f"http://127.0.0.1:{metrics_sock.getsockname()[1]}/metrics"
+        self.app = create_app(settings, metrics_sock)
         sock = bind_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         context = server_context(*cert) if cert is not None else None

@@ -113,7 +113,7 @@ def _where(response: httpx.Response) -> tuple[str, str, str]:
 
 
 def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
-    client: httpx.Client, two_regions: Fleet, edge: FakeUpstream
+    client: httpx.Client, two_regions: Fleet, edge: FakeUpstream, edge_gateway: GatewayThread
 ) -> None:
     light = client.post("/v1/chat/completions", json=LIGHT)
     assert light.status_code == 200, light.text
@@ -132,7 +132,7 @@ def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
     assert [m["id"] for m in models.json()["data"]] == ["fake-model", "auto"]
     refused = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
     assert refused.status_code == 401 and refused.headers["x-meridian-pop"] == "new-york"
-    metrics = client.get("/metrics").text
+    metrics = httpx.get(edge_gateway.metrics_url).text
     assert 'meridian_gateway_auto_requests_total{reason="light",tier="edge"} 1.0' in metrics
     assert 'meridian_gateway_auto_requests_total{reason="heavy",tier="region"} 1.0' in metrics
     assert 'meridian_gateway_auto_tier_share{tier="edge"} 0.5' in metrics
@@ -172,7 +172,7 @@ def test_a_saturated_edge_sends_the_rest_to_a_region(
 
 
 def test_a_keys_policy_forbids_or_forces_the_edge(
-    client: httpx.Client, policy_keys: dict[str, tuple[str, str]]
+    client: httpx.Client, policy_keys: dict[str, tuple[str, str]], edge_gateway: GatewayThread
 ) -> None:
     forbid = {"Authorization": f"Bearer {policy_keys['forbid'][1]}"}
     force = {"Authorization": f"Bearer {policy_keys['force'][1]}"}
@@ -180,6 +180,6 @@ def test_a_keys_policy_forbids_or_forces_the_edge(
     assert light.status_code == 200 and _where(light)[2] == "region"
     heavy = client.post("/v1/chat/completions", json=HEAVY, headers=force)
     assert heavy.status_code == 200 and _where(heavy)[2] == "edge"
-    metrics = client.get("/metrics").text
+    metrics = httpx.get(edge_gateway.metrics_url).text
     assert 'meridian_gateway_auto_requests_total{reason="forbidden",tier="region"} 1.0' in metrics
     assert 'meridian_gateway_auto_requests_total{reason="forced",tier="edge"} 1.0' in metrics

@@ -178,6 +178,8 @@ def test_the_gateway_process_serves_https_and_logs_request_ids(
         "127.0.0.1",
         "--port",
         str(port),
+        "--metrics-port",
+        "0",
         "--control-plane",
         two_regions.cp_url,
         "--self-signed",

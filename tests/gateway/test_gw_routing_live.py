@@ -133,7 +133,7 @@ def test_killing_a_region_under_load_loses_no_request(
     assert len(statuses) == num_requests
     assert Counter(statuses) == {200: num_requests}
     assert two_regions.regions["eu-west"].upstream.num_requests > 0
-    metrics = http.get("/metrics").text
+    metrics = httpx.get(gateway.metrics_url).text
     retried = re.findall(
         r'meridian_gateway_retries_total\{cause="\w+",region="us-east"\} (\d+)', metrics
     )
@@ -158,7 +158,7 @@ def test_5xx_and_429_before_the_first_byte_fail_over(
     streamed = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert streamed.headers["x-meridian-region"] == "eu-west"
     assert streamed.text.endswith("data: [DONE]\n\n")
-    metrics = http.get("/metrics").text
+    metrics = httpx.get(gateway.metrics_url).text
     assert 'meridian_gateway_retries_total{cause="500",region="us-east"} 1.0' in metrics
     router = gateway.handlers.router
     assert all(state.num_awaiting_first_byte == 0 for state in router.regions.values())
