@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from control_plane import health_snapshot
 from control_plane import keys as key_store
-from control_plane.api import keys, nodes, regions, routing, status
+from control_plane.api import keys, limit_reports, nodes, regions, routing, status
 from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from control_plane.api.refused import install_refusal_handler
 from control_plane.changes import ChangeFeed
@@ -224,6 +224,7 @@ def create_app(settings: Settings) -> FastAPI:
         regions.router,
         nodes.router,
         keys.router,
+        limit_reports.router,
         routing.router,
         status.router,
         xds_api.router,

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.consul_sync import parse_consul_addr
 from control_plane.dns.config import DnsConfig
+from control_plane.limit_shares import LimitSharesConfig
 from control_plane.store import is_postgres_url
 from wire.addresses import is_loopback_host
 
@@ -56,6 +57,8 @@ class Settings(BaseSettings):
     dns_port: int = Field(default=8053, ge=0, le=65535)  # UDP, on `host`; 0: any free
     dns: DnsConfig = Field(default_factory=DnsConfig)  # zone, TTL, subnets, shedding
     drain: DrainConfig = Field(default_factory=DrainConfig)  # bounds on the drain sequence's waits
+    # Gateway PoPs' shares of each key's limits (control_plane/limit_shares.py).
+    limit_shares: LimitSharesConfig = Field(default_factory=LimitSharesConfig)
     # Consul (optional): `HOST:PORT` or `http(s)://HOST:PORT`; node agents found there are merged
     # with heartbeats. Its ACL token, if any, comes from CONSUL_HTTP_TOKEN (read by py-consul).
     consul_addr: str | None = None

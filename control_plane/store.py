@@ -171,6 +171,28 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             reported_at DOUBLE PRECISION NOT NULL
         )""",
     ),
+    (
+        # Gateway PoPs' limit shares (control_plane/limit_reports.py): each PoP's default share
+        # and last report, and per key in use each PoP's share, demand and buckets' levels.
+        """CREATE TABLE limit_pops (
+            pop TEXT PRIMARY KEY,
+            default_share DOUBLE PRECISION NOT NULL,
+            reported_at DOUBLE PRECISION NOT NULL
+        )""",
+        """CREATE TABLE limit_shares (
+            key_id TEXT NOT NULL,
+            pop TEXT NOT NULL,
+            share DOUBLE PRECISION NOT NULL,
+            demand DOUBLE PRECISION NOT NULL,
+            demand_at DOUBLE PRECISION NOT NULL,
+            need DOUBLE PRECISION NOT NULL,
+            need_at DOUBLE PRECISION NOT NULL,
+            request_level DOUBLE PRECISION,
+            token_level DOUBLE PRECISION,
+            levels_at DOUBLE PRECISION,
+            PRIMARY KEY (key_id, pop)
+        )""",
+    ),
 )
 
 

@@ -23,7 +23,9 @@ from gateway.api import Handlers
 from gateway.edge import AutoTier
 from gateway.errors import GatewayError, error_response
 from gateway.keys import KeyTable
-from gateway.limits import Limiter, LocalLimiter
+from gateway.limit_reports import UsageReporter
+from gateway.limit_shares import PopLimiter, ShareTable, UsageMeter
+from gateway.limits import Buckets, LocalBuckets
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_listener import MetricsListener
 from gateway.proxy import Proxy
@@ -59,13 +61,26 @@ def router_config(settings: GatewaySettings) -> RouterConfig:
     )
 
 
-def _new_limiter(settings: GatewaySettings) -> Limiter:
+def _new_buckets(settings: GatewaySettings) -> Buckets:
     if settings.redis is None:
-        return LocalLimiter()
+        return LocalBuckets()
     # Imported here: `redis` is an optional dependency, needed only for shared limits.
-    from gateway.redis_limits import RedisLimiter
+    from gateway.redis_limits import RedisBuckets
 
-    return RedisLimiter(settings.redis, settings.redis_cooldown_s)
+    return RedisBuckets(settings.redis, settings.redis_cooldown_s)
+
+
+def _reporter(
+    session: aiohttp.ClientSession, settings: GatewaySettings, limiter: PopLimiter
+) -> UsageReporter:
+    return UsageReporter(
+        session,
+        ControlPlaneUrls.parse(settings.control_plane),  # its own: it fails over on its own
+        settings.gateway_token.get_secret_value(),
+        settings.pop,
+        limiter,
+        settings.limit_report_interval_s,
+    )
 
 
 def _watches(
@@ -141,9 +156,11 @@ def create_app(
         control_plane_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=control_plane_ssl(settings.control_plane_ca))
         )
-        limiter = _new_limiter(settings)
+        limiter = PopLimiter(_new_buckets(settings), ShareTable(), UsageMeter())
         watches = _watches(control_plane_session, settings, handlers)
-        tasks = [asyncio.create_task(watch.run()) for watch in watches]
+        reporter = _reporter(control_plane_session, settings, limiter)
+        tasks = [asyncio.create_task(loop.run()) for loop in (*watches, reporter)]
+        loaded = [watch.loaded for watch in watches] + [reporter.loaded]
         handlers.proxy = Proxy(session, router, metrics, settings)
         handlers.limiter = limiter
         try:
@@ -151,8 +168,8 @@ def create_app(
                 await metrics_listener.start()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FIRST_LOAD_WAIT_S):
-                    await asyncio.gather(*(watch.loaded.wait() for watch in watches))
-            if not all(watch.loaded.is_set() for watch in watches):
+                    await asyncio.gather(*(event.wait() for event in loaded))
+            if not all(event.is_set() for event in loaded):
                 logger.warning(
                     "no answer from the control plane at %s yet: serving 503 until there is",
                     settings.control_plane_url,

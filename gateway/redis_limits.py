@@ -1,17 +1,19 @@
-"""Rate limits shared by every gateway process of a PoP, kept in Redis.
+"""A PoP's buckets shared by all its gateway processes, kept in Redis (scripts and the hash
+layout in `gateway/redis_scripts.py`).
 
-The same two buckets as `LocalLimiter` (see `gateway/limits.py`), one Redis hash per key, changed
-only by Lua scripts: Redis runs a script atomically, so concurrent admissions from many processes
-can never both take the last request or token. The scripts read Redis's own clock (`TIME`), so
-the processes' clocks do not have to agree. A hash expires once both its buckets would be full
-again (a missing hash reads as full buckets), so a key in debt stays in debt until it has
-refilled past it, however long that takes.
+Every answer from Redis leaves the key's levels in this process's memory (the levels last seen).
+If Redis cannot be reached, the process admits from buckets of its own that start from those
+levels, debt included, never from full ones (limits then hold per process rather than per PoP,
+from where the PoP stood). A circuit breaker keeps it there for `cooldown_s` after a failure, so
+that requests do not each wait for Redis's timeouts, then lets one request probe Redis. Once
+Redis answers again, what the process took meanwhile is written back (each level lowered to the
+process's where that is lower) and the process admits from Redis again.
 
-If Redis cannot be reached, each process falls back to its own in-memory buckets (limits then
-hold per process rather than per PoP) and says so in its log, rather than refusing all traffic.
-A circuit breaker keeps it there for `cooldown_s` after a failure, so that requests do not each
-wait for Redis's timeouts, then lets one request probe Redis. A request is settled in the
-buckets it was admitted from, never in the other backend's.
+Redis that has lost its data (restarted without persistence) or is new answers every script
+with "not seeded" (see `redis_scripts`): the process then admits from its own buckets as above
+and asks the control plane, in its next usage report, for the levels it knows for this PoP;
+`seed` writes them (and sets the marker) unless another process did first. The first report of
+every process asks too, so a process and its Redis restarted together also start from them.
 
 Import this module only when shared limits are configured: `redis` is an optional dependency
 (`pip install 'meridian[redis]'`).
@@ -19,9 +21,10 @@ Import this module only when shared limits are configured: `redis` is an optiona
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -30,98 +33,146 @@ from redis.exceptions import RedisError
 
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.keys import ApiKey
-from gateway.limits import Admission, LocalLimiter, decide
+from gateway.limits import Admission, LocalBuckets, decide
+from gateway.redis_scripts import (
+    ADMIT_SCRIPT,
+    EXPIRY_MARGIN_MS,
+    KEY_PREFIX,
+    MAX_KEEP_MS,
+    SEED_SCRIPT,
+    SEEDED_KEY,
+    SETTLE_SCRIPT,
+)
+from wire.limit_shares import KeyLevels
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "meridian:ratelimit:"
-# Kept this long past the moment both buckets are full again (Redis and Lua round times).
-EXPIRY_MARGIN_MS = 1000
 SOCKET_TIMEOUT_S = 0.5
 
-# Refill both buckets to Redis's clock; returns (request_level, token_level) as strings (Lua
-# numbers returned to Redis are truncated to integers).
-_REFILL = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local rpm = tonumber(ARGV[1])
-local tpm = tonumber(ARGV[2])
-local stored = redis.call('HMGET', KEYS[1], 'r', 't', 'ts')
-local r = tonumber(stored[1]) or rpm
-local t = tonumber(stored[2]) or tpm
-local elapsed = math.max(0, now - (tonumber(stored[3]) or now))
-r = math.min(rpm, r + elapsed * rpm / 60)
-t = math.min(tpm, t + elapsed * tpm / 60)
-"""
 
-_STORE = """
-redis.call('HSET', KEYS[1], 'r', r, 't', t, 'ts', now)
-local full_in = math.max((rpm - r) * 60 / rpm, (tpm - t) * 60 / tpm)
-redis.call('PEXPIRE', KEYS[1], math.ceil(full_in * 1000) + tonumber(ARGV[4]))
-"""
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """A key's levels in Redis as last seen by this process."""
 
-# ARGV: rpm, tpm, tokens to reserve, expiry margin ms. Returns {allowed, request_level, token_level}
-# after the decision (levels before it when refused).
-ADMIT_SCRIPT = (
-    _REFILL
-    + """
-local cost = tonumber(ARGV[3])
-local allowed = 0
-if r >= 1 and t >= cost and cost <= tpm then
-  r = r - 1
-  t = t - cost
-  allowed = 1
-end
-"""
-    + _STORE
-    + "return {allowed, tostring(r), tostring(t)}\n"
-)
-
-# ARGV: rpm, tpm, tokens to give back (negative: charge), expiry margin ms.
-SETTLE_SCRIPT = _REFILL + "t = math.min(tpm, t + tonumber(ARGV[3]))\n" + _STORE + "return 1\n"
+    levels: KeyLevels
+    share: float
+    at_s: float  # monotonic
 
 
-class RedisLimiter:
+class RedisBuckets:
     def __init__(self, url: str, cooldown_s: float) -> None:
         self._redis = aioredis.Redis.from_url(
             url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S
         )
         self._admit = self._redis.register_script(ADMIT_SCRIPT)
         self._settle = self._redis.register_script(SETTLE_SCRIPT)
-        self._fallback = LocalLimiter()
+        self._seed = self._redis.register_script(SEED_SCRIPT)
+        self._fallback = LocalBuckets(needs_levels=False)
         self._breaker = CircuitBreaker("redis", max_failures=1, open_s=cooldown_s)
+        self._seen: dict[str, _Seen] = {}
+        self._needs_levels = True  # until the first report's answer is written
+        self._write_back: asyncio.Task[None] | None = None
 
-    async def admit(self, key: ApiKey, num_tokens: int) -> Admission:
-        answer = await self._run(self._admit, key, num_tokens)
+    @property
+    def needs_levels(self) -> bool:
+        return self._needs_levels
+
+    async def admit(self, key: ApiKey, share: float, num_tokens: int) -> Admission:
+        answer = await self._run(self._admit, key, share, num_tokens)
         if answer is None:
-            return self._fallback.admit_now(key, num_tokens)
+            return self._fallback_for(key, share).admit_now(key, share, num_tokens)
         allowed, request_level, token_level = answer
         levels = float(request_level), float(token_level)
         if allowed:
-            admission, _, _ = decide(key, levels[0] + 1.0, levels[1] + num_tokens, num_tokens)
+            before = levels[0] + 1.0, levels[1] + num_tokens
+            admission, _, _ = decide(key, share, *before, num_tokens)
         else:
-            admission, _, _ = decide(key, levels[0], levels[1], num_tokens)
+            admission, _, _ = decide(key, share, *levels, num_tokens)
         return replace(admission, is_shared=True)
 
-    async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
+    async def settle(
+        self, key: ApiKey, share: float, admission: Admission, num_unused_tokens: int
+    ) -> None:
         if num_unused_tokens == 0:
             return
-        if not admission.is_shared:
-            self._fallback.settle_now(key, num_unused_tokens)
+        if key.id in self._fallback:  # on it now, or not yet written back
+            self._fallback.settle_now(key, share, num_unused_tokens)
             return
-        # While Redis is away a shared admission's settlement is lost (one request's worth):
-        # settling it in this process's buckets would credit them with tokens they never gave.
-        await self._run(self._settle, key, num_unused_tokens)
+        if await self._run(self._settle, key, share, num_unused_tokens) is None:
+            # Redis is away: settled in the buckets that start from the levels last seen,
+            # which hold this admission's reservation already.
+            self._fallback_for(key, share).settle_now(key, share, num_unused_tokens)
 
-    async def _run(self, script: AsyncScript, key: ApiKey, num_tokens: int) -> Any | None:
-        """The script's answer, or None if Redis failed or is cooling down after a failure."""
+    def levels_of(self, key_id: str) -> KeyLevels | None:
+        own = self._fallback.levels_of(key_id)
+        if own is not None:
+            return own
+        seen = self._seen.get(key_id)
+        return seen.levels if seen is not None else None
+
+    async def seed(self, levels: list[KeyLevels]) -> None:
+        now_s = time.monotonic()
+        for key_levels in levels:
+            if key_levels.key_id not in self._seen:  # buckets of our own would start from them
+                self._seen[key_levels.key_id] = _Seen(key_levels, 1.0, now_s)
+        try:
+            await self._lower(levels, only_if_unseeded=True)
+        except (RedisError, OSError) as exc:
+            logger.warning("could not seed redis with the control plane's levels: %s", exc)
+            return  # the next report asks again
+        self._needs_levels = False
+        self._start_write_back()
+
+    async def close(self) -> None:
+        if self._write_back is not None:
+            self._write_back.cancel()
+        await self._redis.aclose()
+
+    def _fallback_for(self, key: ApiKey, share: float) -> LocalBuckets:
+        """This process's buckets, the key's started from its levels last seen (if any)."""
+        seen = self._seen.get(key.id)
+        if key.id not in self._fallback and seen is not None:
+            self._fallback.start_from(seen.levels, seen.share, seen.at_s)
+        return self._fallback
+
+    async def _lower(self, levels: list[KeyLevels], only_if_unseeded: bool) -> None:
+        args: list[str | int] = ["1" if only_if_unseeded else "0", MAX_KEEP_MS]
+        for key_levels in levels:
+            args += [repr(key_levels.request_level), repr(key_levels.token_level)]
+        hashes = [KEY_PREFIX + key_levels.key_id for key_levels in levels]
+        await self._seed(keys=[SEEDED_KEY, *hashes], args=args)
+
+    def _start_write_back(self) -> None:
+        if self._write_back is None or self._write_back.done():
+            self._write_back = asyncio.create_task(self._write_back_now())
+
+    async def _write_back_now(self) -> None:
+        """What this process took from its own buckets, into Redis (lowering only)."""
+        taken = self._fallback.take_levels()
+        if not taken:
+            return
+        try:
+            await self._lower(taken, only_if_unseeded=False)
+        except (RedisError, OSError):
+            now_s = time.monotonic()
+            for key_levels in taken:  # kept for the next time Redis answers
+                self._fallback.start_from(key_levels, 1.0, now_s)
+            return
+        logger.info("wrote %d keys' levels taken while redis was away back to it", len(taken))
+
+    async def _run(
+        self, script: AsyncScript, key: ApiKey, share: float, num_tokens: int
+    ) -> Any | None:
+        """The script's answer, or None if Redis failed, is cooling down after a failure, or has
+        lost its data."""
         now_s = time.monotonic()
         if not self._breaker.is_available(now_s):
             return None
         self._breaker.on_attempt(now_s)
-        args = [key.rpm, key.tpm, num_tokens, EXPIRY_MARGIN_MS]
+        bucket: list[str | int] = [key.rpm, key.tpm, repr(share), num_tokens]
+        args = [*bucket, EXPIRY_MARGIN_MS, MAX_KEEP_MS]
         try:
-            answer = await script(keys=[KEY_PREFIX + key.id], args=args)
+            answer = await script(keys=[KEY_PREFIX + key.id, SEEDED_KEY], args=args)
         except (RedisError, OSError) as exc:
             self._on_error(exc)
             return None
@@ -129,14 +180,33 @@ class RedisLimiter:
             self._breaker.on_abandon()
             raise
         self._on_success()
+        if int(answer[0]) < 0:
+            self._on_unseeded()
+            return None
+        self._seen[key.id] = _Seen(
+            KeyLevels(key_id=key.id, request_level=float(answer[1]), token_level=float(answer[2])),
+            share,
+            time.monotonic(),
+        )
+        if len(self._fallback):  # Redis is back: what was taken meanwhile goes into it
+            self._start_write_back()
         return answer
 
-    async def close(self) -> None:
-        await self._redis.aclose()
+    def _on_unseeded(self) -> None:
+        if not self._needs_levels:
+            logger.warning(
+                "redis has lost its buckets: limiting from the levels last seen until the "
+                "control plane's are in"
+            )
+        self._needs_levels = True
 
     def _on_error(self, exc: Exception) -> None:
         if self._breaker.state is BreakerState.CLOSED:
-            logger.warning("redis unavailable, limiting per process until it is back: %s", exc)
+            logger.warning(
+                "redis unavailable: limiting in this process, from the levels last seen, until "
+                "it is back: %s",
+                exc,
+            )
         self._breaker.on_failure(time.monotonic())
 
     def _on_success(self) -> None:

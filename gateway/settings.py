@@ -59,10 +59,13 @@ class GatewaySettings(BaseSettings):
     watch_wait_s: float = Field(default=30.0, gt=0.0, le=300.0)
     max_watch_backoff_s: float = Field(default=5.0, gt=0.0, le=60.0)
 
-    # Shared rate-limit counters for all gateway processes of this PoP (else in-process).
+    # This PoP's buckets, shared by all its gateway processes (else each process's own).
     redis: str | None = None
     # After a Redis failure, limit in this process for this long before trying Redis again.
     redis_cooldown_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    # How often this PoP reports what each key asked of it and gets its shares of the keys'
+    # limits back (gateway/limit_reports.py): it bounds how far the PoPs together overshoot.
+    limit_report_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
 
     # Tenants' prompts share nodes' prefix caches only if the operator says so: otherwise each
     # key's requests carry their own cache salt, so that timing cannot tell one tenant whether

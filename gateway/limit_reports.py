@@ -1,0 +1,122 @@
+"""The usage report loop: every `limit_report_interval_s`, what each key asked of this PoP and its
+buckets' levels go to the control plane (`POST /v1/limits/report`, wire/limit_shares.py); the
+answer is this PoP's share of every key, and, when the buckets asked for them, the levels the
+control plane last knew here (see `gateway/redis_limits.py`).
+
+A report that fails (the control plane away) keeps its counts for the next one, and the PoP
+keeps the shares it has: while no PoP hears from the control plane, none changes its shares, and
+they still add up to the key's limits. A replica that fails is left for the next one at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from pydantic import ValidationError
+
+from gateway.limit_shares import Asked, PopLimiter
+from wire.control_plane_urls import ControlPlaneUrls
+from wire.limit_shares import MAX_REPORTED_KEYS, KeyUse, ShareAnswer, UsageReport
+
+logger = logging.getLogger(__name__)
+
+PATH = "/v1/limits/report"
+REPORT_TIMEOUT_S = 5.0
+
+
+class ReportRejectedError(Exception):
+    """The control plane answered with a status other than 200."""
+
+
+class UsageReporter:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        urls: ControlPlaneUrls,
+        token: str,
+        pop: str,
+        limiter: PopLimiter,
+        interval_s: float,
+    ) -> None:
+        self._session = session
+        self._urls = urls
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._pop = pop
+        self._limiter = limiter
+        self._interval_s = interval_s
+        self.num_reports = 0
+        self.num_failures = 0  # consecutive
+        self.loaded = asyncio.Event()  # the first shares are in
+
+    async def run(self) -> None:
+        """Report until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started_s = loop.time()
+            try:
+                await self.report_once()
+            except (aiohttp.ClientError, TimeoutError, ValidationError, ReportRejectedError) as exc:
+                self._on_failure(exc)
+            await asyncio.sleep(max(0.0, self._interval_s - (loop.time() - started_s)))
+
+    async def report_once(self) -> None:
+        meter, buckets = self._limiter.meter, self._limiter.buckets
+        taken = meter.take()
+        if len(taken) > MAX_REPORTED_KEYS:  # the rest go in the next report
+            rest = list(taken)[MAX_REPORTED_KEYS:]
+            meter.give_back({key_id: taken.pop(key_id) for key_id in rest})
+        wants_levels = buckets.needs_levels
+        report = UsageReport(pop=self._pop, wants_levels=wants_levels, keys=self._uses(taken))
+        try:
+            answer = await self._post(report)
+        except BaseException:
+            meter.give_back(taken)
+            raise
+        self._limiter.shares.replace(answer)
+        if wants_levels:
+            await buckets.seed(answer.levels)
+        if self.num_failures:
+            logger.info("usage reports are back after %d failures", self.num_failures)
+        self.num_failures = 0
+        self.num_reports += 1
+        self.loaded.set()
+
+    def _uses(self, taken: dict[str, Asked]) -> list[KeyUse]:
+        uses = []
+        for key_id, asked in taken.items():
+            levels = self._limiter.buckets.levels_of(key_id)
+            if levels is None:
+                continue
+            uses.append(
+                KeyUse(
+                    key_id=key_id,
+                    request_level=levels.request_level,
+                    token_level=levels.token_level,
+                    num_requests=asked.num_requests,
+                    num_tokens=asked.num_tokens,
+                    largest_refused_tokens=asked.largest_refused_tokens,
+                )
+            )
+        return uses
+
+    async def _post(self, report: UsageReport) -> ShareAnswer:
+        timeout = aiohttp.ClientTimeout(total=REPORT_TIMEOUT_S)
+        async with self._session.post(
+            self._urls.current + PATH,
+            data=report.model_dump_json(),
+            headers={**self._headers, "Content-Type": "application/json"},
+            timeout=timeout,
+        ) as response:
+            body = await response.read()
+            if response.status != 200:
+                raise ReportRejectedError(f"HTTP {response.status}: {body[:200]!r}")
+        return ShareAnswer.model_validate_json(body)
+
+    def _on_failure(self, exc: Exception) -> None:
+        self.num_failures += 1
+        failed = self._urls.current
+        self._urls.rotate()
+        log = logger.warning if self.num_failures in (1, 10) else logger.debug
+        log("usage report to %s failed (%d in a row): %s", failed, self.num_failures, exc)

@@ -1,0 +1,111 @@
+"""This PoP's shares of the keys' limits, what was asked of it since its last report, and the
+limiter that admits from buckets sized to those shares (`gateway/limits.py`).
+
+The shares come from the control plane in the answer to each usage report
+(`gateway/limit_reports.py`); until the first answer the PoP knows none and answers 503, as it
+does until it has keys. Counting what was asked is a dictionary update per request: the report
+leaves the request path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.errors import NotReadyError
+from gateway.keys import ApiKey
+from gateway.limits import Admission, Buckets
+from wire.limit_shares import ShareAnswer
+
+
+class ShareTable:
+    def __init__(self) -> None:
+        self._shares: dict[str, float] = {}
+        self._default: float | None = None
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._default is not None
+
+    @property
+    def default_share(self) -> float | None:
+        return self._default
+
+    def share_of(self, key_id: str) -> float:
+        default = self._default
+        if default is None:
+            raise NotReadyError(
+                "the gateway has not heard its share of the keys' limits yet", "not_ready"
+            )
+        return self._shares.get(key_id, default)
+
+    def replace(self, answer: ShareAnswer) -> None:
+        self._shares = {share.key_id: share.share for share in answer.shares}
+        self._default = answer.default_share
+
+
+@dataclass(slots=True)
+class Asked:
+    """What one key asked of this PoP since the last report."""
+
+    num_requests: int = 0
+    num_tokens: int = 0
+    largest_refused_tokens: int | None = None  # refused for want of room here
+
+    def add(self, other: Asked) -> None:
+        self.num_requests += other.num_requests
+        self.num_tokens += other.num_tokens
+        if other.largest_refused_tokens is not None:
+            self.largest_refused_tokens = max(
+                self.largest_refused_tokens or 0, other.largest_refused_tokens
+            )
+
+
+class UsageMeter:
+    def __init__(self) -> None:
+        self._asked: dict[str, Asked] = {}
+
+    def count(self, key_id: str, num_tokens: int, admission: Admission) -> None:
+        if admission.is_too_large:  # never admissible anywhere: no demand for a share
+            return
+        asked = self._asked.get(key_id)
+        if asked is None:
+            asked = self._asked[key_id] = Asked()
+        asked.num_requests += 1
+        asked.num_tokens += num_tokens
+        if not admission.is_allowed:
+            asked.largest_refused_tokens = max(asked.largest_refused_tokens or 0, num_tokens)
+
+    def touch(self, key_id: str) -> None:
+        """The key's levels changed without a request (a settlement): report them."""
+        self._asked.setdefault(key_id, Asked())
+
+    def take(self) -> dict[str, Asked]:
+        taken, self._asked = self._asked, {}
+        return taken
+
+    def give_back(self, taken: dict[str, Asked]) -> None:
+        """A report that failed: its counts go into the next one."""
+        for key_id, asked in taken.items():
+            self._asked.setdefault(key_id, Asked()).add(asked)
+
+
+class PopLimiter:
+    """The `Limiter` the handlers use: this PoP's buckets at its current shares."""
+
+    def __init__(self, buckets: Buckets, shares: ShareTable, meter: UsageMeter) -> None:
+        self.buckets = buckets
+        self.shares = shares
+        self.meter = meter
+
+    async def admit(self, key: ApiKey, num_tokens: int) -> Admission:
+        admission = await self.buckets.admit(key, self.shares.share_of(key.id), num_tokens)
+        self.meter.count(key.id, num_tokens, admission)
+        return admission
+
+    async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
+        share = self.shares.share_of(key.id)
+        await self.buckets.settle(key, share, admission, num_unused_tokens)
+        self.meter.touch(key.id)
+
+    async def close(self) -> None:
+        await self.buckets.close()
