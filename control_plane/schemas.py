@@ -10,8 +10,9 @@ from pydantic.json_schema import SkipJsonSchema
 
 from control_plane.fleet import ConsulStatus, NodeSource
 from control_plane.safe_text import refuse_unsafe
+from control_plane.upstream_urls import UpstreamUrl
 from control_plane.xds.status import XdsStatus
-from wire.heartbeat import Heartbeat, HttpUrlStr, Name
+from wire.heartbeat import Heartbeat, Name
 from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
 from wire.routing_policy import RoutingPolicy
 
@@ -30,7 +31,7 @@ class RegionCreate(BaseModel):
     name: SafeName
     lat: Latitude
     lon: Longitude
-    ingress_url: HttpUrlStr | None = None
+    ingress_url: UpstreamUrl | None = None
     weight: Weight = 1.0
     state: RegionState = "active"
 
@@ -50,7 +51,7 @@ class RegionPatch(BaseModel):
     # `SkipJsonSchema[None]`: a field may be left out, but only ingress_url may be null.
     lat: Latitude | SkipJsonSchema[None] = None
     lon: Longitude | SkipJsonSchema[None] = None
-    ingress_url: HttpUrlStr | None = None
+    ingress_url: UpstreamUrl | None = None
     weight: Weight | SkipJsonSchema[None] = None
     state: RegionState | SkipJsonSchema[None] = None
 
@@ -126,7 +127,7 @@ class NodeCredentialCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     region: SafeName
-    url: HttpUrlStr | None = None
+    url: UpstreamUrl | None = None
 
 
 class NodeCredentialCreated(BaseModel):
@@ -146,7 +147,7 @@ class NodePatch(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
 
     region: SafeName | SkipJsonSchema[None] = None
-    url: HttpUrlStr | SkipJsonSchema[None] = None
+    url: UpstreamUrl | SkipJsonSchema[None] = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> NodePatch:

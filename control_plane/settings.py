@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     AliasChoices,
@@ -16,12 +16,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from control_plane.consul_sync import parse_consul_addr
 from control_plane.dns.config import DnsConfig
 from control_plane.limit_shares import LimitSharesConfig
 from control_plane.store import is_postgres_url
+from control_plane.upstream_urls import UpstreamAllowlist
 from wire.addresses import is_loopback_host
 
 MIN_TOKEN_LEN = 16
@@ -101,6 +102,10 @@ class Settings(BaseSettings):
     # legitimate bodies (a routing policy, a region) are a few KiB.
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    # The hosts region ingresses and node addresses may name (control_plane/upstream_urls.py): IP
+    # networks and DNS names (a name allows its subdomains), comma-separated in the environment.
+    # Empty: any URL that passes the rule (http(s)://HOST[:PORT], no link-local address...).
+    allowed_upstreams: Annotated[tuple[str, ...], NoDecode] = ()
     # Refused calls (401, 403, refused xDS streams) written to the log and the audit log in a
     # minute, per client address and in all (control_plane/refusals.py); the rest are counted
     # and summed up in one entry when the minute ends.
@@ -116,6 +121,23 @@ class Settings(BaseSettings):
         if addr is not None:
             parse_consul_addr(addr)
         return addr
+
+    @field_validator("allowed_upstreams", mode="before")
+    @classmethod
+    def _split_upstreams(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("allowed_upstreams")
+    @classmethod
+    def _valid_upstreams(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        UpstreamAllowlist.parse(entries)
+        return entries
+
+    @property
+    def upstream_allowlist(self) -> UpstreamAllowlist:
+        return UpstreamAllowlist.parse(self.allowed_upstreams)
 
     @model_validator(mode="after")
     def _tls_files_together(self) -> Settings:

@@ -35,6 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate, RegionState, RoutePlan, Router
 from gateway.settings import GatewaySettings
 from wire.heartbeat import NODE_ID_HEADER
+from wire.upstream_url import join_path
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class Proxy:
         async with asyncio.timeout(min(remaining_s, self._first_byte_timeout_s_of(request))):
             response = await self._session.request(
                 request.method,
-                candidate.url + request.path,
+                join_path(candidate.url, request.path),
                 data=request.body,
                 headers=request.headers,
                 timeout=self._timeout,

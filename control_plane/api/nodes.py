@@ -7,7 +7,7 @@ from fastapi import APIRouter, status
 
 from control_plane.auth import AdminAuth, NodeAuth
 from control_plane.drain import STEPS, DrainSequence, has_reached
-from control_plane.errors import ERROR_RESPONSES
+from control_plane.errors import ERROR_RESPONSES, PermissionDeniedError
 from control_plane.fleet import Node
 from control_plane.safe_text import SafePathName
 from control_plane.schemas import (
@@ -21,6 +21,7 @@ from control_plane.schemas import (
     SafeName,
 )
 from control_plane.services import ControlPlane, ServicesDep
+from control_plane.upstream_urls import URL_NOT_ALLOWED
 from wire.heartbeat import Heartbeat, HeartbeatReply
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=ERROR_RESPONSES)
@@ -85,6 +86,10 @@ async def heartbeat(caller: NodeAuth, services: ServicesDep, beat: Heartbeat) ->
     refusal = caller.credential.refusal(beat)
     if refusal is not None:
         raise refusal
+    if caller.credential.url is None:  # this beat binds the node's URL: as if an operator gave it
+        problem = services.settings.upstream_allowlist.problem(beat.url)
+        if problem is not None:
+            raise PermissionDeniedError(f"url {beat.url}: {problem}", URL_NOT_ALLOWED, "node")
     node = await services.registry.record_heartbeat(caller.actor, beat)
     return heartbeat_reply(services, node, beat)
 
@@ -120,6 +125,7 @@ async def mint_credential(
     """A node agent's own token (its MERIDIAN_NODE_TOKEN), bound to this node id and region (and
     URL, else its first heartbeat binds one). Shown only in this response; minting again
     replaces it."""
+    services.settings.upstream_allowlist.check(body.url, "url")
     credentials = services.registry.credentials
     credential, token = await credentials.mint(actor, node_id, body.region, body.url)
     return NodeCredentialCreated(
@@ -138,6 +144,7 @@ async def move_node(
     """Move a node to another region or URL (its heartbeats cannot): its registration and its
     credential change together, and routing follows at once. (A node that has not beaten yet:
     mint its credential again.)"""
+    services.settings.upstream_allowlist.check(patch.url, "url")
     return node_view(services, await services.registry.update_node(actor, node_id, patch))
 
 

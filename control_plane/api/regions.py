@@ -50,6 +50,7 @@ async def watch_summaries(
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 async def create_region(actor: AdminAuth, services: ServicesDep, body: RegionCreate) -> RegionView:
+    services.settings.upstream_allowlist.check(body.ingress_url, "ingress_url")
     return view_of(await services.registry.create_region(actor, body))
 
 
@@ -68,6 +69,7 @@ async def get_region(actor: AdminAuth, services: ServicesDep, name: SafePathName
 async def update_region(
     actor: AdminAuth, services: ServicesDep, name: SafePathName, patch: RegionPatch
 ) -> RegionView:
+    services.settings.upstream_allowlist.check(patch.ingress_url, "ingress_url")
     return view_of(await services.registry.update_region(actor, name, patch))
 
 

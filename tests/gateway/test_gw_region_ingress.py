@@ -64,7 +64,7 @@ def test_the_named_regions_take_this_pops_paths() -> None:
         None,  # no ingress registered: still not routable
     ]
     assert replaced.index == 3
-    assert with_region_ingress(document, {}) is document
+    assert with_region_ingress(document, {}) == document
 
 
 def test_flags_become_settings() -> None:

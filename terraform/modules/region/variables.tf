@@ -105,8 +105,8 @@ variable "ingress_url" {
   default     = null
 
   validation {
-    condition     = var.ingress_url == null || can(regex("^https?://[^\\s/?#@]+([/?#]\\S*)?$", var.ingress_url))
-    error_message = "ingress_url must be an http(s):// URL."
+    condition     = var.ingress_url == null || can(regex("^https?://[^\\s/?#@]+/?$", var.ingress_url))
+    error_message = "ingress_url must be http(s)://HOST[:PORT]: no path, query or user info (gateways join their own paths to it)."
   }
 }
 
