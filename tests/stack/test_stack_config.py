@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from engine.model_store import DEFAULT_MODEL
-from stack import postgres
 from stack.config import (
     DEFAULT_CONFIG,
     ControlPlaneConfig,
@@ -18,7 +17,6 @@ from stack.config import (
 )
 from stack.errors import StackConfigError, StackError
 from stack.layout import plan_layout
-from stack.preflight import find_postgres
 from wire.geo import REGIONS, locate, rtt_ms
 
 
@@ -181,10 +179,7 @@ def test_each_pop_has_its_own_address_certificate_names_and_paths_to_the_regions
         ("tokyo", "https://127.0.0.1:8601"),
         ("paris", "https://127.0.0.1:8602"),
     ]
-    assert layout.redis_url == "redis://127.0.0.1:6390/0"
     assert config.num_nodes == 3  # two regions' nodes and the edge's
-    local = plan_layout(parse_config("regions: [{name: us-east}]\nlimits: local"), False, True)
-    assert local.redis_url is None
 
 
 def test_stack_certificates_name_each_pop_and_the_api_and_follow_their_names(
@@ -232,14 +227,3 @@ def test_a_bad_control_plane_section_is_one_line(section: str, error: str) -> No
     with pytest.raises(StackConfigError) as caught:
         parse_config(f"regions: [{{name: eu-west}}]\ncontrol_plane: {section}\n", "s.yaml")
     assert str(caught.value) == f"s.yaml: {error}"
-
-
-def test_postgres_without_its_binaries_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert find_postgres("sqlite") is None
-    monkeypatch.setattr(postgres, "BIN_GLOB", "/nonexistent-meridian/postgresql/*/bin")
-    with pytest.raises(StackError) as caught:
-        find_postgres("postgres")
-    assert str(caught.value) == (
-        "control_plane.db is postgres, but no PostgreSQL server binaries in "
-        "/nonexistent-meridian/postgresql/*/bin (apt-get install postgresql)"
-    )

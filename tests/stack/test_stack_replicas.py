@@ -17,8 +17,9 @@ from stack.certs import GatewayTls
 from stack.config import parse_config
 from stack.errors import StackError
 from stack.layout import plan_layout
-from stack.postgres import LocalPostgres, PostgresNotFoundError, find_bin_dir
+from stack.postgres import LocalPostgres
 from stack.preflight import fresh_tokens
+from stack.servers import PostgresNotFoundError, postgres_bin_dir
 from stack.state import StateDir
 from stack.status import replica_lines
 
@@ -153,11 +154,11 @@ def test_status_shows_which_replica_leads_and_which_is_unreachable() -> None:
     ]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL runs as `postgres` only for root")
+@pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL changes user only for root")
 def test_root_runs_postgres_outside_a_state_directory_under_a_closed_home(tmp_path: Path) -> None:
-    """Root's default state directory is under /root (0700), which `postgres` cannot enter."""
+    """Root's default state directory is under /root (0700), which the server user cannot enter."""
     try:
-        find_bin_dir()
+        postgres_bin_dir()
     except PostgresNotFoundError:
         pytest.skip("no PostgreSQL server binaries")
     home = tmp_path / "home"

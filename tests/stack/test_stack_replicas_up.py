@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from stack.commands import ADMIN_TOKEN
-from stack.postgres import PostgresNotFoundError, find_bin_dir
+from stack.servers import PostgresNotFoundError, postgres_bin_dir
 from stack.state import StateDir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def _wait_for(what: str, check: Any, timeout_s: float) -> Any:
 def test_two_replicas_on_postgres_survive_the_leaders_death(tmp_path: Path) -> None:
     pytest.importorskip("psycopg", reason="psycopg is not installed (meridian[postgres])")
     try:
-        find_bin_dir()
+        postgres_bin_dir()
     except PostgresNotFoundError as exc:
         pytest.skip(str(exc))
     taken: set[int] = set()
