@@ -202,7 +202,7 @@ def gateway(
         *("--control-plane", layout.control_plane_urls),
         *("--tls-cert", str(tls.cert), "--tls-key", str(tls.key)),
         *ingress,
-        *(("--redis", layout.redis_url) if layout.redis_url is not None else ()),
+        *(("--redis", pop.redis_url) if pop.redis_url is not None else ()),
         *("--auto-model", served_model(model)),
         *_edge_args(config, pop),
     )
@@ -222,15 +222,16 @@ def _edge_args(config: StackConfig, pop: PopLayout) -> tuple[str, ...]:
     )
 
 
-def redis_server(path: str, layout: StackLayout, directory: Path) -> Command:
-    """The shared limits' store: in memory only (limits are minutes long; nothing to keep)."""
-    assert layout.redis_port is not None
+def redis_server(path: str, pop: PopLayout, directory: Path) -> Command:
+    """A PoP's buckets: in memory only (what matters, a key's debt, the control plane keeps and
+    the PoP writes back into an empty one)."""
+    assert pop.redis_port is not None
     argv = (
         path,
-        *("--port", str(layout.redis_port), "--bind", HOST),
+        *("--port", str(pop.redis_port), "--bind", HOST),
         *("--save", "", "--appendonly", "no", "--dir", str(directory)),
     )
-    return Command("redis", "redis", argv, base_env(), layout.redis_url)
+    return Command(f"redis {pop.name}", "redis", argv, base_env(), pop.redis_url)
 
 
 def anycast_front(layout: StackLayout, ca_cert: Path) -> Command:

@@ -140,7 +140,7 @@ class PortsConfig(_Section):
     # `anycast_admin`.
     anycast_base: Port = 8601
     anycast_admin: Port = 8600
-    redis: Port = 6390  # the shared limits' redis-server (`limits: shared`)
+    redis: Port = 6390  # PoP i's redis-server (`limits: shared`): `redis + i`
     # PostgreSQL for `control_plane.db: postgres`; replica k (from 0) of the control plane
     # listens on `control_plane + k`, `xds + k` and `dns + k`.
     postgres: Port = 5433
@@ -162,8 +162,9 @@ class StackConfig(_Section):
     clients: list[str] = Field(default=list(DEFAULT_CLIENTS), max_length=100)
     # The API's name, answered by the control plane's DNS with the nearest healthy PoP.
     dns_name: DnsName = "api.meridian.test"
-    # shared: per-key limits across PoPs through one local redis-server (when installed);
-    # local: each gateway limits on its own.
+    # A key's limits hold across PoPs either way (each PoP admits from its share, from the
+    # control plane). shared: each PoP keeps its buckets in a redis-server of its own (when one
+    # is installed), as every process of a real PoP would share them; local: in its gateway.
     limits: Literal["shared", "local"] = "shared"
     edge: EdgeConfig | None = None
     api_key: ApiKeyConfig = Field(default_factory=ApiKeyConfig)

@@ -98,6 +98,7 @@ class PopLayout:
     metrics_port: int  # the gateway's /metrics, on the same address
     region_ingress: tuple[tuple[str, str], ...]  # (region, URL through this PoP's RTT path)
     edge_port: int | None = None
+    redis_port: int | None = None  # its buckets' redis-server (None: in the gateway process)
 
     @property
     def url(self) -> str:
@@ -110,6 +111,10 @@ class PopLayout:
     @property
     def edge_url(self) -> str | None:
         return url_of(self.edge_port) if self.edge_port is not None else None
+
+    @property
+    def redis_url(self) -> str | None:
+        return f"redis://{HOST}:{self.redis_port}/0" if self.redis_port is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +158,6 @@ class StackLayout:
     pops: tuple[PopLayout, ...] = ()
     clients: tuple[ClientLayout, ...] = ()
     anycast_admin_port: int | None = None  # None: no clients, no Anycast front
-    redis_port: int | None = None  # None: no shared limits
     dns_name: str = "api.meridian.test"
     replicas: int = 1  # control-plane replicas; more than one share `postgres_port`'s server
     postgres_port: int | None = None  # None: the control plane is on SQLite
@@ -199,10 +203,6 @@ class StackLayout:
     def anycast_admin_url(self) -> str | None:
         return url_of(self.anycast_admin_port) if self.anycast_admin_port is not None else None
 
-    @property
-    def redis_url(self) -> str | None:
-        return f"redis://{HOST}:{self.redis_port}/0" if self.redis_port is not None else None
-
     def pop(self, name: str) -> PopLayout:
         return next(pop for pop in self.pops if pop.name == name)
 
@@ -238,8 +238,7 @@ class StackLayout:
         ports += [(client.port, f"Anycast front {client.city}") for client in self.clients]
         if self.anycast_admin_port is not None:
             ports.append((self.anycast_admin_port, "Anycast front admin"))
-        if self.redis_port is not None:
-            ports.append((self.redis_port, "redis-server"))
+        ports += [(p.redis_port, f"redis-server {p.name}") for p in self.pops if p.redis_port]
         return ports
 
     def tcp_sockets(self) -> list[tuple[str, int, str]]:
@@ -278,7 +277,9 @@ def _region_layout(config: StackConfig, i: int, use_envoy: bool) -> RegionLayout
     )
 
 
-def _pop_layout(config: StackConfig, p: int, regions: tuple[RegionLayout, ...]) -> PopLayout:
+def _pop_layout(
+    config: StackConfig, p: int, regions: tuple[RegionLayout, ...], has_redis: bool
+) -> PopLayout:
     name = config.pops[p]
     place = locate(name)
     has_edge = config.edge is not None and name in config.edge.pops
@@ -294,12 +295,13 @@ def _pop_layout(config: StackConfig, p: int, regions: tuple[RegionLayout, ...]) 
             for region in regions
         ),
         edge_port=config.ports.edge_base + p if has_edge else None,
+        redis_port=config.ports.redis + p if has_redis and config.limits == "shared" else None,
     )
 
 
 def plan_layout(config: StackConfig, use_envoy: bool, has_redis: bool = False) -> StackLayout:
     """Ports and URLs for every part; StackError if two parts would share a port.
-    `has_redis`: shared limits are on and a redis-server is installed."""
+    `has_redis`: a redis-server is installed (each PoP gets its own with `limits: shared`)."""
     ports = config.ports
     regions = tuple(_region_layout(config, i, use_envoy) for i in range(len(config.regions)))
     clients = tuple(
@@ -311,10 +313,9 @@ def plan_layout(config: StackConfig, use_envoy: bool, has_redis: bool = False) -
         dns_port=ports.dns,
         gateway_port=ports.gateway,
         regions=regions,
-        pops=tuple(_pop_layout(config, p, regions) for p in range(len(config.pops))),
+        pops=tuple(_pop_layout(config, p, regions, has_redis) for p in range(len(config.pops))),
         clients=clients,
         anycast_admin_port=ports.anycast_admin if clients else None,
-        redis_port=ports.redis if has_redis and config.limits == "shared" else None,
         dns_name=config.dns_name,
         replicas=config.control_plane.replicas,
         postgres_port=ports.postgres if config.control_plane.db == "postgres" else None,

@@ -108,11 +108,18 @@ def replica_lines(answers: dict[str, tuple[str, dict[str, Any] | str]]) -> list[
 
 
 def live_limits(state: StackState) -> str:
-    """The limits mode `up` set, unless its redis-server has gone (the gateways then limit on
-    their own until it is back)."""
-    redis = next((r for r in state.processes if r.kind == "redis"), None)
-    if redis is not None and not redis.is_running():
-        return "local for now: redis-server is DOWN, so each PoP limits keys on its own"
+    """The limits mode `up` set, and which PoPs' redis-servers have gone (those PoPs limit in
+    their gateway process, from the levels last seen, until it is back)."""
+    down = [
+        r.name.removeprefix("redis ")
+        for r in state.processes
+        if r.kind == "redis" and not r.is_running()
+    ]
+    if down:
+        return (
+            f"{state.limits}; redis-server DOWN at {', '.join(down)}: limiting in the gateway "
+            "process there, from the levels last seen"
+        )
     return state.limits
 
 

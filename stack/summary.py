@@ -18,9 +18,13 @@ def count(num: int, noun: str) -> str:
 
 def limits_mode(layout: StackLayout) -> str:
     """Which per-key limits are live, in words (also in `meridian status`)."""
-    if layout.redis_url is not None:
-        return f"shared by every PoP through redis at {layout.redis_url}"
-    return "local: each PoP's gateway limits keys on its own"
+    across = "across PoPs by the control plane's shares"
+    ports = [str(pop.redis_port) for pop in layout.pops if pop.redis_port is not None]
+    if ports:
+        return (
+            f"{across}; each PoP's buckets in a redis-server of its own (ports {', '.join(ports)})"
+        )
+    return f"{across}; each PoP's buckets in its gateway process"
 
 
 def catchments(layout: StackLayout) -> dict[str, tuple[str, float]]:

@@ -372,10 +372,13 @@ class StackStarter:
                             label, self._probe_ok(f"{url}/ready"), DOWNSTREAM_TIMEOUT_S, child
                         )
                     )
-        if self.redis_path is not None and self.layout.redis_port is not None:
-            command = commands.redis_server(self.redis_path, self.layout, self.state_dir.root)
+        for pop in self.layout.pops:
+            if self.redis_path is None or pop.redis_port is None:
+                continue
+            command = commands.redis_server(self.redis_path, pop, self.state_dir.root)
             child = supervisor.start(command)
-            checks.append(ReadyCheck("redis (shared limits)", self._redis_is_up, 30.0, child))
+            probe = self._redis_is_up(pop.redis_port)
+            checks.append(ReadyCheck(f"{command.name} (its buckets)", probe, 30.0, child))
         for pop in self.layout.pops:
             command = commands.gateway(
                 self.config, self.layout, pop, self.tls[pop.name], self.tokens, self.model
@@ -392,13 +395,15 @@ class StackStarter:
             checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
         supervisor.wait_ready(checks)
 
-    def _redis_is_up(self) -> bool:
-        assert self.layout.redis_port is not None
-        try:
-            socket.create_connection(("127.0.0.1", self.layout.redis_port), 0.5).close()
-        except OSError:
-            return False
-        return True
+    def _redis_is_up(self, port: int) -> Callable[[], bool]:
+        def probe() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+            except OSError:
+                return False
+            return True
+
+        return probe
 
     def _probe_ok(self, url: str) -> Callable[[], bool]:
         return lambda: self._is_ok(url)

@@ -1,6 +1,6 @@
-"""`meridian status` for the global front end: the limits mode that is live (a dead
-redis-server means each PoP limits on its own), each PoP's health, and an unreachable Anycast
-front named in one line."""
+"""`meridian status` for the global front end: the limits mode that is live (a PoP whose
+redis-server died limits in its gateway process until it is back), each PoP's health, and an
+unreachable Anycast front named in one line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from stack.state import ProcessRecord, StackState, StateDir
 from stack.status import pop_tiers, status
 
 Sleeper = Callable[..., tuple[ProcessRecord, subprocess.Popen[bytes]]]  # conftest's `sleeper`
-SHARED = "shared by every PoP through redis at redis://127.0.0.1:6390/0"
+SHARED = (
+    "across PoPs by the control plane's shares; each PoP's buckets in a redis-server of its own "
+    "(ports 6390, 6391)"
+)
 
 
 def _state(records: list[ProcessRecord], ca_cert: Path) -> StackState:
@@ -38,8 +41,9 @@ def _state(records: list[ProcessRecord], ca_cert: Path) -> StackState:
 def test_status_says_which_limits_are_live_and_what_of_the_front_answers(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
-    redis, popen = sleeper("redis", "redis")
-    state_dir.write(_state([redis], ensure_gateway_tls(state_dir.tls_dir).ca_cert))
+    new_york, popen = sleeper("redis new-york", "redis")
+    london, _ = sleeper("redis london", "redis")
+    state_dir.write(_state([new_york, london], ensure_gateway_tls(state_dir.tls_dir).ca_cert))
     said: list[str] = []
     status(state_dir.root, said.append)
     text = "\n".join(said)
@@ -54,7 +58,10 @@ def test_status_says_which_limits_are_live_and_what_of_the_front_answers(
     popen.wait()
     said.clear()
     status(state_dir.root, said.append)
-    assert "limits: local for now: redis-server is DOWN" in "\n".join(said)
+    assert (
+        f"limits: {SHARED}; redis-server DOWN at new-york: limiting in the gateway process "
+        "there, from the levels last seen" in "\n".join(said)
+    )
 
 
 def test_a_pops_tiers_say_when_its_edge_is_cut_off() -> None:
