@@ -222,6 +222,7 @@ class Handlers:
             return await relay.run(request, headers)
         sink = BodySink()
         await relay.collect(sink)
+        headers[REGION_HEADER] = relay.opened.candidate.region  # a resumed one's: where it ended
         status, answer = self._whole_answer(relay, sink, headers, request_id)
         num_used = self._num_used(parsed, relay.reader)
         region, num_retries = relay.opened.candidate.region, relay.first.num_retries

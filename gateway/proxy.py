@@ -2,11 +2,14 @@
 
 An attempt fails over to the next region in the plan when, before the client has seen a byte,
 the connection fails, the region does not answer in time, or it answers 5xx or 429. "In time"
-is the first-byte timeout: a stream's first chunk, or a non-stream's whole answer (the timeout
+is the first-byte timeout: a stream's first token, or a non-stream's whole answer (the timeout
 plus its max_tokens at the slowest decode rate expected). A non-stream is read whole before
 anything is sent to the client, so any failure while reading it still fails over; a stream is
-committed once its first chunk arrives. Every completion goes upstream as a stream, a
-non-streamed one too (its body is assembled by gateway/whole.py), so that it can resume.
+committed once its first token arrives: a chat stream's opening role chunk does not count (the
+node sends it before its engine has done anything, so a node whose engine is stopped sends it
+too), and an error event in the place of the first token fails over as a 5xx does. Every
+completion goes upstream as a stream, a non-streamed one too (its body is assembled by
+gateway/whole.py), so that it can resume.
 Other statuses (400, 404, 413, 422, ...) are the node's judgement of the request itself: they
 go back to the client as they are, are not retried elsewhere (every region would say the same)
 and count as the region's success, never towards opening its breaker. Every attempt feeds the
@@ -34,6 +37,7 @@ from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate, RegionState, RoutePlan, Router
 from gateway.settings import GatewaySettings
+from gateway.sse import DATA_PREFIX, ERROR_PREFIX, EVENT_END, first_output
 from wire.heartbeat import NODE_ID_HEADER
 from wire.upstream_url import join_path
 
@@ -71,10 +75,11 @@ class Opened:
     candidate: Candidate
     state: RegionState | None
     response: aiohttp.ClientResponse
-    # The whole body (non-streams, errors), or the first chunk of a 200 stream.
+    # The whole body (non-streams, errors), or a 200 stream's bytes up to its first token.
     body: bytes
     sent_at_s: float  # when the attempt that answered started
     num_retries: int
+    answered_at_s: float  # when its response headers came (monotonic seconds)
     attempts: AttemptSequence | None = None  # what else this request may try (for resumes)
 
     @property
@@ -97,8 +102,36 @@ class Opened:
         self.response.release()
 
 
+class ErrorBeforeFirstTokenError(aiohttp.ClientError):
+    """The stream's first event past its role chunk is an error event: it never began."""
+
+
 def _cause_of(exc: BaseException) -> str:
+    if isinstance(exc, ErrorBeforeFirstTokenError):
+        return "error_event"
     return "timeout" if isinstance(exc, TimeoutError) else "connect"
+
+
+async def _read_to_first_token(content: aiohttp.StreamReader) -> bytes:
+    """A stream's bytes up to the read that completed its first token's event."""
+    parts: list[bytes] = []
+    pending = b""  # what follows the last whole event looked at
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            raise aiohttp.ServerDisconnectedError("the stream ended before its first token")
+        parts.append(chunk)
+        pending += chunk
+        event = first_output(pending)
+        if event is not None and event.startswith(ERROR_PREFIX):
+            raise ErrorBeforeFirstTokenError(
+                event[len(DATA_PREFIX) :][:200].decode(errors="replace")
+            )
+        if event is not None:
+            return b"".join(parts)
+        cut = pending.rfind(EVENT_END)
+        if cut >= 0:
+            pending = pending[cut + len(EVENT_END) :]
 
 
 class Proxy:
@@ -205,17 +238,16 @@ class Proxy:
                 headers=request.headers,
                 timeout=self._timeout,
             )
+            answered_at_s = time.monotonic()
             try:
                 if is_stream and response.status == 200:
-                    first = await response.content.readany()
-                    if not first:
-                        raise aiohttp.ServerDisconnectedError("stream ended before a byte")
+                    first = await _read_to_first_token(response.content)
                 else:
                     first = await response.read()
             except BaseException:
                 response.close()
                 raise
-        return Opened(candidate, None, response, first, 0.0, 0)
+        return Opened(candidate, None, response, first, 0.0, 0, answered_at_s)
 
     def _on_failure(
         self, candidate: Candidate, state: RegionState | None, cause: str, detail: str

@@ -67,7 +67,7 @@ class ResumeTiming:
 
     last_chunk_s: float  # the broken attempt's last chunk to the client
     detected_s: float  # the break seen (connection ended, stall timeout, error event)
-    reopened_s: float  # the continuation answered (its first byte)
+    reopened_s: float  # the continuation answered (its response headers)
     first_chunk_s: float | None = None  # its first chunk to the client
 
     @property
@@ -160,7 +160,9 @@ class StreamRelay:
             self.opened, self._has_read_all = continuation, False
             self._heard_s = time.monotonic()
             self.reader.begin_continuation()
-            self.resumes.append(ResumeTiming(self.last_chunk_s, detected_s, time.monotonic()))
+            self.resumes.append(
+                ResumeTiming(self.last_chunk_s, detected_s, continuation.answered_at_s)
+            )
             await self._forward(continuation.body, response)
         tail = self.reader.flush()
         if tail and self.error is None:

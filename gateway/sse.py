@@ -127,6 +127,14 @@ def is_first_token(event: bytes) -> bool:
     return event.startswith(DATA_PREFIX) and b'"role"' not in event and DONE_EVENT not in event
 
 
+def first_output(data: bytes) -> bytes | None:
+    """The first complete event of `data` (a stream's bytes) past the opening role chunk: a
+    token, a finish, usage or an error event; None while there is none. The node sends the
+    role chunk before its engine has done anything, so that chunk proves nothing of the
+    engine."""
+    return next((e for e in data.split(EVENT_END)[:-1] if is_first_token(e)), None)
+
+
 class StreamReader:
     """Feed upstream bytes in order; get back the bytes to send to the client."""
 
@@ -200,7 +208,7 @@ class StreamReader:
             self._finish_event = next((e for e in events.split(EVENT_END) if _has_finish(e)), None)
         self.num_events += events.count(EVENT_END)
         if not self.has_first_token:
-            self.has_first_token = any(is_first_token(e) for e in events.split(EVENT_END))
+            self.has_first_token = first_output(events) is not None
         if not self.is_done and DONE_EVENT in events:
             self.is_done = True
         if b'"usage":{' in events or b'"usage": {' in events:
