@@ -10,8 +10,9 @@ with `--consul`, Consul's catalog (memory only, replaced whenever Consul's view 
 rule, one place in `Node.is_healthy`:
 
 - Consul says the node's checks are critical: unhealthy, whatever the heartbeats say (a veto).
-- The node heartbeats to us: healthy while its beats are current (Consul passing alone is not
-  enough: a node that reports to us and stops is gone, or cut off from us).
+- The node heartbeats to us: healthy while its beats are current and its latest says its engine
+  is alive (Consul passing alone is not enough: a node that reports to us and stops is gone, or
+  cut off from us).
 - Known only from Consul: healthy while Consul's checks pass (passing or warning); it carries no
   capacity numbers. When Consul is unreachable its opinion is "unknown": no veto, and Consul-only
   nodes are unhealthy until Consul answers again.
@@ -106,7 +107,7 @@ class Node:
         if self.consul is not None and self.consul.status == "critical":
             return False
         if self.is_from_heartbeats:
-            return self.is_beating
+            return self.is_beating and (self.last_beat is None or self.last_beat.engine_alive)
         return self.consul is not None and self.consul.status in ("passing", "warning")
 
     @property

@@ -3,7 +3,8 @@
 `generate` checks and tokenizes a request here, sends it to the core, and yields what the core
 sends back; the core runs on a thread of this process (engine/async_llm.py, `AsyncLLM`) or in a
 process of its own (engine/core_client.py, `EngineCoreClient`). Subclasses deliver each batch
-of the core's outputs to `_receive` on the event loop, and a failure of the core to `_fail`.
+of the core's outputs to `_receive` on the event loop, a failure of the core to `_fail`, and a
+core that stops answering, for as long as it does, to `_set_unresponsive`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class AsyncEngine(ABC):
         self._sinks: dict[str, _Sink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
+        # Why the core does not answer now (None: it does, as far as this side can tell).
+        self.unresponsive_reason: str | None = None
         self._stats = stats
 
     @property
@@ -85,6 +88,8 @@ class AsyncEngine(ABC):
         """
         if self._error is not None or not self.is_running:
             raise EngineDeadError("the engine is not running") from self._error
+        if self.unresponsive_reason is not None:
+            raise self._not_answering()
         if isinstance(prompt, str):
             token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
         else:
@@ -131,6 +136,21 @@ class AsyncEngine(ABC):
         """On the event loop: the core is gone; every waiting request fails with `error`."""
         if self._error is None:
             self._error = error
+        self._fail_requests(error)
+
+    def _set_unresponsive(self, reason: str | None) -> None:
+        """On the event loop: the core stopped answering (`reason`), or answers again (None).
+        The requests under way fail at once, so that their clients go elsewhere rather than
+        wait for a core that may never answer; new ones are refused until it does. A core that
+        answers again carries on: the failed requests' aborts reach it then."""
+        was, self.unresponsive_reason = self.unresponsive_reason, reason
+        if reason is not None and was is None:
+            self._fail_requests(self._not_answering())
+
+    def _not_answering(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine core does not answer: {self.unresponsive_reason}")
+
+    def _fail_requests(self, error: EngineDeadError) -> None:
         for request_id in list(self._sinks):
             self._put(request_id, error)
 

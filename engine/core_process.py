@@ -5,7 +5,8 @@ The process lives exactly as long as its parent wants it: it ends on `StopCore`,
 closes (the parent exited, however it died), and, should a long step keep it from reading the
 pipe, when a watchdog sees that the parent is gone; it then exits at once, without the
 interpreter's teardown. Its parallel workers, if any, follow it
-(engine/workers.py: they end when its pipes close).
+(engine/workers.py: they end when its pipes close). While it runs it leaves signs of life for
+its client: a thread's ticks, and its loop's turns (engine/core_liveness.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
+from engine.core_liveness import CoreSigns
 from engine.engine_core import Command, CoreOutputs, EngineCore
 from engine.errors import EngineDeadError
 from engine.llm_engine import EngineStats, LLMEngine
@@ -51,18 +53,24 @@ class CoreFailed:
 
 
 class _PipeInbox:
-    def __init__(self, pipe: Connection):
+    """The loop asks it for commands once a turn: what the loop does between two asks is the
+    turn, which the signs of life time."""
+
+    def __init__(self, pipe: Connection, signs: CoreSigns):
         self._pipe = pipe
+        self._signs = signs
 
     def get(self, block: bool) -> list[Command]:
         """Raises EOFError once the parent's end is closed."""
+        self._signs.end_turn()
         items: list[Command] = []
-        if not block and not self._pipe.poll():
-            return items
-        while True:
-            items += self._pipe.recv()  # the client sends lists of commands
-            if not self._pipe.poll():
-                return items
+        if block or self._pipe.poll():
+            while True:
+                items += self._pipe.recv()  # the client sends lists of commands
+                if not self._pipe.poll():
+                    break
+        self._signs.begin_turn()
+        return items
 
 
 def _send_outputs(pipe: Connection, batch: CoreOutputs) -> None:
@@ -91,9 +99,11 @@ def _watch_parent(parent_pid: int, stopped: threading.Event) -> None:
             return
 
 
-def run_core(config: EngineConfig, pipe: Connection, parent_pid: int, log_level: int) -> None:
+def run_core(
+    config: EngineConfig, pipe: Connection, parent_pid: int, log_level: int, signs: CoreSigns
+) -> None:
     """The process's target."""
-    _serve(config, pipe, parent_pid, log_level)
+    _serve(config, pipe, parent_pid, log_level, signs)
     # Leave without the interpreter's teardown: collecting and freeing the engine's objects one
     # by one kept both cores busy for most of a second after a node died, while the node that
     # took over its streams prefilled them on the same machine (issue 15). Nothing is left to
@@ -102,13 +112,18 @@ def run_core(config: EngineConfig, pipe: Connection, parent_pid: int, log_level:
     os._exit(0)
 
 
-def _serve(config: EngineConfig, pipe: Connection, parent_pid: int, log_level: int) -> None:
+def _serve(
+    config: EngineConfig, pipe: Connection, parent_pid: int, log_level: int, signs: CoreSigns
+) -> None:
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (core): %(message)s"
     )
     stopped = threading.Event()
     threading.Thread(
         target=_watch_parent, args=(parent_pid, stopped), name="parent-watch", daemon=True
+    ).start()
+    threading.Thread(
+        target=signs.tick_until, args=(stopped,), name="signs-of-life", daemon=True
     ).start()
     try:
         try:
@@ -118,7 +133,7 @@ def _serve(config: EngineConfig, pipe: Connection, parent_pid: int, log_level: i
             return
         try:
             pipe.send(CoreReady(engine.tokenizer, engine.limits, engine.stats(), os.getpid()))
-            EngineCore(engine, _PipeInbox(pipe), lambda b: _send_outputs(pipe, b)).run()
+            EngineCore(engine, _PipeInbox(pipe, signs), lambda b: _send_outputs(pipe, b)).run()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             logger.warning("the engine core's client is gone; stopping")
         except Exception as exc:  # the client fails every request with it

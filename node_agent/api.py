@@ -161,9 +161,10 @@ def _model_card(runtime: NodeRuntime) -> JSON:
 
 @router.get("/health")
 async def health(runtime: Runtime) -> JSONResponse:
-    """Alive: 200 unless the model failed to load or the engine died."""
-    if runtime.load_error is not None or runtime.is_engine_dead:
-        return JSONResponse({"status": "dead", "reason": runtime.not_ready_reason()}, 503)
+    """Alive: 200 unless the model failed to load, or the engine died or does not answer."""
+    problem = runtime.health_problem()
+    if problem is not None:
+        return JSONResponse({"status": "dead", "reason": problem}, 503)
     return JSONResponse({"status": "ok"})
 
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from engine.async_engine import AsyncEngine
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient
+from engine.core_client import DEFAULT_LIVENESS, EngineCoreClient
+from engine.core_liveness import LivenessLimits
 from engine.llm_engine import EngineStats
 from node_agent.admission import Admission, Ticket
 from node_agent.drain import Drain
@@ -29,10 +30,13 @@ logger = logging.getLogger(__name__)
 CONTROL_PLANE_DRAIN = "the control plane asked"
 
 
-def load_engine(config: EngineConfig, separate_process: bool) -> AsyncEngine:
-    """The engine core in a process of its own (the default), or on a thread of this one."""
+def load_engine(
+    config: EngineConfig, separate_process: bool, liveness: LivenessLimits = DEFAULT_LIVENESS
+) -> AsyncEngine:
+    """The engine core in a process of its own (the default; watched for signs of life by
+    `liveness`), or on a thread of this one."""
     if separate_process:
-        return EngineCoreClient.from_config(config)
+        return EngineCoreClient.from_config(config, liveness)
     return AsyncLLM.from_config(config)
 
 
@@ -65,7 +69,10 @@ class NodeRuntime:
         """Load the engine in a thread (seconds); on failure, record it and stop the server."""
         try:
             llm = await asyncio.to_thread(
-                load_engine, self.settings.engine_config(), self.settings.engine_process
+                load_engine,
+                self.settings.engine_config(),
+                self.settings.engine_process,
+                self.settings.engine_liveness(),
             )
         except Exception as exc:  # any load failure ends the node; it is reported, not raised
             logger.error("could not load %s: %s", self.settings.model, exc)
@@ -99,13 +106,22 @@ class NodeRuntime:
     def is_ready(self) -> bool:
         return self.not_ready_reason() is None
 
-    def not_ready_reason(self) -> str | None:
+    def health_problem(self) -> str | None:
+        """Why this node cannot serve whatever it is asked (None: it can)."""
         if self.load_error is not None:
             return "the model failed to load"
-        if self.llm is None:
-            return "the model is loading"
         if self.is_engine_dead:
             return "the engine has stopped"
+        if self.llm is not None and self.llm.unresponsive_reason is not None:
+            return f"the engine core does not answer: {self.llm.unresponsive_reason}"
+        return None
+
+    def not_ready_reason(self) -> str | None:
+        problem = self.health_problem()
+        if problem is not None:
+            return problem
+        if self.llm is None:
+            return "the model is loading"
         if self.drain.is_draining:
             return "the node is draining"
         return None
@@ -157,6 +173,7 @@ class NodeRuntime:
             num_running_prefill_tokens=stats.num_running_prefill_tokens,
             decode_tokens_per_s=max(stats.decode_tokens_per_s, 0.0),
             draining=self.drain.is_draining or self.is_engine_dead,
+            engine_alive=self.health_problem() is None,
             num_in_flight=self.admission.num_in_flight,
             timestamp=time.time(),
         )

@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from engine.config import EngineConfig
+from engine.core_liveness import LivenessLimits
 from engine.model_store import DEFAULT_MODEL
 from wire.addresses import is_loopback_host
 from wire.capacity import DEFAULT_MAX_NUM_WAITING_REQUESTS
@@ -64,6 +65,11 @@ class NodeAgentSettings(BaseSettings):
     # The engine core (scheduler and model stepping) in a process of its own, so that HTTP and
     # the event loop do not take cores from its threads; False: on a thread of this process.
     engine_process: bool = True
+    # That process does not answer when it gives no sign of life for `engine_max_silence_s`
+    # (stopped, frozen) or one step of its loop runs `engine_max_step_s`: the node then fails
+    # its requests and reports itself unhealthy until it answers again (engine/core_liveness.py).
+    engine_max_silence_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    engine_max_step_s: float = Field(default=60.0, gt=0.0, le=86400.0)
 
     # Where to listen, and who this node is.
     host: str = "127.0.0.1"
@@ -171,6 +177,10 @@ class NodeAgentSettings(BaseSettings):
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
+
+    def engine_liveness(self) -> LivenessLimits:
+        """When the engine core process counts as not answering."""
+        return LivenessLimits(self.engine_max_silence_s, self.engine_max_step_s)
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings."""

@@ -61,6 +61,10 @@ class Heartbeat(BaseModel):
     num_running_prefill_tokens: Count = 0
     decode_tokens_per_s: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)] = 0.0
     draining: bool = False
+    # False while the node's engine cannot serve (it died, or its core process does not answer:
+    # stopped, or stuck in one step): the node is unhealthy, though it beats. Optional: an agent
+    # that does not send it is judged by its beats alone.
+    engine_alive: bool = True
     # Requests admitted and not yet answered in full (streams included), as the node's HTTP layer
     # counts them. Optional: without it the control plane uses num_running + num_waiting.
     num_in_flight: Count | None = None
