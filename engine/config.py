@@ -44,7 +44,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # Once running, a rank that keeps the others waiting this long in a collective or a receive
-    # has died or hung.
+    # has died or hung; while starting, one silent this long (engine/worker_start.py).
     parallel_step_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:

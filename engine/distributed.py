@@ -100,16 +100,17 @@ def init_groups(
     init_method: str,
     device: torch.device,
     step_timeout_s: float,
+    rendezvous_timeout_s: float,
 ) -> tuple[TPGroup, PPGroup]:
-    """Join the world and this rank's groups. Start-up may wait for every rank to load its
-    weights; once running, a collective or a receive that waits longer than `step_timeout_s`
-    means a rank died or hung."""
+    """Join the world and this rank's groups, waiting up to `rendezvous_timeout_s` for the
+    other ranks to come; once running, a collective or a receive that waits longer than
+    `step_timeout_s` means a rank died or hung."""
     dist.init_process_group(
         backend_for(device),
         init_method=init_method,
         rank=rank,
         world_size=tp_size * pp_size,
-        timeout=timedelta(minutes=10),
+        timeout=timedelta(seconds=rendezvous_timeout_s),
     )
     timeout = timedelta(seconds=step_timeout_s)
     stage, tp_rank = divmod(rank, tp_size)

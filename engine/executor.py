@@ -25,7 +25,7 @@ from engine.pipeline import PipelineStage, StageWork, stage_layers
 from engine.sampler import SamplerOutput, SamplingRequest, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.workers import ParallelSpec, Workers, build_stage, free_init_method
+from engine.workers import ParallelSpec, Workers, build_stage, free_init_method, set_up_device
 
 # Loading weights (and building the CPU kernel the first time) on every rank.
 _START_TIMEOUT_S = 600.0
@@ -81,10 +81,22 @@ class ModelExecutor:
             self.stage = PipelineStage(ModelRunner(checkpoint, shape), PPGroup())
             return
         spec = ParallelSpec(
-            str(checkpoint.path), shape, tp_size, pp_size, free_init_method(), step_timeout_s
+            str(checkpoint.path),
+            shape,
+            tp_size,
+            pp_size,
+            free_init_method(),
+            step_timeout_s,
+            _START_TIMEOUT_S,
         )
-        self.workers = Workers(spec, _START_TIMEOUT_S)
-        self.stage = build_stage(spec, 0, shape)
+        self.workers = Workers(spec)
+        set_up_device(spec, 0)
+        try:
+            # Every worker is at the rendezvous already: a short wait there, or one stopped.
+            self.stage = build_stage(spec, 0, shape, rendezvous_timeout_s=step_timeout_s)
+        except BaseException:
+            self.workers.fail_start()
+            raise
 
     @property
     def runner(self) -> ModelRunner:
@@ -113,7 +125,7 @@ class ModelExecutor:
         else:
             self.runner.allocate_kv_cache(num_blocks)
         if self.workers is not None:
-            self.workers.wait_ready(_START_TIMEOUT_S)
+            self.workers.wait_ready()
 
     def submit(self, batch: ScheduledBatch) -> None:
         """Start `batch` down the pipeline: send it to every worker and run the first stage."""

@@ -7,9 +7,11 @@ the TP shards of a stage meet in the model's all-reduces, and the stages pass ac
 the next step as long as the engine idles, and tells it at once when the driver is gone.
 Workers are spawned, never forked, so CUDA and OpenMP start clean in each. A spawned worker
 first imports the driver's main module again; the driver waits for each to say it has started
-before it joins the process group, so that a worker dying in that import (a script without the
-`if __name__ == "__main__":` guard) fails the engine at once instead of leaving the driver waiting
-for a rank that will never come.
+and set up its device before it joins the process group, so that a worker dying in that import
+(a script without the `if __name__ == "__main__":` guard) fails the engine at once instead of
+leaving the driver waiting for a rank that will never come, and the driver's own wait at the
+rendezvous is short. Workers beat while they start, and one that falls silent (stopped, hung)
+fails the start within `step_timeout_s` (engine/worker_start.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import logging
 import multiprocessing as mp
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -31,22 +32,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.distributed import PPGroup, TPGroup, init_groups
-from engine.errors import EngineDeadError, WorkerStartupError
+from engine.distributed import init_groups
+from engine.errors import EngineDeadError
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner, RunnerShape
 from engine.pipeline import PipelineStage, StageWork, stage_layers
+from engine.worker_start import JOINING, READY, STARTED, StartReporter, StartWatch
 
 _JOIN_TIMEOUT_S = 10.0
-_POLL_S = 0.1
-_STARTED = "started"
-_READY = "ready"
-MAIN_GUARD_HINT = (
-    "Workers are spawned: each one first re-imports the main script, so a script that builds "
-    "LLM(tensor_parallel_size=...) or LLM(pipeline_parallel_size=...) at import time builds "
-    "one again inside every worker, which cannot start processes of its own and dies. Put "
-    'that code under `if __name__ == "__main__":` (the worker\'s traceback is above).'
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +51,8 @@ class ParallelSpec:
     tp_size: int
     pp_size: int
     init_method: str
-    step_timeout_s: float
+    step_timeout_s: float  # also how long a starting worker may stay silent
+    start_timeout_s: float  # loading weights (and building the CPU kernel) on every rank
 
     @property
     def world_size(self) -> int:
@@ -85,29 +79,39 @@ def share_cpu_threads(size: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
-def join_groups(spec: ParallelSpec, rank: int) -> tuple[TPGroup, PPGroup]:
+def set_up_device(spec: ParallelSpec, rank: int) -> torch.device:
     device = rank_device(spec.shape, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         share_cpu_threads(spec.world_size)
-    return init_groups(
-        rank, spec.tp_size, spec.pp_size, spec.init_method, device, spec.step_timeout_s
+    return device
+
+
+def build_stage(
+    spec: ParallelSpec, rank: int, device_shape: RunnerShape, rendezvous_timeout_s: float
+) -> PipelineStage:
+    """Join the groups (the device set up already) and load this rank's shard of its stage's
+    layers."""
+    tp, pp = init_groups(
+        rank,
+        spec.tp_size,
+        spec.pp_size,
+        spec.init_method,
+        device_shape.device,
+        spec.step_timeout_s,
+        rendezvous_timeout_s,
     )
-
-
-def build_stage(spec: ParallelSpec, rank: int, device_shape: RunnerShape) -> PipelineStage:
-    """Join the groups and load this rank's shard of its stage's layers."""
-    tp, pp = join_groups(spec, rank)
     checkpoint = load_checkpoint(Path(spec.checkpoint))
     layers = stage_layers(checkpoint.config, spec.pp_size, pp.stage)
     return PipelineStage(ModelRunner(checkpoint, device_shape, tp, layers), pp)
 
 
 class Workers:
-    """The driver's handle on ranks 1..TP*PP-1; built once every worker has started."""
+    """The driver's handle on ranks 1..TP*PP-1; built once every worker has started and is
+    joining the process group."""
 
-    def __init__(self, spec: ParallelSpec, start_timeout_s: float):
+    def __init__(self, spec: ParallelSpec):
         self.spec = spec
         context = mp.get_context("spawn")
         self.processes: list[BaseProcess] = []
@@ -125,8 +129,17 @@ class Workers:
             self.processes.append(process)
             self.pipes.append(ours)
         atexit.register(self.shutdown)
+        self._start = StartWatch(
+            self.pipes, self.processes, spec.step_timeout_s, spec.start_timeout_s
+        )
+        self.follow_start(STARTED)
+        self.follow_start(JOINING)
+
+    def follow_start(self, message: str) -> None:
+        """Wait until every worker has sent `message` (engine/worker_start.py); a start that
+        fails stops every worker."""
         try:
-            self._wait_started(start_timeout_s)
+            self._start.wait_for(message)
         except BaseException:
             self.kill()
             raise
@@ -141,48 +154,18 @@ class Workers:
             self.raise_if_dead()
             raise EngineDeadError(f"lost a parallel worker: {exc}") from exc
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def fail_start(self) -> None:
+        """The driver's own part of the start failed: stop every worker, raising
+        WorkerStartupError instead if a worker made it fail (it exited or fell silent)."""
+        try:
+            self._start.raise_if_failed()
+        finally:
+            self.kill()
+
+    def wait_ready(self) -> None:
         """Wait until every worker has its weights and cache: the first step's collectives
         then start together, and only a rank that dies or hangs can make them time out."""
-        deadline = time.monotonic() + timeout_s
-        for pipe in self.pipes:
-            while not pipe.poll(0.5):
-                self.raise_if_dead()
-                if time.monotonic() > deadline:
-                    raise EngineDeadError("parallel workers did not start in time")
-            if pipe.recv() != _READY:
-                raise EngineDeadError("a parallel worker failed to start")
-
-    def _wait_started(self, timeout_s: float) -> None:
-        """Wait until every worker has imported what it needs and runs our code; a worker
-        that exits before that is named, with the likely cause."""
-        deadline = time.monotonic() + timeout_s
-        pending = dict(zip(self.pipes, self.processes, strict=True))
-        while pending:
-            for pipe in wait_for_connections(list(pending), _POLL_S):
-                assert isinstance(pipe, Connection)
-                process = pending.pop(pipe)
-                try:
-                    message = pipe.recv()
-                except EOFError:
-                    raise self._died_starting(process) from None
-                assert message == _STARTED, "a worker says it has started before anything else"
-            for process in pending.values():
-                if not process.is_alive():
-                    raise self._died_starting(process)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(p.name for p in pending.values())
-                raise WorkerStartupError(f"{names} did not start in {timeout_s:g} s")
-
-    def _died_starting(self, process: BaseProcess) -> WorkerStartupError:
-        process.join(_JOIN_TIMEOUT_S)
-        # Only a main module read from a file is imported again by spawned workers.
-        has_main_file = getattr(sys.modules["__main__"], "__file__", None) is not None
-        hint = MAIN_GUARD_HINT if has_main_file else "Its traceback is above."
-        return WorkerStartupError(
-            f"parallel worker {process.name} exited (code {process.exitcode}) while starting, "
-            f"before it could run. {hint}"
-        )
+        self.follow_start(READY)
 
     def raise_if_dead(self, grace_s: float = 0.0) -> None:
         """EngineDeadError naming the dead workers, if any. A step that failed may have seen a
@@ -227,16 +210,18 @@ class Workers:
 
 
 def _worker_main(spec: ParallelSpec, rank: int, pipe: Connection) -> None:
-    pipe.send(_STARTED)
+    reporter = StartReporter(pipe)
+    reporter.started()
     logging.basicConfig(level=logging.WARNING)
-    shape = spec.shape
-    device_shape = replace(shape, device=rank_device(shape, rank))
-    stage = build_stage(spec, rank, device_shape)
+    device_shape = replace(spec.shape, device=set_up_device(spec, rank))
+    reporter.joining()
+    # The driver enters the rendezvous once every worker is joining, after its own device.
+    stage = build_stage(spec, rank, device_shape, rendezvous_timeout_s=spec.start_timeout_s)
     try:
         num_blocks = pipe.recv()
         assert isinstance(num_blocks, int), "the driver sends the KV block count first"
         stage.runner.allocate_kv_cache(num_blocks)
-        pipe.send(_READY)
+        reporter.ready()
         while (message := pipe.recv()) is not None:
             stage.forward(message)
     except EOFError:
