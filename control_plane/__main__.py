@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
 import sys
-from types import FrameType
 
-import uvicorn
-from fastapi import FastAPI
 from pydantic import ValidationError
 
 from control_plane.app import create_app
-from control_plane.services import ControlPlane
+from control_plane.server import ControlPlaneServer
 from control_plane.settings import Settings
 from control_plane.store import StoreError, open_store
 from control_plane.tokens import ENV_NAMES, TokenKind
@@ -26,24 +21,6 @@ from wire.validation import one_line
 logger = logging.getLogger("control_plane")
 
 NODE_TOKEN_ENV = ENV_NAMES[TokenKind.NODE]
-# Long-polling gateways hold requests open for up to `wait`; do not let them delay shutdown.
-GRACEFUL_SHUTDOWN_S = 2
-
-
-class ControlPlaneServer(uvicorn.Server):
-    """uvicorn, telling the app the moment a stop begins (`ControlPlane.begin_stop`)."""
-
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
-        super().__init__(config)
-        self._app = app
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        services = getattr(self._app.state, "services", None)
-        if isinstance(services, ControlPlane):
-            # A signal handler may interrupt the event loop anywhere: run it as a callback.
-            with contextlib.suppress(RuntimeError):  # no loop running: nothing to tell
-                asyncio.get_running_loop().call_soon_threadsafe(services.begin_stop)
-        super().handle_exit(sig, frame)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,19 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.dns_port,
         settings.consul_addr or "off",
     )
-    server = ControlPlaneServer(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level.lower(),
-            access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            ssl_certfile=settings.tls_cert,
-            ssl_keyfile=settings.tls_key,
-        ),
-        app,
-    )
+    server = ControlPlaneServer(app, settings)
     server.run()
     return 0 if server.started else 1
 

@@ -28,7 +28,6 @@ from control_plane.fleet import Fleet
 from control_plane.fleet_store import FleetStore, load_drains, load_fleet, load_health
 from control_plane.health_snapshot import SAVE_EVERY_S, SAVE_EVERY_S_REPLICAS
 from control_plane.keys import KeyRegistry
-from control_plane.limits import RequestLimits
 from control_plane.node_credentials import CredentialRegistry, NodeCredential, load_credentials
 from control_plane.refusals import RefusalAudit, RefusalLimits
 from control_plane.registry import Registry
@@ -40,6 +39,7 @@ from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet, resolve_tokens
 from control_plane.xds import api as xds_api
 from control_plane.xds.server import ServerTls, XdsServer
+from wire.request_limits import RequestLimits
 from wire.routing_policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)

@@ -98,10 +98,19 @@ class Settings(BaseSettings):
     # How often health is re-judged and summaries recomputed; bounds how late a gateway hears of
     # a change caused by time passing (a node going silent), so keep it well under a second.
     sweep_interval_s: float = Field(default=0.25, gt=0.0, le=1.0)
-    # Caps checked before routing (control_plane/limits.py): 413 and 431 past them. The biggest
-    # legitimate bodies (a routing policy, a region) are a few KiB.
+    # Caps checked before routing (wire/request_limits.py): 413 and 431 past them. The biggest
+    # legitimate bodies (a routing policy, a region) are a few KiB; headers are the same cap as
+    # at the gateway and the nodes.
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
-    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    max_header_bytes: int = Field(default=8 * 1024, ge=1024, le=1024 * 1024)
+    # Bounds on connections (wire/connection_guard.py): a TLS handshake, a connection's first
+    # request head (from accept) and every head (from its first byte), and idle keep-alive.
+    tls_handshake_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    header_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    keepalive_timeout_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    # Nodes hold one connection each (heartbeats), gateways a few (watches); behind a NAT a
+    # region's nodes share one address. 0: no cap.
+    max_connections_per_address: int = Field(default=512, ge=0)
     # The hosts region ingresses and node addresses may name (control_plane/upstream_urls.py): IP
     # networks and DNS names (a name allows its subdomains), comma-separated in the environment.
     # Empty: any URL that passes the rule (http(s)://HOST[:PORT], no link-local address...).

@@ -21,13 +21,13 @@ from pydantic import ValidationError
 from gateway.app import create_app
 from gateway.server import (
     GatewayServer,
-    bind_socket,
     certificate_paths,
     configure_logging,
     flush_logs_periodically,
 )
 from gateway.settings import GatewaySettings
 from gateway.tls import server_context
+from wire.connection_guard import bind_socket
 from wire.validation import one_line
 
 PROG = "gateway"
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "shared by all keys" if settings.share_prefix_cache else "per key",
     )
     app = create_app(settings, metrics_sock)
-    uvloop.run(_serve(GatewayServer(app, sock, context), log_handler))
+    uvloop.run(_serve(GatewayServer(app, sock, context, settings), log_handler))
     return 0
 
 

@@ -22,6 +22,7 @@ from aiohttp import web
 from gateway.api import Handlers
 from gateway.edge import AutoTier
 from gateway.errors import GatewayError, error_response
+from gateway.http_limits import cap_headers
 from gateway.keys import KeyTable
 from gateway.limit_reports import UsageReporter
 from gateway.limit_shares import PopLimiter, ShareTable, UsageMeter
@@ -197,7 +198,10 @@ def create_app(
             await control_plane_session.close()
             await session.close()
 
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[cap_headers(settings.max_header_bytes), openai_errors],
+    )
     app[HANDLERS] = handlers
     app.cleanup_ctx.append(lifespan)
     app.router.add_post("/v1/chat/completions", handlers.chat)

@@ -2,7 +2,9 @@
 
 The server's access log is off: the gateway writes its own line per request, with the request
 id, region and key. Handlers are cancelled when a client's connection drops, so a stream or a
-pending upstream request is abandoned at once rather than at its next write.
+pending upstream request is abandoned at once rather than at its next write. Connections are
+bounded below HTTP by the connection guard (a cap per client address, deadlines on the TLS
+handshake and the first request head) and above it by aiohttp's keep-alive timer.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway import tls
+from gateway.http_limits import GatewayRequestHandler
 from gateway.request_ids import RequestIdFilter
 from gateway.settings import GatewaySettings
+from wire.connection_guard import ConnectionGuard, ConnectionLimits, GuardedListener
 
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5.0
-BACKLOG = 4096
 LOG_BUFFER_BYTES = 64 * 1024
 FLUSH_INTERVAL_S = 0.5
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
@@ -88,46 +91,61 @@ def certificate_paths(settings: GatewaySettings) -> tuple[Path, Path] | None:
     return settings.tls_cert, settings.tls_key
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 class GatewayServer:
-    """The app on a bound socket; `serve()` runs until `stop()` (or cancellation)."""
+    """The app on a bound socket; `serve()` runs until `stop()` (or cancellation).
+
+    Each accepted connection goes through the connection guard (wire/connection_guard.py), which
+    does the TLS handshake too, into the gateway's aiohttp protocol (gateway/http_limits.py).
+    """
 
     def __init__(
-        self, app: web.Application, sock: socket.socket, context: ssl.SSLContext | None
+        self,
+        app: web.Application,
+        sock: socket.socket,
+        context: ssl.SSLContext | None,
+        settings: GatewaySettings,
     ) -> None:
         self.app = app
         self._sock = sock
-        self._context = context
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self.guard = ConnectionGuard(connection_limits(settings), context)
+        self._settings = settings
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, shutdown_timeout=GRACEFUL_SHUTDOWN_S
+        )
         self._stopped = asyncio.Event()
         self.is_started = False
 
     async def serve(self) -> None:
         await self._runner.setup()
+        listener = GuardedListener(self._sock, self.guard, self._new_handler)
+        accepting = asyncio.create_task(listener.serve())
+        self.is_started = True
         try:
-            site = web.SockSite(
-                self._runner,
-                self._sock,
-                ssl_context=self._context,
-                backlog=BACKLOG,
-                shutdown_timeout=GRACEFUL_SHUTDOWN_S,
-            )
-            await site.start()
-            self.is_started = True
             await self._stopped.wait()
         finally:
+            accepting.cancel()
+            self._sock.close()
+            self.guard.close()
             await self._runner.cleanup()
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def _new_handler(self) -> asyncio.Protocol:
+        manager = self._runner.server
+        assert manager is not None
+        return GatewayRequestHandler(
+            manager,
+            loop=asyncio.get_running_loop(),
+            keepalive_timeout_s=self._settings.keepalive_timeout_s,
+            max_header_bytes=self._settings.max_header_bytes,
+        )
+
+
+def connection_limits(settings: GatewaySettings) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections_per_address=settings.max_connections_per_address,
+        header_timeout_s=settings.header_timeout_s,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
+        tls_handshake_timeout_s=settings.tls_handshake_timeout_s,
+    )

@@ -77,6 +77,19 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = Field(default=1024, ge=1, le=1_000_000)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 
+    # What one client connection may hold (gateway/http_limits.py, wire/connection_guard.py): 431
+    # past the header cap (the same at every service), a TLS handshake and a connection's first
+    # request head bounded from accept, later ones by the keep-alive timeout (aiohttp's timer
+    # runs from the previous answer to the next complete head), which is longer than the common
+    # clients' pools keep idle connections (httpx 5 s, aiohttp 15 s).
+    max_header_bytes: int = Field(default=8 * 1024, ge=1024, le=1024 * 1024)
+    tls_handshake_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    header_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    keepalive_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    # Clients behind one NAT share an address; the bench opens a few hundred from one. 0: no cap
+    # (behind a proxy that all clients share the address of).
+    max_connections_per_address: int = Field(default=1024, ge=0)
+
     # Upstream timeouts.
     connect_timeout_s: float = Field(default=2.0, gt=0.0, le=60.0)
     # A request's whole budget, failover included; the first byte must come within it.

@@ -18,8 +18,9 @@ from engine.errors import EngineError
 from engine.model_store import resolve_model
 from node_agent.app import create_app
 from node_agent.consul import parse_consul_addr
-from node_agent.server import NodeServer, bind_socket
+from node_agent.server import NodeServer
 from node_agent.settings import NodeAgentSettings, NodeConfigError
+from wire.connection_guard import bind_socket
 from wire.validation import one_line
 
 PROG = "node_agent"
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
-    server = NodeServer(app, settings.log_level)
+    server = NodeServer(app, settings)
     logger.info(
         "node %s (region %s) listening on %s; loading %s",
         app.state.runtime.node_id,

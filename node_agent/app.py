@@ -24,6 +24,7 @@ from node_agent.heartbeat import HeartbeatLoop, control_plane_client
 from node_agent.request_ids import RequestIdMiddleware
 from node_agent.runtime import NodeRuntime
 from node_agent.settings import NodeAgentSettings
+from wire.request_limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,13 @@ def create_app(settings: NodeAgentSettings, llm: AsyncEngine | None = None) -> F
     if settings.serving_token is not None:
         # Added first, so it runs inside the request-id middleware: refusals carry an id too.
         app.add_middleware(ServingAuthMiddleware, token=settings.serving_token.get_secret_value())
+    # Outside the token check, so that no body is read before the caps are; inside the request
+    # ids, so that a refusal carries one.
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        max_header_bytes=settings.max_header_bytes,
+    )
     app.add_middleware(RequestIdMiddleware, node_id=runtime.node_id)
     install_error_handlers(app)
     app.include_router(router)

@@ -16,38 +16,32 @@ import signal
 import socket
 from types import FrameType
 
-import uvicorn
 from fastapi import FastAPI
 
 from node_agent.runtime import NodeRuntime
+from node_agent.settings import NodeAgentSettings
+from wire.connection_guard import ConnectionLimits
+from wire.uvicorn_server import GuardedServer
 
 GRACEFUL_SHUTDOWN_S = 5
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the listening socket before the model loads, so a taken port fails at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
+def connection_limits(settings: NodeAgentSettings) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections_per_address=settings.max_connections_per_address,
+        header_timeout_s=settings.header_timeout_s,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
+    )
 
 
-class NodeServer(uvicorn.Server):
-    def __init__(self, app: FastAPI, log_level: str = "info"):
+class NodeServer(GuardedServer):
+    def __init__(self, app: FastAPI, settings: NodeAgentSettings):
         super().__init__(
-            uvicorn.Config(
-                app,
-                log_level=log_level.lower(),
-                access_log=False,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                lifespan="on",
-            )
+            app,
+            connection_limits(settings),
+            settings.max_header_bytes,
+            log_level=settings.log_level,
+            graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
         )
         self.runtime: NodeRuntime = app.state.runtime
         self.runtime.stop_server = self.stop

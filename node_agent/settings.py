@@ -85,6 +85,23 @@ class NodeAgentSettings(BaseSettings):
         min_length=MIN_TOKEN_LEN,
     )
 
+    # What one connection and one request may hold (wire/connection_guard.py and
+    # wire/request_limits.py): 413 past the body cap, 431 past the header cap, before any token
+    # is checked. A gateway forwards bodies of up to its own cap (4 MiB) plus a continuation's
+    # token ids, hence twice that here.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    max_header_bytes: int = Field(default=8 * 1024, ge=1024, le=1024 * 1024)
+    # A connection's first request head must be complete this long after it is accepted, and
+    # every head this long after its first byte.
+    header_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    # The gateways keep idle connections to nodes for 4 s: closing at 5 s spares them a reuse
+    # race.
+    keepalive_timeout_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    # Gateways and Envoys open one connection per request in flight, and in a local stack they
+    # all come from 127.0.0.1: the cap is far above what the node admits at once
+    # (max_num_seqs + max_num_waiting_requests), against a runaway client. 0: no cap.
+    max_connections_per_address: int = Field(default=4096, ge=0)
+
     # Admission control: requests queued or in prefill before new ones get 429.
     max_num_waiting_requests: int = Field(default=DEFAULT_MAX_NUM_WAITING_REQUESTS, ge=0)
     retry_after_s: int = Field(default=1, ge=1, le=3600)

@@ -21,10 +21,10 @@ from control_plane.api.nodes import heartbeat_reply
 from control_plane.audit import Actor
 from control_plane.auth import MAX_AGENT_LEN
 from control_plane.fleet import NodeIdentity
-from control_plane.limits import replay_first
 from control_plane.services import ControlPlane
 from control_plane.tokens import TokenKind
 from wire.heartbeat import Heartbeat
+from wire.request_limits import replay_first
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-import uvicorn
 from fastapi import FastAPI
 
 from control_plane.app import create_app
+from control_plane.server import ControlPlaneServer
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
@@ -209,13 +209,14 @@ async def cp(settings: Settings, tokens: TokenSet) -> AsyncIterator[ControlPlane
 
 
 class ThreadedServer:
-    """The real app served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
+    """The real app served as `python -m control_plane` serves it (uvicorn behind the connection
+    guard) on 127.0.0.1 (a free port), in a background thread."""
 
-    def __init__(self, app: FastAPI) -> None:
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+    def __init__(self, app: FastAPI, settings: Settings) -> None:
+        on_loopback = settings.model_copy(
+            update={"host": "127.0.0.1", "port": 0, "log_level": "WARNING"}
         )
-        self._server = uvicorn.Server(config)
+        self._server = ControlPlaneServer(app, on_loopback)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def start(self) -> str:
@@ -225,7 +226,7 @@ class ThreadedServer:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
+        port = self._server.sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
@@ -237,7 +238,7 @@ class ThreadedServer:
 async def live_cp(settings: Settings, tokens: TokenSet) -> AsyncIterator[ControlPlaneClient]:
     """The app behind a real uvicorn server on loopback, and an httpx client to it."""
     app = create_app(settings)
-    server = ThreadedServer(app)
+    server = ThreadedServer(app, settings)
     base_url = server.start()
     try:
         async with httpx.AsyncClient(base_url=base_url, timeout=10.0) as http:

@@ -41,7 +41,7 @@ def fuzz_target(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     tokens = new_tokens()
     # Blocking queries are capped at 0.2 s so fuzzed `wait` values cannot stall the run.
     settings = make_settings(tmp_path / "fuzz.db", tokens, max_wait_s=0.2)
-    server = ThreadedServer(create_app(settings))
+    server = ThreadedServer(create_app(settings), settings)
     base_url = server.start()
     minted = httpx.post(
         base_url + "/v1/nodes/n1/credential",

@@ -29,9 +29,10 @@ from control_plane.app import create_app as create_control_plane
 from control_plane.settings import Settings as ControlPlaneSettings
 from gateway.api import Handlers
 from gateway.app import HANDLERS, create_app
-from gateway.server import GatewayServer, bind_socket
+from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from gateway.tls import server_context
+from wire.connection_guard import bind_socket
 from wire.geo import locate, rtt_ms
 
 T = TypeVar("T")
@@ -123,7 +124,7 @@ class GatewayThread:
         sock = bind_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         context = server_context(*cert) if cert is not None else None
-        self.server = GatewayServer(self.app, sock, context)
+        self.server = GatewayServer(self.app, sock, context, settings)
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._run, daemon=True, name="gateway")
         scheme = "https" if cert is not None else "http"

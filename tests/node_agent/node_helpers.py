@@ -20,8 +20,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import EngineStats
 from node_agent.app import create_app
 from node_agent.runtime import NodeRuntime, load_engine
-from node_agent.server import NodeServer, bind_socket
+from node_agent.server import NodeServer
 from node_agent.settings import NodeAgentSettings
+from wire.connection_guard import bind_socket
 
 T = TypeVar("T")
 MODEL_NAME = "smollm2-135m-instruct"
@@ -135,7 +136,7 @@ def start_node(
     }
     settings = NodeAgentSettings(**(values | overrides))
     app = create_app(settings, llm=llm)
-    server = NodeServer(app, settings.log_level)
+    server = NodeServer(app, settings)
     done = loop.submit(server.serve(sockets=[sock]))
     node = NodeHandle(settings, server, done, loop)
     if wait_ready:

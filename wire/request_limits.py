@@ -1,15 +1,18 @@
-"""Caps on a request's headers and body, enforced before routing (before any token is checked).
+"""Caps on a request's headers and body, the same rule and the same answers at every service: 431
+for headers larger than `max_header_bytes` in all (names and values), 413 for a body larger than
+`max_body_bytes`, both in the OpenAI error shape, before routing and before any token is checked.
 
-Without them, anyone who can reach the port makes the control plane hold a body of any size (or
-a megabyte of headers) in memory before it is told 401. Headers larger than `max_header_bytes`
-in all are 431; a body larger than `max_body_bytes` is 413 — at once when its Content-Length says
-so, else as soon as what has arrived passes the cap: the body is never read further. A body within
-the cap is read here (at most the cap per request) and handed on unchanged. Both answers are in
-the OpenAI error shape.
+Without them, anyone who can reach a port makes the server hold a body of any size (or a
+megabyte of headers) in memory before it is told 401. `RequestLimits` is the ASGI middleware of
+the node agent and the control plane: a body over the cap is refused at once when its
+Content-Length says so, else as soon as what has arrived passes the cap; the body is never read
+further. A body within the cap is read here (at most the cap per request) and handed on
+unchanged. The gateway applies the same rule in aiohttp (gateway/http_limits.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,8 +26,17 @@ class BodyTooLargeError(Exception):
     pass
 
 
-def _header_bytes(scope: Scope) -> int:
-    return sum(len(name) + len(value) for name, value in scope["headers"])
+def header_bytes(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """What the cap counts: every header's name and value."""
+    return sum(len(name) + len(value) for name, value in headers)
+
+
+def headers_too_large(max_header_bytes: int) -> str:
+    return f"request headers are larger than {max_header_bytes} bytes"
+
+
+def body_too_large(max_body_bytes: int) -> str:
+    return f"request body is larger than {max_body_bytes} bytes"
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -56,15 +68,13 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if _header_bytes(scope) > self.max_header_bytes:
-            await _send_error(
-                send, 431, f"request headers are larger than {self.max_header_bytes} bytes"
-            )
+        if header_bytes(scope["headers"]) > self.max_header_bytes:
+            await _send_error(send, 431, headers_too_large(self.max_header_bytes))
             return
         if not _has_body(scope):
             await self.app(scope, receive, send)
             return
-        too_large = f"request body is larger than {self.max_body_bytes} bytes"
+        too_large = body_too_large(self.max_body_bytes)
         length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
             await _send_error(send, 413, too_large)
