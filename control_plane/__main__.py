@@ -16,6 +16,7 @@ from control_plane.store import StoreError, open_store
 from control_plane.tokens import ENV_NAMES, TokenKind
 from control_plane.xds import bootstrap
 from wire.addresses import is_loopback_host
+from wire.connection_guard import bind_socket
 from wire.validation import one_line
 
 logger = logging.getLogger("control_plane")
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     except StoreError as exc:
         print(f"control_plane: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        where = f"{settings.host}:{settings.port}"
+        print(f"control_plane: cannot listen on {where}: {exc.strerror}", file=sys.stderr)
+        return 1
     app = create_app(settings)
     if NODE_TOKEN_ENV in os.environ:
         logger.warning(
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.consul_addr or "off",
     )
     server = ControlPlaneServer(app, settings)
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1
 
 

@@ -55,8 +55,6 @@ class ControlPlaneServer(GuardedServer):
             tls_context(settings),
             log_level=settings.log_level,
             graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
-            host=settings.host,
-            port=settings.port,
         )
         self._app = app
 

@@ -1,4 +1,5 @@
-"""Running the app under uvicorn, with SIGTERM meaning "drain, then exit 0".
+"""Running the app under uvicorn (behind the connection guard: wire/uvicorn_server.py), with
+SIGTERM meaning "drain, then exit 0".
 
 uvicorn's own SIGTERM handling closes the listening socket at once and re-raises the signal when
 it is done (so the process dies of it). Here the first SIGTERM starts a drain instead: the node

@@ -23,7 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from wire.connection_guard import ConnectionGuard, ConnectionLimits, GuardedListener, bind_socket
+from wire.connection_guard import ConnectionGuard, ConnectionLimits, GuardedListener
 from wire.errors import error_json
 from wire.request_limits import headers_too_large
 
@@ -96,8 +96,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class GuardedServer(uvicorn.Server):
-    """A uvicorn server that accepts through a `GuardedListener` (which does the TLS, if any:
-    uvicorn is given none) rather than `loop.create_server`."""
+    """A uvicorn server that accepts on the sockets given to `serve`/`run` through a
+    `GuardedListener` (which does the TLS, if any: uvicorn is given none) rather than
+    `loop.create_server`."""
 
     def __init__(
         self,
@@ -108,14 +109,10 @@ class GuardedServer(uvicorn.Server):
         *,
         log_level: str,
         graceful_shutdown_s: float,
-        host: str = "127.0.0.1",
-        port: int = 0,  # where to listen, unless `serve` is given a bound socket
     ) -> None:
         super().__init__(
             uvicorn.Config(
                 app,
-                host=host,
-                port=port,
                 ws="none",
                 lifespan="on",
                 log_level=log_level.lower(),
@@ -132,7 +129,9 @@ class GuardedServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         # Listening before uvicorn says it has started; uvicorn runs the lifespan and serves no
         # socket of its own.
-        self.sockets = sockets or [bind_socket(self.config.host, self.config.port)]
+        if not sockets:
+            raise ValueError("serve() needs the bound sockets (wire.connection_guard.bind_socket)")
+        self.sockets = sockets
         listeners = [GuardedListener(sock, self.guard, self._new_protocol) for sock in self.sockets]
         await super().startup(sockets=[])
         loop = asyncio.get_running_loop()

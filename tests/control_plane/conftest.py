@@ -31,6 +31,7 @@ from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
 from stack.postgres import LocalPostgres
 from stack.servers import PostgresNotFoundError, postgres_bin_dir
+from wire.connection_guard import bind_socket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_START_S = 60.0  # a deadline, not a wait: on a loaded 2-core machine a start takes 20 s+
@@ -213,11 +214,9 @@ class ThreadedServer:
     guard) on 127.0.0.1 (a free port), in a background thread."""
 
     def __init__(self, app: FastAPI, settings: Settings) -> None:
-        on_loopback = settings.model_copy(
-            update={"host": "127.0.0.1", "port": 0, "log_level": "WARNING"}
-        )
-        self._server = ControlPlaneServer(app, on_loopback)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._server = ControlPlaneServer(app, settings.model_copy(update={"log_level": "WARNING"}))
+        self._sock = bind_socket("127.0.0.1", 0)
+        self._thread = threading.Thread(target=self._server.run, args=([self._sock],), daemon=True)
 
     def start(self) -> str:
         self._thread.start()
@@ -226,8 +225,7 @@ class ThreadedServer:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.01)
-        port = self._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,24 @@ def test_refuses_to_serve_off_loopback_without_tokens(tmp_path: Path) -> None:
     assert len(lines) == 1 and "MERIDIAN_GATEWAY_TOKEN" in lines[0]
     assert "secret-admin-token" not in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_taken_port_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "control_plane", "--port", str(port)]
+            + ["--db", str(tmp_path / "cp.db"), "--dns-port", "0", "--xds-port", "0"],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"control_plane: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
