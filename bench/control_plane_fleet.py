@@ -134,15 +134,21 @@ def control_plane(workdir: Path, tokens: dict[str, str], profile: str | None) ->
 
 
 @contextlib.contextmanager
-def envoys(workdir: Path, xds: str, region: str) -> Iterator[tuple[Envoy, Envoy]]:
+def envoys(
+    workdir: Path, xds: str, region: str, xds_tokens: tuple[str, str]
+) -> Iterator[tuple[Envoy, Envoy]]:
+    """The region's ingress Envoy and an edge, with their xDS tokens (ingress, edge)."""
     started: list[Envoy] = []
     try:
         for index, role_args in enumerate((["--region", region], ["--role", "edge"])):
             listen, admin = free_port(), free_port()
+            token_file = workdir / f"envoy-{index}.token"
+            token_file.write_text(xds_tokens[index])
             bootstrap = subprocess.run(
                 [sys.executable, "-m", "control_plane", "envoy-bootstrap", *role_args]
                 + ["--listen", f"127.0.0.1:{listen}", "--xds", xds]
-                + ["--admin", f"127.0.0.1:{admin}", "--node-id", f"bench-envoy-{index}"],
+                + ["--admin", f"127.0.0.1:{admin}", "--node-id", f"bench-envoy-{index}"]
+                + ["--token-file", str(token_file)],
                 cwd=REPO_ROOT,
                 capture_output=True,
                 text=True,
@@ -163,6 +169,19 @@ def envoys(workdir: Path, xds: str, region: str) -> Iterator[tuple[Envoy, Envoy]
         for envoy in started:
             envoy.proc.kill()
             envoy.proc.wait(timeout=10)
+
+
+async def mint_xds_tokens(
+    session: aiohttp.ClientSession, base_url: str, region: str
+) -> tuple[str, str]:
+    """The xDS tokens of the region's ingress Envoy and of the edge."""
+    tokens = []
+    for name, body in (("bench-ingress", {"region": region}), ("bench-edge", {"role": "edge"})):
+        url = f"{base_url}/v1/xds/credentials/{name}"
+        async with session.post(url, json=body) as response:
+            assert response.status == 201, await response.text()
+            tokens.append((await response.json())["token"])
+    return tokens[0], tokens[1]
 
 
 async def wait_until(check: Any, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -195,8 +214,9 @@ async def run(args: argparse.Namespace) -> Results:
                 async with aiohttp.ClientSession(headers=tokens.admin) as admin_session:
                     await register_regions(admin_session, base_url, fleet)
                     node_tokens = await mint_credentials(admin_session, base_url, fleet)
+                    xds_tokens = await mint_xds_tokens(admin_session, base_url, fleet.region(0))
                 sim = Simulation(fleet, base_url, node_tokens, args)
-                with envoys(workdir, xds, fleet.region(0)) as (ingress, edge):
+                with envoys(workdir, xds, fleet.region(0), xds_tokens) as (ingress, edge):
                     await wait_ready(session, (ingress, edge), wait_until)
                     await measure(args, sim, session, ingress, proc.pid, results, base_url, tokens)
     return results

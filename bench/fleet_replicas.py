@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.control_plane_fleet import REPO_ROOT, envoys, free_port, wait_until
+from bench.control_plane_fleet import REPO_ROOT, envoys, free_port, mint_xds_tokens, wait_until
 from bench.fleet_measure import (
     BenchTokens,
     Envoy,
@@ -264,9 +264,10 @@ async def run_failover(args: argparse.Namespace) -> FailoverResults:
                 leader, survivor = cps[0], cps[-1]
                 await register_regions(admin_session, leader.url, fleet)
                 node_tokens = await mint_credentials(admin_session, leader.url, fleet)
+                xds_tokens = await mint_xds_tokens(admin_session, leader.url, fleet.region(0))
                 urls = ControlPlaneUrls([cp.url for cp in cps])
                 sim = FailoverSimulation(fleet, urls, node_tokens, args)
-                with envoys(workdir, survivor.xds, fleet.region(0)) as (ingress, edge):
+                with envoys(workdir, survivor.xds, fleet.region(0), xds_tokens) as (ingress, edge):
                     await wait_ready(session, (ingress, edge), wait_until)
                     await _measure(
                         args, sim, session, admin_session, tokens.gateway, ingress, cps, results

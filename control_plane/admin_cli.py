@@ -5,6 +5,8 @@
     python -m control_plane.admin_cli region delete NAME [--wait-s 120]
     python -m control_plane.admin_cli node credentials REGION --token-dir DIR \\
         --node NODE_ID[=URL] [--node ...]
+    python -m control_plane.admin_cli xds credential NAME (--region REGION | --edge) \\
+        --token-file FILE
 
 The control plane's URL comes from `MERIDIAN_CONTROL_PLANE_URL` (or `--control-plane`), the
 operator token from `MERIDIAN_ADMIN_TOKEN` only, so that the token never appears in a command line,
@@ -18,7 +20,9 @@ the region is already gone; a region with nodes is deleted only after they drain
 plane answers 202), and `--wait-s` waits that long for it to be gone. `node credentials` mints
 each node's own heartbeat token (its MERIDIAN_NODE_TOKEN, bound to the node id, the region and
 the URL if given, else the URL of its first beat) and writes it to `DIR/NODE_ID.token` (mode
-0600), never to the output; minting again replaces a node's token.
+0600), never to the output; minting again replaces a node's token. `xds credential` mints an
+Envoy's xDS token (for the ingress of REGION, or for the edge) and writes it to FILE (mode 0600),
+for `envoy-bootstrap --token-file FILE`; minting again replaces it.
 
 Exit status: 0 done, 1 the control plane refused or could not be reached, 2 bad usage. Errors are
 one line on stderr; the token is never printed.
@@ -127,6 +131,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     credentials.add_argument(
         "--token-dir", type=Path, required=True, help="where NODE_ID.token files go (mode 0600)"
+    )
+    xds = resources.add_parser("xds", help="Envoys' xDS credentials")
+    xds_actions = xds.add_subparsers(dest="action", required=True)
+    xds_credential = xds_actions.add_parser(
+        "credential", help="mint an Envoy's xDS token (replaces an earlier one of that name)"
+    )
+    xds_credential.add_argument("name", type=region_name, help="the credential's name")
+    role = xds_credential.add_mutually_exclusive_group(required=True)
+    role.add_argument("--region", type=region_name, help="for the ingress Envoys of REGION")
+    role.add_argument("--edge", action="store_true", help="for edge Envoys (every region)")
+    xds_credential.add_argument(
+        "--token-file", type=Path, required=True, help="where the token goes (mode 0600)"
     )
     return parser.parse_args(argv)
 
@@ -250,6 +266,14 @@ def mint_node_credential(client: AdminClient, node_id: str, region: str, url: st
     return token
 
 
+def mint_xds_credential(client: AdminClient, name: str, region: str | None) -> str:
+    """A new xDS token named `name`, for the ingress of `region` (None: the edge); returns it."""
+    body: dict[str, Any] = {"role": "ingress", "region": region} if region else {"role": "edge"}
+    response = client.call("POST", f"/v1/xds/credentials/{name}", body)
+    token: str = _expect(response, f"xds credential {name}", 201).json()["token"]
+    return token
+
+
 def write_private(path: Path, text: str) -> None:
     """Write `text` to `path`, readable by its owner only (created so: never briefly wider)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -282,6 +306,10 @@ def run(args: argparse.Namespace) -> str:
     url, token = _connection(args)
     client = AdminClient(url, token)
     try:
+        if args.resource == "xds":
+            token = mint_xds_credential(client, args.name, args.region)
+            write_private(args.token_file, token + "\n")
+            return f"xds credential {args.name}: written to {args.token_file}"
         if args.resource == "node":
             done = []
             for node_id, node_url in args.nodes:

@@ -38,7 +38,9 @@ from control_plane.store import Connection, Store, StoreBusyError, is_postgres_u
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet, resolve_tokens
 from control_plane.xds import api as xds_api
+from control_plane.xds.credentials import EnvoyCredentials
 from control_plane.xds.server import ServerTls, XdsServer
+from control_plane.xds.stream_gate import StreamGate
 from wire.request_limits import RequestLimits
 from wire.routing_policy import RoutingPolicy
 
@@ -90,7 +92,9 @@ def build(
         store,
         RefusalLimits(settings.max_refusals_audited_per_address, settings.max_refusals_audited),
     )
-    xds = XdsServer(fleet, summary_feed, refresh_interval_s=settings.sweep_interval_s)
+    envoy_credentials = EnvoyCredentials(store)
+    gate = StreamGate(envoy_credentials, refusals)
+    xds = XdsServer(fleet, summary_feed, settings.sweep_interval_s, gate)
     book = DrainBook(fleet, publisher, xds, DrainTimes.of(settings), clock=clock)
     book.restore(drains)
     registry = Registry(
@@ -105,6 +109,7 @@ def build(
         routing=policies,
         summaries=publisher,
         refusals=refusals,
+        envoy_credentials=envoy_credentials,
         xds=xds,
         dns=DnsServer(settings.dns, publisher),
     )

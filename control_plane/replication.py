@@ -5,11 +5,13 @@ channel `meridian_changes` when the write commits (`control_plane.store_postgres
 the writer's replica id. `follow_changes` listens on a connection of its own; the kinds announced
 by other replicas are gathered for `COALESCE_S` and then read back from the store, each kind
 alone: fleet state (regions, nodes, drains, the beats other replicas received) by the registry,
-keys, the routing policy and node credentials by their owners, and the replicas' reports on
-their Envoys (`control_plane.envoy_reports`) by the drain book. Each replica then publishes its
-summaries and xDS as for a change of its own. A health save announces `beats=<t>`, `t` the
-oldest beat it wrote, so that only the rows from `t` on are read back (the beats are an
-incremental feed: a save commits hundreds of them ten times a second); a mint or a registration
+keys, the routing policy and node credentials by their owners, the replicas' reports on
+their Envoys (`control_plane.envoy_reports`) by the drain book, and a change of Envoys' xDS
+credentials by the xDS server (it closes the streams whose credential was replaced or deleted).
+Each replica then publishes its summaries and xDS as for a change of its own. A health save
+announces `beats=<t>`, `t` the oldest beat it wrote, so that only the rows from `t` on are read
+back (the beats are an incremental feed: a save commits hundreds of them ten times a second); a
+mint or a registration
 announces `credentials=<node id>,...`, so that only those credentials are read back (registering
 1,000 nodes one by one would otherwise read the whole table 1,000 times). Once listening (at start,
 and after the connection was lost and is back) everything is read again: a notification sent
@@ -32,13 +34,20 @@ from control_plane import envoy_reports
 from control_plane import keys as key_store
 from control_plane.services import ControlPlane
 from control_plane.store_postgres import CHANNEL
+from control_plane.xds import credentials as xds_credentials
 
 logger = logging.getLogger(__name__)
 
 COALESCE_S: Final = 0.005  # a write announces its kinds together, on commit: read them back at once
 RECONNECT_S: Final = 1.0
 FLEET_KINDS: Final = frozenset({"regions", "nodes", "drains", "beats"})
-ALL_KINDS: Final = FLEET_KINDS | {"keys", "routing", "credentials", envoy_reports.KIND}
+ALL_KINDS: Final = FLEET_KINDS | {
+    "keys",
+    "routing",
+    "credentials",
+    envoy_reports.KIND,
+    xds_credentials.KIND,
+}
 
 
 @dataclass(slots=True)
@@ -93,6 +102,8 @@ async def apply_changes(services: ControlPlane, notices: Notices) -> None:
         own_id = services.settings.replica_id
         reports = await services.store.read(partial(envoy_reports.load_reports, own_id))
         services.registry.drains.peer_envoys.follow(reports)
+    if xds_credentials.KIND in kinds and services.xds is not None:
+        await services.xds.recheck()
 
 
 async def follow_changes(services: ControlPlane, url: str, replica_id: str) -> None:

@@ -11,6 +11,7 @@ from pydantic.json_schema import SkipJsonSchema
 from control_plane.fleet import ConsulStatus, NodeSource
 from control_plane.safe_text import refuse_unsafe
 from control_plane.upstream_urls import UpstreamUrl
+from control_plane.xds.groups import Role
 from control_plane.xds.status import XdsStatus
 from wire.heartbeat import Heartbeat, Name
 from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
@@ -181,6 +182,39 @@ class KeyCreated(KeyView):
 
 class KeyList(BaseModel):
     keys: list[KeyView]
+
+
+class XdsCredentialCreate(BaseModel):
+    """What an Envoy's xDS credential binds its streams to: a role, and an ingress's region."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role = Role.INGRESS
+    region: SafeName | None = None
+
+    @model_validator(mode="after")
+    def _region_with_ingress(self) -> XdsCredentialCreate:
+        if (self.region is None) != (self.role is Role.EDGE):
+            raise ValueError("an ingress credential needs a region; an edge one takes none")
+        return self
+
+
+class XdsCredentialView(BaseModel):
+    name: str
+    role: Role
+    region: str | None
+    created_at: float
+
+
+class XdsCredentialCreated(XdsCredentialView):
+    token: str = Field(
+        description="the Envoy's xDS token (`envoy-bootstrap --token-file`, or "
+        "MERIDIAN_XDS_TOKEN); shown only in this response (minting again replaces it)"
+    )
+
+
+class XdsCredentialList(BaseModel):
+    credentials: list[XdsCredentialView]
 
 
 class ReplicaView(BaseModel):

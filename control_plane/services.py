@@ -16,6 +16,7 @@ from control_plane.settings import Settings
 from control_plane.store import Store
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet
+from control_plane.xds.credentials import EnvoyCredentials
 from control_plane.xds.server import XdsServer
 
 
@@ -29,6 +30,7 @@ class ControlPlane:
     routing: PolicyRegistry
     summaries: SummaryPublisher
     refusals: RefusalAudit  # refused calls, in the log and the audit log (rate-limited)
+    envoy_credentials: EnvoyCredentials  # who may open an xDS stream, for which snapshot
     xds: XdsServer | None = None  # the ADS server for Envoy, started by the lifespan
     dns: DnsServer | None = None  # the authoritative DNS, bound by the lifespan
 

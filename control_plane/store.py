@@ -193,6 +193,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (key_id, pop)
         )""",
     ),
+    (
+        # Envoys' xDS credentials (control_plane/xds/credentials.py): the role and region a
+        # token's ADS streams may ask for (region NULL for the edge).
+        """CREATE TABLE envoy_credentials (
+            name TEXT PRIMARY KEY,
+            role TEXT NOT NULL CHECK (role IN ('ingress', 'edge')),
+            region TEXT,
+            secret_sha256 TEXT NOT NULL UNIQUE,
+            created_at DOUBLE PRECISION NOT NULL
+        )""",
+    ),
 )
 
 

@@ -41,8 +41,11 @@ from control_plane.admin_cli import (
     AdminCliError,
     RegionSpec,
     mint_node_credential,
+    mint_xds_credential,
     put_region,
+    write_private,
 )
+from control_plane.xds.bootstrap import TOKEN_ENV
 from stack import commands
 from stack.certs import GatewayTls, ensure_pop_tls
 from stack.config import DEFAULT_CONFIG, StackConfig, load_config
@@ -121,6 +124,7 @@ class StackStarter:
         )
         self.tokens = fresh_tokens()
         self.node_tokens: dict[str, str] = {}  # each node agent's own, minted at registration
+        self.xds_tokens: dict[str, str] = {}  # each region Envoy's, by region
         self.http = httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False)
         self.gateway_http: httpx.Client | None = None
         self.tls: dict[str, GatewayTls] = {}  # by PoP
@@ -304,6 +308,9 @@ class StackStarter:
                     self.node_tokens[node.node_id] = mint_node_credential(
                         client, node.node_id, region.name, node.url
                     )
+                if region.envoy_port is not None:
+                    name = f"envoy-{region.name}"
+                    self.xds_tokens[region.name] = mint_xds_credential(client, name, region.name)
         except AdminCliError as exc:
             raise StackError(f"registering regions: {exc}") from exc
         finally:
@@ -318,7 +325,7 @@ class StackStarter:
                 argv,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=commands.base_env(),
+                env=commands.base_env() | {TOKEN_ENV: self.xds_tokens[region.name]},
             )
         paths = {}
         for name, popen in running.items():
@@ -332,7 +339,7 @@ class StackStarter:
                 message = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
                 raise StackError(f"envoy-bootstrap for {name} failed: {message[0]}")
             path = self.state_dir.envoy_dir / f"{name}.yaml"
-            path.write_bytes(out)
+            write_private(path, out.decode())  # it holds the region's xDS token
             paths[name] = path
         return paths
 

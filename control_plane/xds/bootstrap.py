@@ -8,6 +8,11 @@ to that CA and names the `--xds` host (a control plane started with `--tls-cert/
 `--xds` given more than once (the control plane's replicas) puts every address in the xDS
 cluster: when the ADS stream's replica goes, Envoy reconnects to another (with TLS they must
 share one host name, the certificate's).
+
+The ADS server admits only Envoys that present an xDS credential for their role and region
+(`control_plane.xds.credentials`): the token, from `--token-file FILE` or `MERIDIAN_XDS_TOKEN`,
+goes into the bootstrap as the ADS stream's `authorization` metadata. The bootstrap thus holds a
+secret: keep its file readable by Envoy's user only.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -31,6 +38,9 @@ MAX_DOWNSTREAM_CONNECTIONS = 100_000
 XDS_CLUSTER = "xds_cluster"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 UPSTREAM_TLS = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+TOKEN_ENV = "MERIDIAN_XDS_TOKEN"
+# A bearer token as it may stand in a header (ours are `mxds-` and URL-safe base64).
+_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,512}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +50,7 @@ class BootstrapConfig:
     admin_host: str
     admin_port: int
     node_id: str
+    token: str  # the Envoy's xDS credential, sent as `authorization: Bearer` on the ADS stream
     xds_ca: str | None = None  # a CA file: TLS to the xDS port, verified against it
 
 
@@ -117,7 +128,14 @@ def render(config: BootstrapConfig) -> dict[str, Any]:
                 "api_type": "GRPC",
                 "transport_api_version": "V3",
                 "set_node_on_first_message_only": True,
-                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+                "grpc_services": [
+                    {
+                        "envoy_grpc": {"cluster_name": XDS_CLUSTER},
+                        "initial_metadata": [
+                            {"key": "authorization", "value": f"Bearer {config.token}"}
+                        ],
+                    }
+                ],
             },
             "lds_config": {"ads": {}, "resource_api_version": "V3"},
             "cds_config": {"ads": {}, "resource_api_version": "V3"},
@@ -177,6 +195,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="FILE",
         help="speak TLS to --xds, trusting this CA (PEM) for a certificate naming its host",
     )
+    add(
+        "--token-file",
+        metavar="FILE",
+        help=f"the Envoy's xDS token (POST /v1/xds/credentials/NAME; default: ${TOKEN_ENV})",
+    )
     add("--node-id", help="unique per Envoy (default: role, region, host name, listen port)")
     add(
         "--admin",
@@ -197,6 +220,25 @@ def _ca_file(path: str | None) -> str | None:
     if not resolved.is_file():
         raise ValueError(f"--xds-ca {path}: no such file")
     return str(resolved)
+
+
+def _token(path: str | None) -> str:
+    """From the file (its first line), else the environment; it must look like a token."""
+    if path is not None:
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--token-file {path}: {exc}") from exc
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(
+            f"an xDS token is needed: --token-file FILE or {TOKEN_ENV} "
+            "(an operator mints one: POST /v1/xds/credentials/NAME)"
+        )
+    if not _TOKEN.match(token):
+        raise ValueError("the xDS token is not a token (16-512 letters, digits and ._~+/=-)")
+    return token
 
 
 def config_of(args: argparse.Namespace) -> BootstrapConfig:
@@ -229,6 +271,7 @@ def config_of(args: argparse.Namespace) -> BootstrapConfig:
         admin_host=admin_host,
         admin_port=admin_port,
         node_id=args.node_id or default_id,
+        token=_token(args.token_file),
         xds_ca=_ca_file(args.xds_ca),
     )
 

@@ -7,6 +7,10 @@ the summary unchanged); a group's snapshot is rebuilt only when its plan differs
 woken only when a version changed. A snapshot that fails validation is logged and counted, never
 pushed: Envoy keeps the last good one. `wait_for_ack` lets a drain wait until every Envoy that
 routes to a region has accepted a configuration that satisfies a condition.
+
+Every stream is admitted by the `StreamGate` (`control_plane.xds.stream_gate`) before any of its
+requests is read: an Envoy's credential, for the role and region its node asks for. `recheck`
+closes the streams whose credential has since been replaced or deleted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
@@ -37,6 +42,11 @@ from control_plane.xds.plan import (
 from control_plane.xds.resources import ENDPOINT_TYPE, SHORT_NAMES
 from control_plane.xds.snapshot import InvalidSnapshotError, Resources, Snapshot, build_snapshot
 from control_plane.xds.stream import RequestKind, StreamState
+from control_plane.xds.stream_gate import StreamGate, StreamRefusal, group_refusal
+from wire.errors import INVALID_CREDENTIAL
+
+if TYPE_CHECKING:  # for types only: credentials import the keys, which import the schemas
+    from control_plane.xds.credentials import EnvoyCredential
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +80,8 @@ class EnvoyConnection:
     node_id: str = ""
     group: EnvoyGroup | None = None
     state: StreamState | None = None
-    refusal: tuple[grpc.StatusCode, str] | None = None
+    credential: EnvoyCredential | None = None
+    refusal: StreamRefusal | None = None
     sent_at_mono: dict[str, float] = field(default_factory=dict)
     ack_latency_ms: dict[str, float] = field(default_factory=dict)
 
@@ -99,7 +110,7 @@ class XdsCounters:
     num_nacks: Counter[str] = field(default_factory=Counter)
     num_stale: Counter[str] = field(default_factory=Counter)
     num_invalid_snapshots: int = 0
-    num_refused_streams: int = 0
+    num_refused_streams: int = 0  # unauthenticated ones included
 
 
 def lacks_endpoint(url: str) -> Callable[[Resources], bool]:
@@ -119,13 +130,20 @@ def lacks_endpoint(url: str) -> Callable[[Resources], bool]:
 
 
 class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    def __init__(self, fleet: Fleet, feed: ChangeFeed, refresh_interval_s: float) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        feed: ChangeFeed,
+        refresh_interval_s: float,
+        gate: StreamGate,
+    ) -> None:
         self.cache = SnapshotCache()
         self.counters = XdsCounters()
         self.port: int | None = None
         self._fleet = fleet
         self._feed = feed
         self._refresh_interval_s = refresh_interval_s
+        self._gate = gate
         self._plans: dict[EnvoyGroup, EnvoyPlan] = {}
         self._connections: dict[int, EnvoyConnection] = {}
         self._stream_ids = itertools.count(1)
@@ -225,6 +243,13 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         conn = EnvoyConnection(next(self._stream_ids), context.peer(), time.time())
+        admitted = await self._gate.admit(context.invocation_metadata() or ())
+        if isinstance(admitted, StreamRefusal):
+            conn.refusal = admitted
+            await self._refuse(conn, context)  # raises: the stream ends here
+            return
+        conn.credential = admitted
+        self._connections[conn.stream_id] = conn  # from now on `recheck` sees it
         reader = asyncio.create_task(self._read(conn, request_iterator))
         reader.add_done_callback(lambda _: conn.wake.set())
         try:
@@ -232,8 +257,7 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 await conn.wake.wait()
                 conn.wake.clear()
                 if conn.refusal is not None:
-                    self.counters.num_refused_streams += 1
-                    await context.abort(*conn.refusal)
+                    await self._refuse(conn, context)
                 if reader.done():
                     return  # Envoy closed its side
                 for response in self._take_responses(conn):
@@ -253,21 +277,51 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             self._record(conn, request.type_url, kind)
             conn.wake.set()
 
+    async def _refuse(self, conn: EnvoyConnection, context: grpc.aio.ServicerContext) -> None:
+        refusal = conn.refusal
+        assert refusal is not None
+        self.counters.num_refused_streams += 1
+        await self._gate.record(conn.peer, conn.node_id, conn.credential, refusal)
+        await context.abort(refusal.code, refusal.message)
+
+    async def recheck(self) -> int:
+        """Close the streams whose credential was replaced or deleted since they opened; returns
+        how many."""
+        held = [c.credential for c in self._connections.values() if c.credential is not None]
+        revoked = await self._gate.revoked(held)
+        closing = [
+            conn
+            for conn in list(self._connections.values())
+            if conn.credential is not None and conn.credential.name in revoked
+        ]
+        for conn in closing:
+            assert conn.credential is not None
+            message = f"xDS credential {conn.credential.name!r} was replaced or deleted"
+            code = grpc.StatusCode.UNAUTHENTICATED
+            conn.refusal = StreamRefusal(code, INVALID_CREDENTIAL, message)
+            conn.wake.set()
+        return len(closing)
+
     def _register(self, conn: EnvoyConnection, request: discovery_pb2.DiscoveryRequest) -> bool:
         try:
             group = group_of(request.node)
         except EnvoyNodeError as exc:
             logger.warning("refusing an xDS stream from %s: %s", conn.peer, exc)
-            conn.refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            refusal = StreamRefusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_node", str(exc))
+            conn.refusal = refusal
+            return False
+        assert conn.credential is not None
+        conn.refusal = group_refusal(conn.credential, group)
+        if conn.refusal is not None:
+            conn.node_id = request.node.id
             return False
         if self._snapshot_for(group) is None:
             message = f"no valid configuration for {group.label}"
-            conn.refusal = (grpc.StatusCode.UNAVAILABLE, message)
+            conn.refusal = StreamRefusal(grpc.StatusCode.UNAVAILABLE, "no_configuration", message)
             return False
         conn.group, conn.node_id = group, request.node.id or conn.peer
         conn.state = StreamState(label=conn.node_id)
         self.cache.watch(group, conn.wake)
-        self._connections[conn.stream_id] = conn
         logger.info("Envoy %s (%s) connected from %s", conn.node_id, group.label, conn.peer)
         return True
 

