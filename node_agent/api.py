@@ -2,9 +2,10 @@
 `/ready` and `/metrics`.
 
 Order of refusal for a new request: a missing or wrong serving token (401, before the body is
-read; auth.py), a malformed body (400, before the handler runs), an unknown model (404), a bad
-cache-salt header (400), not ready or draining (503), the waiting queue full (429), then the
-prompt's own problems (400). A client that goes away aborts its request in the engine at once:
+read; auth.py), a malformed body (400, before the handler runs), an unknown model (404),
+`resume_token_ids` from a caller not authenticated as a gateway (400), a bad cache-salt header
+(400), not ready or draining (503), the waiting queue full (429), then the prompt's own problems
+(400). A client that goes away aborts its request in the engine at once:
 for streams, Starlette cancels the body when the ASGI receive reports the disconnect; otherwise
 the generation races a watcher of the same event.
 """
@@ -21,8 +22,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive
 
+from node_agent.auth import is_gateway
 from node_agent.cache_salt import cache_salt_of
-from node_agent.errors import ClientDisconnectedError
+from node_agent.errors import BadRequestError, ClientDisconnectedError
 from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest
 from node_agent.request_ids import request_id_of
 from node_agent.responses import JSON, TokenTexts
@@ -90,6 +92,12 @@ async def _serve(
     collect: Collect,
 ) -> Response:
     runtime.check_model(body.model)
+    if body.resume_token_ids is not None and not is_gateway(request.scope):
+        raise BadRequestError(
+            "resume_token_ids is a gateway's field, for continuing its own streams: it is "
+            "accepted only with the serving token",
+            param="resume_token_ids",
+        )
     cache_salt = cache_salt_of(request.headers, body.cache_salt)
     serving, ticket = runtime.admit(attempt_of(request.headers.get(ATTEMPT_COUNT_HEADER)))
     try:

@@ -4,6 +4,11 @@ and scrapers.
 
 A pure ASGI middleware, so that a caller without the token is refused before its body is read
 or parsed, and so that unknown `/v1` paths are guarded as well as the routes.
+
+The serving token is the node's only credential, and only gateways hold it: a request that
+presented it is a gateway's (`is_gateway`), and may use the gateway's own fields
+(`resume_token_ids`, wire/resume.py). A node without a token serves every caller on loopback
+alike, and so none of them as a gateway.
 """
 
 from __future__ import annotations
@@ -17,10 +22,16 @@ from wire.errors import INVALID_CREDENTIAL, MISSING_CREDENTIAL, error_body
 
 _GUARDED_PREFIX = "/v1"
 _SCHEME = b"bearer "
+_GATEWAY_SCOPE_KEY = "meridian.gateway"
 
 
 def is_guarded(path: str) -> bool:
     return path == _GUARDED_PREFIX or path.startswith(_GUARDED_PREFIX + "/")
+
+
+def is_gateway(scope: Scope) -> bool:
+    """Whether the request was authenticated with the serving token."""
+    return scope.get(_GATEWAY_SCOPE_KEY) is True
 
 
 def bearer_of(scope: Scope) -> bytes | None:
@@ -47,7 +58,7 @@ class ServingAuthMiddleware:
         # Constant time, so that the answer's timing says nothing about how much of a guess
         # was right.
         if given and hmac.compare_digest(given, self._token):
-            await self.app(scope, receive, send)
+            await self.app({**scope, _GATEWAY_SCOPE_KEY: True}, receive, send)
             return
         if given is None:
             message = (

@@ -11,7 +11,9 @@ Both are extensions to OpenAI's bodies, in vLLM's spelling where vLLM has one:
   earlier attempt of the same request. The node continues that generation after them, as if it
   had produced them itself: for chat, inside the same assistant message (no new generation
   prompt); seeded sampling goes on at their position; `max_tokens` counts new tokens only; the
-  answer holds only what is new, and its usage counts the resumed ids as prompt.
+  answer holds only what is new, and its usage counts the resumed ids as prompt (so does every
+  limit on the prompt). It is the gateway's field alone: a gateway refuses it from clients, and
+  a node takes it only with its serving token (a node without one refuses it).
 A gateway marks the last chunk (with `finish_reason`) of a resumed stream, and a resumed whole
 answer, with `meridian_resumes`: how many times it was continued elsewhere.
 """

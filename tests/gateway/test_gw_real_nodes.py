@@ -25,13 +25,15 @@ pytestmark = pytest.mark.slow
 
 
 def start_real_node(
-    fleet: Fleet, region: str, log_dir: Path, *extra_args: str
+    fleet: Fleet, region: str, log_dir: Path, *extra_args: str, serving_token: str | None = None
 ) -> subprocess.Popen[bytes]:
     """A real node agent for `region`, registered behind the simulated RTT, logging to
-    `log_dir`/node-REGION.log."""
+    `log_dir`/node-REGION.log; with `serving_token`, it serves only callers that present it."""
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     node_id = f"{region}-n1"
     env = base_env | {"MERIDIAN_NODE_TOKEN": fleet.mint_node_token(node_id, region)}
+    if serving_token is not None:
+        env["MERIDIAN_SERVING_TOKEN"] = serving_token
     port = free_port()
     fleet.add_region_in_front_of(region, port)
     args = [

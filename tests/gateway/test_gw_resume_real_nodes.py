@@ -31,6 +31,8 @@ NUM_TOKENS = 128
 SEEDED = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.0, "top_p": 0.9, "seed": 12}]
 KILL_AFTER_TOKENS = 16  # every stream has had this many chunks when the near node dies
 MAX_RUN_S = 600.0  # a bound for a stuck run, far above what a healthy one takes
+# Nodes take `resume_token_ids` only from a gateway: one that presents their serving token.
+SERVING_TOKEN = "srv-" + "r" * 28
 
 
 def bodies() -> list[dict[str, object]]:
@@ -78,7 +80,9 @@ def nodes(
     try:
         fleet.start_control_plane()
         for region in ("us-east", "eu-west"):
-            processes[region] = start_real_node(fleet, region, tmp_path, "--dtype", "float32")
+            processes[region] = start_real_node(
+                fleet, region, tmp_path, "--dtype", "float32", serving_token=SERVING_TOKEN
+            )
         yield fleet, processes
     finally:
         stop_nodes(list(processes.values()))
@@ -89,7 +93,7 @@ def test_streams_survive_their_regions_node_being_killed(
     nodes: tuple[Fleet, dict[str, subprocess.Popen[bytes]]], client_ssl: ssl.SSLContext
 ) -> None:
     fleet, processes = nodes
-    gateway = fleet.start_gateway()
+    gateway = fleet.start_gateway(serving_token=SERVING_TOKEN)
     _, secret = fleet.create_key()
     fleet.wait_for_gateway(gateway, num_regions=2, timeout_s=MAX_LOAD_S)
     keys = gateway.handlers.keys
@@ -116,7 +120,7 @@ def test_streams_survive_their_regions_node_being_killed(
 
     # A fresh gateway: the first one learnt from the unbroken run's TTFTs that us-east (which
     # took every stream) answers slowly, and would now send the streams to eu-west.
-    gateway = fleet.start_gateway()
+    gateway = fleet.start_gateway(serving_token=SERVING_TOKEN)
     fleet.wait_for_gateway(gateway, num_regions=2, timeout_s=MAX_LOAD_S)
     wait_until(lambda: len(gateway.handlers.keys) > 0, 5.0, "the key snapshot")
     started_s = time.monotonic()

@@ -3,7 +3,8 @@
 
 Exact continuation is tested on an fp32 engine: in bf16 the continuation's prefill of the
 resumed tokens rounds their KV differently from the decode steps that made them, and greedy
-texts part after a few tokens (docs/gateway.md)."""
+texts part after a few tokens (docs/gateway.md). `resume_token_ids` is a gateway's field: these
+nodes have a serving token, and the requests carry it as a gateway's do."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from node_helpers import (
+    MAX_MODEL_LEN,
     MODEL_NAME,
     BackgroundLoop,
     NodeHandle,
@@ -22,16 +24,29 @@ from node_helpers import (
     start_node,
 )
 
+from engine.async_engine import AsyncEngine
+
 pytestmark = pytest.mark.slow
+
+SERVING_TOKEN = "srv-" + "g" * 28
+AS_GATEWAY = {"Authorization": f"Bearer {SERVING_TOKEN}"}
 
 
 @pytest.fixture(scope="module")
 def fp32_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeHandle]:
     llm = start_engine(server_loop, smollm2_gguf, dtype="float32")
-    handle = start_node(server_loop, llm)
+    handle = start_node(server_loop, llm, serving_token=SERVING_TOKEN)
     yield handle
     handle.stop()
     server_loop.run(llm.shutdown())
+
+
+@pytest.fixture(scope="module")
+def gateway_node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
+    """A node over the shared engine that serves gateways: it has a serving token."""
+    handle = start_node(server_loop, shared_llm, serving_token=SERVING_TOKEN)
+    yield handle
+    handle.stop()
 
 
 CHAT = {
@@ -50,7 +65,9 @@ SAMPLINGS: dict[str, dict[str, object]] = {
 
 def stream(node: NodeHandle, body: dict[str, object]) -> list[dict[str, Any]]:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    response = httpx.post(node.base_url + "/v1/chat/completions", json=body, timeout=120.0)
+    response = httpx.post(
+        node.base_url + "/v1/chat/completions", json=body, headers=AS_GATEWAY, timeout=120.0
+    )
     assert response.status_code == 200, response.text
     events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e.strip()]
     assert events[-1] == "[DONE]"
@@ -127,10 +144,11 @@ def test_a_completion_resumes_too(fp32_node: NodeHandle) -> None:
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    whole = httpx.post(url, json=body, timeout=60.0).json()["choices"][0]
+    whole = httpx.post(url, json=body, headers=AS_GATEWAY, timeout=60.0).json()["choices"][0]
     rest = httpx.post(
         url,
         json={**body, "resume_token_ids": whole["token_ids"][:5], "max_tokens": 7},
+        headers=AS_GATEWAY,
         timeout=60.0,
     ).json()["choices"][0]
     assert rest["token_ids"] == whole["token_ids"][5:]
@@ -147,9 +165,54 @@ def test_a_completion_resumes_too(fp32_node: NodeHandle) -> None:
     ],
 )
 def test_bad_resume_token_ids_are_refused_with_400(
-    node: NodeHandle, resume: list[int], message: str
+    gateway_node: NodeHandle, resume: list[int], message: str
 ) -> None:
     body = {**CHAT, "resume_token_ids": resume}
-    response = httpx.post(node.base_url + "/v1/chat/completions", json=body, timeout=60.0)
+    response = httpx.post(
+        gateway_node.base_url + "/v1/chat/completions", json=body, headers=AS_GATEWAY, timeout=60.0
+    )
     assert response.status_code == 400
     assert message in response.json()["error"]["message"]
+
+
+def test_resume_token_ids_are_refused_from_a_caller_not_authenticated_as_a_gateway(
+    node: NodeHandle, gateway_node: NodeHandle
+) -> None:
+    """A node without a serving token (loopback only, every caller alike) cannot tell a gateway
+    from a client, so it refuses the field; a node with one takes it with the token."""
+    body = {**CHAT, "max_tokens": 2, "resume_token_ids": [504] * 6}
+    refused = httpx.post(node.base_url + "/v1/chat/completions", json=body, timeout=60.0)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("resume_token_ids", "invalid_request")
+    accepted = httpx.post(
+        gateway_node.base_url + "/v1/chat/completions", json=body, headers=AS_GATEWAY, timeout=60.0
+    )
+    assert accepted.status_code == 200, accepted.text
+
+
+def test_resumed_ids_count_as_prompt_in_the_context_check(gateway_node: NodeHandle) -> None:
+    url = gateway_node.base_url + "/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "return_token_ids": True}
+    answer = httpx.post(url, json={**body, "max_tokens": 1}, headers=AS_GATEWAY, timeout=60.0)
+    num_prompt = answer.json()["usage"]["prompt_tokens"]
+    room = 2  # tokens left for the completion after the prompt and the resumed ids
+    resumed = [504] * (MAX_MODEL_LEN - num_prompt - room)
+    fits = httpx.post(
+        url,
+        json={**body, "resume_token_ids": resumed, "max_tokens": room},
+        headers=AS_GATEWAY,
+        timeout=60.0,
+    )
+    assert fits.status_code == 200, fits.text
+    assert fits.json()["usage"]["prompt_tokens"] == num_prompt + len(resumed)
+    over = httpx.post(
+        url,
+        json={**body, "resume_token_ids": resumed, "max_tokens": room + 1},
+        headers=AS_GATEWAY,
+        timeout=60.0,
+    )
+    assert over.status_code == 400, over.text
+    error = over.json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    assert f"({num_prompt + len(resumed)} in the prompt" in error["message"]
