@@ -35,8 +35,10 @@ class LimitSharesConfig(BaseModel):
     floor: float = Field(default=0.05, gt=0.0, le=1.0)
     # How fast a PoP's demand is forgotten: shares follow a key's clients within a few of these.
     demand_half_life_s: float = Field(default=2.0, gt=0.0, le=600.0)
-    # A PoP not heard from for this long is left out (its shares go to the others).
-    pop_ttl_s: float = Field(default=15.0, gt=0.0, le=3600.0)
+    # A PoP not heard from for this long is left out (its shares go to the others): the time a
+    # dead PoP's clients wait for its share at the PoP they fail over to; a PoP cut off from the
+    # control plane for longer, still serving, may add its share on top.
+    pop_ttl_s: float = Field(default=5.0, gt=0.0, le=3600.0)
 
 
 # Below this much demand (a fraction of the key's limits, decayed) a key counts as unused.

@@ -184,9 +184,9 @@ class _Buckets:
 class LocalBuckets:
     """Buckets in this process's memory (a PoP of one gateway process, or Redis's fallback)."""
 
-    def __init__(self, needs_levels: bool = True) -> None:
+    def __init__(self) -> None:
         self._buckets: dict[str, _Buckets] = {}
-        self._needs_levels = needs_levels
+        self._needs_levels = True  # until the first report's answer is in
 
     @property
     def needs_levels(self) -> bool:

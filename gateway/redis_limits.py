@@ -67,7 +67,7 @@ class RedisBuckets:
         self._admit = self._redis.register_script(ADMIT_SCRIPT)
         self._settle = self._redis.register_script(SETTLE_SCRIPT)
         self._seed = self._redis.register_script(SEED_SCRIPT)
-        self._fallback = LocalBuckets(needs_levels=False)
+        self._fallback = LocalBuckets()
         self._breaker = CircuitBreaker("redis", max_failures=1, open_s=cooldown_s)
         self._seen: dict[str, _Seen] = {}
         self._needs_levels = True  # until the first report's answer is written

@@ -4,8 +4,8 @@ front and through the stack's DNS (`meridian resolve`, then a connection to what
 light `auto` requests from beside the edge are answered there; a PoP killed under 16 concurrent
 non-streamed requests from its clients costs none of them, and new connections land on the next
 PoP; `meridian down` stops it all. Bounded: one region node and one edge node load the model.
-Per-key limits are checked shared across PoPs where there is a redis-server (the `stack` extra
-installs one), else only named local."""
+A key's limits hold across PoPs, each PoP's buckets in a redis-server of its own where there is
+one (the `stack` extra installs one), else in its gateway."""
 
 from __future__ import annotations
 
@@ -47,13 +47,16 @@ def _config(tmp_path: Path) -> tuple[Path, StackLayout]:
             "pops: [new-york, london, sydney]\nclients: [sydney, paris, chicago]\n"
             "edge: {pops: [sydney], max_tokens: 32}\nenvoy: off\n"
             "node: {kv_cache_gib: 0.25, max_num_seqs: 16}\n"
+            # The key `up` makes: room for the failover below at whichever PoP's share.
+            "api_key: {rpm: 100000, tpm: 100000000}\n"
             f"ports: {{control_plane: {base}, xds: {base + 1}, dns: {base + 2}, "
             f"gateway: {base + 3}, anycast_admin: {base + 4}, anycast_base: {base + 5}, "
-            f"redis: {base + 9}, node_base: {base + 10}, edge_base: {base + 20}, "
+            f"redis: {base + 60}, node_base: {base + 10}, edge_base: {base + 20}, "
             f"envoy_base: {base + 30}, envoy_admin_base: {base + 40}, "
             f"rtt_proxy_base: {base + 50}}}\n"
         )
-        # RTT routes: base+50 + 100*p for PoP p; the next range starts far enough away.
+        # RTT routes: base+50 + 100*p for PoP p, redis base+60 + p; the next range starts far
+        # enough away.
         layout = plan_layout(parse_config(text), use_envoy=False, has_redis=HAS_REDIS)
         try:
             check_ports_free(layout)
@@ -135,7 +138,8 @@ def _chat(client: httpx.Client, model: str, max_tokens: int = 8) -> httpx.Respon
 
 
 def _check_a_keys_limit_is_shared_across_pops(front: Front) -> None:
-    """One key's requests per minute are counted across PoPs (the shared redis-server)."""
+    """One key's requests per minute are counted across PoPs (the control plane's shares: a
+    fresh key's burst is split between them, so the fleet admits at most its 3)."""
     admin = StateDir(front.state_root).read_tokens()["MERIDIAN_ADMIN_TOKEN"]
     created = httpx.post(
         front.layout.control_plane_url + "/v1/keys",
@@ -143,7 +147,7 @@ def _check_a_keys_limit_is_shared_across_pops(front: Front) -> None:
         headers={"Authorization": f"Bearer {admin}"},
     ).json()
     statuses = []
-    for city in ("chicago", "paris", "chicago", "paris"):  # new-york, london, new-york, london
+    for city in ("chicago", "paris") * 3:  # new-york, london, new-york, ...
         headers = {"Authorization": f"Bearer {created['secret']}"}
         with httpx.Client(verify=front.verify, headers=headers, timeout=120) as client:
             for _ in range(50):  # the new key reaches every gateway within about a second
@@ -157,7 +161,8 @@ def _check_a_keys_limit_is_shared_across_pops(front: Front) -> None:
                     break
                 time.sleep(0.1)
             statuses.append(response.status_code)
-    assert statuses == [200, 200, 200, 429]
+    assert statuses[:2] == [200, 200] and statuses[-2:] == [429, 429], statuses
+    assert statuses.count(200) <= 3, statuses
 
 
 @pytest.mark.slow
@@ -192,8 +197,7 @@ def test_cities_reach_their_nearest_pop_by_anycast_and_dns_edge_answers_light_au
         assert heavy.headers["x-meridian-tier"] == "region"
     status = meridian("status", "--state-dir", str(front.state_root))
     assert "edge+region" in status.stdout and limits_mode(front.layout) in status.stdout
-    if HAS_REDIS:
-        _check_a_keys_limit_is_shared_across_pops(front)
+    _check_a_keys_limit_is_shared_across_pops(front)
     # London killed under 16 concurrent non-streamed requests from Paris.
     state = StateDir(front.state_root).read()
     assert state is not None
