@@ -57,7 +57,8 @@ def _rate_limit_error(admission: Admission, num_tokens: int) -> RateLimitError:
     if admission.is_too_large:
         message = (
             f"Request too large for tokens per min (TPM): Limit {admission.tpm}, Requested "
-            f"{num_tokens}. Lower max_tokens or the prompt."
+            f"{num_tokens} (max_tokens, and the prompt counted as at most one token per UTF-8 "
+            "byte). Lower max_tokens or the prompt."
         )
     elif admission.limited_by == "requests":
         message = (
@@ -343,8 +344,9 @@ class Handlers:
         """The tokens a stream used: its usage (summed over attempts), else an estimate."""
         if reader.usage is not None:
             return reader.usage.total_tokens
-        # Cut short: the prompt once per attempt, and the tokens relayed.
-        num_prompts = parsed.prompt_tokens * len(reader.starts) + sum(reader.starts)
+        # Cut short: the prompt (at its bound, as reserved) once per attempt, and the tokens
+        # relayed.
+        num_prompts = parsed.max_prompt_tokens * len(reader.starts) + sum(reader.starts)
         num_relayed = max(len(reader.token_ids), reader.num_events)
         return min(parsed.reserved_tokens, num_prompts + num_relayed)
 

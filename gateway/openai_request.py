@@ -13,9 +13,13 @@ Every request goes to the node as a stream (a non-stream's answer is assembled f
 gateway/whole.py) that asks for usage and for its output token ids (`return_token_ids`), which a
 resume continues from; the relay removes them unless the client asked too.
 
-Prompt tokens are estimated from characters (about 4 per token for English with BPE tokenizers,
-plus a few per message for the chat template); the estimate only sizes the reservation, and the
-usage the node reports settles it.
+Prompt tokens are estimated twice (gateway/prompt_estimate.py): an upper bound from the UTF-8
+bytes sizes the rate-limit reservation, which the usage the node reports settles; a likely figure
+from the characters routes the request.
+
+`resume_token_ids` is the gateway's own field for its continuations (wire/resume.py): from a
+client it is refused (even `null`), as it would prefill tokens that no estimate counts and start
+the answer from an assistant prefix of the client's choosing.
 """
 
 from __future__ import annotations
@@ -26,11 +30,10 @@ from dataclasses import dataclass
 from typing import Literal, TypeGuard
 
 from gateway.errors import InvalidRequestError
-from wire.resume import RETURN_TOKEN_IDS
+from gateway.prompt_estimate import ChatTurn, PromptEstimate, of_chat, of_texts, of_token_ids
+from wire.resume import RESUME_TOKEN_IDS, RETURN_TOKEN_IDS
 
 Endpoint = Literal["chat", "completions"]
-CHARS_PER_TOKEN = 4
-TOKENS_PER_MESSAGE = 4
 MAX_INT_FIELD = 2**31
 # OpenAI's default `max_tokens` for /v1/completions (chat has none: the gateway caps it).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -43,14 +46,15 @@ class ParsedRequest:
     is_stream: bool
     wants_usage: bool  # the client asked for the usage chunk itself
     wants_token_ids: bool  # the client asked for `token_ids` itself (wire/resume.py)
-    prompt_tokens: int  # estimated
+    prompt_tokens: int  # likely, for routing
+    max_prompt_tokens: int  # an upper bound, for the reservation
     max_tokens: int  # the client's, or the gateway's default cap
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
     upstream_body: bytes  # to the node: a stream, usage and ids, the reserved max_tokens
 
     @property
     def reserved_tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
+        return self.max_prompt_tokens + self.max_tokens
 
 
 def _invalid(message: str, param: str | None = None) -> InvalidRequestError:
@@ -66,12 +70,10 @@ def _int_field(body: dict[str, object], name: str) -> int | None:
     return value
 
 
-def _message_chars(messages: object) -> tuple[int, str | None]:
-    """Characters of all message contents, and the system prompt (first system message)."""
+def _chat_turns(messages: object) -> list[ChatTurn]:
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages must be a non-empty array", "messages")
-    num_chars = 0
-    system: str | None = None
+    turns: list[ChatTurn] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _invalid(f"messages[{i}] must be an object with a role", f"messages[{i}]")
@@ -85,27 +87,31 @@ def _message_chars(messages: object) -> tuple[int, str | None]:
             text = ""
         else:
             raise _invalid(f"messages[{i}].content must be a string or an array", "messages")
-        num_chars += len(text) + TOKENS_PER_MESSAGE * CHARS_PER_TOKEN
-        if system is None and message["role"] in ("system", "developer"):
-            system = text
-    return num_chars, system
+        name = message.get("name")
+        turns.append(ChatTurn(message["role"], name if isinstance(name, str) else None, text))
+    return turns
+
+
+def _system_prompt(turns: list[ChatTurn]) -> str | None:
+    """The first system message's text."""
+    return next((t.text for t in turns if t.role in ("system", "developer")), None)
 
 
 def _is_token_ids(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
 
 
-def _prompt_tokens(prompt: object) -> int:
+def _prompt_estimate(prompt: object) -> PromptEstimate:
     """OpenAI's four prompt shapes: a string, token ids, or a non-empty array of either."""
     if isinstance(prompt, str):
-        return len(prompt) // CHARS_PER_TOKEN + 1
+        return of_texts([prompt])
     if _is_token_ids(prompt):
-        return len(prompt)
+        return of_token_ids([prompt])
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return sum(len(p) // CHARS_PER_TOKEN + 1 for p in prompt)
+            return of_texts(prompt)
         if all(_is_token_ids(p) for p in prompt):
-            return sum(len(p) for p in prompt)
+            return of_token_ids(prompt)
     raise _invalid(
         "prompt must be a string, token ids, or an array of strings or of token id arrays",
         "prompt",
@@ -142,6 +148,11 @@ def _dump(body: dict[str, object]) -> bytes:
 
 def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> ParsedRequest:
     body = _load(raw)
+    if RESUME_TOKEN_IDS in body:
+        raise _invalid(
+            f"{RESUME_TOKEN_IDS} is not accepted: the gateway sets it for its own continuations",
+            RESUME_TOKEN_IDS,
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _invalid("model must be a non-empty string", "model")
@@ -155,8 +166,9 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
 
     affinity_key: str | None = None
     if endpoint == "chat":
-        num_chars, system = _message_chars(body.get("messages"))
-        prompt_tokens = num_chars // CHARS_PER_TOKEN + 1
+        turns = _chat_turns(body.get("messages"))
+        estimate = of_chat(turns)
+        system = _system_prompt(turns)
         if system:
             # surrogatepass: a lone surrogate is refused by `_dump` with a 400, not here.
             encoded = system.encode("utf-8", "surrogatepass")
@@ -167,7 +179,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = max_tokens
     else:
-        prompt_tokens = _prompt_tokens(body.get("prompt"))
+        estimate = _prompt_estimate(body.get("prompt"))
         max_tokens = _int_field(body, "max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
     body["max_tokens"] = max_tokens
     # The gateway alone decides whose prefix cache a request may share (see `cache_salt.py`).
@@ -184,7 +196,8 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         is_stream=is_stream,
         wants_usage=wants_usage,
         wants_token_ids=wants_token_ids,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=estimate.likely_tokens,
+        max_prompt_tokens=estimate.max_tokens,
         max_tokens=max_tokens,
         affinity_key=affinity_key,
         upstream_body=_dump(body),

@@ -1,16 +1,16 @@
 """Continuing a broken stream in another region: the continuation request, and the decision.
 
 The continuation is the request as first sent upstream plus `resume_token_ids` (the output ids
-relayed so far, after any the client itself resumed from) and a `max_tokens` reduced by them
-(wire/resume.py). It goes to the regions the request has not tried yet, in the order of a plan
-made among them at the break: by then the breaker has heard of the streams broken before it, and
-those moved count as this gateway's requests awaiting a first byte, so a region's many broken
-streams spread instead of all following the first plan's second choice. The node then produces
-what an unbroken run would have produced next: the same text for greedy decoding, and for seeded
-sampling where the engine's sampling is deterministic (docs/gateway.md). Every resume feeds the
-broken region's circuit breaker and the resume metrics; a resume that cannot happen (no region
-left, the deadline passed, the resume budget spent, the continuation refused) lets the stream
-end with its error event.
+relayed so far; a client may not send that field itself, gateway/openai_request.py) and a
+`max_tokens` reduced by them (wire/resume.py). It goes to the regions the request has not tried
+yet, in the order of a plan made among them at the break: by then the breaker has heard of the
+streams broken before it, and those moved count as this gateway's requests awaiting a first
+byte, so a region's many broken streams spread instead of all following the first plan's second
+choice. The node then produces what an unbroken run would have produced next: the same text for
+greedy decoding, and for seeded sampling where the engine's sampling is deterministic
+(docs/gateway.md). Every resume feeds the broken region's circuit breaker and the resume
+metrics; a resume that cannot happen (no region left, the deadline passed, the resume budget
+spent, the continuation refused) lets the stream end with its error event.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ def continuation_of(request: UpstreamRequest, token_ids: list[int]) -> UpstreamR
     if num_left < 1 or request.body is None:
         return None
     body = json.loads(request.body)
-    resumed = [*(body.get(RESUME_TOKEN_IDS) or ()), *token_ids]
-    if resumed:  # else it broke before any output: the continuation starts afresh
-        body[RESUME_TOKEN_IDS] = resumed
+    if token_ids:  # else it broke before any output: the continuation starts afresh
+        body[RESUME_TOKEN_IDS] = token_ids
     return request.with_body(body, num_left)
 
 

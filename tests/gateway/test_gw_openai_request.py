@@ -20,7 +20,32 @@ def test_chat_without_max_tokens_is_capped_upstream() -> None:
     assert parsed.max_tokens == 256
     assert json.loads(parsed.upstream_body)["max_tokens"] == 256
     assert parsed.prompt_tokens == (40 + 16) // 4 + 1
-    assert parsed.reserved_tokens == parsed.prompt_tokens + 256
+    # Reserved: the prompt's bytes, its role's, and the template's allowances (prompt_estimate.py).
+    assert parsed.max_prompt_tokens == 40 + len("user") + 8 + 32
+    assert parsed.reserved_tokens == parsed.max_prompt_tokens + 256
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("resumed", [[504] * 6000, [], None])
+def test_a_client_may_not_send_the_gateways_resume_field(
+    endpoint: str, resumed: list[int] | None
+) -> None:
+    body: dict[str, object] = {"model": "m", "max_tokens": 5, "resume_token_ids": resumed}
+    body |= (
+        {"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"}
+    )
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request(json.dumps(body).encode(), endpoint, 8)  # type: ignore[arg-type]
+    assert caught.value.status_code == 400 and caught.value.param == "resume_token_ids"
+
+
+def test_the_reservation_counts_non_ascii_text_by_its_bytes() -> None:
+    emoji = "\U0001f600" * 400
+    parsed = parse_request(chat(messages=[{"role": "user", "content": emoji}]), "chat", 5)
+    assert parsed.max_prompt_tokens >= len(emoji.encode())
+    assert parsed.reserved_tokens == parsed.max_prompt_tokens + 5
+    raw = json.dumps({"model": "m", "prompt": emoji, "max_tokens": 5}).encode()
+    assert parse_request(raw, "completions", 8).max_prompt_tokens >= len(emoji.encode())
 
 
 def test_other_fields_go_upstream_as_the_client_sent_them() -> None:

@@ -38,7 +38,6 @@ def test_the_continuation_resumes_after_the_relayed_ids_with_fewer_tokens_left()
         "seed": 3,
         "max_tokens": 10,
         "max_completion_tokens": 10,
-        "resume_token_ids": [1],
     }
     continuation = continuation_of(request(body, 10), [5, 6, 7])
     assert continuation is not None and continuation.max_tokens == 7
@@ -48,7 +47,7 @@ def test_the_continuation_resumes_after_the_relayed_ids_with_fewer_tokens_left()
         **body,
         "max_tokens": 7,
         "max_completion_tokens": 7,
-        "resume_token_ids": [1, 5, 6, 7],
+        "resume_token_ids": [5, 6, 7],
     }
 
 
