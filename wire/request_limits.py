@@ -6,7 +6,8 @@ Without them, anyone who can reach a port makes the server hold a body of any si
 megabyte of headers) in memory before it is told 401. `RequestLimits` is the ASGI middleware of
 the node agent and the control plane: a body over the cap is refused at once when its
 Content-Length says so, else as soon as what has arrived passes the cap; the body is never read
-further. A body within the cap is read here (at most the cap per request) and handed on
+further. A body within its Content-Length is left to the app to read (a token check inside
+refuses it unread); a chunked one is read here (at most the cap per request) and handed on
 unchanged. The gateway applies the same rule in aiohttp (gateway/http_limits.py).
 """
 
@@ -47,6 +48,10 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+def _is_chunked(scope: Scope) -> bool:
+    return any(name == b"transfer-encoding" for name, _ in scope["headers"])
+
+
 def _has_body(scope: Scope) -> bool:
     return any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
 
@@ -78,6 +83,11 @@ class RequestLimits:
         length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
             await _send_error(send, 413, too_large)
+            return
+        if length is not None and not _is_chunked(scope):
+            # The server hands on no more than the length says: nothing to read ahead, and a
+            # handler that refuses (a missing token) reads none of it.
+            await self.app(scope, receive, send)
             return
         try:
             body = await self._read(receive)
