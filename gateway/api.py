@@ -29,7 +29,8 @@ from gateway.errors import (
     error_response,
 )
 from gateway.keys import ApiKey, KeyTable
-from gateway.limits import Admission, Limiter
+from gateway.limit_shares import PopLimiter
+from gateway.limits import Admission
 from gateway.metrics import NO_REGION, GatewayMetrics
 from gateway.openai_request import Endpoint, ParsedRequest, parse_request
 from gateway.prewarm import prewarm
@@ -80,7 +81,7 @@ class Handlers:
     router: Router
     metrics: GatewayMetrics
     proxy: Proxy | None = None  # set by the lifespan
-    limiter: Limiter | None = None
+    limiter: PopLimiter | None = None
     auto: AutoTier | None = None  # the `auto` alias and the edge tier, when configured
     silence: SilenceLimits = field(init=False)  # every stream's, from the settings and router
     _prewarms: set[asyncio.Task[None]] = field(default_factory=set, init=False)  # while running
@@ -375,7 +376,7 @@ class Handlers:
             raise NotReadyError("the gateway has not loaded region summaries yet", "not_ready")
         return self.proxy
 
-    def _limiter(self) -> Limiter:
+    def _limiter(self) -> PopLimiter:
         if self.limiter is None:
             raise NotReadyError("the gateway is starting", "not_ready")
         return self.limiter

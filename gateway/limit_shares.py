@@ -90,7 +90,7 @@ class UsageMeter:
 
 
 class PopLimiter:
-    """The `Limiter` the handlers use: this PoP's buckets at its current shares."""
+    """What the handlers admit from and settle to: this PoP's buckets at its current shares."""
 
     def __init__(self, buckets: Buckets, shares: ShareTable, meter: UsageMeter) -> None:
         self.buckets = buckets
@@ -98,11 +98,14 @@ class PopLimiter:
         self.meter = meter
 
     async def admit(self, key: ApiKey, num_tokens: int) -> Admission:
+        """Take one request and `num_tokens` from the key's buckets, or nothing."""
         admission = await self.buckets.admit(key, self.shares.share_of(key.id), num_tokens)
         self.meter.count(key.id, num_tokens, admission)
         return admission
 
     async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
+        """Give back what a finished request did not use (negative: charge the excess), to the
+        buckets that `admission` was taken from."""
         share = self.shares.share_of(key.id)
         await self.buckets.settle(key, share, admission, num_unused_tokens)
         self.meter.touch(key.id)

@@ -67,21 +67,6 @@ class Admission:
         return headers
 
 
-class Limiter(Protocol):
-    """What the handlers admit from and settle to (`gateway/limit_shares.PopLimiter`)."""
-
-    async def admit(self, key: ApiKey, num_tokens: int) -> Admission:
-        """Take one request and `num_tokens` from the key's buckets, or nothing."""
-        ...
-
-    async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
-        """Give back what a finished request did not use (negative: charge the excess), to the
-        buckets that `admission` was taken from."""
-        ...
-
-    async def close(self) -> None: ...
-
-
 class Buckets(Protocol):
     """A PoP's buckets, sized to its `share` of each key."""
 
