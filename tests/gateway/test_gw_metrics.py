@@ -4,8 +4,10 @@ label per key lists the tenants and their volume to whoever can scrape."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -102,6 +104,18 @@ def test_metrics_off_loopback_need_a_token() -> None:
     assert GatewaySettings(**(values | {"metrics_host": "::1"})).metrics_port == 9464
 
 
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """`main` points the root logger at this test's captured stderr; later tests must not log
+    into that closed stream."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("root_logging")
 def test_a_taken_metrics_port_fails_the_start_in_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
