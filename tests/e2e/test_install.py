@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 ADMIN_TOKEN = "admin-" + "a" * 32
 GATEWAY_TOKEN = "gateway-" + "g" * 32

@@ -255,7 +255,7 @@ def run_interpreted_triton_kernel(
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-c", _RUN_TRITON_KERNEL, tmp_path / "args.pt", tmp_path / "out.pt"]
     ran = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
-                         cwd=Path(__file__).parents[1])  # fmt: skip
+                         cwd=Path(__file__).parents[2])  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     outs: list[torch.Tensor] = torch.load(tmp_path / "out.pt")
     return outs
@@ -337,7 +337,7 @@ def test_a_build_killed_midway_does_not_hang_later_loads() -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
     assert loaded.returncode == 0, loaded.stderr
     assert kernels.__name__ in loaded.stdout and not stale.exists()
