@@ -16,7 +16,7 @@ if [ "$num_gpus" -lt 1 ]; then
 fi
 "$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(0), "x", torch.cuda.device_count())'
 echo "== GPU tests"
-"$PY" -m pytest -q -m gpu tests/test_paged_attention.py tests/test_cuda_graphs.py
+"$PY" -m pytest -q -m gpu tests/engine/test_paged_attention.py tests/engine/test_cuda_graphs.py
 bench() {
   PYTHONUNBUFFERED=1 "$PY" -m bench.engine_throughput --skip-transformers --dtype bfloat16 \
     --tensor-parallel-size "$1" --pipeline-parallel-size "$2" 2>&1 | grep -v '^\r' | tail -6

@@ -12,7 +12,7 @@ again, filled from its new blocks. Each step's tensors are copies, never views o
 the batches a pipeline keeps in flight do not change under it when later steps move the rows on.
 
 The tensors equal `build_step_inputs`' (the one-off build that the KV profile and tests use)
-for every batch: the known-answer test in tests/test_input_batch.py holds them to it.
+for every batch: the known-answer test in tests/engine/test_input_batch.py holds them to it.
 """
 
 from __future__ import annotations
