@@ -36,7 +36,7 @@ from simulator.edge import (
     EdgeSpec,
     default_edge_thresholds,
 )
-from simulator.flow import DEFAULT_MAX_RESUMES
+from simulator.gateway_timing import DEFAULT_MAX_RESUMES
 from simulator.policies import POLICIES
 from simulator.report import table
 from simulator.scenarios import SCENARIOS

@@ -18,7 +18,7 @@ from typing import Any
 from simulator.access import Access
 from simulator.calibration import ServiceCalibration
 from simulator.edge import EdgeSpec
-from simulator.flow import DEFAULT_MAX_RESUMES
+from simulator.gateway_timing import DEFAULT_MAX_RESUMES
 from simulator.results import PolicyStats, Recorder
 from simulator.run import World, WorldSpec
 from simulator.scenarios import Scenario, workload_of

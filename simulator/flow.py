@@ -11,10 +11,8 @@ its first byte fails over then; a stream, if the sequence allows a resume, conti
 region not tried yet: the prompt plus the tokens already relayed, the output less them, as
 `gateway.resume.continuation_of` builds it. A hung node's connections stay open instead: its
 waiting attempts meet their first-byte timeout, and its streams break when the gateway's relay
-would give up on their silence (`gateway.relay.SilenceLimits`, read against the summaries this
-PoP holds: soon once they show the node unhealthy, or its region with no healthy node); a hung
-node's restart resets them. The client keeps its first token's time; the stream ends when the
-continuation's does.
+would give up on their silence, or when the node's restart resets them (simulator/hung_streams.py).
+The client keeps its first token's time; the stream ends when the continuation's does.
 Timeouts and limits are the gateway's default settings. Each outcome is reported to the policy
 (breakers, in-flight counts, observed TTFT), which is where the real gateway code learns. With
 an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
@@ -24,77 +22,25 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 
 from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
-from gateway.relay import SilenceLimits
 from gateway.routing import Candidate
-from gateway.settings import GatewaySettings
 from simulator.access import Access, make_access
 from simulator.control import PopWatch
-from simulator.edge import POP_TO_EDGE_MS, EdgeTier
+from simulator.delays import OneWayDelays
+from simulator.edge import EdgeTier
 from simulator.events import EventLoop
-from simulator.node import Job, Node
+from simulator.flight import AttemptEvent, Flight
+from simulator.gateway_timing import GatewayTiming
+from simulator.hung_streams import HungStreams
+from simulator.node import Job
 from simulator.policies import Chooser, Pick
 from simulator.results import TIER_EDGE, TIER_NONE, TIER_REGION, Outcome, Recorder
 from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
-from wire.geo import Location
-from wire.region_summary import RegionSummary
-
-
-def _gateway_default(name: str) -> float:
-    value = GatewaySettings.model_fields[name].default
-    assert isinstance(value, int | float)
-    return float(value)
-
-
-DEFAULT_MAX_RESUMES = int(_gateway_default("max_resumes"))
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayTiming:
-    max_attempts: int = int(_gateway_default("max_attempts"))
-    max_resumes: int = DEFAULT_MAX_RESUMES
-    connect_timeout_s: float = _gateway_default("connect_timeout_s")
-    first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
-    request_deadline_s: float = _gateway_default("request_deadline_s")
-    stream_idle_timeout_s: float = _gateway_default("stream_idle_timeout_s")
-    unhealthy_node_silence_s: float = _gateway_default("unhealthy_node_silence_s")
-
-
-@dataclass(slots=True)
-class Flight:
-    request: Request
-    origin: Location  # where attempts leave from: the PoP, or the client itself
-    pop: str  # "" when the client goes to a region directly
-    client_delay_s: float  # client ↔ origin, one way
-    picks: dict[str, Pick] = field(default_factory=dict)  # by region, the latest plan's
-    is_edge: bool = False  # the attempts under way are the edge's
-    attempts: AttemptSequence | None = None  # the gateway's sequencer over the plan
-    attempt: int = -1  # the attempt under way: how many were handed out before it
-    sent_s: float = 0.0
-    pick: Pick | None = None
-    site: Site | None = None  # the pick's
-    job: Job | None = None
-    node: Node | None = None
-    first_byte_s: float = 0.0  # at the origin: the client's first token
-    observed_ttft_s: float = 0.0  # the first byte's, from its attempt's send (the router's)
-    first_pick: Pick | None = None  # the region that sent the first byte
-    num_attempts: int = 0
-    num_sent: int = 0  # output tokens relayed by attempts before the one under way
-    broken_s: float = 0.0  # when the last break's silence began at the origin
-    longest_resume_s: float = 0.0  # from then to the continuation's first byte
-    is_committed: bool = False  # the client has its first byte
-    is_streaming: bool = False  # the attempt under way has sent its first byte
-    is_ended: bool = False
-
-    @property
-    def num_resumes(self) -> int:
-        return self.attempts.num_resumes if self.attempts is not None else 0
-
 
 EDGE_LIMITS = AttemptLimits(max_attempts=1, max_resumes=0)  # the edge is one candidate
 
@@ -123,37 +69,11 @@ class Traffic:
         max_resumes = timing.max_resumes if chooser.is_via_pop else 0
         self.limits = AttemptLimits(self.max_attempts, max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
-        self.silences = {
-            pop: SilenceLimits(
-                timing.stream_idle_timeout_s,
-                timing.unhealthy_node_silence_s,
-                partial(self._summary_of, watch),
-            )
-            for pop, watch in watches.items()
-        }
-        # Clients that go to a region directly: only their own patience, the same idle limit.
-        self.silences[""] = SilenceLimits(
-            timing.stream_idle_timeout_s, timing.unhealthy_node_silence_s, lambda _: None
-        )
-        self._delays: dict[tuple[str, str], float] = {}
-        self._deadlines: deque[tuple[float, tuple[Flight, int]]] = deque()
+        self.delays = OneWayDelays(geography, edge)
+        self.hung = HungStreams(loop, sites, self.delays, timing, watches, self._broken)
+        self._deadlines: deque[tuple[float, AttemptEvent]] = deque()
         self._is_deadline_armed = False
-        # Silences, by region: (flight, attempt, silence's start at the origin, node).
-        self._hung: dict[str, list[tuple[Flight, int, float, str]]] = {}
         self.edge = edge
-        if edge is not None:  # the edge is one hop from its gateway, whatever the paths' jitter
-            for pop, site in edge.sites.items():
-                self._delays[(pop, site.name)] = self._delays[(site.name, pop)] = (
-                    POP_TO_EDGE_MS / 1000.0
-                )
-
-    def delay_s(self, a: Location, b: Location) -> float:
-        """One way between two places (half the true RTT), memoised."""
-        key = (a.name, b.name)
-        delay = self._delays.get(key)
-        if delay is None:
-            delay = self._delays[key] = self.geography.true_rtt_ms(a, b) / 2000.0
-        return delay
 
     def withdraw(self, pop: str) -> None:
         self.access.withdraw(pop)
@@ -169,7 +89,7 @@ class Traffic:
         if self.chooser.is_via_pop:
             pop = self.access.pop_for(request.city, self.loop.now_s)
             origin = self.geography.pops[pop]
-            delay_s = self.delay_s(city, origin)
+            delay_s = self.delays.between(city, origin)
             flight = Flight(request, origin, pop, delay_s)
             self.loop.at(self.loop.now_s + delay_s, self._at_origin, flight)
         else:
@@ -227,10 +147,10 @@ class Traffic:
             self.chooser.on_attempt(flight.pop, pick.region, now_s)
             site = self.sites[pick.region]
         flight.site = site
-        arrive_s = now_s + self.delay_s(flight.origin, site.location)
+        arrive_s = now_s + self.delays.between(flight.origin, site.location)
         self.loop.at(arrive_s, self._at_region, (flight, flight.attempt))
 
-    def _at_region(self, event: tuple[Flight, int]) -> None:
+    def _at_region(self, event: AttemptEvent) -> None:
         flight = event[0]
         now_s = self.loop.now_s
         assert flight.pick is not None and flight.site is not None
@@ -246,7 +166,7 @@ class Traffic:
             request.affinity_key, request.prefix_tokens,
         )  # fmt: skip
         if node.is_overloaded() or not node.can_ever_fit(job):
-            back_s = now_s + self.delay_s(site.location, flight.origin)
+            back_s = now_s + self.delays.between(site.location, flight.origin)
             self.loop.at(back_s, self._failed, event)  # 429: try the next region
             return
         flight.job, flight.node = job, node
@@ -262,10 +182,10 @@ class Traffic:
         if flight.job is not job or flight.is_ended:
             return  # an attempt the gateway gave up on: the node worked for nobody
         assert flight.site is not None
-        back_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
+        back_s = self.loop.now_s + self.delays.between(flight.site.location, flight.origin)
         self.loop.at(back_s, self._first_byte, (flight, flight.attempt))
 
-    def _first_byte(self, event: tuple[Flight, int]) -> None:
+    def _first_byte(self, event: AttemptEvent) -> None:
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended:
             return  # a newer attempt (a node that died after sending it still delivers it)
@@ -292,7 +212,7 @@ class Traffic:
             return
         assert flight.pick is not None and flight.site is not None
         now_s = self.loop.now_s
-        done_s = now_s + self.delay_s(flight.site.location, flight.origin)
+        done_s = now_s + self.delays.between(flight.site.location, flight.origin)
         if not flight.is_streaming:  # the last token comes with the first (1-token answers)
             self._stream_from(flight, done_s)
             if not flight.is_edge:
@@ -321,7 +241,7 @@ class Traffic:
         else:
             self._is_deadline_armed = False
 
-    def _timed_out(self, event: tuple[Flight, int]) -> None:
+    def _timed_out(self, event: AttemptEvent) -> None:
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended or flight.is_streaming:
             return
@@ -329,7 +249,7 @@ class Traffic:
             flight.node.abort(flight.job, self.loop.now_s)
         self._failed(event)
 
-    def _failed(self, event: tuple[Flight, int]) -> None:
+    def _failed(self, event: AttemptEvent) -> None:
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended:
             return
@@ -342,68 +262,36 @@ class Traffic:
         """The node serving `job` died and its connection reset, which reaches the gateway one
         way later (after any byte the node had sent): an attempt without a first byte then fails
         over, a stream continues elsewhere if it may (else it ends in an error)."""
-        flight = job.owner
-        assert isinstance(flight, Flight)
-        if flight.job is not job or flight.is_ended:
+        flight = self._cut_off(job)
+        if flight is None:
             return
         assert flight.site is not None
-        flight.job = None  # nothing more comes from that node
-        flight.num_sent += job.num_generated
-        back_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
+        back_s = self.loop.now_s + self.delays.between(flight.site.location, flight.origin)
         self.loop.at(back_s, self._broken, (flight, flight.attempt))
 
     def silence(self, job: Job) -> None:
         """The node serving `job` hung with its connection open: nothing more comes from it
         once the bytes on their way have arrived. An attempt without a first byte meets its
         first-byte timeout; a stream breaks once its silence passes the relay's limit."""
+        flight = self._cut_off(job)
+        if flight is not None:
+            self.hung.hold(flight)
+
+    def _cut_off(self, job: Job) -> Flight | None:
+        """`job`'s flight, which has all it will get from that node; None if the flight is
+        ended or no longer waits on `job`."""
         flight = job.owner
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
-            return
-        assert flight.site is not None and flight.node is not None
+            return None
         flight.job = None
         flight.num_sent += job.num_generated
-        silent_from_s = self.loop.now_s + self.delay_s(flight.site.location, flight.origin)
-        event = (flight, flight.attempt, silent_from_s, flight.node.name)
-        self._hung.setdefault(flight.site.name, []).append(event)
-        self.loop.at(silent_from_s + self.timing.unhealthy_node_silence_s, self._silent, event)
+        return flight
 
     def restarted(self, region: str, nodes: Collection[str]) -> None:
-        """These hung nodes of `region` were restarted: the old processes' connections reset,
-        which ends the silences they still held one way later."""
-        site = self.sites[region]
-        held = self._hung.pop(region, [])
-        self._hung[region] = [event for event in held if event[3] not in nodes]
-        for event in held:
-            flight = event[0]
-            if event[3] in nodes and event[1] == flight.attempt and not flight.is_ended:
-                back_s = self.loop.now_s + self.delay_s(site.location, flight.origin)
-                self.loop.at(back_s, self._reset_silence, event)
+        self.hung.restarted(region, nodes)
 
-    def _reset_silence(self, event: tuple[Flight, int, float, str]) -> None:
-        self._broken(event[:2], event[2])
-
-    def _silent(self, event: tuple[Flight, int, float, str]) -> None:
-        """The relay's look at a silent stream, every `unhealthy_s` of its silence."""
-        flight, attempt, silent_from_s, node = event
-        if attempt != flight.attempt or flight.is_ended or not flight.is_streaming:
-            return  # resumed or ended, or no first byte (its timeout is armed)
-        assert flight.pick is not None
-        silence = self.silences[flight.pop]
-        now_s = self.loop.now_s
-        give_up_s = silent_from_s + silence.of(flight.pick.region, node)  # absolute: no creep
-        if now_s >= give_up_s:
-            self._broken((flight, attempt), silent_from_s)
-        else:
-            self.loop.at(min(give_up_s, now_s + silence.unhealthy_s), self._silent, event)
-
-    def _summary_of(self, watch: PopWatch, region: str) -> RegionSummary | None:
-        document = watch.read(self.loop.now_s)
-        if document is None:
-            return None
-        return next((r for r in document.regions if r.name == region), None)
-
-    def _broken(self, event: tuple[Flight, int], silent_from_s: float | None = None) -> None:
+    def _broken(self, event: AttemptEvent, silent_from_s: float | None = None) -> None:
         """The stream under way broke, as the origin sees it now (a reset arriving, or a silence
         since `silent_from_s` given up on)."""
         flight, attempt = event

@@ -18,7 +18,8 @@ from simulator.calibration import ServiceCalibration
 from simulator.control import ControlTiming, PopWatch, SimControlPlane
 from simulator.edge import EdgeSpec, EdgeTier, auto_requests, edge_site_name
 from simulator.events import EventLoop
-from simulator.flow import DEFAULT_MAX_RESUMES, GatewayTiming, Traffic
+from simulator.flow import Traffic
+from simulator.gateway_timing import DEFAULT_MAX_RESUMES, GatewayTiming
 from simulator.node import Job, Node
 from simulator.policies import (
     Chooser,

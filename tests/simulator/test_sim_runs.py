@@ -13,7 +13,9 @@ from gateway.relay import SilenceLimits
 from gateway.routing import Router
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
-from simulator.flow import Flight, GatewayTiming, Traffic
+from simulator.flight import Flight
+from simulator.flow import Traffic
+from simulator.gateway_timing import GatewayTiming
 from simulator.node import Job
 from simulator.policies import POLICIES, MeridianChooser
 from simulator.results import Outcome, Recorder
