@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.report import cpu_vector_flags, load_average
 from engine.kernels import cpu_kernels
 from engine.model.attention import AttentionMetadata, _decode_attention
 

@@ -40,7 +40,7 @@ from unittest import mock
 
 import torch
 
-from bench.engine_throughput import cpu_vector_flags, load_average, report_out
+from bench.report import load_average, machine, report_out
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.block_weights import BlockWeight
@@ -222,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds_ms": rounds,
         "median_ms": {n: statistics.median(r[n] for r in rounds) for n in args.variants},
         "prepare_rounds_ms": prepare_rounds,
-        "load_average": [load_before, load_average()],
-        "cpu_flags": cpu_vector_flags(),
+        **machine(load_before),
         "compile_s": {v.name: v.compile_s for v in variants if v.compile_s is not None},
     }
     if any("compile" in n for n in args.variants):

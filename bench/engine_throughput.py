@@ -20,18 +20,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from bench.loadgen import percentile
+from bench.report import cpu_vector_flags, load_average
 from bench.workload import WorkloadRequest, make_workload
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -231,27 +231,6 @@ SHARED_PREFIX_KV_BLOCKS = 64  # the shared-prefix requests' ~400 tokens, one at 
 
 # (number of requests, prompt tokens per output token); None: prompts of 32-512 drawn apart.
 WORKLOADS: dict[str, tuple[int, int | None]] = {"mixed": (64, None), "prompt-heavy": (32, 3)}
-
-
-def cpu_vector_flags() -> list[str]:
-    """The CPU's AVX-512 and AMX flags: which kernels torch and ours can use here."""
-    try:
-        words = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return []
-    return sorted({w for w in words if w.startswith(("avx512", "amx"))})
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def report_out(report: dict[str, Any], path: str | None, summary_keys: Sequence[str]) -> None:
-    """Print the report's `summary_keys` as one JSON line; write the whole report to `path`."""
-    print(json.dumps({k: report.get(k) for k in summary_keys}))
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:

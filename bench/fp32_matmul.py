@@ -24,8 +24,8 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from bench.engine_throughput import cpu_vector_flags, load_average, report_out
-from bench.prefill_burst import ab_bursts, seeded_prompts
+from bench.prefill_burst import ab_bursts, add_burst_arguments, seeded_prompts
+from bench.report import load_average, machine, report_out
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import dense_matmul
@@ -62,10 +62,7 @@ def layer_table(token_counts: list[int]) -> list[dict[str, float | int | str | N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[32, 96])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default=None)
+    add_burst_arguments(parser, [32, 96])
     args = parser.parse_args(argv)
     if not dense_matmul._ONEDNN:
         raise SystemExit("fp32_matmul: this torch has no oneDNN")
@@ -82,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": table,
         "num_prompt_tokens": sum(map(len, prompts)),
         "rounds": matmul_rounds,
-        "load_average": [load_before, load_average()],
-        "cpu_flags": cpu_vector_flags(),
+        **machine(load_before),
     }
     report_out(report, args.json, ("load_average", "cpu_flags"))
     return 0

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from bench.engine_throughput import cpu_vector_flags, load_average, report_out
+from bench.report import load_average, machine, report_out
 from engine.input_batch import InputBatch
 from engine.model_runner import StepInputs, build_step_inputs
 from engine.sampling_params import SamplingParams
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     report = {
         "results": results,
-        "load_average": [load_before, load_average()],
-        "cpu_flags": cpu_vector_flags(),
+        **machine(load_before),
     }
     report_out(report, args.json, ("load_average",))
     return 0

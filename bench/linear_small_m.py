@@ -26,7 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from bench.engine_throughput import cpu_vector_flags, load_average, report_out
+from bench.report import load_average, machine, report_out
 from engine.kernels import cpu_kernels
 from engine.model.block_weights import Q4_1, Q8_0, BlockFormat, BlockWeight
 from engine.model.int8_weights import Int8Weight
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     report = {
         "rows": rows,
-        "load_average": [load_before, load_average()],
-        "cpu_flags": cpu_vector_flags(),
+        **machine(load_before),
     }
     report_out(report, args.json, ("load_average", "cpu_flags"))
     return 0

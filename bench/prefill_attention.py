@@ -23,8 +23,8 @@ from unittest import mock
 
 import torch
 
-from bench.engine_throughput import cpu_vector_flags, load_average, report_out
-from bench.prefill_burst import ab_bursts, seeded_prompts
+from bench.prefill_burst import ab_bursts, add_burst_arguments, seeded_prompts
+from bench.report import load_average, machine, report_out
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import attention
@@ -78,10 +78,7 @@ def layer_table(dtype: torch.dtype) -> list[dict[str, float | int | str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[256, 768])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default=None)
+    add_burst_arguments(parser, [256, 768])
     args = parser.parse_args(argv)
     if attention.paged_prefill_kernel(torch.device("cpu"), HEAD_DIM) is None:
         raise SystemExit("prefill_attention: no prefill kernel on this CPU (it needs AVX-512)")
@@ -96,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": table,
         "num_prompt_tokens": sum(map(len, prompts)),
         "rounds": rounds,
-        "load_average": [load_before, load_average()],
-        "cpu_flags": cpu_vector_flags(),
+        **machine(load_before),
     }
     report_out(report, args.json, ("num_prompt_tokens", "load_average", "cpu_flags"))
     return 0

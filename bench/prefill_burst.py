@@ -22,12 +22,21 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
-from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from bench.loadgen import percentile
+from bench.report import load_average, machine, report_out
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import DEFAULT_MODEL, pull
 from engine.sampling_params import SamplingParams
+
+
+def add_burst_arguments(parser: argparse.ArgumentParser, prompt_tokens: list[int]) -> None:
+    """The flags of a benchmark of bursts: how many prompts, their lengths (`prompt_tokens` by
+    default), how many rounds, where the JSON report goes."""
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=prompt_tokens)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
 
 
 def seeded_prompts(count: int, lengths: list[int]) -> list[list[int]]:
@@ -98,12 +107,9 @@ def ab_bursts(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[128, 512])
+    add_burst_arguments(parser, [128, 512])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--budgets", nargs="+", default=["none", "1024", "2048"])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config = EngineConfig(str(pull(DEFAULT_MODEL)), enable_prefix_caching=False)
     engine = LLMEngine(config)
@@ -134,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "num_prompt_tokens": sum(len(p) for p in prompts),
         "rounds": rounds,
-        "load_average": [load_before, load_average()],
-        "cpu_flags": cpu_vector_flags(),
+        **machine(load_before),
     }
     report_out(report, args.json, ("num_prompt_tokens", "load_average"))
     return 0

@@ -22,7 +22,7 @@ import argparse
 import itertools
 import sys
 
-from bench.engine_throughput import cpu_vector_flags, load_average
+from bench.report import cpu_vector_flags, load_average
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import DEFAULT_MODEL

@@ -18,8 +18,8 @@ import argparse
 import random
 from unittest import mock
 
-from bench.engine_throughput import cpu_vector_flags, load_average, report_out
 from bench.prefill_burst import ab_bursts
+from bench.report import load_average, machine, report_out
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import DEFAULT_MODEL, pull
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "args": vars(args),
         "rounds": rounds,
-        "load_average": [load_before, load_average()],
-        "cpu_flags": cpu_vector_flags(),
+        **machine(load_before),
     }
     report_out(report, args.json, ("load_average", "cpu_flags"))
     return 0

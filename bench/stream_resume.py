@@ -58,8 +58,8 @@ from typing import Any
 import httpx
 
 from bench.chat_streams import TOPICS, StreamResult, read_streams
-from bench.engine_throughput import cpu_vector_flags, load_average
 from bench.gateway_overhead import Processes, free_port, wait_for_port
+from bench.report import cpu_vector_flags, load_average
 from engine.model_store import DEFAULT_MODEL, pull
 from wire.geo import locate, rtt_ms
 
