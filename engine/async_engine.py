@@ -19,7 +19,7 @@ from engine.engine_core import AbortRequest, AddRequest, Command, CoreOutputs
 from engine.errors import EngineDeadError
 from engine.llm_engine import EngineStats
 from engine.outputs import RequestOutput
-from engine.request_limits import RequestLimits, check_cache_salt
+from engine.request_limits import RequestLimits
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -63,9 +63,16 @@ class AsyncEngine(ABC):
         token_ids: list[int],
         params: SamplingParams,
         resumed_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+        *,
+        clamp_max_tokens: bool = True,
     ) -> None:
-        """Raise InvalidRequestError if this prompt cannot run (checked here, not in the core)."""
-        self.limits.check(token_ids, params, resumed_token_ids)
+        """Raise RequestRejected if this request cannot run (engine/request_limits.py; checked
+        here, not in the core). `generate` checks with the engine's rule; a server that must
+        refuse before its response starts checks first, with its own `clamp_max_tokens`."""
+        self.limits.check(
+            token_ids, params, resumed_token_ids, cache_salt, clamp_max_tokens=clamp_max_tokens
+        )
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the core's latest step (cheap; safe from any thread)."""
@@ -81,7 +88,7 @@ class AsyncEngine(ABC):
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (deltas unless `params` asks otherwise) until it finishes.
 
-        Raises InvalidRequestError before yielding anything if the request cannot run, and
+        Raises RequestRejected before yielding anything if the request cannot run, and
         EngineDeadError if the core fails. Closing the iterator early aborts the request.
         A `cache_salt` confines its prefix-cache hits to requests of the same salt;
         `resumed_token_ids` continue a generation begun elsewhere (see `LLMEngine.add_request`).
@@ -96,8 +103,7 @@ class AsyncEngine(ABC):
             token_ids = list(prompt)
         if params.output_kind is RequestOutputKind.CUMULATIVE:
             params = replace(params, output_kind=RequestOutputKind.DELTA)
-        self.check_request(token_ids, params, resumed_token_ids)
-        check_cache_salt(cache_salt)
+        self.check_request(token_ids, params, resumed_token_ids, cache_salt)
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         sink: _Sink = asyncio.Queue()

@@ -87,13 +87,13 @@ class EngineCore:
 
     def _add(self, command: AddRequest, errors: list[tuple[str, Exception]]) -> None:
         try:
-            self.engine.add_request(
+            self.engine.add_checked_request(
                 command.request_id,
                 command.token_ids,
                 command.params,
-                prompt_text=command.prompt,
-                cache_salt=command.cache_salt,
-                resumed_token_ids=command.resumed_token_ids,
+                command.prompt,
+                command.cache_salt,
+                command.resumed_token_ids,
             )
         except Exception as exc:  # reported to the caller, not fatal to the engine
             errors.append((command.request_id, exc))

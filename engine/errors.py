@@ -1,5 +1,7 @@
 """The engine's exceptions: one tree, so that servers can map each kind to a status."""
 
+from __future__ import annotations
+
 
 class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
@@ -15,6 +17,25 @@ class UnsupportedModelError(EngineError):
 
 class InvalidRequestError(EngineError, ValueError):
     """A request the engine cannot run: empty or too-long prompt, bad sampling values."""
+
+
+class RequestRejected(InvalidRequestError):
+    """A request refused by the check at the engine's front (engine/request_limits.py).
+
+    `param` names the argument at fault as the engine calls it ("prompt", "max_tokens",
+    "resumed_token_ids", "stop_token_ids", "cache_salt"), so that a server can name its own field
+    without reading `message`; `exceeds_context` marks a request that does not fit the context.
+    """
+
+    def __init__(self, param: str, message: str, exceeds_context: bool = False):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+        self.exceeds_context = exceeds_context
+
+    def __reduce__(self) -> tuple[type[RequestRejected], tuple[str, str, bool]]:
+        # Pickled (across a process's pipe), it is rebuilt from its fields, not from `args`.
+        return type(self), (self.param, self.message, self.exceeds_context)
 
 
 class EngineDeadError(EngineError):

@@ -23,7 +23,7 @@ from engine.model_runner import RunnerShape
 from engine.model_store import resolve_model
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
-from engine.request_limits import RequestLimits, check_cache_salt
+from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -137,7 +137,8 @@ class LLMEngine:
         cache_salt: str | None = None,
         resumed_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot run.
+        """Check and queue a request; raises InvalidRequestError (RequestRejected when the
+        request itself cannot run) and queues nothing if it cannot run.
 
         `prompt_text` names the text that `prompt` token ids came from, for the outputs. A
         `cache_salt` confines the request's prefix-cache hits to requests of the same salt.
@@ -146,15 +147,29 @@ class LLMEngine:
         text); delta outputs start after them, cumulative ones include them (the generation so
         far); `params.max_tokens` counts only new tokens."""
         params = params or SamplingParams()
-        check_cache_salt(cache_salt)
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
+        self.limits.check(token_ids, params, resumed_token_ids, cache_salt)
+        self.add_checked_request(
+            request_id, token_ids, params, prompt_text, cache_salt, resumed_token_ids
+        )
+
+    def add_checked_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        prompt_text: str | None,
+        cache_salt: str | None,
+        resumed_token_ids: list[int] | None,
+    ) -> None:
+        """Queue a request that the front has checked (`AsyncEngine.generate` for the engine
+        core); as `add_request` otherwise."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         resumed = list(resumed_token_ids or ())
-        self.check_request(token_ids, params, resumed)
         room = self.max_model_len - len(token_ids) - len(resumed)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seq = Sequence(
@@ -169,16 +184,6 @@ class LLMEngine:
         state.resume()
         self.requests[request_id] = state
         self.scheduler.add(seq)
-
-    def check_request(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        resumed_token_ids: list[int] | None = None,
-    ) -> None:
-        """Raise InvalidRequestError if this prompt cannot run. Reads only state fixed at
-        start-up, so a server may call it from its own thread before queueing the request."""
-        self.limits.check(token_ids, params, resumed_token_ids)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Stop these requests now and free their blocks; unknown ids are ignored."""

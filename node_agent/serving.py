@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatMessage
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from node_agent.admission import Ticket
 from node_agent.errors import BadRequestError
 from node_agent.metrics import RequestTimer
 from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from node_agent.prompts import ContextWindow, PromptEncoder
+from node_agent.prompts import PromptEncoder, client_error
 from node_agent.responses import ResponseHeader, TokenTexts
 
 # OpenAI's name for the system role in newer models; chat templates know only "system".
@@ -53,7 +53,7 @@ class Serving:
         self.llm = llm
         self.model_name = model_name
         self.texts = TokenTexts(llm.tokenizer)
-        self.prompts = PromptEncoder(llm.tokenizer, ContextWindow(llm.max_model_len))
+        self.prompts = PromptEncoder(llm.tokenizer, llm.limits)
 
     async def prepare_chat(
         self, body: ChatCompletionRequest, cache_salt: str | None
@@ -70,7 +70,9 @@ class Serving:
         num_resumed = len(body.resume_token_ids or ())
         token_ids = await self.prompts.encode_chat(messages, num_resumed, body.max_output_tokens)
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
-        return self._prepared("chatcmpl", token_ids, params, body, body.engine_logprobs, cache_salt)
+        return self._prepared(
+            "chatcmpl", "messages", token_ids, params, body, body.engine_logprobs, cache_salt
+        )
 
     async def prepare_completion(
         self, body: CompletionRequest, cache_salt: str | None
@@ -83,9 +85,8 @@ class Serving:
             token_ids = await self.prompts.encode_text(prompt, num_resumed, body.max_tokens)
         else:
             token_ids = prompt
-            self.prompts.check(token_ids, num_resumed, body.max_tokens, "prompt")
         params = self._params(body, body.max_tokens, body.logprobs)
-        return self._prepared("cmpl", token_ids, params, body, body.logprobs, cache_salt)
+        return self._prepared("cmpl", "prompt", token_ids, params, body, body.logprobs, cache_salt)
 
     async def outputs(
         self, prepared: PreparedRequest, ticket: Ticket, timer: RequestTimer
@@ -126,6 +127,7 @@ class Serving:
     def _prepared(
         self,
         prefix: str,
+        prompt_param: str,
         token_ids: list[int],
         params: SamplingParams,
         body: SamplingRequest,
@@ -134,10 +136,10 @@ class Serving:
     ) -> PreparedRequest:
         resumed = list(body.resume_token_ids or ())
         try:
-            self.llm.check_request(token_ids, params, resumed)
-        except InvalidRequestError as exc:
-            param = "resume_token_ids" if "resumed" in str(exc) else "prompt"
-            raise BadRequestError(str(exc), param=param) from exc
+            # OpenAI's rule: the prompt and max_tokens together must fit in the context.
+            self.llm.check_request(token_ids, params, resumed, cache_salt, clamp_max_tokens=False)
+        except RequestRejected as exc:
+            raise client_error(exc, prompt_param) from exc
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         header = ResponseHeader(
             request_id,

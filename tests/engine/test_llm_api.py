@@ -91,7 +91,7 @@ def test_logprobs_come_back_for_every_token(llm: LLM) -> None:
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate("", SamplingParams())
-    with pytest.raises(InvalidRequestError, match="context is 256 tokens"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 256 tokens"):
         llm.generate("word " * 400, SamplingParams())
     with pytest.raises(InvalidRequestError, match="token ids"):
         llm.generate({"prompt_token_ids": [10**9]}, SamplingParams())

@@ -8,9 +8,12 @@ import time
 
 import pytest
 
+from engine.errors import RequestRejected
+from engine.request_limits import RequestLimits
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from node_agent.errors import ContextLengthExceededError
-from node_agent.prompts import ContextWindow, PromptEncoder
+from node_agent.errors import BadRequestError, ContextLengthExceededError
+from node_agent.prompts import PromptEncoder, client_error
 
 # SmolLM2's longest token: a newline and 80 spaces (81 bytes).
 LONGEST_TOKEN = "\n" + " " * 80
@@ -18,7 +21,7 @@ MAX_EVENT_LOOP_GAP_S = 0.5
 
 
 def encoder(tokenizer: Tokenizer, max_model_len: int) -> PromptEncoder:
-    return PromptEncoder(tokenizer, ContextWindow(max_model_len))
+    return PromptEncoder(tokenizer, RequestLimits(max_model_len, tokenizer.vocab_size))
 
 
 def test_no_text_encodes_to_fewer_tokens_than_its_bytes_over_the_bound(
@@ -47,17 +50,16 @@ def test_a_prompt_its_bytes_prove_too_long_is_refused_before_encoding(
     assert refused.value.param == "max_tokens"
 
 
-def test_a_prompt_within_the_bound_is_counted_exactly_with_its_resumed_ids(
+def test_a_prompt_within_the_bound_is_encoded_for_the_engines_exact_check(
     tokenizer: Tokenizer,
 ) -> None:
     prompts = encoder(tokenizer, 1024)
     text = " hello" * 1100  # 6,600 bytes: no proof from bytes, 1,100 tokens when encoded
-    with pytest.raises(ContextLengthExceededError, match="has 1100 tokens"):
-        asyncio.run(prompts.encode_text(text, num_resumed=0, max_tokens=None))
-    ids = asyncio.run(prompts.encode_text(" hello" * 1000, num_resumed=23, max_tokens=None))
-    assert len(ids) == 1000
-    with pytest.raises(ContextLengthExceededError, match="has 1024 tokens"):
-        asyncio.run(prompts.encode_text(" hello" * 1000, num_resumed=24, max_tokens=None))
+    ids = asyncio.run(prompts.encode_text(text, num_resumed=0, max_tokens=None))
+    assert len(ids) == 1100
+    # The exact count, resumed ids included, is the engine's check's (test_request_limits.py).
+    with pytest.raises(RequestRejected, match="has 1100 tokens"):
+        prompts.limits.check(ids, SamplingParams())
 
 
 def test_a_chat_is_bounded_after_its_template_renders(tokenizer: Tokenizer) -> None:
@@ -89,3 +91,16 @@ def test_encoding_megabytes_leaves_the_event_loop_running(tokenizer: Tokenizer) 
     num_tokens, longest_gap_s = asyncio.run(run())
     assert num_tokens == 600_000
     assert longest_gap_s < MAX_EVENT_LOOP_GAP_S
+
+
+def test_an_engine_refusal_names_the_bodys_field() -> None:
+    too_long = client_error(RequestRejected("prompt", "long", exceeds_context=True), "messages")
+    assert isinstance(too_long, ContextLengthExceededError)
+    assert (too_long.message, too_long.param, too_long.code) == (
+        "long",
+        "messages",
+        "context_length_exceeded",
+    )
+    bad_ids = client_error(RequestRejected("resumed_token_ids", "bad ids"), "prompt")
+    assert type(bad_ids) is BadRequestError and bad_ids.param == "resume_token_ids"
+    assert client_error(RequestRejected("max_tokens", "m", True), "prompt").param == "max_tokens"
