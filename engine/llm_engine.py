@@ -21,9 +21,10 @@ from engine.model.llama import keeps_q4_1_blocks
 from engine.model_config import ModelConfig
 from engine.model_runner import RunnerShape
 from engine.model_store import resolve_model
-from engine.output_processor import RequestState
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request_limits import RequestLimits
+from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -93,7 +94,7 @@ class LLMEngine:
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size)
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, kv_cache)
-        self.requests: dict[str, RequestState] = {}
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
@@ -180,75 +181,63 @@ class LLMEngine:
             cache_salt=cache_salt,
             token_ids=token_ids + resumed,
         )
-        state = RequestState.create(seq, prompt_text, self.tokenizer, self.max_model_len)
-        state.resume()
-        self.requests[request_id] = state
+        self.output_processor.add(seq, prompt_text)
         self.scheduler.add(seq)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The unfinished requests, by id."""
+        return self.output_processor.requests
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Stop these requests now and free their blocks; unknown ids are ignored."""
-        outputs = []
-        for request_id in request_ids:
-            state = self.requests.pop(request_id, None)
-            if state is None:
-                continue
-            self.scheduler.finish(state.seq, "abort")
-            state.finished_time = time.monotonic()
-            output = state.output(finished=True)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return self.output_processor.abort(request_ids, time.monotonic())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.executor.in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """Start a batch if the pipeline has room; collect the oldest batch in flight once the
-        pipeline is full or nothing more can start; return the outputs collected. With one
-        pipeline stage each step starts and collects one batch; with M stages up to M batches
-        of disjoint sequences are in flight, so a step may only start one and return []."""
-        depth = self.config.pipeline_parallel_size
-        in_flight = self.executor.in_flight
-        if len(in_flight) < depth:
-            # Even batches: each stage then takes about as long on each.
-            batch = self.scheduler.schedule(-(-self.scheduler.num_unfinished // depth))
-            if batch:
-                self.executor.submit(batch)
-                if len(in_flight) < depth:
-                    return []
-        if not in_flight:
+        """Schedule a batch and start it if the pipeline has room; collect the oldest batch in
+        flight once that is due; turn its sampled tokens into outputs. With one pipeline stage
+        each step starts and collects one batch; with M stages up to M batches of disjoint
+        sequences are in flight, so a step may only start one and return []."""
+        started = self._schedule()
+        if not self._is_collect_due(started):
             return []
         batch, result = self.executor.collect()
         self.scheduler.update_after_step(batch)
         now = time.monotonic()
-        self._prompt_tokens_total += batch.num_tokens - len(result.seqs)
-        self._count_generated(now, len(result.seqs))
-        outputs = []
-        sampled = result.sampled
-        for seq, token_id, logprobs in zip(
-            result.seqs, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            if seq.is_finished:  # aborted while its batch was in flight
-                continue
-            state = self.requests[seq.request_id]
-            finish = state.append_token(token_id, logprobs)
-            if finish is not None:
-                self.scheduler.finish(seq, finish[0])
-                seq.stop_reason = finish[1]
-                state.finished_time = now
-                del self.requests[seq.request_id]
-            output = state.output(finished=finish is not None)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        self._count_tokens(now, batch.num_tokens - len(result.seqs), len(result.seqs))
+        return self.output_processor.process(result, now)
+
+    def _schedule(self) -> bool:
+        """Start the next batch if the pipeline has room; whether one started."""
+        depth = self.config.pipeline_parallel_size
+        if len(self.executor.in_flight) >= depth:
+            return False
+        # Even batches: each stage then takes about as long on each.
+        batch = self.scheduler.schedule(-(-self.scheduler.num_unfinished // depth))
+        if not batch:
+            return False
+        self.executor.submit(batch)
+        return True
+
+    def _is_collect_due(self, started: bool) -> bool:
+        """Collect once the pipeline is full, or while batches are in flight and none could
+        start (there is nothing else to do)."""
+        num_in_flight = len(self.executor.in_flight)
+        return num_in_flight >= self.config.pipeline_parallel_size or (
+            num_in_flight > 0 and not started
+        )
 
     def shutdown(self) -> None:
         """Stop the parallel workers, if any; the engine cannot step afterwards."""
         self.executor.shutdown()
 
-    def _count_generated(self, now: float, num_tokens: int) -> None:
-        self._generation_tokens_total += num_tokens
-        self._recent_tokens.append((now, num_tokens))
+    def _count_tokens(self, now: float, num_prompt_tokens: int, num_generated: int) -> None:
+        self._prompt_tokens_total += num_prompt_tokens
+        self._generation_tokens_total += num_generated
+        self._recent_tokens.append((now, num_generated))
         while self._recent_tokens and self._recent_tokens[0][0] < now - DECODE_RATE_WINDOW_S:
             self._recent_tokens.popleft()
 

@@ -1,135 +1,72 @@
-"""Per-request output state: detokenization, stop conditions, and the outputs a caller sees."""
+"""Turns a step's sampled tokens into the callers' outputs: each request's stop checks, and the
+finishing of the requests that stopped (or were aborted)."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import RequestOutputKind
-from engine.sequence import Sequence, TokenLogprobs
+from engine.executor import StepOutput
+from engine.outputs import RequestOutput
+from engine.request_state import Finish, RequestState
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+
+_ABORTED = Finish("abort")
 
 
 @dataclass(slots=True)
-class RequestState:
-    seq: Sequence
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    eos_token_ids: frozenset[int]
+class OutputProcessor:
+    """The only owner of the requests' output states; finishing a request retires its sequence
+    in the scheduler."""
+
+    scheduler: Scheduler
+    tokenizer: Tokenizer
     max_model_len: int
-    text: str = ""
-    # For DELTA outputs: how much of the text and tokens earlier outputs already carried.
-    num_sent_chars: int = 0
-    num_sent_tokens: int = 0
-    finished_time: float | None = None
-    _max_stop_len: int = field(init=False)
+    requests: dict[str, RequestState] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self._max_stop_len = max((len(s) for s in self.seq.params.stop), default=0)
+    def add(self, seq: Sequence, prompt_text: str | None) -> None:
+        """Follow a new request; output tokens it starts with count as already streamed."""
+        state = RequestState.create(seq, prompt_text, self.tokenizer, self.max_model_len)
+        state.resume()
+        self.requests[seq.request_id] = state
 
-    @classmethod
-    def create(
-        cls, seq: Sequence, prompt: str | None, tokenizer: Tokenizer, max_model_len: int
-    ) -> RequestState:
-        detok = IncrementalDetokenizer(
-            tokenizer, skip_special_tokens=seq.params.skip_special_tokens
-        )
-        return cls(seq, prompt, detok, tokenizer.stop_token_ids, max_model_len)
+    def process(self, step: StepOutput, now: float) -> list[RequestOutput]:
+        """Append each sequence's new token, finish those that stopped, and return the outputs
+        due; a sequence aborted while its batch was in flight is skipped."""
+        outputs = []
+        sampled = step.sampled
+        for seq, token_id, logprobs in zip(
+            step.seqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            if seq.is_finished:
+                continue
+            state = self.requests[seq.request_id]
+            finish = state.append_token(token_id, logprobs)
+            if finish is not None:
+                self._finish(state, finish, now)
+            output = state.output(finished=finish is not None)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
-    def resume(self) -> None:
-        """Take the output tokens the sequence starts with (a generation resumed from elsewhere)
-        as already streamed: their text primes the detokenizer and stop-string search, and the
-        outputs start after them, where the interrupted run's outputs had got to."""
-        seq = self.seq
-        for token_id in seq.output_token_ids:
-            self.text += self.detokenizer.push(token_id)
-        self.num_sent_tokens = seq.num_output_tokens
-        visible = len(self.text)
-        if self._max_stop_len:
-            visible = max(visible - self._max_stop_len + 1, 0)
-        self.num_sent_chars = visible
+    def abort(self, request_ids: Iterable[str], now: float) -> list[RequestOutput]:
+        """Finish these requests now, as aborted; unknown ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            self._finish(state, _ABORTED, now)
+            output = state.output(finished=True)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
-    def append_token(
-        self, token_id: int, logprobs: TokenLogprobs | None
-    ) -> tuple[str, str | int | None] | None:
-        """Record a sampled token. Returns (finish_reason, stop_reason) when the request is done."""
-        seq = self.seq
-        params = seq.params
-        seq.token_ids.append(token_id)
-        if logprobs is not None:
-            seq.output_logprobs.append(logprobs)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            self.text += self.detokenizer.finish()
-            return "stop", None
-        if token_id in params.stop_token_ids:
-            self.text += self.detokenizer.finish()
-            return "stop", token_id
-        delta = self.detokenizer.push(token_id)
-        self.text += delta
-        if params.stop and delta:
-            stop = self._cut_at_stop(len(delta))
-            if stop is not None:
-                return "stop", stop
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.text += self.detokenizer.finish()
-            return "length", None
-        return None
-
-    def _cut_at_stop(self, delta_len: int) -> str | None:
-        """Find the first stop string the new text completes and cut the text there."""
-        search_from = max(len(self.text) - delta_len - self._max_stop_len + 1, 0)
-        best: tuple[int, str] | None = None
-        for stop in self.seq.params.stop:
-            at = self.text.find(stop, search_from)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return None
-        at, stop = best
-        self.text = self.text[
-            : at + len(stop) if self.seq.params.include_stop_str_in_output else at
-        ]
-        return stop
-
-    def output(self, finished: bool) -> RequestOutput | None:
-        """This step's output for the caller, in the request's output kind (None: nothing due)."""
-        seq = self.seq
-        kind = seq.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        # While a stop string could still be forming at the end, hold that tail back.
-        visible = len(self.text)
-        if not finished and self._max_stop_len:
-            visible = max(visible - self._max_stop_len + 1, 0)
-        token_ids = seq.output_token_ids
-        logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
-        if kind is RequestOutputKind.DELTA:
-            text = self.text[self.num_sent_chars : visible]
-            new_tokens = token_ids[self.num_sent_tokens :]
-            if logprobs is not None:
-                logprobs = logprobs[self.num_sent_tokens :]
-            self.num_sent_chars = max(visible, self.num_sent_chars)
-            self.num_sent_tokens = len(token_ids)
-            token_ids = new_tokens
-        else:
-            text = self.text[:visible]
-        cumulative = sum(lp.logprob for lp in seq.output_logprobs) if logprobs is not None else None
-        completion = CompletionOutput(
-            0, text, token_ids, cumulative, logprobs, seq.finish_reason, seq.stop_reason
-        )
-        metrics = RequestMetrics(
-            seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, self.finished_time
-        )
-        return RequestOutput(
-            seq.request_id,
-            self.prompt,
-            seq.prompt_token_ids,
-            [completion],
-            finished,
-            seq.num_cached_tokens,
-            metrics,
-        )
+    def _finish(self, state: RequestState, finish: Finish, now: float) -> None:
+        seq = state.seq
+        self.scheduler.finish(seq, finish.reason)
+        seq.stop_reason = finish.stop_reason
+        state.finished_time = now
+        del self.requests[seq.request_id]
