@@ -27,16 +27,21 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, TypeGuard
 
 from gateway.errors import InvalidRequestError
 from gateway.prompt_estimate import ChatTurn, PromptEstimate, of_chat, of_texts, of_token_ids
+from wire.output_limit import (
+    MAX_TOKENS,
+    chat_output_limit,
+    completions_output_limit,
+    set_output_limit,
+)
 from wire.resume import RESUME_TOKEN_IDS, RETURN_TOKEN_IDS
 
 Endpoint = Literal["chat", "completions"]
 MAX_INT_FIELD = 2**31
-# OpenAI's default `max_tokens` for /v1/completions (chat has none: the gateway caps it).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,15 +178,12 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
             # surrogatepass: a lone surrogate is refused by `_dump` with a 400, not here.
             encoded = system.encode("utf-8", "surrogatepass")
             affinity_key = hashlib.blake2b(encoded, digest_size=8).hexdigest()
-        # The node reads max_completion_tokens first, as OpenAI does.
-        given = _int_field(body, "max_completion_tokens") or _int_field(body, "max_tokens")
-        max_tokens = given or default_max_tokens
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = max_tokens
+        max_tokens = chat_output_limit(partial(_int_field, body)) or default_max_tokens
+        set_output_limit(body, max_tokens)
     else:
         estimate = _prompt_estimate(body.get("prompt"))
-        max_tokens = _int_field(body, "max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
-    body["max_tokens"] = max_tokens
+        max_tokens = completions_output_limit(_int_field(body, MAX_TOKENS))
+        body[MAX_TOKENS] = max_tokens  # the newer name is chat's alone: left as it came
     # The gateway alone decides whose prefix cache a request may share (see `cache_salt.py`).
     body.pop("cache_salt", None)
     # A non-stream goes upstream as a stream too, so that it can resume (gateway/whole.py).

@@ -39,6 +39,7 @@ from gateway.routing import Candidate, RegionState, RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.sse import DATA_PREFIX, ERROR_PREFIX, EVENT_END, first_output
 from wire.heartbeat import NODE_ID_HEADER
+from wire.output_limit import set_output_limit
 from wire.upstream_url import join_path
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,7 @@ class UpstreamRequest:
     ) -> UpstreamRequest:
         """This request sent with `body` (the caller's edit of it), its output limit set to
         `max_tokens` under both of OpenAI's names (where the body used the newer one)."""
-        body["max_tokens"] = max_tokens
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = max_tokens
+        set_output_limit(body, max_tokens)
         encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         return replace(self, body=encoded, max_tokens=max_tokens, **changes)
 

@@ -30,10 +30,13 @@ from pydantic import (
 
 from engine.sampling_params import MAX_TOP_LOGPROBS
 from node_agent.cache_salt import MAX_CACHE_SALT_LEN
+from wire.output_limit import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    chat_output_limit,
+    completions_output_limit,
+)
 
 MAX_STOP_STRINGS = 16
-# OpenAI's default `max_tokens` for /v1/completions; chat has none (the context bounds it).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _CONTAINER_TYPES = frozenset({list, dict})
 
@@ -249,7 +252,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def max_output_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return chat_output_limit(lambda name: getattr(self, name))
 
     @property
     def engine_logprobs(self) -> int | None:
@@ -288,7 +291,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("max_tokens")
     @classmethod
     def _null_is_the_default(cls, value: int | None) -> int:
-        return COMPLETIONS_DEFAULT_MAX_TOKENS if value is None else value
+        return completions_output_limit(value)
 
     @field_validator("echo")
     @classmethod
