@@ -39,6 +39,7 @@ from simulator.edge import (
 from simulator.gateway_timing import DEFAULT_MAX_RESUMES
 from simulator.policies import POLICIES
 from simulator.report import table
+from simulator.run import WorldOptions
 from simulator.scenarios import SCENARIOS
 from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
 from wire.routing_policy import RoutingPolicy
@@ -191,11 +192,13 @@ def _run_with_bars(
             args.policies,
             progress,
             args.jobs,
-            args.routing,
-            args.access,
-            _edge_spec(args),
-            args.deflect_at_waiting,
-            args.max_resumes,
+            WorldOptions(
+                args.routing or RoutingPolicy(),
+                args.access,
+                _edge_spec(args),
+                args.deflect_at_waiting,
+                args.max_resumes,
+            ),
         )
 
 

@@ -15,18 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.access import Access
 from simulator.calibration import ServiceCalibration
-from simulator.edge import EdgeSpec
-from simulator.gateway_timing import DEFAULT_MAX_RESUMES
 from simulator.results import PolicyStats, Recorder
-from simulator.run import World, WorldSpec
+from simulator.run import World, WorldOptions, WorldSpec
 from simulator.scenarios import Scenario, workload_of
 from simulator.split import split_worlds
 from simulator.workload import make_requests
 from simulator.world import build_geography
-from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
-from wire.routing_policy import RoutingPolicy
 
 # progress(policy, num_ended)
 Progress = Callable[[str, int], None]
@@ -58,20 +53,12 @@ def world_spec(
     seed: int,
     num_requests: int,
     calibration: ServiceCalibration,
-    routing_policy: RoutingPolicy | None = None,
-    access: Access = "anycast",
-    edge: EdgeSpec | None = None,
-    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING,
-    max_resumes: int = DEFAULT_MAX_RESUMES,
+    options: WorldOptions | None = None,
 ) -> WorldSpec:
     geography = build_geography(seed)
     workload = workload_of(scenario, num_requests, calibration)
     requests = make_requests(workload, geography.population_shares(), seed)
-    policy = routing_policy or RoutingPolicy()
-    return WorldSpec(
-        scenario, geography, calibration, requests, seed, policy, access, edge,
-        deflect_at_waiting, max_resumes,
-    )  # fmt: skip
+    return WorldSpec(scenario, geography, calibration, requests, seed, options or WorldOptions())
 
 
 PROGRESS_POLL_S = 0.2
@@ -148,22 +135,15 @@ def run_scenario(
     policies: Sequence[str],
     progress: Progress | None = None,
     jobs: int = 1,
-    routing_policy: RoutingPolicy | None = None,
-    access: Access = "anycast",
-    edge: EdgeSpec | None = None,
-    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING,
-    max_resumes: int = DEFAULT_MAX_RESUMES,
+    options: WorldOptions | None = None,
 ) -> ScenarioResult:
     started_s = time.perf_counter()
-    spec = world_spec(
-        scenario, seed, num_requests, calibration, routing_policy, access, edge,
-        deflect_at_waiting, max_resumes,
-    )  # fmt: skip
+    spec = world_spec(scenario, seed, num_requests, calibration, options)
     if jobs > 1 and len(policies) > 1:
         recorders = _run_parallel(spec, policies, min(jobs, len(policies)), progress)
     else:
         recorders = _run_serial(spec, policies, progress)
     stats = {policy: recorder.stats() for policy, recorder in recorders.items()}
     wall_s = time.perf_counter() - started_s
-    has_edge = edge is not None
+    has_edge = spec.options.edge is not None
     return ScenarioResult(scenario.name, seed, num_requests, wall_s, stats, recorders, has_edge)

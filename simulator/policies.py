@@ -89,6 +89,14 @@ def _is_serving(summary: RegionSummary) -> bool:
     return summary.state == "active" and summary.healthy_nodes > 0
 
 
+def _serving(watch: PopWatch, now_s: float, exclude: Collection[str]) -> list[RegionSummary]:
+    """The regions serving in the PoP's summaries now, less `exclude` (none before the first)."""
+    document = watch.read(now_s)
+    if document is None:
+        return []
+    return [s for s in document.regions if _is_serving(s) and s.name not in exclude]
+
+
 class MeridianChooser(Chooser):
     """The gateway's routing: every decision is the real Router's and breaker's."""
 
@@ -157,10 +165,7 @@ class RoundRobinChooser(Chooser):
     def order(
         self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
     ) -> list[Pick]:
-        document = self.watches[pop].read(now_s)
-        if document is None:
-            return []
-        names = [s.name for s in document.regions if _is_serving(s) and s.name not in exclude]
+        names = [s.name for s in _serving(self.watches[pop], now_s, exclude)]
         if not names:
             return []
         turn = self.turn[pop] % len(names)
@@ -176,10 +181,6 @@ class LeastLoadedChooser(Chooser):
     def order(
         self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
     ) -> list[Pick]:
-        document = self.watches[pop].read(now_s)
-        if document is None:
-            return []
-
         def load(summary: RegionSummary) -> tuple[float, float, float, str]:
             used = 0.0
             if summary.kv_blocks_total:
@@ -187,7 +188,7 @@ class LeastLoadedChooser(Chooser):
             mine = self.in_flight.get((pop, summary.name), 0) / summary.healthy_nodes
             return summary.queue.expected_queue_delay_s, used, mine, summary.name
 
-        serving = [s for s in document.regions if _is_serving(s) and s.name not in exclude]
+        serving = _serving(self.watches[pop], now_s, exclude)
         serving.sort(key=load)
         return [Pick(s.name) for s in serving[:limit]]
 

@@ -63,6 +63,17 @@ def _rare_collections() -> Iterator[None]:
 
 
 @dataclass(frozen=True, slots=True)
+class WorldOptions:
+    """The settings a run varies besides its scenario (each default: as deployed)."""
+
+    routing_policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    access: Access = "anycast"  # how clients find their PoP
+    edge: EdgeSpec | None = None  # the edge tier (None: none)
+    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' (0: never)
+    max_resumes: int = DEFAULT_MAX_RESUMES  # the gateways' (0: a broken stream ends)
+
+
+@dataclass(frozen=True, slots=True)
 class WorldSpec:
     """What every policy's world shares."""
 
@@ -71,11 +82,7 @@ class WorldSpec:
     calibration: ServiceCalibration
     requests: Sequence[Request]
     seed: int
-    routing_policy: RoutingPolicy = field(default_factory=RoutingPolicy)
-    access: Access = "anycast"  # how clients find their PoP
-    edge: EdgeSpec | None = None  # the edge tier (None: none)
-    deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' (0: never)
-    max_resumes: int = DEFAULT_MAX_RESUMES  # the gateways' (0: a broken stream ends)
+    options: WorldOptions = field(default_factory=WorldOptions)
 
 
 def _ingress_url(index: int) -> str:
@@ -114,7 +121,9 @@ class World:
             for i, (name, place) in enumerate(sorted(geography.regions.items()))
         }
         timing = ControlTiming(extra_beat_delay_s=spec.scenario.extra_beat_delay_s)
-        self.control = SimControlPlane(self.loop, timing, regions, spec.routing_policy, spec.seed)
+        options = spec.options
+        routing = options.routing_policy
+        self.control = SimControlPlane(self.loop, timing, regions, routing, spec.seed)
         cp = geography.control_plane
         watches = {
             pop: PopWatch(self.control, delay_s, poll_at_cp_s=delay_s)
@@ -124,16 +133,16 @@ class World:
         self.sites: dict[str, Site] = {}
         self.chooser = _chooser(policy, spec, self.control, watches, self.sites)
         self.recorder = Recorder(len(spec.requests), sorted(regions))
-        self.edge = self._edge_tier() if spec.edge is not None else None
+        self.edge = self._edge_tier() if options.edge is not None else None
         self.traffic = Traffic(
             self.loop,
             geography,
             self.sites,
             self.chooser,
             self.recorder,
-            GatewayTiming(max_resumes=spec.max_resumes),
+            GatewayTiming(max_resumes=options.max_resumes),
             watches,
-            spec.access,
+            options.access,
             self.edge,
         )
         for name, region in regions.items():
@@ -150,8 +159,9 @@ class World:
                 for i in range(NODES_PER_REGION[name])
             ]
             assert region.ingress_url is not None
+            deflect_at = options.deflect_at_waiting
             self.sites[name] = Site(
-                name, place, region.ingress_url, nodes, deflect_at_waiting=spec.deflect_at_waiting
+                name, place, region.ingress_url, nodes, deflect_at_waiting=deflect_at
             )
             delay_s = geography.true_rtt_ms(place, cp) / 2000.0
             for node in nodes:
@@ -160,7 +170,7 @@ class World:
     def _edge_tier(self) -> EdgeTier:
         """An edge site of one node at each PoP that has one (outside the regions' fleet: no
         heartbeats, no summaries; only its own gateway sends it work)."""
-        spec = self.spec.edge
+        spec = self.spec.options.edge
         assert spec is not None
         pops = self.spec.geography.pops
         sites = {}

@@ -17,7 +17,7 @@ from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
 from simulator.edge import EdgeSpec, auto_requests
 from simulator.results import TIER_EDGE, TIER_NONE, TIER_REGION, Outcome, Recorder
-from simulator.run import World, WorldSpec
+from simulator.run import World, WorldOptions, WorldSpec
 from simulator.scenarios import SCENARIOS
 from simulator.workload import Request, Tenant
 
@@ -34,7 +34,7 @@ def spec_with(sizes: list[tuple[int, int]], edge: EdgeSpec, gap_s: float = 0.5) 
         Request(i, start_s + i * gap_s, "tokyo", NO_PROMPT, prompt, output)
         for i, (prompt, output) in enumerate(sizes)
     ]
-    return dataclasses.replace(base, requests=requests, edge=edge)
+    return dataclasses.replace(base, requests=requests, options=WorldOptions(edge=edge))
 
 
 def run(spec: WorldSpec, policy: str = "meridian", edge_up: bool = True) -> Recorder:
@@ -89,7 +89,7 @@ def test_only_the_auto_share_is_classified_and_nothing_is_without_an_edge() -> N
     assert auto == auto_requests(EdgeSpec(auto_share=0.25), spec.requests, 0)  # seeded
     assert not auto_requests(EdgeSpec(auto_share=0.0), spec.requests, 0)
     assert np.all(run(spec).tier == TIER_NONE)
-    with_edge = run(dataclasses.replace(spec, edge=EdgeSpec(auto_share=0.25)))
+    with_edge = run(dataclasses.replace(spec, options=WorldOptions(edge=EdgeSpec(auto_share=0.25))))
     assert set(np.flatnonzero(with_edge.tier != TIER_NONE)) == auto
 
 

@@ -19,7 +19,7 @@ from simulator.gateway_timing import GatewayTiming
 from simulator.node import Job
 from simulator.policies import POLICIES, MeridianChooser
 from simulator.results import Outcome, Recorder
-from simulator.run import World, WorldSpec
+from simulator.run import World, WorldOptions, WorldSpec
 from simulator.scenarios import SCENARIOS
 from wire.routing_policy import RoutingPolicy
 
@@ -62,7 +62,8 @@ def test_the_meridian_policy_decides_with_the_gateways_router() -> None:
 def test_changing_the_routing_policy_changes_the_simulated_decisions() -> None:
     spec = world_spec(SCENARIOS["steady"], 0, NUM_REQUESTS, ServiceCalibration())
     default = run(spec)
-    distance_blind = run(dataclasses.replace(spec, routing_policy=RoutingPolicy(rtt_weight=0.0)))
+    blind = WorldOptions(routing_policy=RoutingPolicy(rtt_weight=0.0))
+    distance_blind = run(dataclasses.replace(spec, options=blind))
     # Without the RTT term the router spreads work by queue alone: far more leaves home.
     assert not np.array_equal(default.region, distance_blind.region)
     assert np.nanmedian(distance_blind.ttft_s) > np.nanmedian(default.ttft_s)
@@ -74,7 +75,8 @@ def test_streams_a_dying_region_cuts_are_continued_elsewhere_as_the_gateway_does
 ) -> None:
     spec = world_spec(SCENARIOS["region_failure"], 3, NUM_REQUESTS, ServiceCalibration())
     resumed = run(spec, policy)
-    ended = run(dataclasses.replace(spec, max_resumes=0), policy)  # the gateway before resumes
+    no_resumes = WorldOptions(max_resumes=0)  # the gateway before resumes
+    ended = run(dataclasses.replace(spec, options=no_resumes), policy)
     cut = np.flatnonzero(ended.outcome == Outcome.CUT)
     assert cut.size > 0 and ended.stats().resumed == 0
     stats = resumed.stats()
@@ -219,9 +221,9 @@ def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
 
 
 def test_clients_that_find_their_pop_by_dns_are_all_served_the_same_way_per_seed() -> None:
-    cal = ServiceCalibration()
-    spec = world_spec(SCENARIOS["pop_withdrawal"], 1, NUM_REQUESTS, cal, access="dns")
+    cal, dns = ServiceCalibration(), WorldOptions(access="dns")
+    spec = world_spec(SCENARIOS["pop_withdrawal"], 1, NUM_REQUESTS, cal, dns)
     for policy in POLICIES:
         assert run(spec, policy).stats().lost == 0, policy
-    again = world_spec(SCENARIOS["pop_withdrawal"], 1, NUM_REQUESTS, cal, access="dns")
+    again = world_spec(SCENARIOS["pop_withdrawal"], 1, NUM_REQUESTS, cal, dns)
     assert same(run(spec), run(again))

@@ -8,7 +8,7 @@ from simulator.compare import world_spec
 from simulator.control import ControlTiming, PopWatch, SimControlPlane
 from simulator.events import EventLoop
 from simulator.policies import NearestChooser
-from simulator.run import World
+from simulator.run import World, WorldOptions
 from simulator.scenarios import SCENARIOS
 from wire.geo import REGIONS
 from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
@@ -30,7 +30,7 @@ def test_a_withdrawn_pop_sends_its_clients_to_the_next_nearest_and_wins_them_bac
 
 
 def test_a_pop_found_by_dns_changes_only_once_the_resolvers_ttl_has_passed() -> None:
-    spec = world_spec(SCENARIOS["steady"], 0, 10, ServiceCalibration(), access="dns")
+    spec = world_spec(SCENARIOS["steady"], 0, 10, ServiceCalibration(), WorldOptions(access="dns"))
     access = World(spec, "meridian").traffic.access
     assert isinstance(access, DnsAccess)
     geography = spec.geography
