@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import ssl
 import sys
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from aiohttp import web
 
 from gateway.anycast import Anycast, Route, pops_at
 from stack.rtt_proxy import close_writer, connect, host_port, pipe_delayed
+from stack.server_process import add_log_level_argument, run_server, stop_on_signals
 from wire.geo import LOCATIONS, locate
 
 logger = logging.getLogger("stack.front")
@@ -240,10 +240,7 @@ async def serve(front: AnycastFront, admin: tuple[str, int], context: ssl.SSLCon
     await runner.setup()
     await web.TCPSite(runner, *admin, reuse_address=True).start()
     checking = asyncio.create_task(front.check_health(context))
-    stopped = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopped.set)
+    stopped = stop_on_signals()
     logger.info("Anycast front ready: admin on http://%s:%d", *admin)
     try:
         await stopped.wait()
@@ -261,23 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", type=parse_endpoint, action="append", required=True)
     parser.add_argument("--admin", type=parse_listen, required=True, help="HOST:PORT")
     parser.add_argument("--health-ca", required=True, help="PEM CA file the PoPs' TLS is from")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    add_log_level_argument(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         context = ssl.create_default_context(cafile=args.health_ca)
     except (OSError, ssl.SSLError) as exc:
         print(f"front: error: cannot load --health-ca: {exc}", file=sys.stderr)
         return 1
     front = AnycastFront(args.pop, args.client)
-    try:
-        asyncio.run(serve(front, args.admin, context))
-    except OSError as exc:
-        print(f"front: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_server("front", args.log_level, serve(front, args.admin, context))
 
 
 if __name__ == "__main__":

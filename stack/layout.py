@@ -126,7 +126,7 @@ class ClientLayout:
 
     @property
     def url(self) -> str:
-        return f"https://{HOST}:{self.port}"
+        return url_of(self.port, "https")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import signal
 import sys
 from dataclasses import dataclass
+
+from stack.server_process import add_log_level_argument, run_server, stop_on_signals
 
 logger = logging.getLogger("stack.rtt_proxy")
 
@@ -187,28 +188,16 @@ class RttProxy:
 async def _serve(routes: list[Route]) -> None:
     proxy = RttProxy(routes)
     await proxy.start()
-    stopped = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopped.set)
-    await stopped.wait()
+    await stop_on_signals().wait()
     await proxy.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stack.rtt_proxy", description=__doc__)
     parser.add_argument("--route", type=parse_route, action="append", required=True)
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    add_log_level_argument(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        asyncio.run(_serve(args.route))
-    except OSError as exc:
-        print(f"rtt_proxy: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_server("rtt_proxy", args.log_level, _serve(args.route))
 
 
 if __name__ == "__main__":
