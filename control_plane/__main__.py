@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from control_plane.app import create_app
 from control_plane.server import ControlPlaneServer
 from control_plane.settings import Settings
-from control_plane.store import StoreError, open_store
+from control_plane.store import open_store
+from control_plane.store.base import StoreError
 from control_plane.tokens import ENV_NAMES, TokenKind
 from control_plane.xds import bootstrap
 from wire.addresses import is_loopback_host

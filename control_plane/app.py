@@ -12,32 +12,35 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from control_plane import health_snapshot
 from control_plane import keys as key_store
 from control_plane.api import keys, limit_reports, nodes, regions, routing, status
+from control_plane.api import xds as xds_api
 from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from control_plane.api.refused import install_refusal_handler
 from control_plane.changes import ChangeFeed
-from control_plane.consul_sync import follow_consul
+from control_plane.consul_sync import ConsulSync, follow_consul
 from control_plane.dns.server import DnsServer
-from control_plane.drain import DrainSequence, DrainTimes
-from control_plane.drain_book import DrainBook
-from control_plane.envoy_reports import report_forever
+from control_plane.drain.book import DrainBook
+from control_plane.drain.envoy_reports import PeerReports, report_forever
+from control_plane.drain.sequence import DrainSequence, DrainTimes
 from control_plane.errors import error_response, install_error_handlers
-from control_plane.fleet import Fleet
-from control_plane.fleet_store import FleetStore, load_drains, load_fleet, load_health
-from control_plane.health_snapshot import SAVE_EVERY_S, SAVE_EVERY_S_REPLICAS
+from control_plane.fleet import health_snapshot
+from control_plane.fleet.credentials import CredentialRegistry, NodeCredential, load_credentials
+from control_plane.fleet.drain_loop import DrainLoop
+from control_plane.fleet.health_snapshot import SAVE_EVERY_S, SAVE_EVERY_S_REPLICAS
+from control_plane.fleet.registry import Registry
+from control_plane.fleet.sql import FleetStore, load_drains, load_fleet, load_health
 from control_plane.keys import KeyRegistry
-from control_plane.node_credentials import CredentialRegistry, NodeCredential, load_credentials
+from control_plane.leadership import Leadership, SoleLeader
+from control_plane.model import Fleet
 from control_plane.refusals import RefusalAudit, RefusalLimits
-from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry, load_policy
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
-from control_plane.store import Connection, Store, StoreBusyError, is_postgres_url, open_store
+from control_plane.store import open_store
+from control_plane.store.base import Connection, Store, StoreBusyError, is_postgres_url
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet, resolve_tokens
-from control_plane.xds import api as xds_api
 from control_plane.xds.credentials import EnvoyCredentials
 from control_plane.xds.server import ServerTls, XdsServer
 from control_plane.xds.stream_gate import StreamGate
@@ -75,9 +78,11 @@ def build(
     store: Store,
     loaded: Loaded,
     clock: Callable[[], float] = time.time,
+    leadership: Leadership | None = None,
 ) -> ControlPlane:
     """The control plane's parts wired together (servers not started); `clock` is the drain
-    sequence's (tests pass a fake one)."""
+    sequence's (tests pass a fake one); `leadership` is the replicas' lease (None: this control
+    plane always leads)."""
     fleet, policy, keys_index, drains, credentials = loaded
     # Summary indexes start from the wall clock in milliseconds, so they keep growing across
     # restarts (changes come far slower than 1,000 a second) and gateways see no index go back.
@@ -95,16 +100,35 @@ def build(
     envoy_credentials = EnvoyCredentials(store)
     gate = StreamGate(envoy_credentials, refusals)
     xds = XdsServer(fleet, summary_feed, settings.sweep_interval_s, gate)
-    book = DrainBook(fleet, publisher, xds, DrainTimes.of(settings), clock=clock)
+    peer_envoys = PeerReports()
+    has_consul = settings.consul_addr is not None
+    times = DrainTimes.of(settings)
+    book = DrainBook(fleet, publisher, xds, times, peer_envoys, has_consul, clock)
     book.restore(drains)
+    leadership = leadership or SoleLeader()
+    drains_noted = asyncio.Event()
+    fleet_store, node_credentials = FleetStore(store), CredentialRegistry(store, credentials)
     registry = Registry(
-        FleetStore(store), fleet, CredentialRegistry(store, credentials), publisher, book
+        fleet_store, fleet, node_credentials, publisher, book, leadership, drains_noted
     )
+    consul = None
+    if settings.consul_addr is not None:
+        consul = ConsulSync(
+            settings.consul_addr, settings.consul_service_name, registry.apply_consul
+        )
+    drain_loop = DrainLoop(registry, book, fleet_store, leadership, drains_noted, consul)
     return ControlPlane(
         settings=settings,
         tokens=tokens,
         store=store,
+        fleet=fleet,
         registry=registry,
+        credentials=node_credentials,
+        drains=book,
+        drain_loop=drain_loop,
+        leadership=leadership,
+        peer_envoys=peer_envoys,
+        consul=consul,
         keys=KeyRegistry(store, ChangeFeed(keys_index)),
         routing=policies,
         summaries=publisher,
@@ -132,23 +156,31 @@ def _xds_tls(settings: Settings) -> ServerTls | None:
     return ServerTls(settings.tls_cert.read_bytes(), settings.tls_key.read_bytes())
 
 
+def _leadership(settings: Settings) -> Leadership | None:
+    """Replicas on PostgreSQL elect a leader; one control plane on SQLite always leads (None)."""
+    if not is_postgres_url(settings.db_path):
+        return None
+    # Imported here: psycopg is needed on PostgreSQL only.
+    from control_plane.replicas.leader_lease import LeaderLease
+
+    return LeaderLease(settings.db_path, settings.replica_id, settings.leader_lease_s)
+
+
 def _replica_tasks(services: ControlPlane) -> list[asyncio.Task[None]]:
     """On PostgreSQL: the leader lease, following the other replicas' changes, and reporting
     this replica's Envoys to the leader's drains."""
-    settings, registry = services.settings, services.registry
+    settings = services.settings
     url = settings.db_path
     if not is_postgres_url(url):
         return []
-    # Imported here: psycopg is needed on PostgreSQL only.
-    from control_plane.leader_lease import LeaderLease
-    from control_plane.replication import follow_changes
+    from control_plane.replicas.following import follow_changes
+    from control_plane.replicas.leader_lease import LeaderLease
 
-    lease = LeaderLease(url, settings.replica_id, settings.leader_lease_s, registry.take_lead)
-    registry.leadership = lease
-    assert services.xds is not None
-    reports = report_forever(services.store, registry.fleet, services.xds, settings.replica_id)
+    lease = services.leadership
+    assert isinstance(lease, LeaderLease) and services.xds is not None
+    reports = report_forever(services.store, services.fleet, services.xds, settings.replica_id)
     return [
-        asyncio.create_task(lease.run(), name="leader-lease"),
+        asyncio.create_task(lease.run(services.drain_loop.take_lead), name="leader-lease"),
         asyncio.create_task(follow_changes(services, url, settings.replica_id)),
         asyncio.create_task(reports, name="envoy-reports"),
     ]
@@ -164,7 +196,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
         try:
             loaded = await store.read(lambda conn: load(conn, settings))
-            services = build(settings, tokens, store, loaded)
+            services = build(settings, tokens, store, loaded, leadership=_leadership(settings))
             app.state.services = services
             xds = services.xds
             assert xds is not None
@@ -174,7 +206,7 @@ def create_app(settings: Settings) -> FastAPI:
             await dns.start(settings.host, settings.dns_port)
             sweep = asyncio.create_task(services.summaries.run(settings.sweep_interval_s))
             registry = services.registry
-            draining = asyncio.create_task(registry.run_drains(settings.sweep_interval_s))
+            draining = asyncio.create_task(services.drain_loop.run(settings.sweep_interval_s))
             replica_tasks = _replica_tasks(services)
             tasks = [sweep, draining, *replica_tasks]
             save_every_s = SAVE_EVERY_S_REPLICAS if replica_tasks else SAVE_EVERY_S
@@ -182,23 +214,18 @@ def create_app(settings: Settings) -> FastAPI:
             tasks.append(asyncio.create_task(services.refusals.run(), name="refusal-audit"))
             logger.info(
                 "control plane ready: %d regions, %d nodes known",
-                len(services.registry.fleet.regions),
-                len(services.registry.fleet.nodes),
+                len(services.fleet.regions),
+                len(services.fleet.nodes),
             )
             try:
-                consul = follow_consul(
-                    settings.consul_addr, settings.consul_service_name, registry.apply_consul
-                )
-                async with consul as sync:
-                    registry.consul = sync
-                    registry.drains.has_consul = sync is not None
+                async with follow_consul(services.consul):
                     yield
             finally:
                 for task in tasks:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-                await health_snapshot.save(registry)  # for the next start
+                await registry.save_health()  # for the next start
                 await xds.stop()
                 dns.stop()
                 services.summaries.feed.close()

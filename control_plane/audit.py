@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, JsonValue
 
-from control_plane.store import Connection
+from control_plane.store.base import Connection
 
 AuditDetail = dict[str, JsonValue]
 OLD_KEY = "old"
@@ -57,15 +57,4 @@ def list_entries(conn: Connection, after_id: int, limit: int) -> list[AuditEntry
     rows = conn.execute(
         "SELECT * FROM audit_log WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit)
     ).fetchall()
-    return [
-        AuditEntry(
-            id=row["id"],
-            at=row["at"],
-            actor=row["actor"],
-            client=row["client"],
-            action=row["action"],
-            target=row["target"],
-            detail=json.loads(row["detail"]),
-        )
-        for row in rows
-    ]
+    return [AuditEntry.model_validate({**row, "detail": json.loads(row["detail"])}) for row in rows]

@@ -4,7 +4,7 @@ Node agents register one service each (name `meridian-node` by default; service 
 meta `region`, `model`, `url`, `tp_size`, `node_id`) with a TTL check they keep passing while
 ready. We follow `GET /v1/health/service/<name>` with blocking queries (`index` + `wait`, as
 Consul's own clients do), turn each answer into `ConsulEntry`s, and hand the whole view to the
-registry, which merges it with heartbeats (the rule is in `control_plane.fleet`).
+registry, which merges it with heartbeats (the rule is in `control_plane.model`).
 
 Failures back off (0.5 s doubling to 10 s). If Consul stays unreachable for `STALE_AFTER_S`, its
 statuses become "unknown": it no longer vetoes nodes that heartbeat, and Consul-only nodes count
@@ -28,7 +28,7 @@ import consul
 import consul.aio
 from pydantic import BaseModel, Field, ValidationError
 
-from control_plane.fleet import ConsulEntry, ConsulStatus, NodeIdentity
+from control_plane.model import ConsulEntry, ConsulStatus, NodeIdentity
 from wire.heartbeat import HttpUrlStr, Name
 
 logger = logging.getLogger(__name__)
@@ -214,18 +214,15 @@ class ConsulSync:
 
 
 @contextlib.asynccontextmanager
-async def follow_consul(
-    addr: str | None, service_name: str, on_entries: Callable[[dict[str, ConsulEntry]], None]
-) -> AsyncIterator[ConsulSync | None]:
-    """Run the sync for the app's lifetime when a Consul address is given."""
-    if addr is None:
-        yield None
+async def follow_consul(sync: ConsulSync | None) -> AsyncIterator[None]:
+    """Run the sync for the app's lifetime (with `--consul`)."""
+    if sync is None:
+        yield
         return
-    sync = ConsulSync(addr, service_name, on_entries)
     logger.info("Consul: following service %r at %s:%d", sync.service_name, sync.host, sync.port)
     task = asyncio.create_task(sync.run(), name="consul-sync")
     try:
-        yield sync
+        yield
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -9,7 +9,6 @@ dictionary lookup.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import time
 
@@ -17,8 +16,9 @@ from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.changes import ChangeFeed
 from control_plane.errors import ConflictError, NotFoundError
+from control_plane.hashed_secrets import hash_secret
 from control_plane.schemas import KeyCreate, KeyCreated, KeyView
-from control_plane.store import Connection, Row, Store, get_meta
+from control_plane.store.base import Connection, Row, Store, get_meta
 from wire.key_snapshot import KeyGrant, KeySnapshot
 
 SECRET_PREFIX = "mer-"
@@ -29,20 +29,8 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
 
 
-def hash_secret(secret: str) -> str:
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
-
-
 def _view_of(row: Row) -> KeyView:
-    return KeyView(
-        id=row["id"],
-        name=row["name"],
-        tenant=row["tenant"],
-        rpm=row["rpm"],
-        tpm=row["tpm"],
-        created_at=row["created_at"],
-        revoked_at=row["revoked_at"],
-    )
+    return KeyView.model_validate(dict(row))  # the other columns (the secret's hash) are ignored
 
 
 def _bump_index(conn: Connection) -> int:

@@ -30,7 +30,7 @@ from control_plane.limit_shares import (
     need_of,
     share_for,
 )
-from control_plane.store import Connection, Row, Store, set_meta
+from control_plane.store.base import Connection, Row, Store, set_meta
 from wire.limit_shares import KeyLevels, KeyShare, KeyUse, ShareAnswer, UsageReport
 
 SECONDS_PER_MINUTE = 60.0

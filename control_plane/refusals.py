@@ -24,7 +24,7 @@ from typing import Final
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.store import Connection, Store
+from control_plane.store.base import Connection, Store
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.store import Connection, Store, StoreError, get_meta, set_meta
+from control_plane.store.base import Connection, Store, StoreError, get_meta, set_meta
 from wire.routing_policy import RoutingPolicy
 
 POLICY_KEY = "routing_policy"

@@ -3,12 +3,12 @@ live in `wire/`)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from control_plane.fleet import ConsulStatus, NodeSource
+from control_plane.model import ConsulStatus, NodeSource
 from control_plane.safe_text import refuse_unsafe
 from control_plane.upstream_urls import UpstreamUrl
 from control_plane.xds.groups import Role
@@ -16,6 +16,16 @@ from control_plane.xds.status import XdsStatus
 from wire.heartbeat import Heartbeat, Name
 from wire.region_summary import Latitude, Longitude, RegionState, RegionSummary, Weight
 from wire.routing_policy import RoutingPolicy
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def view_from(view: type[M], source: object, **computed: object) -> M:
+    """`view` with each field read from `source`'s attribute of the same name (a view of a
+    dataclass); `computed` gives the fields `source` does not hold as the view shows them."""
+    read = {name: getattr(source, name) for name in view.model_fields if name not in computed}
+    return view.model_validate({**read, **computed})
+
 
 # Path segments under /v1/regions that are routes, not region names.
 RESERVED_REGION_NAMES = frozenset({"summary"})

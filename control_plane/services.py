@@ -7,13 +7,20 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from control_plane.consul_sync import ConsulSync
 from control_plane.dns.server import DnsServer
+from control_plane.drain.book import DrainBook
+from control_plane.drain.envoy_reports import PeerReports
+from control_plane.fleet.credentials import CredentialRegistry
+from control_plane.fleet.drain_loop import DrainLoop
+from control_plane.fleet.registry import Registry
 from control_plane.keys import KeyRegistry
+from control_plane.leadership import Leadership
+from control_plane.model import Fleet
 from control_plane.refusals import RefusalAudit
-from control_plane.registry import Registry
 from control_plane.routing import PolicyRegistry
 from control_plane.settings import Settings
-from control_plane.store import Store
+from control_plane.store.base import Store
 from control_plane.summaries import SummaryPublisher
 from control_plane.tokens import TokenSet
 from control_plane.xds.credentials import EnvoyCredentials
@@ -25,7 +32,14 @@ class ControlPlane:
     settings: Settings
     tokens: TokenSet
     store: Store
+    fleet: Fleet  # read by routes; changed only through the registry
     registry: Registry
+    credentials: CredentialRegistry  # node credentials
+    drains: DrainBook  # every node's drain sequence (read by routes)
+    drain_loop: DrainLoop
+    leadership: Leadership  # a LeaderLease between replicas on PostgreSQL
+    peer_envoys: PeerReports  # the other replicas' Envoys, for the drains' Envoy step
+    consul: ConsulSync | None  # with --consul, run by the lifespan
     keys: KeyRegistry
     routing: PolicyRegistry
     summaries: SummaryPublisher

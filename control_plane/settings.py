@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from control_plane.consul_sync import parse_consul_addr
 from control_plane.dns.config import DnsConfig
 from control_plane.limit_shares import LimitSharesConfig
-from control_plane.store import is_postgres_url
+from control_plane.store.base import is_postgres_url
 from control_plane.upstream_urls import UpstreamAllowlist
 from wire.addresses import is_loopback_host
 

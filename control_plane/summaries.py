@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from control_plane.changes import ChangeFeed
-from control_plane.fleet import Fleet, Node, Region
+from control_plane.model import Fleet, Node, Region
 from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 

@@ -1,7 +1,7 @@
 """The two shared bearer tokens (operator, gateways), and generating them on loopback.
 
 Node agents have no shared token: each has its own credential, minted through the admin API
-(`control_plane.node_credentials`). On a loopback-only control plane (a developer's laptop, a
+(`control_plane.fleet.credentials`). On a loopback-only control plane (a developer's laptop, a
 test), missing tokens are generated and kept in a token file next to the database (`<db>.tokens`,
 mode 0600, env-file syntax), so that `set -a; . meridian-control-plane.db.tokens; set +a` gives
 operators and gateways on the same machine their tokens, and a restart with the same `--db`

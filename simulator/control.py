@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from control_plane.changes import ChangeFeed
-from control_plane.fleet import Fleet, NodeIdentity, Region
-from control_plane.fleet import Node as FleetNode
+from control_plane.model import Fleet, NodeIdentity, Region
+from control_plane.model import Node as FleetNode
 from control_plane.settings import Settings as ControlPlaneSettings
 from control_plane.summaries import SummaryPublisher, route_view
 from simulator.events import EventLoop

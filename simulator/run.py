@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from control_plane.fleet import Region
+from control_plane.model import Region
 from simulator.access import Access
 from simulator.calibration import ServiceCalibration
 from simulator.control import ControlTiming, PopWatch, SimControlPlane

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import Query, Response
 
-from control_plane.changes import WAIT_PATTERN
+from control_plane.changes import WAIT_PATTERN, ChangeFeed, parse_wait_s
 
 INDEX_HEADER = "X-Meridian-Index"
 
@@ -18,6 +18,11 @@ Wait = Annotated[
 INDEX_HEADER_DOC: dict[int | str, dict[str, Any]] = {
     200: {"headers": {INDEX_HEADER: {"schema": {"type": "integer"}}}}
 }
+
+
+async def wait_past(feed: ChangeFeed, index: int, wait: str, max_wait_s: float) -> None:
+    """Hold a watch until `feed` moves past `index`, or for `wait` (at most `max_wait_s`)."""
+    await feed.wait_past(index, parse_wait_s(wait, max_wait_s))
 
 
 def indexed_json(body: bytes | str, index: int) -> Response:

@@ -17,10 +17,10 @@ from typing import Final
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from control_plane.api.auth import MAX_AGENT_LEN
 from control_plane.api.nodes import heartbeat_reply
 from control_plane.audit import Actor
-from control_plane.auth import MAX_AGENT_LEN
-from control_plane.fleet import NodeIdentity
+from control_plane.model import NodeIdentity
 from control_plane.services import ControlPlane
 from control_plane.tokens import TokenKind
 from wire.heartbeat import Heartbeat
@@ -85,7 +85,7 @@ class HeartbeatFastPath:
             return False
         authorization = _header(scope, b"authorization") or b""
         scheme, _, token = authorization.decode("latin-1").partition(" ")
-        credential = services.registry.credentials.find(token)
+        credential = services.credentials.find(token)
         if scheme.lower() != "bearer" or credential is None:
             return False
         content_type = (_header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
@@ -97,7 +97,7 @@ class HeartbeatFastPath:
             return False
         if credential.refusal(beat) is not None:
             return False  # the FastAPI route answers 403 with the reason
-        node = services.registry.fleet.nodes.get(beat.node_id)
+        node = services.fleet.nodes.get(beat.node_id)
         if node is None or not node.is_from_heartbeats or node.identity != NodeIdentity.of(beat):
             return False  # registration writes to the store: the FastAPI route does it
         node = await services.registry.record_heartbeat(_actor(scope), beat)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
-from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json
-from control_plane.auth import AdminAuth, GatewayAuth
-from control_plane.changes import parse_wait_s
+from control_plane.api.auth import AdminAuth, GatewayAuth
+from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json, wait_past
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.safe_text import SafePathName
 from control_plane.schemas import KeyCreate, KeyCreated, KeyList
@@ -26,8 +25,7 @@ async def watch_keys(
 ) -> Response:
     """Blocking query over the active keys' hashes and limits (same semantics as the region
     summary): a revoked key is missing from the next snapshot."""
-    wait_s = parse_wait_s(wait, services.settings.max_wait_s)
-    await services.keys.feed.wait_past(index, wait_s)
+    await wait_past(services.keys.feed, index, wait, services.settings.max_wait_s)
     snapshot = await services.keys.snapshot()
     return indexed_json(snapshot.model_dump_json(), snapshot.index)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from control_plane.auth import GatewayAuth
+from control_plane.api.auth import GatewayAuth
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.limit_reports import LimitLedger
 from control_plane.services import ServicesDep

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, status
 
-from control_plane.auth import AdminAuth, NodeAuth
-from control_plane.drain import STEPS, DrainSequence, has_reached
+from control_plane.api.auth import AdminAuth, NodeAuth
+from control_plane.drain.sequence import DrainSequence
 from control_plane.errors import ERROR_RESPONSES, PermissionDeniedError
-from control_plane.fleet import Node
+from control_plane.model import STEPS, Node, has_reached
 from control_plane.safe_text import SafePathName
 from control_plane.schemas import (
     DrainStepView,
@@ -19,6 +19,7 @@ from control_plane.schemas import (
     NodePatch,
     NodeView,
     SafeName,
+    view_from,
 )
 from control_plane.services import ControlPlane, ServicesDep
 from control_plane.upstream_urls import URL_NOT_ALLOWED
@@ -39,20 +40,12 @@ def drain_view(sequence: DrainSequence) -> DrainView:
                 note=record.note if record else "",
             )
         )
-    return DrainView(
-        node_id=sequence.node_id,
-        region=sequence.region,
-        reason=sequence.reason,
-        phase=sequence.phase,
-        started_at=sequence.started_at,
-        may_exit=sequence.may_exit,
-        steps=steps,
-    )
+    return view_from(DrainView, sequence, steps=steps)
 
 
 def node_view(services: ControlPlane, node: Node) -> NodeView:
     view = view_of(node)
-    sequence = services.registry.drains.sequences.get(node.node_id)
+    sequence = services.drains.sequences.get(node.node_id)
     if sequence is not None:
         view.drain = drain_view(sequence)
     return view
@@ -99,7 +92,7 @@ def heartbeat_reply(services: ControlPlane, node: Node, beat: Heartbeat) -> Hear
     return HeartbeatReply(
         drain=node.drain_requested or phase is not None,
         heartbeat_interval_s=services.settings.heartbeat_interval_s,
-        region_registered=beat.region in services.registry.fleet.regions,
+        region_registered=beat.region in services.fleet.regions,
         drain_phase=phase,
         consul_deregister=has_reached(phase, "consul"),
         may_exit=has_reached(phase, "exit"),
@@ -108,7 +101,7 @@ def heartbeat_reply(services: ControlPlane, node: Node, beat: Heartbeat) -> Hear
 
 @router.get("")
 async def list_nodes(actor: AdminAuth, services: ServicesDep) -> NodeList:
-    nodes = sorted(services.registry.fleet.nodes.values(), key=lambda n: n.node_id)
+    nodes = sorted(services.fleet.nodes.values(), key=lambda n: n.node_id)
     return NodeList(nodes=[node_view(services, node) for node in nodes])
 
 
@@ -126,7 +119,7 @@ async def mint_credential(
     URL, else its first heartbeat binds one). Shown only in this response; minting again
     replaces it."""
     services.settings.upstream_allowlist.check(body.url, "url")
-    credentials = services.registry.credentials
+    credentials = services.credentials
     credential, token = await credentials.mint(actor, node_id, body.region, body.url)
     return NodeCredentialCreated(
         node_id=node_id,

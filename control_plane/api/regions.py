@@ -5,13 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Response, status
 from fastapi.responses import JSONResponse
 
-from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json
-from control_plane.auth import AdminAuth, GatewayAuth
-from control_plane.changes import parse_wait_s
+from control_plane.api.auth import AdminAuth, GatewayAuth
+from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json, wait_past
 from control_plane.errors import ERROR_RESPONSES
-from control_plane.fleet import Region
+from control_plane.model import Region
 from control_plane.safe_text import SafePathName
-from control_plane.schemas import RegionCreate, RegionList, RegionPatch, RegionView
+from control_plane.schemas import RegionCreate, RegionList, RegionPatch, RegionView, view_from
 from control_plane.services import ServicesDep
 from wire.region_summary import RegionSummaryIndex
 
@@ -19,17 +18,7 @@ router = APIRouter(prefix="/v1/regions", tags=["regions"], responses=ERROR_RESPO
 
 
 def view_of(region: Region) -> RegionView:
-    return RegionView(
-        name=region.name,
-        lat=region.lat,
-        lon=region.lon,
-        ingress_url=region.ingress_url,
-        weight=region.weight,
-        state=region.state,
-        created_at=region.created_at,
-        updated_at=region.updated_at,
-        is_deleting=region.is_deleting,
-    )
+    return view_from(RegionView, region)
 
 
 @router.get(
@@ -43,8 +32,7 @@ async def watch_summaries(
     """Blocking query: answers at once if the index differs from `index`, else waits for a
     change or for `wait` to pass (then with the same index)."""
     publisher = services.summaries
-    wait_s = parse_wait_s(wait, services.settings.max_wait_s)
-    await publisher.feed.wait_past(index, wait_s)
+    await wait_past(publisher.feed, index, wait, services.settings.max_wait_s)
     return indexed_json(publisher.body, publisher.current.index)
 
 
@@ -56,7 +44,7 @@ async def create_region(actor: AdminAuth, services: ServicesDep, body: RegionCre
 
 @router.get("")
 async def list_regions(actor: AdminAuth, services: ServicesDep) -> RegionList:
-    regions = sorted(services.registry.fleet.regions.values(), key=lambda r: r.name)
+    regions = sorted(services.fleet.regions.values(), key=lambda r: r.name)
     return RegionList(regions=[view_of(region) for region in regions])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from control_plane.auth import AdminAuth
+from control_plane.api.auth import AdminAuth
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.services import ServicesDep
 from wire.routing_policy import RoutingPolicy

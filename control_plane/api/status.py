@@ -8,13 +8,13 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
 from control_plane import audit
+from control_plane.api.auth import AdminAuth
 from control_plane.api.nodes import drain_view, node_view
 from control_plane.audit import AuditEntry
-from control_plane.auth import AdminAuth
 from control_plane.errors import ERROR_RESPONSES
 from control_plane.schemas import ReplicaView, StatusView
 from control_plane.services import ServicesDep
-from control_plane.store import Connection
+from control_plane.store.base import Connection
 from control_plane.xds.status import status_of
 
 router = APIRouter(prefix="/v1", tags=["status"], responses=ERROR_RESPONSES)
@@ -27,11 +27,11 @@ class AuditPage(BaseModel):
 @router.get("/status")
 async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
     """The whole fleet: region summaries, nodes, every drain sequence, and xDS."""
-    fleet = services.registry.fleet
+    fleet = services.fleet
     summaries = services.summaries.current
     nodes = sorted(fleet.nodes.values(), key=lambda n: n.node_id)
     known = {node.identity.region for node in nodes}
-    leadership = services.registry.leadership
+    leadership = services.leadership
     return StatusView(
         replica=ReplicaView(
             id=services.settings.replica_id,
@@ -51,9 +51,7 @@ async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
         routing=summaries.routing,
         drains=[
             drain_view(sequence)
-            for sequence in sorted(
-                services.registry.drains.sequences.values(), key=lambda s: s.started_at
-            )
+            for sequence in sorted(services.drains.sequences.values(), key=lambda s: s.started_at)
         ],
         xds=status_of(services.xds) if services.xds is not None else None,
     )

@@ -23,8 +23,8 @@ from typing import Final
 from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.errors import NotFoundError
-from control_plane.keys import hash_secret
-from control_plane.store import Connection, Row, Store
+from control_plane.hashed_secrets import hash_secret
+from control_plane.store.base import Connection, Row, Store, of_row
 from control_plane.xds.groups import EnvoyGroup, Role
 
 TOKEN_PREFIX: Final = "mxds-"
@@ -54,13 +54,7 @@ class EnvoyCredential:
 
 
 def _of_row(row: Row) -> EnvoyCredential:
-    return EnvoyCredential(
-        name=row["name"],
-        role=Role(row["role"]),
-        region=row["region"],
-        secret_sha256=row["secret_sha256"],
-        created_at=row["created_at"],
-    )
+    return of_row(EnvoyCredential, row, role=Role(row["role"]))
 
 
 def _stored(conn: Connection, name: str) -> EnvoyCredential | None:

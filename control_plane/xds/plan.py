@@ -20,7 +20,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from control_plane.fleet import Fleet, Node, Region
+from control_plane.model import Fleet, Node, Region
 from control_plane.xds.groups import EnvoyGroup, Role
 
 WEIGHT_SCALE = 100  # weights are shares in percent

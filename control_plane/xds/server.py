@@ -21,32 +21,29 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from control_plane.changes import ChangeFeed
-from control_plane.fleet import Fleet
+from control_plane.model import Fleet
+from control_plane.xds.acks import AckCondition, AckWait
 from control_plane.xds.cache import SnapshotCache
+from control_plane.xds.credentials import EnvoyCredential
 from control_plane.xds.groups import EnvoyGroup, EnvoyNodeError, group_of
 from control_plane.xds.plan import (
     EnvoyPlan,
     NodesByRegion,
     nodes_by_region,
     plan_for,
-    upstream_address,
 )
 from control_plane.xds.resources import ENDPOINT_TYPE, SHORT_NAMES
-from control_plane.xds.snapshot import InvalidSnapshotError, Resources, Snapshot, build_snapshot
+from control_plane.xds.snapshot import InvalidSnapshotError, Snapshot, build_snapshot
 from control_plane.xds.stream import RequestKind, StreamState
 from control_plane.xds.stream_gate import StreamGate, StreamRefusal, group_refusal
 from wire.errors import INVALID_CREDENTIAL
-
-if TYPE_CHECKING:  # for types only: credentials import the keys, which import the schemas
-    from control_plane.xds.credentials import EnvoyCredential
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +58,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # Envoy's keepalive pings
     ("grpc.http2.max_ping_strikes", 0),
 ]
-
-AckCondition = str | Callable[[Resources], bool]
 
 
 class XdsStartError(RuntimeError):
@@ -94,15 +89,6 @@ class ServerTls:
     key_pem: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class AckWait:
-    """How a `wait_for_ack` ended: complete, or the Envoys that had not caught up in time."""
-
-    is_complete: bool
-    num_envoys: int
-    lagging: tuple[str, ...] = ()
-
-
 @dataclass(slots=True)
 class XdsCounters:
     num_responses: Counter[str] = field(default_factory=Counter)  # by short type name
@@ -111,22 +97,6 @@ class XdsCounters:
     num_stale: Counter[str] = field(default_factory=Counter)
     num_invalid_snapshots: int = 0
     num_refused_streams: int = 0  # unauthenticated ones included
-
-
-def lacks_endpoint(url: str) -> Callable[[Resources], bool]:
-    """A condition for `wait_for_ack`: no assignment lists the node serving `url`."""
-    address = upstream_address(url)
-
-    def is_met(resources: Resources) -> bool:
-        for assignment in resources.by_name.values():
-            for group in getattr(assignment, "endpoints", ()):
-                for lb_endpoint in group.lb_endpoints:
-                    socket = lb_endpoint.endpoint.address.socket_address
-                    if (socket.address, socket.port_value) == address:
-                        return False
-        return True
-
-    return is_met
 
 
 class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):

@@ -13,17 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import grpc
 
 from control_plane.audit import Actor
 from control_plane.refusals import Refusal, RefusalAudit
+from control_plane.xds.credentials import EnvoyCredential, EnvoyCredentials
 from control_plane.xds.groups import EnvoyGroup
 from wire.errors import INVALID_CREDENTIAL, MISSING_CREDENTIAL
-
-if TYPE_CHECKING:  # for types only: credentials import the keys, which import the schemas
-    from control_plane.xds.credentials import EnvoyCredential, EnvoyCredentials
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from conftest import ControlPlaneClient, heartbeat, make_settings
 from consul_standin import ConsulTarget, consul_address
 
 from control_plane.consul_sync import ConsulSync, aggregate_status, entry_of, parse_consul_addr
-from control_plane.fleet import ConsulEntry, ConsulStatus, Fleet, Node, NodeIdentity
+from control_plane.model import ConsulEntry, ConsulStatus, Fleet, Node, NodeIdentity
 from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
 
@@ -292,7 +292,7 @@ async def test_region_drain_deregisters_consul_only_nodes_itself(
     agents.registered.discard("c5")
     _, items = await agents.client.health.service(agents.service_name)
     assert items == []
-    await cp.services.registry.step_drains()  # the sequence of a node that is gone is forgotten
+    await cp.services.drain_loop.step()  # the sequence of a node that is gone is forgotten
     entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
     steps = [e["detail"].get("step") for e in entries if e["target"] == "c5"]
     assert steps[:5] == [None, "admissions", "envoy", "summaries", "dns"]  # start, then steps

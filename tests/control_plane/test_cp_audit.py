@@ -38,9 +38,7 @@ async def test_every_change_is_audited(cp: ControlPlaneClient) -> None:
     await cp.beat("n2")
     await cp.beat("n2")
     await cp.http.get("/v1/status", headers=cp.admin)
-    await (
-        cp.services.registry.step_drains()
-    )  # the drain sequence writes its own entries as it moves
+    await cp.services.drain_loop.step()  # the drain sequence writes its own entries as it moves
 
     response = await cp.http.get("/v1/audit", headers=cp.admin)
     everything = response.json()["entries"]

@@ -12,8 +12,8 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.routing import BaseRoute
 
+from control_plane.api.auth import match_token
 from control_plane.app import create_app
-from control_plane.auth import match_token
 from control_plane.settings import Settings
 from control_plane.tokens import TokenKind, read_token_file, resolve_tokens
 

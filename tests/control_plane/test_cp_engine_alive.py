@@ -6,7 +6,7 @@ back."""
 from __future__ import annotations
 
 from control_plane.changes import ChangeFeed
-from control_plane.fleet import Fleet, Node, NodeIdentity, Region
+from control_plane.model import Fleet, Node, NodeIdentity, Region
 from control_plane.summaries import SummaryPublisher, route_view
 from wire.heartbeat import Heartbeat
 from wire.routing_policy import RoutingPolicy

@@ -113,26 +113,24 @@ async def test_drain_is_told_to_the_node_and_takes_it_out(cp: ControlPlaneClient
     assert (await cp.beat("n2"))["drain"] is False
     assert (await summary(cp)).regions[0].healthy_nodes == 2
     await cp.beat("n1", draining=True)
-    await cp.services.registry.step_drains()  # no Envoy connected: EDS at once, then the summaries
+    await cp.services.drain_loop.step()  # no Envoy connected: EDS at once, then the summaries
     assert (await summary(cp)).regions[0].healthy_nodes == 1
 
     undrained = await cp.http.post("/v1/nodes/n1/undrain", headers=cp.admin)
     assert undrained.json()["drain_requested"] is False and undrained.json()["drain"] is None
     assert (await cp.beat("n1", draining=True))["drain"] is False  # made before it heard
     assert (await summary(cp)).regions[0].healthy_nodes == 2
-    await cp.services.registry.step_drains()
-    assert (
-        cp.services.registry.drains.sequences == {}
-    )  # that `draining` echoed ours: not a new drain
+    await cp.services.drain_loop.step()
+    assert cp.services.drains.sequences == {}  # that `draining` echoed ours: not a new drain
     await cp.beat("n1", draining=False)
     node = (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()
     assert node["is_draining"] is False
 
     # A node draining on its own (SIGTERM at the agent) leaves routing too.
     await cp.beat("n2", draining=True)
-    await cp.services.registry.step_drains()
+    await cp.services.drain_loop.step()
     assert (await summary(cp)).regions[0].healthy_nodes == 1
-    assert cp.services.registry.drains.sequences["n2"].reason == "node"
+    assert cp.services.drains.sequences["n2"].reason == "node"
     for path in ("/v1/nodes/zz/drain", "/v1/nodes/zz/undrain"):
         assert (await cp.http.post(path, headers=cp.admin)).status_code == 404
 
@@ -206,7 +204,7 @@ async def test_known_nodes_take_the_fast_path_with_the_same_answers(
     first = await cp.beat("n1")  # registers: the FastAPI route
     again = await cp.beat("n1", kv_blocks_free=10, future_field=[1])
     assert answered == [False, True] and again == first
-    assert cp.services.registry.fleet.nodes["n1"].last_beat.kv_blocks_free == 10  # type: ignore[union-attr]
+    assert cp.services.fleet.nodes["n1"].last_beat.kv_blocks_free == 10  # type: ignore[union-attr]
 
     # Anything unusual goes on to the route, body and all: the same errors as ever.
     body = heartbeat("n1")
@@ -231,10 +229,10 @@ async def test_known_nodes_take_the_fast_path_with_the_same_answers(
         headers=await cp.node_headers(),
     )
     assert response.status_code == 403 and answered[-1] is False
-    assert cp.services.registry.fleet.nodes["n1"].identity.url == body["url"]
+    assert cp.services.fleet.nodes["n1"].identity.url == body["url"]
     renamed = await cp.beat("n1", model="other-model")  # a new identity is a registration
     assert renamed["drain"] is False and answered[-1] is False
-    assert cp.services.registry.fleet.nodes["n1"].identity.model == "other-model"
+    assert cp.services.fleet.nodes["n1"].identity.model == "other-model"
 
 
 @pytest.mark.asyncio
@@ -255,7 +253,7 @@ async def test_nodes_starting_together_register_in_a_few_writes(
     monkeypatch.setattr(store, "write", counting)
     await cp.add_region("us-east")
     await asyncio.gather(*(cp.beat(f"n{i}") for i in range(40)))
-    assert len(cp.services.registry.fleet.nodes) == 40
+    assert len(cp.services.fleet.nodes) == 40
     assert num_writes <= 1 + 5  # the region, then a few group commits for 40 nodes
     entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
     assert sorted(e["target"] for e in entries if e["action"] == "node.register") == sorted(

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import ControlPlaneClient, settings_on_each_db
 
-from control_plane.store import SqliteStore
+from control_plane.store.sqlite import SqliteStore
 from wire.key_snapshot import KeySnapshot
 
 settings = pytest.fixture(settings_on_each_db)  # every test on SQLite and PostgreSQL

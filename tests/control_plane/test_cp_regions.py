@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 from conftest import ControlPlaneClient, settings_on_each_db
+
+from control_plane.drain.sequence import DrainSequence
+from control_plane.model import Region
+from control_plane.schemas import DrainView, RegionView, view_from
 
 settings = pytest.fixture(settings_on_each_db)  # every test on SQLite and PostgreSQL
 
@@ -152,3 +157,11 @@ async def test_deleting_a_region_with_nodes_drains_them_first(cp: ControlPlaneCl
     patched = await cp.http.patch("/v1/regions/eu-west", json={"state": "active"}, headers=cp.admin)
     assert patched.json()["is_deleting"] is False
     assert (await cp.http.get("/v1/nodes/n1", headers=cp.admin)).json()["drain"] is None
+
+
+def test_a_view_reads_its_fields_from_the_model_and_takes_the_computed_ones() -> None:
+    region = Region("eu", 50.1, 8.7, None, 1.0, "active", created_at=1.0, updated_at=2.0)
+    assert view_from(RegionView, region).model_dump() == dataclasses.asdict(region)
+    sequence = DrainSequence("n1", "eu", "operator", started_at=3.0)
+    view = view_from(DrainView, sequence, steps=[])
+    assert (view.node_id, view.phase, view.may_exit, view.steps) == ("n1", "admissions", False, [])

@@ -15,8 +15,9 @@ import httpx
 import pytest
 from conftest import REPLICA_LEASE_S, ControlPlaneProcess, bearer, heartbeat
 
-from control_plane.drain import STEPS, DrainSequence
-from control_plane.fleet_store import FleetStore, NotLeaderError
+from control_plane.drain.sequence import DrainSequence
+from control_plane.fleet.sql import FleetStore, NotLeaderError
+from control_plane.model import STEPS
 from control_plane.store import open_store
 from control_plane.tokens import TokenSet
 

@@ -15,8 +15,8 @@ import httpx
 from conftest import ControlPlaneProcess, bearer, heartbeat
 from test_cp_replicas import REGION, is_leader, status, wait_for
 
-from control_plane.keys import hash_secret
-from control_plane.node_credentials import TOKEN_PREFIX
+from control_plane.fleet.credentials import TOKEN_PREFIX
+from control_plane.hashed_secrets import hash_secret
 from control_plane.store import open_store
 from control_plane.tokens import TokenSet
 

@@ -55,7 +55,7 @@ async def test_status_shows_the_whole_fleet(cp: ControlPlaneClient) -> None:
     await cp.beat("n2", region="eu-west")
     await cp.http.post("/v1/nodes/n2/drain", headers=cp.admin)
     await cp.beat("n2", region="eu-west", draining=True)
-    await cp.services.registry.step_drains()
+    await cp.services.drain_loop.step()
     status = (await cp.http.get("/v1/status", headers=cp.admin)).json()
     (drain,) = status["drains"]
     assert (drain["node_id"], drain["reason"], drain["phase"]) == ("n2", "operator", "dns")

@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,14 +16,10 @@ from conftest import REPO_ROOT, ControlPlaneClient, settings_on_each_db
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.store import (
-    MIGRATIONS,
-    Connection,
-    SqliteStore,
-    Store,
-    StoreError,
-    open_store,
-)
+from control_plane.store import open_store
+from control_plane.store.base import Connection, Store, StoreError, of_row
+from control_plane.store.migrations import MIGRATIONS
+from control_plane.store.sqlite import SqliteStore
 
 settings = pytest.fixture(settings_on_each_db)  # every test on SQLite and PostgreSQL
 
@@ -151,3 +148,27 @@ def test_replicas_opening_a_new_database_at_once_all_migrate_it(pg_url: str) -> 
     finally:
         for store in stores:
             store.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Pair:
+    name: str
+    count: int
+    is_on: bool = False
+
+
+def test_of_row_reads_each_field_from_its_column_but_the_converted_ones() -> None:
+    store = SqliteStore(":memory:")
+    try:
+        row, short = store.read_sync(
+            lambda conn: (
+                conn.execute("SELECT 'a' AS name, 3 AS count, 1 AS is_on").fetchone(),
+                conn.execute("SELECT 'b' AS name, 4 AS count").fetchone(),
+            )
+        )
+    finally:
+        store.close()
+    assert of_row(_Pair, row, is_on=bool(row["is_on"])) == _Pair("a", 3, True)
+    assert of_row(_Pair, short, is_on=False) == _Pair("b", 4)
+    with pytest.raises(IndexError):  # a field without its column is a mistake, not a default
+        of_row(_Pair, short)

@@ -63,7 +63,7 @@ async def test_a_write_to_a_locked_database_is_503_with_retry_after(
             error = response.json()["error"]
             assert error["code"] == "store_busy" and error["type"] == "service_unavailable"
             # Nothing was half-done, and the same call succeeds once the lock is gone.
-            assert cp.services.registry.fleet.regions == {}
+            assert cp.services.fleet.regions == {}
             retried = await http.post("/v1/regions", json=REGION, headers=cp.admin)
             assert retried.status_code == 201, retried.text
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import ControlPlaneClient, make_settings
 
 from control_plane.changes import ChangeFeed, parse_wait_s
-from control_plane.fleet import Fleet, Node, NodeIdentity, Region
+from control_plane.model import Fleet, Node, NodeIdentity, Region
 from control_plane.settings import Settings
 from control_plane.summaries import (
     MAX_QUEUE_DELAY_S,

@@ -30,7 +30,7 @@ from test_xds_plan import add_node, add_region
 from test_xds_server import FakeEnvoy, ingress_token, xds_server
 
 from control_plane.changes import ChangeFeed
-from control_plane.fleet import Fleet
+from control_plane.model import Fleet
 from control_plane.settings import Settings
 from control_plane.store import open_store
 from control_plane.tokens import TokenSet

@@ -109,9 +109,9 @@ async def test_the_operators_allowlist_fences_every_url(fenced: ControlPlaneClie
     outside = heartbeat("n2", url="http://10.0.0.5:9001")
     response = await cp.http.post("/v1/nodes/heartbeat", json=outside, headers=bearer(token))
     assert response.status_code == 403 and response.json()["error"]["code"] == "url_not_allowed"
-    assert "n2" not in cp.services.registry.fleet.nodes
+    assert "n2" not in cp.services.fleet.nodes
     await cp.beat("n2", url="http://127.0.0.1:9002")
-    assert cp.services.registry.fleet.nodes["n2"].identity.url == "http://127.0.0.1:9002"
+    assert cp.services.fleet.nodes["n2"].identity.url == "http://127.0.0.1:9002"
 
 
 def test_a_bad_allowlist_entry_fails_at_start(tmp_path: Path, tokens: TokenSet) -> None:

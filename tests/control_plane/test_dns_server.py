@@ -175,8 +175,8 @@ async def test_region_whose_nodes_stop_beating_fails_over(cp: ControlPlaneClient
     assert region_of(await answer_of(cp, london)) == "eu-central"
     # A draining node takes its region out of answers too (step 4 of its drain sequence).
     await cp.beat("eu-central-n1", "eu-central", draining=True)
-    await cp.services.registry.step_drains()
-    assert cp.services.registry.fleet.nodes["eu-central-n1"].drain_phase == "dns"
+    await cp.services.drain_loop.step()
+    assert cp.services.fleet.nodes["eu-central-n1"].drain_phase == "dns"
     assert region_of(await answer_of(cp, london)) == "us-east"
 
 

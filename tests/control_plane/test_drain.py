@@ -1,7 +1,7 @@
-"""The drain sequence (control_plane/drain.py, moved by control_plane/drain_book.py and written by
-the registry), on the app's own parts without servers: `control_plane.app.build` on a real store
-with an unstarted xDS server and a fake clock. Order of the steps, idempotence, undrain, restart
-recovery, region drains and deletes; each test runs on SQLite and on PostgreSQL."""
+"""The drain sequence (control_plane/drain/sequence.py, moved by control_plane/drain/book.py and
+written by the drain loop), on the app's own parts without servers: `control_plane.app.build` on a
+real store with an unstarted xDS server and a fake clock. Order of the steps, idempotence, undrain,
+restart recovery, region drains and deletes; each test runs on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -17,15 +17,16 @@ from test_xds_plan import INGRESS
 
 from control_plane.app import build, load
 from control_plane.audit import Actor
-from control_plane.drain import DONE, PHASES, STEPS, has_reached
-from control_plane.drain_book import DrainBook
-from control_plane.envoy_reports import ALIVE_S, EnvoyAcks
-from control_plane.fleet import Fleet, Node
-from control_plane.fleet_store import load_drains
-from control_plane.registry import Registry
+from control_plane.drain.book import DrainBook
+from control_plane.drain.envoy_reports import ALIVE_S, EnvoyAcks, PeerReports
+from control_plane.fleet.drain_loop import DrainLoop
+from control_plane.fleet.registry import Registry
+from control_plane.fleet.sql import load_drains
+from control_plane.model import DONE, PHASES, STEPS, Fleet, Node, has_reached
 from control_plane.schemas import RegionCreate, RegionPatch
 from control_plane.settings import DrainConfig, Settings
-from control_plane.store import Store, open_store
+from control_plane.store import open_store
+from control_plane.store.base import Store
 from control_plane.summaries import SummaryPublisher
 from control_plane.xds.plan import plan_ingress
 from control_plane.xds.server import XdsServer
@@ -56,7 +57,9 @@ class Rig:
     publisher: SummaryPublisher
     xds: XdsServer
     drains: DrainBook
+    peer_envoys: PeerReports
     registry: Registry
+    drain_loop: DrainLoop
     clock: Clock
 
     async def beat(self, node_id: str, **fields: Any) -> Node:
@@ -102,10 +105,17 @@ def build_rig(db: str, clock: Clock) -> Rig:
     services = build(
         settings, new_tokens(), store, store.read_sync(lambda c: load(c, settings)), clock
     )
-    registry = services.registry
     assert services.xds is not None
     return Rig(
-        store, registry.fleet, services.summaries, services.xds, registry.drains, registry, clock
+        store,
+        services.fleet,
+        services.summaries,
+        services.xds,
+        services.drains,
+        services.peer_envoys,
+        services.registry,
+        services.drain_loop,
+        clock,
     )
 
 
@@ -129,7 +139,7 @@ async def drive_to(rig: Rig, node_id: str, phase: str) -> None:
         if rig.phase(node_id) == phase:
             return
         await rig.beat(node_id, draining=True, num_running=0, num_waiting=0)
-        await rig.registry.step_drains()
+        await rig.drain_loop.step()
         if rig.phase(node_id) == "dns" and phase != "dns":
             rig.clock.now += DNS_TTL_S
     raise AssertionError(f"{node_id} is in {rig.phase(node_id)}, not {phase}")
@@ -139,28 +149,28 @@ async def drive_to(rig: Rig, node_id: str, phase: str) -> None:
 async def test_steps_run_in_order_each_after_the_one_before(rig: Rig) -> None:
     await two_nodes(rig)
     await rig.registry.set_drain(ADMIN, "b", drain=True)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     # 1. Told to stop admitting; in routing until it says it has.
     assert rig.phase("b") == "admissions"
     assert rig.in_eds() == {"a", "b"} and rig.in_summary() == 2
     await rig.beat("b", draining=True, num_running=2, num_waiting=1)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     # 2-3. No Envoy connected: EDS at once; then the summaries; 4. DNS waits one TTL.
     assert rig.phase("b") == "dns"
     assert rig.in_eds() == {"a"} and rig.in_summary() == 1
     rig.clock.now += DNS_TTL_S
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     # 5. No Consul; 6. three requests in flight.
     assert rig.phase("b") == "in_flight"
     await rig.beat("b", draining=True, num_running=0, num_waiting=0, num_in_flight=1)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "in_flight"  # the node's own count wins over the engine's
     await rig.beat("b", draining=True, num_running=0, num_waiting=0, num_in_flight=0)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     # 7. Told it may exit; done once it stops beating.
     assert rig.phase("b") == "exit" and has_reached(rig.fleet.nodes["b"].drain_phase, "exit")
     rig.go_silent("b")
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     sequence = rig.drains.sequences["b"]
     assert sequence.phase == DONE and sequence.may_exit
 
@@ -184,23 +194,23 @@ async def test_each_wait_is_bounded(rig: Rig, monkeypatch: pytest.MonkeyPatch) -
     # The node never says it stopped admitting: moved on after `unhealthy_after_s`.
     rig.clock.now += UNHEALTHY_AFTER_S
     monkeypatch.setattr(rig.xds, "lagging", lambda region, condition: ["envoy-7"])
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "envoy"
     # An Envoy that never ACKs holds the drain for `envoy_ack_timeout_s`, no longer.
     rig.clock.now += DRAIN.envoy_ack_timeout_s - 0.1
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "envoy"
     rig.clock.now += 0.1
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "dns"
     note = rig.drains.sequences["b"].steps["envoy"].note
     assert note == "timed out after 2.0 s: not ACKed by envoy-7"
     rig.clock.now += DNS_TTL_S
     await rig.beat("b", num_running=4)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "in_flight"
     rig.clock.now += DRAIN.in_flight_timeout_s
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.drains.sequences["b"].steps["in_flight"].note.endswith("with 6 in flight")
     assert rig.phase("b") == "exit"
 
@@ -213,13 +223,13 @@ async def test_envoy_step_ends_when_every_envoy_has_acked(
     lagging = ["envoy-1", "envoy-2"]
     monkeypatch.setattr(rig.xds, "lagging", lambda region, condition: list(lagging))
     await rig.beat("b", draining=True)  # on its own (SIGTERM): step 1 is done at once
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "envoy" and rig.in_eds() == {"a"} and rig.in_summary() == 2
     lagging.pop()
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "envoy"
     lagging.pop()
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "dns" and rig.in_summary() == 1
 
 
@@ -229,7 +239,7 @@ async def test_envoy_step_waits_for_every_living_replicas_envoys(
 ) -> None:
     await two_nodes(rig)
     monkeypatch.setattr(rig.xds, "lagging", lambda region, condition: [])  # ours have ACKed
-    peers = rig.drains.peer_envoys
+    peers = rig.peer_envoys
     # Replica p has not heard of the step yet; replica q's Envoy has not ACKed; r is long dead.
     peers.follow(
         [
@@ -239,12 +249,12 @@ async def test_envoy_step_waits_for_every_living_replicas_envoys(
         ]
     )
     await rig.beat("b", draining=True)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "envoy"
     acks = peers.acks_for("b")
     assert acks == EnvoyAcks(2, ("replica p (no report yet)", "envoy-q2 (at replica q)"))
     peers.follow([("p", {"b": EnvoyAcks(1, ())}, 0.0), ("q", {"b": EnvoyAcks(2, ())}, 0.0)])
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == "dns"
     assert rig.drains.sequences["b"].steps["envoy"].note == "out of EDS, ACKed by 3 Envoys"
 
@@ -254,12 +264,12 @@ async def test_drain_is_idempotent(rig: Rig) -> None:
     await two_nodes(rig)
     await rig.registry.set_drain(ADMIN, "b", drain=True)
     first = rig.drains.sequences["b"]
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     num_entries = len(rig.audit())
     await rig.registry.set_drain(ADMIN, "b", drain=True)
     rig.drains.note(rig.fleet.nodes["b"])
-    await rig.registry.step_drains()
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
+    await rig.drain_loop.step()
     assert rig.drains.sequences["b"] is first and first.phase == "admissions"
     # Only the operator's second request is new in the log; the sequence did not restart.
     assert [action for action, _, _ in rig.audit()[num_entries:]] == ["node.drain"]
@@ -277,7 +287,7 @@ async def test_undrain_cancels_the_sequence_and_restores_routing(rig: Rig) -> No
     assert rig.in_eds() == {"a", "b"} and rig.in_summary() == 2
     # The node's next beat still says draining (made before it heard): an echo, no new drain.
     node = await rig.beat("b", draining=True)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.drains.sequences == {} and not node.is_draining
     assert rig.store.read_sync(load_drains) == []
     assert [a for a, _, _ in rig.audit() if a.startswith("drain.")][-1] == "drain.cancel"
@@ -294,7 +304,7 @@ async def test_sequence_survives_a_restart(db: str) -> None:
     await rig.registry.set_drain(ADMIN, "b", drain=True)
     await drive_to(rig, "b", "dns")
     await rig.beat("a", draining=True)  # a drains on its own too
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     before = {
         n: (s.phase, s.steps["admissions"].completed_at) for n, s in rig.drains.sequences.items()
     }
@@ -310,13 +320,13 @@ async def test_sequence_survives_a_restart(db: str) -> None:
         b = again.fleet.nodes["b"]
         assert b.is_out_of_eds and b.is_out_of_summaries and b.drain_phase == "dns"
         # Nobody has beaten since the restart: the node's own drain is not taken as ended.
-        await again.registry.step_drains()
+        await again.drain_loop.step()
         assert set(again.drains.sequences) == {"a", "b"}
         # b beats again: still out of EDS, and its sequence goes on where it was.
         await again.beat("b", draining=True, num_running=0, num_waiting=0)
         assert again.in_eds() == set()
         clock.now += DNS_TTL_S
-        await again.registry.step_drains()
+        await again.drain_loop.step()
         assert again.phase("b") == "exit"
         # a was restarted meanwhile and reports it is not draining: its drain ends.
         await again.beat("a", draining=False)
@@ -332,7 +342,7 @@ async def test_a_node_drained_on_its_own_and_restarted_is_back(rig: Rig) -> None
     assert rig.drains.sequences["b"].reason == "node"
     await drive_to(rig, "b", "exit")
     rig.go_silent("b")
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("b") == DONE
     await rig.beat("b", draining=False)  # a new process
     assert "b" not in rig.drains.sequences and rig.in_eds() == {"a", "b"}
@@ -344,7 +354,7 @@ async def test_region_drain_runs_every_node_and_active_cancels(rig: Rig) -> None
     await rig.registry.update_region(ADMIN, "us-east", RegionPatch(state="draining"))
     assert {n: s.reason for n, s in rig.drains.sequences.items()} == {"a": "region", "b": "region"}
     await rig.beat("a", draining=True)
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.phase("a") == "dns" and rig.phase("b") == "admissions"
     await rig.registry.update_region(ADMIN, "us-east", RegionPatch(state="active"))
     assert rig.drains.sequences == {} and rig.in_eds() == {"a", "b"}
@@ -359,7 +369,7 @@ async def test_region_delete_drains_its_nodes_then_forgets_them(rig: Rig) -> Non
     await drive_to(rig, "a", "exit")
     assert "us-east" in rig.fleet.regions  # b has not been told to exit yet
     await drive_to(rig, "b", "exit")
-    await rig.registry.step_drains()
+    await rig.drain_loop.step()
     assert rig.fleet.regions == {} and rig.fleet.nodes == {} and rig.drains.sequences == {}
     assert rig.store.read_sync(load_drains) == []
     deleted = [(a, d) for a, t, d in rig.audit() if a.startswith("region.delete")]

@@ -1,5 +1,5 @@
-"""The drain sequence's pure core (control_plane/drain.py): `advance` and its checks on plain
-values, with no store, registry or clock: where an advance stops, what effects it returns, and
+"""The drain sequence's pure core (control_plane/drain/sequence.py): `advance` and its checks on
+plain values, with no store, registry or clock: where an advance stops, what effects it returns, and
 that a sequence that cannot move comes back unchanged."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import dataclasses
 
 from conftest import heartbeat
 
-from control_plane.drain import (
-    DONE,
+from control_plane.drain.sequence import (
     AuditEffect,
     ConsulDeregisterEffect,
     DrainFacts,
@@ -20,7 +19,7 @@ from control_plane.drain import (
     check_in_flight,
     start,
 )
-from control_plane.fleet import ConsulEntry, Node, NodeIdentity
+from control_plane.model import DONE, ConsulEntry, Node, NodeIdentity
 from wire.heartbeat import Heartbeat
 
 T0 = 1_800_000_000.0

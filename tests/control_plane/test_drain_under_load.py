@@ -24,7 +24,7 @@ from aiohttp import web
 from conftest import heartbeat, make_settings
 from test_envoy_xds import ENVOY, LiveControlPlane, cp, start_envoy  # noqa: F401 (fixtures)
 
-from control_plane.drain import DONE, PHASES, STEPS
+from control_plane.model import DONE, PHASES, STEPS
 from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from functools import partial
 
-from control_plane.envoy_reports import EnvoyAcks, load_reports, save_report
+from control_plane.drain.envoy_reports import EnvoyAcks, load_reports, save_report
 from control_plane.store import open_store
 
 

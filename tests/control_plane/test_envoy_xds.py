@@ -35,9 +35,10 @@ from control_plane.services import ControlPlane
 from control_plane.settings import Settings
 from control_plane.tokens import TokenSet
 from control_plane.xds import bootstrap
+from control_plane.xds.acks import lacks_endpoint
 from control_plane.xds.groups import EnvoyGroup
 from control_plane.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE
-from control_plane.xds.server import XdsServer, lacks_endpoint
+from control_plane.xds.server import XdsServer
 from control_plane.xds.snapshot import Resources, Snapshot
 from control_plane.xds.validation import snapshot_violations
 from wire.deflection import ATTEMPT_COUNT_HEADER, DEFLECTED_HEADER, attempt_of, should_deflect

@@ -11,7 +11,8 @@ from conftest import ControlPlaneClient
 
 from control_plane.limit_reports import LimitLedger
 from control_plane.limit_shares import LimitSharesConfig
-from control_plane.store import Connection, open_store
+from control_plane.store import open_store
+from control_plane.store.base import Connection
 from wire.limit_shares import KeyUse, ShareAnswer, UsageReport
 
 CONFIG = LimitSharesConfig(floor=0.06, demand_half_life_s=2.0, pop_ttl_s=15.0)

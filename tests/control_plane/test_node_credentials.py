@@ -14,8 +14,9 @@ import pytest
 from conftest import ControlPlaneClient, bearer, heartbeat
 
 from control_plane.audit import Actor
-from control_plane.node_credentials import CredentialRegistry
-from control_plane.store import Connection, open_store
+from control_plane.fleet.credentials import CredentialRegistry
+from control_plane.store import open_store
+from control_plane.store.base import Connection
 
 NEW_URL = "http://127.0.0.1:9555"
 

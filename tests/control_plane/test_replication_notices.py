@@ -1,11 +1,11 @@
-"""What a replica makes of the other replicas' NOTIFY payloads (`control_plane.replication`):
+"""What a replica makes of the other replicas' NOTIFY payloads (`control_plane.replicas.following`):
 the kinds to read back, and from which saved beat on (pure; no database)."""
 
 from __future__ import annotations
 
 import math
 
-from control_plane.replication import ALL_KINDS, Notices, everything
+from control_plane.replicas.following import ALL_KINDS, Notices, everything
 
 
 def test_kinds_from_other_replicas_are_gathered_and_its_own_ignored() -> None:

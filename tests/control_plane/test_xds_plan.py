@@ -17,7 +17,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
-from control_plane.fleet import Fleet, Node, NodeIdentity, Region
+from control_plane.model import Fleet, Node, NodeIdentity, Region
 from control_plane.xds.groups import EnvoyGroup, EnvoyNodeError, Role, group_of
 from control_plane.xds.plan import (
     Endpoint,

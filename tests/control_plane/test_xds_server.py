@@ -19,10 +19,12 @@ from test_xds_plan import INGRESS, add_node, add_region, two_node_plan
 
 from control_plane.audit import Actor
 from control_plane.changes import ChangeFeed
-from control_plane.fleet import Fleet
+from control_plane.model import Fleet
 from control_plane.refusals import RefusalAudit, RefusalLimits
-from control_plane.store import Store, open_store
+from control_plane.store import open_store
+from control_plane.store.base import Store
 from control_plane.xds import server as server_module
+from control_plane.xds.acks import lacks_endpoint
 from control_plane.xds.credentials import EnvoyCredentials
 from control_plane.xds.groups import EnvoyGroup, Role
 from control_plane.xds.resources import (
@@ -32,7 +34,7 @@ from control_plane.xds.resources import (
     ROUTE_TYPE,
     resources_of,
 )
-from control_plane.xds.server import XdsServer, lacks_endpoint
+from control_plane.xds.server import XdsServer
 from control_plane.xds.snapshot import Snapshot
 from control_plane.xds.stream import TypeState, nack_message
 from control_plane.xds.stream_gate import StreamGate

@@ -37,12 +37,10 @@ class LeaderLease:
         url: str,
         replica_id: str,
         lease_s: float,
-        on_elected: Callable[[], Awaitable[None]],
     ) -> None:
         self.replica_id = replica_id
         self.lease_s = lease_s
         self._url = url
-        self._on_elected = on_elected
         self._conn: psycopg.AsyncConnection[dict[str, object]] | None = None
         self._epoch: int | None = None
         self._valid_until_mono = 0.0
@@ -55,12 +53,13 @@ class LeaderLease:
     def is_leader(self) -> bool:
         return self._epoch is not None and time.monotonic() < self._valid_until_mono
 
-    async def run(self) -> None:
-        """Until cancelled: take the lead when it is free or stale, renew it while held."""
+    async def run(self, on_elected: Callable[[], Awaitable[None]]) -> None:
+        """Until cancelled: take the lead when it is free or stale (then await `on_elected`),
+        renew it while held."""
         try:
             while True:
                 try:
-                    await self._round()
+                    await self._round(on_elected)
                 except (psycopg.Error, OSError) as exc:
                     self._step_down(f"its database session failed ({exc.__class__.__name__})")
                     await self._close()
@@ -68,14 +67,14 @@ class LeaderLease:
         finally:
             await self._close()
 
-    async def _round(self) -> None:
+    async def _round(self, on_elected: Callable[[], Awaitable[None]]) -> None:
         if self._epoch is not None and not self.is_leader:
             # Paused past our own share of the lease: another replica may lead by now.
             self._step_down("its lease ran out before it could renew it")
             await self._close()  # frees the advisory lock, if the session still lives
         conn = await self._connection()
         if self._epoch is None:
-            await self._try_take(conn)
+            await self._try_take(conn, on_elected)
         else:
             await self._renew(conn)
 
@@ -86,7 +85,11 @@ class LeaderLease:
             )
         return self._conn
 
-    async def _try_take(self, conn: psycopg.AsyncConnection[dict[str, object]]) -> None:
+    async def _try_take(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, object]],
+        on_elected: Callable[[], Awaitable[None]],
+    ) -> None:
         cursor = await conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (LOCK_KEY,))
         got = await cursor.fetchone()
         if got is None or not got["got"]:
@@ -106,7 +109,7 @@ class LeaderLease:
         self._epoch = int(str(row["epoch"]))
         self._valid_until_mono = started_mono + self.lease_s * LOCAL_SHARE
         logger.info("replica %s leads (epoch %d)", self.replica_id, self._epoch)
-        await self._on_elected()
+        await on_elected()
 
     async def _end_stale_holder(self, conn: psycopg.AsyncConnection[dict[str, object]]) -> None:
         """The lock is held: if its lease was not renewed in time, end the holder's session."""

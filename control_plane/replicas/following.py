@@ -1,12 +1,12 @@
 """Replicas on one PostgreSQL database hear of each other's changes (LISTEN/NOTIFY).
 
 Every write names the kinds of state it changed, and on PostgreSQL each kind is announced on the
-channel `meridian_changes` when the write commits (`control_plane.store_postgres`), signed with
+channel `meridian_changes` when the write commits (`control_plane.store.postgres`), signed with
 the writer's replica id. `follow_changes` listens on a connection of its own; the kinds announced
 by other replicas are gathered for `COALESCE_S` and then read back from the store, each kind
 alone: fleet state (regions, nodes, drains, the beats other replicas received) by the registry,
 keys, the routing policy and node credentials by their owners, the replicas' reports on
-their Envoys (`control_plane.envoy_reports`) by the drain book, and a change of Envoys' xDS
+their Envoys (`control_plane.drain.envoy_reports`) by the drain book, and a change of Envoys' xDS
 credentials by the xDS server (it closes the streams whose credential was replaced or deleted).
 Each replica then publishes its summaries and xDS as for a change of its own. A health save
 announces `beats=<t>`, `t` the oldest beat it wrote, so that only the rows from `t` on are read
@@ -30,10 +30,10 @@ from typing import Final
 
 import psycopg
 
-from control_plane import envoy_reports
 from control_plane import keys as key_store
+from control_plane.drain import envoy_reports
 from control_plane.services import ControlPlane
-from control_plane.store_postgres import CHANNEL
+from control_plane.store.postgres import CHANNEL
 from control_plane.xds import credentials as xds_credentials
 
 logger = logging.getLogger(__name__)
@@ -97,11 +97,11 @@ async def apply_changes(services: ControlPlane, notices: Notices) -> None:
     if "routing" in kinds:
         await services.routing.follow()
     if "credentials" in kinds:
-        await services.registry.credentials.follow(notices.credential_ids)
+        await services.credentials.follow(notices.credential_ids)
     if envoy_reports.KIND in kinds:
         own_id = services.settings.replica_id
         reports = await services.store.read(partial(envoy_reports.load_reports, own_id))
-        services.registry.drains.peer_envoys.follow(reports)
+        services.peer_envoys.follow(reports)
     if xds_credentials.KIND in kinds and services.xds is not None:
         await services.xds.recheck()
 

@@ -21,8 +21,7 @@ import psycopg.errors
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from control_plane.store import (
-    MIGRATIONS,
+from control_plane.store.base import (
     Changes,
     Connection,
     Cursor,
@@ -30,9 +29,8 @@ from control_plane.store import (
     Store,
     StoreBusyError,
     StoreError,
-    check_schema_version,
-    migration_sql,
 )
+from control_plane.store.migrations import MIGRATIONS, check_schema_version, migration_sql
 
 logger = logging.getLogger(__name__)
 

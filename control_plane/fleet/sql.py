@@ -1,24 +1,25 @@
 """Every SQL statement on fleet state: regions, nodes, drain sequences and the nodes' last health.
 
-The registry (`control_plane.registry`) is the only caller of the writes; each is one transaction
-with its audit entry. The SQL is what SQLite and PostgreSQL both accept (`control_plane.store`), so
-the one `FleetStore` serves either backend.
+The registry (`control_plane.fleet.registry`) and its drain loop are the only callers of the writes;
+each is one transaction with its audit entry. The SQL is what SQLite and PostgreSQL both accept
+(`control_plane.store`), so the one `FleetStore` serves either backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from control_plane import audit
 from control_plane.audit import OLD_KEY, Actor, changed_from
-from control_plane.drain import ACTOR as DRAIN_ACTOR
-from control_plane.drain import DrainSequence, StepRecord, is_known_phase
+from control_plane.drain.sequence import ACTOR as DRAIN_ACTOR
+from control_plane.drain.sequence import DrainSequence, StepRecord
 from control_plane.errors import ConflictError, NotFoundError
-from control_plane.fleet import Fleet, Node, NodeIdentity, Region
-from control_plane.node_credentials import write_binding
-from control_plane.store import Connection, Row, Store, naming
+from control_plane.fleet.credentials import write_binding
+from control_plane.model import Fleet, Node, NodeIdentity, Region, is_known_phase
+from control_plane.store.base import Connection, Row, Store, naming, of_row
 from wire.heartbeat import Heartbeat
 
 
@@ -33,23 +34,11 @@ SavedBeats = list[tuple[str, Heartbeat, float]]  # node id, its latest beat, whe
 
 
 def _region_of(row: Row) -> Region:
-    return Region(
-        name=row["name"],
-        lat=row["lat"],
-        lon=row["lon"],
-        ingress_url=row["ingress_url"],
-        weight=row["weight"],
-        state=row["state"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        is_deleting=bool(row["is_deleting"]),
-    )
+    return of_row(Region, row, is_deleting=bool(row["is_deleting"]))
 
 
 def _node_of(row: Row) -> Node:
-    identity = NodeIdentity(
-        region=row["region"], url=row["url"], model=row["model"], tp_size=row["tp_size"]
-    )
+    identity = of_row(NodeIdentity, row)
     return Node(
         node_id=row["node_id"],
         identity=identity,
@@ -127,24 +116,14 @@ def load_health(conn: Connection, seen_since: float = 0.0) -> SavedBeats:
 
 
 def _region_values(region: Region) -> audit.AuditDetail:
-    """What an operator sets on a region (its timestamps aside), as audit entries show it."""
-    return {
-        "lat": region.lat,
-        "lon": region.lon,
-        "ingress_url": region.ingress_url,
-        "weight": region.weight,
-        "state": region.state,
-        "is_deleting": region.is_deleting,
-    }
+    """What an operator sets on a region (its name and timestamps aside), as audit entries show
+    it."""
+    values = dataclasses.asdict(region)
+    return {k: v for k, v in values.items() if k not in ("name", "created_at", "updated_at")}
 
 
 def _identity_values(identity: NodeIdentity) -> audit.AuditDetail:
-    return {
-        "region": identity.region,
-        "url": identity.url,
-        "model": identity.model,
-        "tp_size": identity.tp_size,
-    }
+    return dataclasses.asdict(identity)
 
 
 def _stored_region(conn: Connection, name: str) -> Region:
@@ -206,7 +185,24 @@ def _register(conn: Connection, reg: Registration, now: float) -> None:
 
 class FleetStore:
     def __init__(self, store: Store) -> None:
-        self.store = store
+        self._store = store
+
+    async def read_drains(self) -> list[DrainSequence]:
+        return await self._store.read(load_drains)
+
+    async def read_changed(
+        self, kinds: set[str], beats_since: float, unhealthy_after_s: float
+    ) -> tuple[Fleet | None, list[DrainSequence] | None, SavedBeats]:
+        """What another replica changed, in one read: the fleet (for "regions" or "nodes"), the
+        drains, and the beats saved from `beats_since` on; None (no beats) for a kind not named."""
+
+        def read(conn: Connection) -> tuple[Fleet | None, list[DrainSequence] | None, SavedBeats]:
+            fresh = load_fleet(conn, unhealthy_after_s) if kinds & {"regions", "nodes"} else None
+            drains = load_drains(conn) if "drains" in kinds else None
+            beats = load_health(conn, beats_since) if "beats" in kinds else []
+            return fresh, drains, beats
+
+        return await self._store.read(read)
 
     async def create_region(self, actor: Actor, region: Region, detail: audit.AuditDetail) -> None:
         def change(conn: Connection) -> None:
@@ -230,7 +226,7 @@ class FleetStore:
                 raise ConflictError(f"region {region.name!r} exists", "region_exists")
             audit.record(conn, actor, "region.create", region.name, detail)
 
-        await self.store.write(change, ("regions",))
+        await self._store.write(change, ("regions",))
 
     async def update_region(
         self, actor: Actor, region: Region, action: str, detail: audit.AuditDetail
@@ -239,7 +235,7 @@ class FleetStore:
             old = _update_region(conn, region)
             audit.record(conn, actor, action, region.name, detail | {OLD_KEY: old})
 
-        await self.store.write(change, ("regions",))
+        await self._store.write(change, ("regions",))
 
     async def delete_region(
         self, actor: Actor, name: str, action: str, node_ids: Sequence[str] = ()
@@ -255,7 +251,8 @@ class FleetStore:
             detail: audit.AuditDetail = {"num_nodes_removed": len(node_ids)} if node_ids else {}
             audit.record(conn, actor, action, name, detail | {OLD_KEY: old})
 
-        await self.store.write(change, ("regions", "nodes", "drains") if node_ids else ("regions",))
+        changes = ("regions", "nodes", "drains") if node_ids else ("regions",)
+        await self._store.write(change, changes)
 
     async def register_nodes(self, batch: Sequence[Registration], now: float) -> None:
         """Registrations (new nodes or new identities) and their credentials' bindings."""
@@ -265,7 +262,7 @@ class FleetStore:
                 _register(conn, reg, now)
 
         node_ids = [reg.node_id for reg in batch]
-        await self.store.write(change, ("nodes", naming("credentials", node_ids)))
+        await self._store.write(change, ("nodes", naming("credentials", node_ids)))
 
     async def set_drain_requested(
         self, actor: Actor, node_id: str, drain: bool, now: float
@@ -279,7 +276,7 @@ class FleetStore:
             detail: audit.AuditDetail = {OLD_KEY: {"drain_requested": was_requested}}
             audit.record(conn, actor, "node.drain" if drain else "node.undrain", node_id, detail)
 
-        await self.store.write(change, ("nodes",))
+        await self._store.write(change, ("nodes",))
 
     async def move_node(
         self, actor: Actor, node_id: str, identity: NodeIdentity, now: float
@@ -297,7 +294,7 @@ class FleetStore:
             detail[OLD_KEY] = changed_from(_identity_values(old), detail)
             audit.record(conn, actor, "node.move", node_id, detail)
 
-        await self.store.write(change, ("nodes", "credentials"))
+        await self._store.write(change, ("nodes", "credentials"))
 
     async def delete_node(self, actor: Actor, node_id: str) -> None:
         def change(conn: Connection) -> None:
@@ -307,7 +304,7 @@ class FleetStore:
             values = _identity_values(old.identity) | {"drain_requested": old.drain_requested}
             audit.record(conn, actor, "node.delete", node_id, {OLD_KEY: values})
 
-        await self.store.write(change, ("nodes", "drains"))
+        await self._store.write(change, ("nodes", "drains"))
 
     async def write_drains(
         self,
@@ -337,12 +334,12 @@ class FleetStore:
             for node_id, action, detail in entries:
                 audit.record(conn, DRAIN_ACTOR, action, node_id, detail)
 
-        await self.store.write(change, ("drains",))
+        await self._store.write(change, ("drains",))
 
     async def save_health(self, saved: SavedBeats) -> None:
         """The latest beats this replica received (each row kept if it is the newest). The
         change announced names the oldest of them, `beats=<seen_at>`: the other replicas read
-        the rows from there on (`control_plane.replication`), not the whole table."""
+        the rows from there on (`control_plane.replicas.following`), not the whole table."""
         oldest = min((seen_at for _, _, seen_at in saved), default=0.0)
 
         def change(conn: Connection) -> None:
@@ -353,4 +350,4 @@ class FleetStore:
                 [(node_id, beat.model_dump_json(), seen_at) for node_id, beat, seen_at in saved],
             )
 
-        await self.store.write(change, (f"beats={oldest!r}",))
+        await self._store.write(change, (f"beats={oldest!r}",))

@@ -1,9 +1,9 @@
-"""Every node's drain sequence in memory, moved by the pure steps of `control_plane.drain`.
+"""Every node's drain sequence in memory, moved by the pure steps of `control_plane.drain.sequence`.
 
 The book starts, cancels and advances sequences and makes each node's routing follow its phase (out
 of EDS from step 2, out of the summaries from step 3), pushing EDS and publishing summaries when a
-phase change asks for it. It writes nothing: what moved waits in `take_writes()` for the registry,
-the one writer of fleet state, to commit, and the Consul calls the steps ask for wait in
+phase change asks for it. It writes nothing: what moved waits in `take_writes()` for the drain loop
+(`control_plane.fleet.drain_loop`) to commit, and the Consul calls the steps ask for wait in
 `take_consul_calls()`.
 """
 
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from control_plane import audit
-from control_plane.drain import (
+from control_plane.drain.envoy_reports import PeerReports
+from control_plane.drain.sequence import (
     AuditEffect,
     ConsulDeregisterEffect,
     DrainFacts,
@@ -24,14 +25,13 @@ from control_plane.drain import (
     DrainSequence,
     DrainTimes,
     advance,
-    has_reached,
     start,
     wanted_reason,
 )
-from control_plane.envoy_reports import PeerReports
-from control_plane.fleet import Fleet, Node
+from control_plane.model import Fleet, Node, has_reached
 from control_plane.summaries import SummaryPublisher
-from control_plane.xds.server import XdsServer, lacks_endpoint
+from control_plane.xds.acks import lacks_endpoint
+from control_plane.xds.server import XdsServer
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,15 @@ class DrainBook:
         publisher: SummaryPublisher,
         xds: XdsServer | None,
         times: DrainTimes,
+        peer_envoys: PeerReports,
+        has_consul: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """`peer_envoys`: the other replicas' Envoys (replicas on PostgreSQL); `has_consul`: the
+        fleet follows Consul (`--consul`)."""
         self.sequences: dict[str, DrainSequence] = {}
-        self.has_consul = False  # set by the lifespan with --consul
-        self.peer_envoys = PeerReports()  # the other replicas' Envoys (replicas on PostgreSQL)
+        self._has_consul = has_consul
+        self._peer_envoys = peer_envoys
         self._fleet = fleet
         self._publisher = publisher
         self._xds = xds
@@ -108,7 +112,7 @@ class DrainBook:
 
     def note(self, node: Node) -> None:
         """Start or cancel `node`'s sequence if what is wanted of it changed. Synchronous, so
-        the node never leaves routing ahead of its sequence; the registry persists the change."""
+        the node never leaves routing ahead of its sequence; the drain loop persists the change."""
         sequence = self.sequences.get(node.node_id)
         reason = wanted_reason(node, self._fleet.regions.get(node.identity.region), sequence)
         if reason is not None and sequence is None:
@@ -168,7 +172,7 @@ class DrainBook:
             region = node.identity.region
             lagging = ()
             if sequence.phase == "envoy":  # only that step reads them
-                peers = self.peer_envoys.acks_for(node.node_id)
+                peers = self._peer_envoys.acks_for(node.node_id)
                 ours = self._xds.lagging(region, lacks_endpoint(node.identity.url))
                 lagging = (*ours, *peers.lagging)
                 num_envoys = self._xds.num_envoys_for(region) + peers.num_envoys
@@ -179,7 +183,7 @@ class DrainBook:
             lagging_envoys=lagging,
             num_envoys=num_envoys,
             summary_index=self._publisher.current.index,
-            has_consul=self.has_consul,
+            has_consul=self._has_consul,
         )
 
     def _is_silent(self, node: Node) -> bool:
@@ -195,16 +199,12 @@ class DrainBook:
         self._dirty.add(node.node_id)
 
     def _set_phase(self, node: Node, phase: str | None) -> None:
-        """The node's routing follows its phase: out of EDS from step 2, of summaries from 3."""
+        """The node's routing follows its phase (`Node.is_out_of_eds`, `.is_out_of_summaries`):
+        note what must be pushed when it changes."""
+        was_out_of_eds, was_out_of_summaries = node.is_out_of_eds, node.is_out_of_summaries
         node.drain_phase = phase
-        is_out_of_eds = has_reached(phase, "envoy")
-        is_out_of_summaries = has_reached(phase, "summaries")
-        if node.is_out_of_eds != is_out_of_eds:
-            node.is_out_of_eds = is_out_of_eds
-            self._needs_xds_refresh = True
-        if node.is_out_of_summaries != is_out_of_summaries:
-            node.is_out_of_summaries = is_out_of_summaries
-            self._needs_publish = True
+        self._needs_xds_refresh |= node.is_out_of_eds != was_out_of_eds
+        self._needs_publish |= node.is_out_of_summaries != was_out_of_summaries
 
     def _apply_routing(self) -> bool:
         """Push new EDS and publish new summaries if a phase change asked for it."""
@@ -218,7 +218,7 @@ class DrainBook:
             self._publisher.refresh()
         return is_applied
 
-    # --- what the registry writes and does ---
+    # --- what the drain loop writes and does ---
 
     def _record(self, node_id: str, effect: AuditEffect) -> None:
         self._dirty.add(node_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, status
 
-from control_plane.auth import AdminAuth
+from control_plane.api.auth import AdminAuth
 from control_plane.errors import ERROR_RESPONSES, ConflictError
 from control_plane.safe_text import SafePathName
 from control_plane.schemas import (
@@ -15,6 +15,7 @@ from control_plane.schemas import (
     XdsCredentialCreated,
     XdsCredentialList,
     XdsCredentialView,
+    view_from,
 )
 from control_plane.services import ControlPlane, ServicesDep
 from control_plane.xds.credentials import EnvoyCredential
@@ -33,12 +34,7 @@ async def get_xds_status(actor: AdminAuth, services: ServicesDep) -> XdsStatus:
 
 
 def _view_of(credential: EnvoyCredential) -> XdsCredentialView:
-    return XdsCredentialView(
-        name=credential.name,
-        role=credential.role,
-        region=credential.region,
-        created_at=credential.created_at,
-    )
+    return view_from(XdsCredentialView, credential)  # all but the secret's hash
 
 
 async def _close_revoked_streams(services: ControlPlane) -> None:

@@ -5,71 +5,53 @@ its audit entry); only after it commits does the in-memory `Fleet` change and th
 get published (which wakes watchers and Envoy). Changes are serialized by one lock so memory always
 follows the store's commit order. Heartbeats from known nodes with an unchanged identity touch
 memory only. Consul's view (with `--consul`) is memory only too: it is merged into the fleet as it
-comes (see `control_plane.fleet`). Whatever may start or end a drain (a drain request, a region's
+comes (see `control_plane.model`). Whatever may start or end a drain (a drain request, a region's
 state, a node's own report) is noted in the `DrainBook`, which starts or cancels that node's drain
-sequence (`control_plane.drain`); `step_drains` moves the sequences, writes what moved, makes the
-Consul calls the steps asked for, and ends the deletes of regions whose nodes are drained.
-A node's credential (`control_plane.node_credentials`) changes with its registration: the first
-one binds a URL the credential left open, and an operator's move rebinds region and URL.
+sequence (`control_plane.drain.sequence`); `DrainLoop` (`control_plane.fleet.drain_loop`) moves
+the sequences and writes what moved. A node's credential (`control_plane.fleet.credentials`)
+changes with its registration: the first one binds a URL the credential left open, and an
+operator's move rebinds region and URL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import Any, Final
+from collections.abc import Mapping
+from typing import TypeVar
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.consul_sync import ConsulSync
-from control_plane.drain import ACTOR as DRAIN_ACTOR
-from control_plane.drain import DrainSequence
-from control_plane.drain_book import DrainBook
+from control_plane.drain.book import DrainBook
+from control_plane.drain.sequence import DrainSequence
 from control_plane.errors import ConflictError, NotFoundError
-from control_plane.fleet import ConsulEntry, Fleet, Node, NodeIdentity, Region
-from control_plane.fleet_store import (
+from control_plane.fleet.credentials import CredentialRegistry
+from control_plane.fleet.pending import PendingRegistration, settle
+from control_plane.fleet.sql import (
     FleetStore,
     Registration,
-    SavedBeats,
-    load_drains,
-    load_fleet,
-    load_health,
 )
-from control_plane.leadership import Leadership, SoleLeader
-from control_plane.node_credentials import CredentialRegistry
+from control_plane.leadership import Leadership
+from control_plane.model import ConsulEntry, Fleet, Node, NodeIdentity, Region
 from control_plane.schemas import NodePatch, RegionCreate, RegionPatch
-from control_plane.store import Connection
+from control_plane.store.base import StoreBusyError
 from control_plane.summaries import SummaryPublisher
 from wire.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
 
-CONSUL_CALL_TIMEOUT_S: Final = 5.0
+T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class _Registration:
-    actor: Actor
-    identity: NodeIdentity
-    done: asyncio.Future[Node]
-
-
-def _settle(future: asyncio.Future[Node], like: asyncio.Future[Node]) -> None:
-    """Give `future` the outcome of `like` (a done callback)."""
-    if future.done():
-        return
-    if like.cancelled():
-        future.cancel()
-    elif (error := like.exception()) is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(like.result())
+def _found(known: Mapping[str, T], name: str, kind: str) -> T:
+    """`known[name]`, or the 404 for a `kind` ("region", "node") not found."""
+    found = known.get(name)
+    if found is None:
+        raise NotFoundError(f"{kind} {name!r} not found", f"{kind}_not_found")
+    return found
 
 
 class Registry:
@@ -80,18 +62,21 @@ class Registry:
         credentials: CredentialRegistry,
         publisher: SummaryPublisher,
         drains: DrainBook,
+        leadership: Leadership,
+        drains_noted: asyncio.Event,
     ) -> None:
-        self.fleet = fleet
-        self.credentials = credentials
-        self.drains = drains
-        self.store = store
-        self.consul: ConsulSync | None = None  # set by the lifespan with --consul
+        """`drains_noted` is set whenever a drain may have started or ended (the drain loop
+        waits on it)."""
+        self._fleet = fleet
+        self._store = store
+        self._credentials = credentials
+        self._drains = drains
+        self._leadership = leadership
+        self._drains_noted = drains_noted
         self._publisher = publisher
         self._lock = asyncio.Lock()
-        self._pending: dict[str, _Registration] = {}  # registrations waiting for the next write
-        self._wake_drains = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.leadership: Leadership = SoleLeader()  # a LeaderLease between replicas
+        # Registrations waiting for the next write (group commit).
+        self._pending: dict[str, PendingRegistration] = {}
         # The beats this replica received since the last health save (other replicas read them).
         self._local_beats: dict[str, tuple[Heartbeat, float]] = {}
 
@@ -106,25 +91,22 @@ class Registry:
     def _note_drain(self, node: Node) -> None:
         """A node's drain may start or end: the book decides, the drain loop writes it. Only the
         leader moves drains; the others follow the store (`follow`)."""
-        if self.leadership.is_leader:
-            self.drains.note(node)
-            self._wake_drains.set()
+        if self._leadership.is_leader:
+            self._drains.note(node)
+            self._drains_noted.set()
 
     # --- regions ---
 
     def get_region(self, name: str) -> Region:
-        region = self.fleet.regions.get(name)
-        if region is None:
-            raise NotFoundError(f"region {name!r} not found", "region_not_found")
-        return region
+        return _found(self._fleet.regions, name, "region")
 
     async def create_region(self, actor: Actor, body: RegionCreate) -> Region:
         now = time.time()
         region = Region(**body.model_dump(), created_at=now, updated_at=now)
 
         async with self._lock:
-            await self.store.create_region(actor, region, body.model_dump())
-            self.fleet.regions[region.name] = region
+            await self._store.create_region(actor, region, body.model_dump())
+            self._fleet.regions[region.name] = region
         self._on_change()
         return region
 
@@ -137,14 +119,14 @@ class Registry:
             region = dataclasses.replace(
                 region, is_deleting=old.is_deleting and region.state == "draining"
             )
-            await self.store.update_region(actor, region, "region.update", fields)
-            self.fleet.regions[name] = region
+            await self._store.update_region(actor, region, "region.update", fields)
+            self._fleet.regions[name] = region
             self._note_region(name)
         self._on_change()
         return region
 
     def _note_region(self, name: str) -> None:
-        for node in self.fleet.nodes_in(name):
+        for node in self._fleet.nodes_in(name):
             self._note_drain(node)
 
     async def delete_region(self, actor: Actor, name: str) -> Region | None:
@@ -155,17 +137,17 @@ class Registry:
             old = self.get_region(name)
             if old.is_deleting:
                 return old
-            if self.fleet.nodes_in(name):
+            if self._fleet.nodes_in(name):
                 region = dataclasses.replace(
                     old, state="draining", is_deleting=True, updated_at=time.time()
                 )
                 detail: audit.AuditDetail = {"drain_first": True}
-                await self.store.update_region(actor, region, "region.delete", detail)
-                self.fleet.regions[name] = region
+                await self._store.update_region(actor, region, "region.delete", detail)
+                self._fleet.regions[name] = region
                 self._note_region(name)
             else:
-                await self.store.delete_region(actor, name, "region.delete")
-                self.fleet.regions.pop(name, None)
+                await self._store.delete_region(actor, name, "region.delete")
+                self._fleet.regions.pop(name, None)
                 region = None
         self._on_change()
         return region
@@ -173,31 +155,25 @@ class Registry:
     async def finish_region_delete(self, actor: Actor, name: str) -> None:
         """The end of a region's DELETE: its nodes are drained; forget it and them."""
         async with self._lock:
-            region = self.fleet.regions.get(name)
+            region = self._fleet.regions.get(name)
             if region is None or not region.is_deleting:
                 return  # cancelled meanwhile
             node_ids = tuple(
-                node.node_id for node in self.fleet.nodes_in(name) if node.is_from_heartbeats
+                node.node_id for node in self._fleet.nodes_in(name) if node.is_from_heartbeats
             )
-            await self.store.delete_region(actor, name, "region.deleted", node_ids)
-            self.fleet.regions.pop(name, None)
-            for node_id in node_ids:
-                self.fleet.nodes.pop(node_id, None)
-            self.fleet.membership_version += 1
-            self.fleet.apply_consul(self.fleet.consul, time.time())
+            await self._store.delete_region(actor, name, "region.deleted", node_ids)
+            self._fleet.regions.pop(name, None)
+            self._fleet.forget(node_ids, time.time())
         self._on_change()
 
     # --- nodes ---
 
     def get_node(self, node_id: str) -> Node:
-        node = self.fleet.nodes.get(node_id)
-        if node is None:
-            raise NotFoundError(f"node {node_id!r} not found", "node_not_found")
-        return node
+        return _found(self._fleet.nodes, node_id, "node")
 
     async def record_heartbeat(self, actor: Actor, beat: Heartbeat) -> Node:
         identity = NodeIdentity.of(beat)
-        node = self.fleet.nodes.get(beat.node_id)
+        node = self._fleet.nodes.get(beat.node_id)
         if node is None or node.identity != identity or not node.is_from_heartbeats:
             node = await self._register_node(actor, beat.node_id, identity)
         now_unix = time.time()
@@ -208,7 +184,7 @@ class Registry:
     def _apply_beat(self, node: Node, beat: Heartbeat, seen_mono: float, seen_unix: float) -> None:
         was_routed = (node.is_routable, node.is_in_summaries)
         was_draining = node.reports_draining
-        self.fleet.record_beat(node, beat, seen_mono, seen_unix)
+        self._fleet.record_beat(node, beat, seen_mono, seen_unix)
         if node.reports_draining != was_draining or node.num_beats == 1:
             self._note_drain(node)  # it started or stopped draining on its own, or is back
         if (node.is_routable, node.is_in_summaries) != was_routed:
@@ -225,8 +201,8 @@ class Registry:
             # The latest identity wins; a beat that brought an older one gets the same node.
             done = asyncio.get_running_loop().create_future()
             if pending is not None:
-                done.add_done_callback(functools.partial(_settle, pending.done))
-            pending = _Registration(actor, identity, done)
+                done.add_done_callback(functools.partial(settle, pending.done))
+            pending = PendingRegistration(actor, identity, done)
             self._pending[node_id] = pending
         async with self._lock:
             if not pending.done.done():
@@ -244,7 +220,7 @@ class Registry:
         now = time.time()
         registrations = [Registration(r.actor, n, r.identity) for n, r in batch.items()]
         try:
-            await self.store.register_nodes(registrations, now)
+            await self._store.register_nodes(registrations, now)
         except BaseException as exc:
             for reg in batch.values():
                 if not reg.done.done():
@@ -252,8 +228,8 @@ class Registry:
             raise
         regions: set[str] = set()
         for node_id, reg in batch.items():
-            self.credentials.rebind(node_id, reg.identity.region, reg.identity.url)
-            node = self.fleet.nodes.get(node_id)  # Consul may have listed it meanwhile
+            self._credentials.rebind(node_id, reg.identity.region, reg.identity.url)
+            node = self._fleet.nodes.get(node_id)  # Consul may have listed it meanwhile
             regions.add(reg.identity.region)
             if node is None:
                 node = Node(
@@ -261,20 +237,22 @@ class Registry:
                     identity=reg.identity,
                     drain_requested=False,
                     registered_at=now,
-                    consul=self.fleet.consul.get(node_id),
+                    consul=self._fleet.consul.get(node_id),
                 )
-                self.fleet.nodes[node_id] = node
+                self._fleet.nodes[node_id] = node
             else:
                 regions.add(node.identity.region)
-                self.fleet.move(node, reg.identity)
+                self._fleet.move(node, reg.identity)
                 node.is_from_heartbeats = True
             reg.done.set_result(node)
         for region in sorted(regions):
             self._on_region_change(region)
 
-    def _is_registered(self, node_id: str, identity: NodeIdentity, reg: _Registration) -> bool:
+    def _is_registered(
+        self, node_id: str, identity: NodeIdentity, reg: PendingRegistration
+    ) -> bool:
         """Already registered with this identity (by a concurrent beat): settle `reg` now."""
-        node = self.fleet.nodes.get(node_id)
+        node = self._fleet.nodes.get(node_id)
         if node is None or node.identity != identity or not node.is_from_heartbeats:
             return False
         if not reg.done.done():
@@ -282,7 +260,7 @@ class Registry:
         return True
 
     def _refuse_consul_only(self, node_id: str, action: str) -> None:
-        node = self.fleet.nodes.get(node_id)
+        node = self._fleet.nodes.get(node_id)
         if node is not None and not node.is_from_heartbeats:
             raise ConflictError(
                 f"node {node_id!r} is known only from Consul; {action} it there (deregister the "
@@ -294,7 +272,7 @@ class Registry:
         self._refuse_consul_only(node_id, "drain" if drain else "undrain")
 
         async with self._lock:
-            await self.store.set_drain_requested(actor, node_id, drain, time.time())
+            await self._store.set_drain_requested(actor, node_id, drain, time.time())
             node = self.get_node(node_id)
             node.drain_requested = drain
             self._note_drain(node)
@@ -313,9 +291,9 @@ class Registry:
         )
 
         async with self._lock:
-            await self.store.move_node(actor, node_id, identity, time.time())
-            self.credentials.rebind(node_id, identity.region, identity.url)
-            self.fleet.move(node, identity)
+            await self._store.move_node(actor, node_id, identity, time.time())
+            self._credentials.rebind(node_id, identity.region, identity.url)
+            self._fleet.move(node, identity)
             self._note_drain(node)
         self._on_region_change(old_region)
         self._on_region_change(identity.region)
@@ -327,142 +305,60 @@ class Registry:
         self._refuse_consul_only(node_id, "remove")
 
         async with self._lock:
-            await self.store.delete_node(actor, node_id)
-            self.fleet.nodes.pop(node_id, None)
-            self.fleet.membership_version += 1
-            self.fleet.apply_consul(self.fleet.consul, time.time())
+            await self._store.delete_node(actor, node_id)
+            self._fleet.forget([node_id], time.time())
         self._on_change()
 
     # --- Consul ---
 
     def apply_consul(self, entries: dict[str, ConsulEntry]) -> None:
         """Merge Consul's latest view (memory only; nothing to persist or audit)."""
-        if self.fleet.apply_consul(entries, time.time()):
-            for node in self.fleet.nodes.values():
+        if self._fleet.apply_consul(entries, time.time()):
+            for node in self._fleet.nodes.values():
                 if node.drain_phase is None and not node.is_from_heartbeats:
                     self._note_drain(node)  # a Consul-only node in a draining region
             self._on_change()
 
-    # --- drains ---
+    # --- drains and replicas ---
 
-    async def step_drains(self) -> None:
-        """On the leader: move every drain sequence, write what moved, make the Consul calls the
-        steps asked for, and end the deletes of regions whose nodes have all been told to exit."""
-        epoch = self.leadership.epoch
-        if not self.leadership.is_leader:
-            return
-        self.drains.tick()
-        writes = self.drains.take_writes()
-        if writes:
-            try:
-                await self.store.write_drains(writes.rows, writes.entries, time.time(), epoch)
-            except BaseException:
-                self.drains.put_back(writes)  # written again with the next step
-                raise
-        for node_id in self.drains.take_consul_calls():
-            if self.consul is not None:
-                self._spawn(_deregister_from_consul(self.consul, node_id))
-        for name in self.drains.drained_regions():
-            await self.finish_region_delete(DRAIN_ACTOR, name)
-
-    def poke_drains(self) -> None:
-        """Step the drains now rather than at the next interval."""
-        self._wake_drains.set()
-
-    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def run_drains(self, interval_s: float) -> None:
-        """Until cancelled: a drain step every `interval_s`, or as soon as one is noted."""
-        try:
-            while True:
-                # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation
-                # that races with the event, and the lifespan would wait for this loop forever.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(interval_s):
-                        await self._wake_drains.wait()
-                self._wake_drains.clear()
-                try:
-                    await self.step_drains()
-                except Exception:
-                    logger.exception("drain step failed")  # the next step tries again
-        finally:
-            for task in list(self._tasks):
-                task.cancel()
-
-    # --- replicas ---
-
-    async def take_lead(self) -> None:
-        """Just elected: resume every drain where the store says it stood, then lead."""
-        sequences = await self.store.store.read(load_drains)
+    async def adopt_drains(self, sequences: list[DrainSequence]) -> None:
+        """Just elected: every drain resumes where the store says it stood."""
         async with self._lock:
-            self.drains.adopt(sequences)
-            for node in self.fleet.nodes.values():
-                self.drains.note(node)
-        self._wake_drains.set()
+            self._drains.adopt(sequences)
+            for node in self._fleet.nodes.values():
+                self._drains.note(node)
 
-    def take_local_beats(self) -> SavedBeats:
-        """The beats received here since the last call, for the health save."""
+    async def save_health(self) -> None:
+        """Write the beats received here since the last save (see `health_snapshot`)."""
         beats, self._local_beats = self._local_beats, {}
-        return [(node_id, beat, seen_at) for node_id, (beat, seen_at) in beats.items()]
+        if not beats:
+            return
+        saved = [(node_id, beat, seen_at) for node_id, (beat, seen_at) in beats.items()]
+        try:
+            await self._store.save_health(saved)
+        except StoreBusyError:
+            logger.warning("could not save the fleet's health: the database is busy")
 
     async def follow(self, kinds: set[str], beats_since: float) -> None:
         """Another replica changed `kinds` of fleet state: memory follows the store. For
         "beats", the rows saved from `beats_since` on (Unix seconds) are read; the summaries are
         published at once, not at the next tick, since the beats have already waited for the
         other replica's save."""
-        unhealthy_after_s = self.fleet.unhealthy_after_s
-
-        def read(conn: Connection) -> tuple[Fleet | None, list[DrainSequence] | None, SavedBeats]:
-            fresh = load_fleet(conn, unhealthy_after_s) if kinds & {"regions", "nodes"} else None
-            drains = load_drains(conn) if "drains" in kinds else None
-            beats = load_health(conn, beats_since) if "beats" in kinds else []
-            return fresh, drains, beats
-
         async with self._lock:
-            fresh, drains, beats = await self.store.store.read(read)
+            read = self._store.read_changed(kinds, beats_since, self._fleet.unhealthy_after_s)
+            fresh, drains, beats = await read
             if fresh is not None:
-                self._merge(fresh)
-            if drains is not None and not self.leadership.is_leader:
-                self.drains.adopt(drains)
+                self._fleet.merge(fresh, time.time())
+                for known in self._fleet.nodes.values():
+                    self._note_drain(known)
+            if drains is not None and not self._leadership.is_leader:
+                self._drains.adopt(drains)
             now_mono, now_unix = time.monotonic(), time.time()
             for node_id, beat, seen_at in beats:
-                node = self.fleet.nodes.get(node_id)
+                node = self._fleet.nodes.get(node_id)
                 is_newer = node is not None and (node.last_seen_unix or 0.0) < seen_at
                 if node is not None and node.is_from_heartbeats and is_newer:
                     seen_mono = now_mono - max(0.0, now_unix - seen_at)
                     self._apply_beat(node, beat, seen_mono, seen_at)
         if fresh is not None or drains is not None or beats:
             self._on_change()
-
-    def _merge(self, fresh: Fleet) -> None:
-        """Regions and registrations as the store has them; live state (beats) is kept."""
-        self.fleet.regions.clear()
-        self.fleet.regions.update(fresh.regions)
-        for node_id, stored in fresh.nodes.items():
-            node = self.fleet.nodes.get(node_id)
-            if node is None:
-                stored.consul = self.fleet.consul.get(node_id)
-                self.fleet.nodes[node_id] = stored
-                continue
-            if node.identity != stored.identity:
-                self.fleet.move(node, stored.identity)
-            node.drain_requested = stored.drain_requested
-            node.is_from_heartbeats = True
-        gone = [n for n, node in self.fleet.nodes.items() if node.is_from_heartbeats]
-        gone = [n for n in gone if n not in fresh.nodes]
-        for node_id in gone:
-            self.fleet.nodes.pop(node_id)
-        if gone:
-            self.fleet.membership_version += 1
-            self.fleet.apply_consul(self.fleet.consul, time.time())
-        for node in self.fleet.nodes.values():
-            self._note_drain(node)
-
-
-async def _deregister_from_consul(consul: ConsulSync, node_id: str) -> None:
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(CONSUL_CALL_TIMEOUT_S):
-            await consul.deregister(node_id)

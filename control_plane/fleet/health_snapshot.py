@@ -4,24 +4,20 @@ and so that replicas share the beats each of them receives.
 Health is judged from heartbeats, which live in memory; a restarted control plane would count
 every node unhealthy until it beats again (node agents that lost us back off, up to 30 s), and
 gateways would answer `no_capacity` meanwhile. So every `save_every_s` (and once more at a stop)
-the beats this control plane received since its last save are written (the newest beat of each
-node is kept, table `node_health`), and at start the nodes that were beating at the last save are
-restored as healthy, with that beat's capacity, for a grace period (`restart_grace_s`): each stays
-healthy if it beats within it, and is judged by the usual rule from then on. Replicas on
-PostgreSQL read each other's saves as they commit (`Registry.follow`).
+the beats this control plane received since its last save are written (`Registry.save_health`;
+the newest beat of each node is kept, table `node_health`), and at start the nodes that were
+beating at the last save are restored as healthy, with that beat's capacity, for a grace period
+(`restart_grace_s`): each stays healthy if it beats within it, and is judged by the usual rule
+from then on. Replicas on PostgreSQL read each other's saves as they commit (`Registry.follow`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 
-from control_plane.fleet import Fleet
-from control_plane.fleet_store import SavedBeats
-from control_plane.registry import Registry
-from control_plane.store import StoreBusyError
-
-logger = logging.getLogger(__name__)
+from control_plane.fleet.registry import Registry
+from control_plane.fleet.sql import SavedBeats
+from control_plane.model import Fleet
 
 SAVE_EVERY_S = 1.0
 # How soon the other replicas learn of a beat: a capacity change reaches their summaries and
@@ -52,18 +48,8 @@ def restore(saved: SavedBeats, fleet: Fleet, grace_s: float, now_mono: float) ->
     return num_restored
 
 
-async def save(registry: Registry) -> None:
-    saved = registry.take_local_beats()
-    if not saved:
-        return
-    try:
-        await registry.store.save_health(saved)
-    except StoreBusyError:
-        logger.warning("could not save the fleet's health: the database is busy")
-
-
 async def save_forever(registry: Registry, save_every_s: float) -> None:
     """Save every `save_every_s`, until cancelled."""
     while True:
         await asyncio.sleep(save_every_s)
-        await save(registry)
+        await registry.save_health()

@@ -23,15 +23,15 @@ This module is the sequence as a pure state machine: `advance(drain, node, facts
 sequence moved as far as the facts allow and its effects (audit entries, a Consul call); each step's
 check is a plain function of the sequence, the node and the facts, never a wait. A step whose start
 changes routing (envoy: out of EDS; summaries: out of the summaries) ends the advance, so that the
-caller applies that change before the step is checked. `control_plane.drain_book` holds every
-node's sequence and gathers the facts; the registry (`control_plane.registry`) ticks it and writes
-what moved (table `drains`, and an audit entry per step), so a restarted control plane resumes
-each sequence at its last recorded step and redoes it; every step's effect is idempotent.
+caller applies that change before the step is checked. `control_plane.drain.book` holds every node's
+sequence and gathers the facts; the drain loop (`control_plane.fleet.drain_loop`) ticks it and
+writes what moved (table `drains`, and an audit entry per step), so a restarted control plane
+resumes each sequence at its last recorded step and redoes it; every step's effect is idempotent.
 Whether a node should be draining is decided from durable facts (its drain request, its region's
-state) and its own reports, whenever they change (`note`) and on every tick: a sequence nobody
-wants any more (undrain, region active again, a drained node restarted) is cancelled and the node
-is back in routing at once. A node drained by an operator or its region stays drained (`may_exit`
-keeps being sent) until undrained.
+state) and its own reports, whenever they change (`note`) and on every tick: a sequence nobody wants
+any more (undrain, region active again, a drained node restarted) is cancelled and the node is back
+in routing at once. A node drained by an operator or its region stays drained (`may_exit` keeps
+being sent) until undrained.
 """
 
 from __future__ import annotations
@@ -43,28 +43,15 @@ from typing import Final, Literal
 
 from control_plane import audit
 from control_plane.audit import Actor
-from control_plane.fleet import Node, Region
+from control_plane.model import DONE, PHASES, STEPS, Node, Region, has_reached
 from control_plane.settings import Settings
 from wire.heartbeat import Heartbeat
 
-STEPS: Final = ("admissions", "envoy", "summaries", "dns", "consul", "in_flight", "exit")
-DONE: Final = "done"
-PHASES: Final = (*STEPS, DONE)
-_INDEX: Final = {name: index for index, name in enumerate(PHASES)}
 ACTOR: Final = Actor(kind="control_plane", client="drain sequence")
 # Entering these changes the node's routing: the advance stops for the caller to apply it.
 ROUTING_STEPS: Final = frozenset({"envoy", "summaries"})
 
 DrainReason = Literal["operator", "region", "node"]
-
-
-def has_reached(phase: str | None, step: str) -> bool:
-    """Whether a sequence in `phase` has started `step` (None: no sequence)."""
-    return phase is not None and _INDEX[phase] >= _INDEX[step]
-
-
-def is_known_phase(phase: str) -> bool:
-    return phase in _INDEX
 
 
 def num_in_flight(beat: Heartbeat) -> int:
@@ -185,6 +172,11 @@ def cannot_answer(node: Node, facts: DrainFacts, nothing_to: str) -> str | None:
     return None
 
 
+def timed_out(waited_s: float, limit_s: float, why: str) -> str | None:
+    """A step's note once it has waited its bound (it ends anyway); None before."""
+    return f"timed out after {waited_s:.1f} s{why}" if waited_s >= limit_s else None
+
+
 def check_admissions(
     sequence: DrainSequence, node: Node, facts: DrainFacts, waited_s: float
 ) -> str | None:
@@ -192,9 +184,8 @@ def check_admissions(
         return "the node reports draining"
     if (note := cannot_answer(node, facts, "tell it")) is not None:
         return note
-    if waited_s >= facts.times.unhealthy_after_s:
-        return f"timed out after {waited_s:.1f} s: the node does not report draining"
-    return None
+    limit_s = facts.times.unhealthy_after_s
+    return timed_out(waited_s, limit_s, ": the node does not report draining")
 
 
 def check_envoy(
@@ -204,10 +195,8 @@ def check_envoy(
         return "no xDS server"
     if not facts.lagging_envoys:
         return f"out of EDS, ACKed by {facts.num_envoys} Envoys"
-    if waited_s >= facts.times.envoy_ack_timeout_s:
-        lagging = ", ".join(sorted(facts.lagging_envoys))
-        return f"timed out after {waited_s:.1f} s: not ACKed by {lagging}"
-    return None
+    lagging = ", ".join(sorted(facts.lagging_envoys))
+    return timed_out(waited_s, facts.times.envoy_ack_timeout_s, f": not ACKed by {lagging}")
 
 
 def check_summaries(
@@ -235,9 +224,7 @@ def check_consul(
         return "no Consul"
     if node.consul is None:
         return "out of Consul" + (" (deregistered by us)" if sequence.is_consul_call_made else "")
-    if waited_s >= facts.times.consul_timeout_s:
-        return f"timed out after {waited_s:.1f} s: still in Consul"
-    return None
+    return timed_out(waited_s, facts.times.consul_timeout_s, ": still in Consul")
 
 
 def should_deregister_from_consul(
@@ -261,9 +248,7 @@ def check_in_flight(
     count = num_in_flight(node.last_beat)
     if count == 0:
         return "nothing in flight"
-    if waited_s >= facts.times.in_flight_timeout_s:
-        return f"timed out after {waited_s:.1f} s with {count} in flight"
-    return None
+    return timed_out(waited_s, facts.times.in_flight_timeout_s, f" with {count} in flight")
 
 
 def check_exit(
@@ -304,7 +289,7 @@ def advance(
         took_s = round(facts.now - record.started_at, 3)
         detail: audit.AuditDetail = {"step": sequence.phase, "note": note, "took_s": took_s}
         effects.append(AuditEffect("drain.step", detail))
-        next_phase = PHASES[_INDEX[sequence.phase] + 1]
+        next_phase = PHASES[PHASES.index(sequence.phase) + 1]
         sequence = _enter(dataclasses.replace(sequence, steps=steps), next_phase, facts.now)
         if next_phase in ROUTING_STEPS:
             break

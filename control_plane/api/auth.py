@@ -3,7 +3,7 @@
 A missing or unknown token is 401; a valid token of another kind is 403. The presented token is
 compared with both shared tokens (admin, gateway) in constant time (`hmac.compare_digest`),
 without stopping at the first match, so timing reveals neither the tokens nor which kind matched.
-A node's own credential is found by its token's hash (`control_plane.node_credentials`).
+A node's own credential is found by its token's hash (`control_plane.fleet.credentials`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from control_plane.audit import Actor
 from control_plane.errors import AuthenticationError, PermissionDeniedError
-from control_plane.node_credentials import NodeCredential
+from control_plane.fleet.credentials import NodeCredential
 from control_plane.services import ControlPlane, ServicesDep
 from control_plane.tokens import ENV_NAMES, TokenKind, TokenSet
 from wire.errors import INVALID_CREDENTIAL, MISSING_CREDENTIAL
@@ -50,9 +50,10 @@ def _scheme(kind: TokenKind) -> HTTPBearer:
 
 
 Credentials = HTTPAuthorizationCredentials | None
-_ADMIN_SCHEME = _scheme(TokenKind.ADMIN)
-_NODE_SCHEME = _scheme(TokenKind.NODE)
-_GATEWAY_SCHEME = _scheme(TokenKind.GATEWAY)
+# The bearer token a route takes, each kind under its own OpenAPI security scheme.
+AdminBearer = Annotated[Credentials, Depends(_scheme(TokenKind.ADMIN))]
+NodeBearer = Annotated[Credentials, Depends(_scheme(TokenKind.NODE))]
+GatewayBearer = Annotated[Credentials, Depends(_scheme(TokenKind.GATEWAY))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,7 @@ def authenticate(
         raise AuthenticationError("missing bearer token", MISSING_CREDENTIAL)
     presented = credentials.credentials
     matched = match_token(services.tokens, presented)
-    if matched is None and services.registry.credentials.find(presented) is not None:
+    if matched is None and services.credentials.find(presented) is not None:
         matched = TokenKind.NODE
     if matched is None:
         raise AuthenticationError("invalid bearer token", INVALID_CREDENTIAL)
@@ -86,32 +87,20 @@ def authenticate(
     return Actor(kind=matched.value, client=_describe_client(request))
 
 
-async def require_admin(
-    request: Request,
-    services: ServicesDep,
-    credentials: Annotated[Credentials, Depends(_ADMIN_SCHEME)],
-) -> Actor:
-    return authenticate(TokenKind.ADMIN, request, services, credentials)
+async def require_admin(request: Request, services: ServicesDep, token: AdminBearer) -> Actor:
+    return authenticate(TokenKind.ADMIN, request, services, token)
 
 
-async def require_node(
-    request: Request,
-    services: ServicesDep,
-    credentials: Annotated[Credentials, Depends(_NODE_SCHEME)],
-) -> NodeCaller:
-    actor = authenticate(TokenKind.NODE, request, services, credentials)
-    assert credentials is not None
-    credential = services.registry.credentials.find(credentials.credentials)
+async def require_gateway(request: Request, services: ServicesDep, token: GatewayBearer) -> Actor:
+    return authenticate(TokenKind.GATEWAY, request, services, token)
+
+
+async def require_node(request: Request, services: ServicesDep, token: NodeBearer) -> NodeCaller:
+    actor = authenticate(TokenKind.NODE, request, services, token)
+    assert token is not None
+    credential = services.credentials.find(token.credentials)
     assert credential is not None
     return NodeCaller(actor, credential)
-
-
-async def require_gateway(
-    request: Request,
-    services: ServicesDep,
-    credentials: Annotated[Credentials, Depends(_GATEWAY_SCHEME)],
-) -> Actor:
-    return authenticate(TokenKind.GATEWAY, request, services, credentials)
 
 
 # The dependencies are `async def` (they never block) so FastAPI runs them on the event loop

@@ -18,21 +18,37 @@ rule, one place in `Node.is_healthy`:
   nodes are unhealthy until Consul answers again.
 - Deregistered from Consul: a Consul-only node is forgotten; a heartbeat node just loses the veto.
 
-A draining node leaves routing step by step, as its drain sequence (`control_plane.drain`) moves:
-first out of EDS (`is_routable`), later out of the region summaries (`is_in_summaries`).
+A draining node leaves routing step by step, as its drain sequence (`control_plane.drain.sequence`)
+moves: first out of EDS (`is_routable`), later out of the region summaries (`is_in_summaries`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from wire.heartbeat import Heartbeat
 from wire.region_summary import RegionState
 
 logger = logging.getLogger(__name__)
+
+# A drain sequence's steps (`control_plane.drain.sequence`), in order; a node's routing follows
+# its phase (out of EDS from "envoy", out of the summaries from "summaries").
+STEPS: Final = ("admissions", "envoy", "summaries", "dns", "consul", "in_flight", "exit")
+DONE: Final = "done"
+PHASES: Final = (*STEPS, DONE)
+_INDEX: Final = {name: index for index, name in enumerate(PHASES)}
+
+
+def has_reached(phase: str | None, step: str) -> bool:
+    """Whether a sequence in `phase` has started `step` (None: no sequence)."""
+    return phase is not None and _INDEX[phase] >= _INDEX[step]
+
+
+def is_known_phase(phase: str) -> bool:
+    return phase in _INDEX
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +107,8 @@ class Node:
     # Beats up to this one were made before the node heard its drain was cancelled: their
     # `draining` echoes the cancelled drain and is ignored.
     drain_echo_until: int = 0
-    # Set by the node's drain sequence (control_plane.drain) as it moves.
+    # The phase of the node's drain sequence (`control_plane.drain.book` keeps it as it moves).
     drain_phase: str | None = None
-    is_out_of_eds: bool = False
-    is_out_of_summaries: bool = False
 
     @property
     def sources(self) -> list[NodeSource]:
@@ -120,6 +134,14 @@ class Node:
     def is_draining(self) -> bool:
         """Asked to drain (by an operator or its region), or draining on its own (SIGTERM)."""
         return self.drain_requested or self.drain_phase is not None or self.reports_draining
+
+    @property
+    def is_out_of_eds(self) -> bool:
+        return has_reached(self.drain_phase, "envoy")
+
+    @property
+    def is_out_of_summaries(self) -> bool:
+        return has_reached(self.drain_phase, "summaries")
 
     def _has_left(self, is_out: bool) -> bool:
         # In a drain sequence, the sequence says; draining without one (a bare Fleet, as in unit
@@ -192,6 +214,33 @@ class Fleet:
         if identity.region != node.identity.region:
             self.membership_version += 1
         node.identity = identity
+
+    def forget(self, node_ids: Iterable[str], now_unix: float) -> None:
+        """Drop registered nodes; one that Consul still lists stays, as a Consul-only node."""
+        for node_id in node_ids:
+            self.nodes.pop(node_id, None)
+        self.membership_version += 1
+        self.apply_consul(self.consul, now_unix)
+
+    def merge(self, fresh: Fleet, now_unix: float) -> None:
+        """Regions and registrations as the store has them (`fresh`, as another replica wrote
+        them); live state (beats) is kept."""
+        self.regions.clear()
+        self.regions.update(fresh.regions)
+        for node_id, stored in fresh.nodes.items():
+            node = self.nodes.get(node_id)
+            if node is None:
+                stored.consul = self.consul.get(node_id)
+                self.nodes[node_id] = stored
+                continue
+            if node.identity != stored.identity:
+                self.move(node, stored.identity)
+            node.drain_requested = stored.drain_requested
+            node.is_from_heartbeats = True
+        gone = [n for n, node in self.nodes.items() if node.is_from_heartbeats]
+        gone = [n for n in gone if n not in fresh.nodes]
+        if gone:
+            self.forget(gone, now_unix)
 
     def apply_consul(self, entries: Mapping[str, ConsulEntry], now_unix: float) -> bool:
         """Adopt Consul's view; returns True if any node came, went or changed routability."""

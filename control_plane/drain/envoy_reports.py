@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
 
-from control_plane.fleet import Fleet
-from control_plane.store import Connection, Store
-from control_plane.xds.server import XdsServer, lacks_endpoint
+from control_plane.model import Fleet
+from control_plane.store.base import Connection, Store
+from control_plane.xds.acks import lacks_endpoint
+from control_plane.xds.server import XdsServer
 
 REFRESH_S: Final = 1.0  # an unchanged report is written again this often: the replica lives
 ALIVE_S: Final = 3.0  # a replica whose report is older counts no more

@@ -21,8 +21,8 @@ from functools import partial
 from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.errors import PermissionDeniedError
-from control_plane.keys import hash_secret
-from control_plane.store import Connection, Row, Store, naming
+from control_plane.hashed_secrets import hash_secret
+from control_plane.store.base import Connection, Row, Store, naming, of_row
 from wire.heartbeat import Heartbeat
 
 TOKEN_PREFIX = "mnode-"
@@ -62,13 +62,7 @@ class NodeCredential:
 
 
 def _of_row(row: Row) -> NodeCredential:
-    return NodeCredential(
-        node_id=row["node_id"],
-        region=row["region"],
-        url=row["url"],
-        secret_sha256=row["secret_sha256"],
-        created_at=row["created_at"],
-    )
+    return of_row(NodeCredential, row)
 
 
 def load_credentials(conn: Connection) -> list[NodeCredential]:
