@@ -34,7 +34,7 @@ from gateway.limits import Admission
 from gateway.metrics import NO_REGION, GatewayMetrics
 from gateway.openai_request import Endpoint, ParsedRequest, parse_request
 from gateway.prewarm import prewarm
-from gateway.proxy import Opened, Proxy, UpstreamRequest
+from gateway.proxy import Opened, Proxy
 from gateway.relay import SilenceLimits, StreamRelay
 from gateway.request_ids import HEADER, current_request_id, request_id_from
 from gateway.resume import Resumer
@@ -42,6 +42,7 @@ from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.sse import StreamReader, usage_of
 from gateway.tiers import Tier
+from gateway.upstream_request import UpstreamRequest
 from gateway.whole import BodySink, whole_body
 from wire.cache_salt import CACHE_SALT_HEADER
 
@@ -115,7 +116,6 @@ class Handlers:
                 body=None,
                 headers=self._upstream_headers(key, request_id, has_body=False),
                 is_stream=False,
-                max_tokens=0,
             )
             opened = await proxy.open(upstream, plan, deadline_s)
         except GatewayError as exc:
@@ -182,7 +182,6 @@ class Handlers:
                     body=parsed.upstream_body,
                     headers=self._upstream_headers(key, request_id, has_body=True),
                     is_stream=True,  # a non-stream's answer is assembled from it
-                    max_tokens=parsed.max_tokens,
                 )
                 tier: Tier = "region"
                 if self.auto is not None and self.auto.is_auto(parsed):

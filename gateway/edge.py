@@ -21,7 +21,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.errors import GatewayError
 from gateway.keys import ApiKey
 from gateway.openai_request import ParsedRequest
-from gateway.proxy import Opened, Proxy, UpstreamRequest
+from gateway.proxy import Opened, Proxy
 from gateway.routing import Candidate, RegionState, RoutePlan
 from gateway.settings import GatewaySettings
 from gateway.tiers import (
@@ -32,6 +32,7 @@ from gateway.tiers import (
     TierChoice,
     classify,
 )
+from gateway.upstream_request import UpstreamRequest
 from wire.geo import locate
 from wire.region_summary import QueueEstimate, RegionSummary
 
@@ -73,9 +74,7 @@ class TierMetrics:
 
 def _with_model(request: UpstreamRequest, model: str) -> UpstreamRequest:
     assert request.body is not None
-    body = json.loads(request.body)
-    body["model"] = model
-    return replace(request, body=json.dumps(body, separators=(",", ":")).encode())
+    return replace(request, body=request.body.edited({"model": model}))
 
 
 def _edge_state(settings: GatewaySettings) -> RegionState | None:

@@ -5,7 +5,8 @@ The gateway is a passthrough: it checks only what it relies on (the JSON shape, 
 to judge. Hand-written checks rather than pydantic: this runs on every request and must stay
 cheap. A malformed body is a 400 here, so it never costs an upstream round trip.
 
-The upstream body is always re-serialized from what was parsed, never the client's bytes: the
+The upstream body is always re-serialized from what was parsed (gateway/upstream_request.py),
+never the client's bytes: the
 node must see exactly the `max_tokens` the gateway reserved (a `null`, or a duplicate key that
 another JSON parser would read differently, would let it generate past the reservation), and
 re-encoding is also what finds lone surrogates, which are valid JSON escapes but not text.
@@ -32,6 +33,7 @@ from typing import Literal, TypeGuard
 
 from gateway.errors import InvalidRequestError
 from gateway.prompt_estimate import ChatTurn, PromptEstimate, of_chat, of_texts, of_token_ids
+from gateway.upstream_request import UpstreamBody
 from wire.output_limit import (
     MAX_TOKENS,
     chat_output_limit,
@@ -55,7 +57,7 @@ class ParsedRequest:
     max_prompt_tokens: int  # an upper bound, for the reservation
     max_tokens: int  # the client's, or the gateway's default cap
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
-    upstream_body: bytes  # to the node: a stream, usage and ids, the reserved max_tokens
+    upstream_body: UpstreamBody  # to the node: a stream, usage and ids, the reserved max_tokens
 
     @property
     def reserved_tokens(self) -> int:
@@ -139,18 +141,6 @@ def _load(raw: bytes) -> dict[str, object]:
     return body
 
 
-def _dump(body: dict[str, object]) -> bytes:
-    try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        raise InvalidRequestError(
-            "request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not text",
-            "invalid_unicode",
-        ) from None
-    except RecursionError:  # within json.loads's limit, but deeper in the stack here
-        raise InvalidRequestError("request body is nested too deeply", "invalid_json") from None
-
-
 def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> ParsedRequest:
     body = _load(raw)
     if RESUME_TOKEN_IDS in body:
@@ -175,7 +165,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         estimate = of_chat(turns)
         system = _system_prompt(turns)
         if system:
-            # surrogatepass: a lone surrogate is refused by `_dump` with a 400, not here.
+            # surrogatepass: a lone surrogate is refused by `UpstreamBody.of` with a 400, not here.
             encoded = system.encode("utf-8", "surrogatepass")
             affinity_key = hashlib.blake2b(encoded, digest_size=8).hexdigest()
         max_tokens = chat_output_limit(partial(_int_field, body)) or default_max_tokens
@@ -202,5 +192,5 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         max_prompt_tokens=estimate.max_tokens,
         max_tokens=max_tokens,
         affinity_key=affinity_key,
-        upstream_body=_dump(body),
+        upstream_body=UpstreamBody.of(body, max_tokens),
     )

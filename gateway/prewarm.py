@@ -14,13 +14,14 @@ its answer is dropped: a failure only costs the warm cache (counted in
 
 from __future__ import annotations
 
-import json
 import logging
+from dataclasses import replace
 
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import Proxy, UpstreamRequest
+from gateway.proxy import Proxy
 from gateway.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.routing import Router
+from gateway.upstream_request import UpstreamRequest
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +31,11 @@ def prewarm_of(request: UpstreamRequest) -> UpstreamRequest | None:
     a prewarm's (None: it has no body)."""
     if request.body is None:
         return None
-    body = json.loads(request.body)
-    body["stream"] = False
-    body.pop("stream_options", None)
+    body = request.body.edited({"stream": False}, removed=("stream_options",), max_tokens=1)
     headers = dict(request.headers)
     if REQUEST_ID_HEADER in headers:
         headers[REQUEST_ID_HEADER] += "-prewarm"
-    return request.with_body(body, 1, headers=headers, is_stream=False)
+    return replace(request, body=body, headers=headers, is_stream=False)
 
 
 async def prewarm(

@@ -24,11 +24,9 @@ later is continued through `resume` with the same sequence (see gateway/resume.p
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -38,33 +36,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate, RegionState, RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.sse import DATA_PREFIX, ERROR_PREFIX, EVENT_END, first_output
+from gateway.upstream_request import UpstreamRequest
 from wire.heartbeat import NODE_ID_HEADER
-from wire.output_limit import set_output_limit
 from wire.upstream_url import join_path
 
 logger = logging.getLogger(__name__)
 
 # Headers from the node worth passing on to the client (hop-by-hop ones are not).
 PASSED_HEADERS = ("content-type", "retry-after", "retry-after-ms")
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamRequest:
-    method: str
-    path: str
-    body: bytes | None
-    headers: dict[str, str]  # all of them: nothing of the client's is forwarded
-    is_stream: bool
-    max_tokens: int  # sizes a non-stream's first-byte timeout
-
-    def with_body(
-        self, body: dict[str, object], max_tokens: int, **changes: Any
-    ) -> UpstreamRequest:
-        """This request sent with `body` (the caller's edit of it), its output limit set to
-        `max_tokens` under both of OpenAI's names (where the body used the newer one)."""
-        set_output_limit(body, max_tokens)
-        encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-        return replace(self, body=encoded, max_tokens=max_tokens, **changes)
 
 
 @dataclass(slots=True)
@@ -233,7 +212,7 @@ class Proxy:
             response = await self._session.request(
                 request.method,
                 join_path(candidate.url, request.path),
-                data=request.body,
+                data=request.data,
                 headers=request.headers,
                 timeout=self._timeout,
             )

@@ -15,16 +15,16 @@ spent, the continuation refused) lets the stream end with its error event.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import Opened, Proxy, UpstreamRequest
+from gateway.proxy import Opened, Proxy
 from gateway.routing import Candidate, Router
 from gateway.sse import StreamReader
+from gateway.upstream_request import UpstreamRequest
 from wire.resume import RESUME_TOKEN_IDS
 
 logger = logging.getLogger(__name__)
@@ -36,10 +36,9 @@ def continuation_of(request: UpstreamRequest, token_ids: list[int]) -> UpstreamR
     num_left = request.max_tokens - len(token_ids)
     if num_left < 1 or request.body is None:
         return None
-    body = json.loads(request.body)
-    if token_ids:  # else it broke before any output: the continuation starts afresh
-        body[RESUME_TOKEN_IDS] = token_ids
-    return request.with_body(body, num_left)
+    # No ids: it broke before any output, and the continuation starts afresh.
+    changes = {RESUME_TOKEN_IDS: token_ids} if token_ids else {}
+    return replace(request, body=request.body.edited(changes, max_tokens=num_left))
 
 
 @dataclass(slots=True)

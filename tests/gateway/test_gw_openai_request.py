@@ -18,7 +18,7 @@ def chat(**fields: object) -> bytes:
 def test_chat_without_max_tokens_is_capped_upstream() -> None:
     parsed = parse_request(chat(), "chat", 256)
     assert parsed.max_tokens == 256
-    assert json.loads(parsed.upstream_body)["max_tokens"] == 256
+    assert json.loads(parsed.upstream_body.encoded)["max_tokens"] == 256
     assert parsed.prompt_tokens == (40 + 16) // 4 + 1
     # Reserved: the prompt's bytes, its role's, and the template's allowances (prompt_estimate.py).
     assert parsed.max_prompt_tokens == 40 + len("user") + 8 + 32
@@ -52,13 +52,14 @@ def test_other_fields_go_upstream_as_the_client_sent_them() -> None:
     raw = chat(max_tokens=5, temperature=0.5, user="ü", tools=[{"type": "function"}])
     # What the gateway adds to every request: a stream with usage and ids (gateway/whole.py).
     added = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    assert json.loads(parse_request(raw, "chat", 256).upstream_body) == json.loads(raw) | added
+    upstream = parse_request(raw, "chat", 256).upstream_body
+    assert json.loads(upstream.encoded) == json.loads(raw) | added
 
 
 def test_a_non_stream_goes_upstream_as_a_stream_but_is_remembered_as_one() -> None:
     parsed = parse_request(chat(max_tokens=5, logprobs=True), "chat", 256)
     assert not parsed.is_stream and not parsed.wants_token_ids
-    upstream = json.loads(parsed.upstream_body)
+    upstream = json.loads(parsed.upstream_body.encoded)
     assert upstream["stream"] is True and upstream["return_token_ids"] is True
 
 
@@ -84,7 +85,7 @@ def test_the_node_is_sent_the_max_tokens_that_was_reserved(
         body["prompt"] = "x"
     parsed = parse_request(json.dumps(body).encode(), endpoint, 256)  # type: ignore[arg-type]
     assert parsed.max_tokens == reserved
-    upstream = json.loads(parsed.upstream_body)
+    upstream = json.loads(parsed.upstream_body.encoded)
     assert upstream["max_tokens"] == reserved
     # The node reads max_completion_tokens first: it must not say more than was reserved.
     assert upstream.get("max_completion_tokens", reserved) == reserved
@@ -92,14 +93,14 @@ def test_the_node_is_sent_the_max_tokens_that_was_reserved(
 
 def test_a_duplicate_max_tokens_reaches_the_node_once() -> None:
     raw = b'{"model": "m", "prompt": "x", "max_tokens": 5, "max_tokens": null}'
-    upstream = parse_request(raw, "completions", 256).upstream_body
+    upstream = parse_request(raw, "completions", 256).upstream_body.encoded
     assert upstream.count(b"max_tokens") == 1 and json.loads(upstream)["max_tokens"] == 16
 
 
 def test_streams_ask_upstream_for_usage_but_remember_the_client_did_not() -> None:
     parsed = parse_request(chat(stream=True, max_tokens=5), "chat", 256)
     assert parsed.is_stream and not parsed.wants_usage
-    assert json.loads(parsed.upstream_body)["stream_options"] == {"include_usage": True}
+    assert json.loads(parsed.upstream_body.encoded)["stream_options"] == {"include_usage": True}
     asked = parse_request(
         chat(stream=True, max_tokens=5, stream_options={"include_usage": True}), "chat", 256
     )
@@ -110,7 +111,7 @@ def test_completions_default_to_16_tokens_like_openai() -> None:
     raw = json.dumps({"model": "m", "prompt": "abcdefgh"}).encode()
     parsed = parse_request(raw, "completions", 256)
     assert parsed.max_tokens == 16 and parsed.prompt_tokens == 3
-    assert json.loads(parsed.upstream_body)["max_tokens"] == 16
+    assert json.loads(parsed.upstream_body.encoded)["max_tokens"] == 16
     ids = json.dumps({"model": "m", "prompt": [1, 2, 3, 4, 5]}).encode()
     assert parse_request(ids, "completions", 256).prompt_tokens == 5
     batch = json.dumps({"model": "m", "prompt": [[1, 2], [3]]}).encode()

@@ -16,10 +16,10 @@ from test_gw_routing import summary as region_summary
 from gateway.attempts import AttemptLimits, AttemptSequence, Try
 from gateway.errors import UpstreamError
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import UpstreamRequest
 from gateway.resume import Resumer, continuation_of
 from gateway.routing import Router
 from gateway.sse import StreamReader
+from gateway.upstream_request import UpstreamBody, UpstreamRequest
 from wire.geo import locate
 from wire.region_summary import RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
@@ -27,7 +27,7 @@ from wire.routing_policy import RoutingPolicy
 
 def request(body: dict[str, object], max_tokens: int) -> UpstreamRequest:
     return UpstreamRequest(
-        "POST", "/v1/chat/completions", json.dumps(body).encode(), {}, True, max_tokens
+        "POST", "/v1/chat/completions", UpstreamBody.of(body, max_tokens), {}, True
     )
 
 
@@ -42,7 +42,7 @@ def test_the_continuation_resumes_after_the_relayed_ids_with_fewer_tokens_left()
     continuation = continuation_of(request(body, 10), [5, 6, 7])
     assert continuation is not None and continuation.max_tokens == 7
     assert continuation.body is not None
-    sent = json.loads(continuation.body)
+    sent = json.loads(continuation.body.encoded)
     assert sent == {
         **body,
         "max_tokens": 7,
@@ -59,7 +59,7 @@ def test_a_stream_broken_before_any_output_starts_afresh() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
     continuation = continuation_of(request(body, 4), [])
     assert continuation is not None and continuation.body is not None
-    assert json.loads(continuation.body) == body
+    assert json.loads(continuation.body.encoded) == body
 
 
 def test_a_resume_goes_where_the_router_would_send_the_continuation_at_the_break() -> None:
