@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeGuard, TypeVar
 
 from gguf import GGUFReader, GGUFValueType
 
@@ -17,6 +18,14 @@ def open_gguf(path: Path) -> GGUFReader:
         raise UnsupportedModelError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
+T = TypeVar("T")
+
+
+def _is_kind(value: object, kind: type[T]) -> TypeGuard[T]:
+    # A bool is an int to Python, but never an integer or a number in the file.
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
 class GGUFMetadata:
     """Reads metadata values, checking each value's type, since the file is untrusted input."""
 
@@ -27,49 +36,43 @@ class GGUFMetadata:
         return key in self.reader.fields
 
     def string(self, key: str) -> str | None:
-        value = self._scalar(key)
-        if value is not None and not isinstance(value, str):
-            raise self._bad(key, "a string")
-        return value
+        return self._scalar_of(key, str, "a string")
 
     def integer(self, key: str) -> int | None:
-        value = self._scalar(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._bad(key, "an integer")
-        return value
+        return self._scalar_of(key, int, "an integer")
 
     def number(self, key: str) -> float | None:
         value = self._scalar(key)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not (_is_kind(value, int) or _is_kind(value, float)):
             raise self._bad(key, "a number")
         return float(value)
 
     def boolean(self, key: str) -> bool | None:
-        value = self._scalar(key)
-        if value is not None and not isinstance(value, bool):
-            raise self._bad(key, "a boolean")
-        return value
+        return self._scalar_of(key, bool, "a boolean")
 
     def strings(self, key: str) -> list[str] | None:
-        values = self._array(key)
-        if values is None:
-            return None
-        checked = [v for v in values if isinstance(v, str)]
-        if len(checked) != len(values):
-            raise self._bad(key, "an array of strings")
-        return checked
+        return self._array_of(key, str, "an array of strings")
 
     def integers(self, key: str) -> list[int] | None:
+        return self._array_of(key, int, "an array of integers")
+
+    def _scalar_of(self, key: str, kind: type[T], expected: str) -> T | None:
+        value = self._scalar(key)
+        if value is None:
+            return None
+        if not _is_kind(value, kind):
+            raise self._bad(key, expected)
+        return value
+
+    def _array_of(self, key: str, kind: type[T], expected: str) -> list[T] | None:
         values = self._array(key)
         if values is None:
             return None
-        checked = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        checked = [v for v in values if _is_kind(v, kind)]
         if len(checked) != len(values):
-            raise self._bad(key, "an array of integers")
+            raise self._bad(key, expected)
         return checked
 
     def _scalar(self, key: str) -> object:

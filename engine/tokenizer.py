@@ -8,7 +8,6 @@ names how llama.cpp splits text before BPE, and we rebuild that split with `toke
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -21,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from engine.chat_template import ChatMessage, ChatTemplate, TemplateValue
 from engine.errors import UnsupportedModelError
 from engine.gguf_metadata import GGUFMetadata, open_gguf
+from engine.hf_json import read_json_object
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL = 3
@@ -111,8 +111,8 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as exc:  # the Rust library raises a bare Exception on bad files
             raise UnsupportedModelError(f"cannot read {folder / 'tokenizer.json'}: {exc}") from exc
-        config = _read_json(folder / "tokenizer_config.json")
-        generation = _read_json(folder / "generation_config.json")
+        config = read_json_object(folder / "tokenizer_config.json", missing_ok=True)
+        generation = read_json_object(folder / "generation_config.json", missing_ok=True)
 
         def token_id(key: str) -> int | None:
             content = _token_content(config.get(key))
@@ -333,18 +333,6 @@ def _byte_spelling() -> tuple[str, ...]:
 @cache
 def _byte_alphabet() -> frozenset[str]:
     return frozenset(_byte_spelling())
-
-
-def _read_json(path: Path) -> dict[str, object]:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UnsupportedModelError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise UnsupportedModelError(f"{path} is not a JSON object")
-    return data
 
 
 def _token_content(value: object) -> str | None:

@@ -5,7 +5,6 @@ Tensors are read lazily with `safe_open`, one at a time, in the dtype they are s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from engine.errors import UnsupportedModelError
+from engine.hf_json import read_json_object
 from engine.loader.checkpoint import Checkpoint, NamedTensors, check_shapes
 from engine.model_config import Llama3RopeScaling, ModelConfig
 from engine.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 def load_hf_folder(path: Path) -> Checkpoint:
     """Open a Hugging Face folder: read its config and tokenizer, index (not read) its tensors."""
-    config = config_from_hf(_read_config(path / "config.json"))
+    config = config_from_hf(read_json_object(path / "config.json"))
     files = _safetensors_files(path)
     shapes: dict[str, tuple[int, ...]] = {}
     names_by_file: list[tuple[Path, tuple[str, ...]]] = []
@@ -175,20 +175,10 @@ def _is_loaded(name: str, config: ModelConfig) -> bool:
     return not (config.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _read_config(path: Path) -> dict[str, object]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UnsupportedModelError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise UnsupportedModelError(f"{path} is not a JSON object")
-    return raw
-
-
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_config(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise UnsupportedModelError(f"{index} has no weight_map")
         files = [folder / str(name) for name in dict.fromkeys(weight_map.values())]
