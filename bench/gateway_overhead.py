@@ -543,52 +543,33 @@ def _per_core(result: TargetResult) -> float | None:
 
 def print_table(report: Report) -> None:
     names = list(report.results)
+
+    def column(field: str) -> list[float | None]:
+        return [getattr(report.results[n], field) for n in names]
+
+    streams = report.config["streams"]
     rows: list[tuple[str, list[float | None], str]] = [
-        ("latency c=1 p50 (ms)", [report.results[n].latency_p50_ms for n in names], ""),
-        ("latency c=1 p99 (ms)", [report.results[n].latency_p99_ms for n in names], ""),
+        ("latency c=1 p50 (ms)", column("latency_p50_ms"), ""),
+        ("latency c=1 p99 (ms)", column("latency_p99_ms"), ""),
         (
             "added p50 vs direct (ms)",
             [report.added_ms(n, "latency_p50_ms") for n in names],
             "gateway < 1",
         ),
         ("added p99 vs direct (ms)", [report.added_ms(n, "latency_p99_ms") for n in names], ""),
-        ("req/s c=32", [report.results[n].rps for n in names], "gateway >= 2000"),
-        ("proxy CPU at c=32 (%)", [report.results[n].proxy_cpu_percent for n in names], ""),
-        (
-            "proxy CPU per request (us)",
-            [report.results[n].proxy_cpu_us_per_request for n in names],
-            "",
-        ),
+        ("req/s c=32", column("rps"), "gateway >= 2000"),
+        ("proxy CPU at c=32 (%)", column("proxy_cpu_percent"), ""),
+        ("proxy CPU per request (us)", column("proxy_cpu_us_per_request"), ""),
         (
             "req/s one full core allows",
             [_per_core(report.results[n]) for n in names],
             "gateway >= 2000",
         ),
-        (
-            f"{report.config['streams']} steady SSE TTFB p50 (ms)",
-            [report.results[n].stream_ttfb_p50_ms for n in names],
-            "",
-        ),
-        (
-            f"{report.config['streams']} steady SSE TTFB p99 (ms)",
-            [report.results[n].stream_ttfb_p99_ms for n in names],
-            "gateway < 50",
-        ),
-        (
-            "proxy CPU per steady SSE event (us)",
-            [report.results[n].proxy_cpu_us_per_event for n in names],
-            "",
-        ),
-        (
-            f"{report.config['streams']} SSE at once TTFB p50 (ms)",
-            [report.results[n].burst_ttfb_p50_ms for n in names],
-            "",
-        ),
-        (
-            f"{report.config['streams']} SSE at once TTFB p99 (ms)",
-            [report.results[n].burst_ttfb_p99_ms for n in names],
-            "",
-        ),
+        (f"{streams} steady SSE TTFB p50 (ms)", column("stream_ttfb_p50_ms"), ""),
+        (f"{streams} steady SSE TTFB p99 (ms)", column("stream_ttfb_p99_ms"), "gateway < 50"),
+        ("proxy CPU per steady SSE event (us)", column("proxy_cpu_us_per_event"), ""),
+        (f"{streams} SSE at once TTFB p50 (ms)", column("burst_ttfb_p50_ms"), ""),
+        (f"{streams} SSE at once TTFB p99 (ms)", column("burst_ttfb_p99_ms"), ""),
     ]
     header = ["metric", *names]
     if "envoy" in names:
