@@ -147,9 +147,8 @@ def create_app(
             metrics_sock, metrics.render, settings.metrics_token, [openai_errors]
         )
     router = Router(router_config(settings), locate(settings.pop))
-    handlers = Handlers(settings, KeyTable(), router, metrics)
-    if settings.auto_model is not None:
-        handlers.auto = AutoTier(settings, metrics.registry)
+    auto = AutoTier(settings, metrics.registry) if settings.auto_model is not None else None
+    handlers = Handlers(settings, KeyTable(), router, metrics, auto)
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)

@@ -21,7 +21,7 @@ from test_gw_resume import (
     text_of_whole,
 )
 
-from gateway.api import REGION_HEADER
+from gateway.calls import REGION_HEADER
 
 IDLE_TIMEOUT_S = 60.0  # what a role-only stream waited before the fix
 FIRST_BYTE_TIMEOUT_S = 1.0

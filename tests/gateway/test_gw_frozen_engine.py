@@ -20,7 +20,7 @@ from gw_fleet import Fleet, wait_until
 from test_gw_real_nodes import MAX_LOAD_S, start_real_node, stop_nodes
 
 from engine.model_store import DEFAULT_MODEL
-from gateway.api import REGION_HEADER
+from gateway.calls import REGION_HEADER
 
 pytestmark = pytest.mark.slow
 
