@@ -35,6 +35,7 @@ from gateway.routing import Router, RouterConfig
 from gateway.settings import GatewaySettings
 from gateway.tls import control_plane_ssl
 from gateway.watch import Watch
+from wire.config_fields import config_from
 from wire.control_plane_urls import ControlPlaneUrls
 from wire.errors import error_json, route_error_code, route_error_message
 from wire.geo import locate
@@ -49,17 +50,6 @@ HANDLERS = web.AppKey("handlers", Handlers)
 FIRST_LOAD_WAIT_S = 5.0
 # Seconds an idle upstream keep-alive connection is kept (node agents keep theirs for 5 s).
 KEEPALIVE_S = 4.0
-
-
-def router_config(settings: GatewaySettings) -> RouterConfig:
-    return RouterConfig(
-        prefill_tokens_per_s=settings.prefill_tokens_per_s,
-        ttft_ewma_alpha=settings.ttft_ewma_alpha,
-        ttft_correction_half_life_s=settings.ttft_correction_half_life_s,
-        near_best_slack_s=settings.near_best_slack_s,
-        breaker_failures=settings.breaker_failures,
-        breaker_open_s=settings.breaker_open_s,
-    )
 
 
 def _new_buckets(settings: GatewaySettings) -> Buckets:
@@ -146,7 +136,7 @@ def create_app(
         metrics_listener = MetricsListener(
             metrics_sock, metrics.render, settings.metrics_token, [openai_errors]
         )
-    router = Router(router_config(settings), locate(settings.pop))
+    router = Router(config_from(RouterConfig, settings), locate(settings.pop))
     auto = AutoTier(settings, metrics.registry) if settings.auto_model is not None else None
     handlers = Handlers(settings, KeyTable(), router, metrics, auto)
 

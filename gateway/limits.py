@@ -117,35 +117,27 @@ def decide(
 ) -> tuple[Admission, float, float]:
     """The admission for refilled levels, and the levels to store after it."""
     is_too_large = num_tokens > key.tpm
+    limited_by: LimitKind | None = None
+    retry_after_s = 0.0
     if request_level >= 1.0 and token_level >= num_tokens and not is_too_large:
-        after_requests, after_tokens = request_level - 1.0, token_level - num_tokens
-        admission = Admission(
-            is_allowed=True,
-            limited_by=None,
-            is_too_large=False,
-            rpm=key.rpm,
-            tpm=key.tpm,
-            request_level=after_requests,
-            token_level=after_tokens,
-            retry_after_s=0.0,
-            share=share,
-        )
-        return admission, after_requests, after_tokens
-    wait_requests_s = max(0.0, 1.0 - request_level) * SECONDS_PER_MINUTE / key.rpm
-    if is_too_large:
-        wait_tokens_s = SECONDS_PER_MINUTE
+        request_level, token_level = request_level - 1.0, token_level - num_tokens
     else:
-        wait_tokens_s = max(0.0, num_tokens - token_level) * SECONDS_PER_MINUTE / key.tpm
-    limited_by: LimitKind = "requests" if wait_requests_s >= wait_tokens_s else "tokens"
+        wait_requests_s = max(0.0, 1.0 - request_level) * SECONDS_PER_MINUTE / key.rpm
+        if is_too_large:
+            wait_tokens_s = SECONDS_PER_MINUTE
+        else:
+            wait_tokens_s = max(0.0, num_tokens - token_level) * SECONDS_PER_MINUTE / key.tpm
+        limited_by = "requests" if wait_requests_s >= wait_tokens_s else "tokens"
+        retry_after_s = max(wait_requests_s, wait_tokens_s)
     admission = Admission(
-        is_allowed=False,
+        is_allowed=limited_by is None,
         limited_by=limited_by,
         is_too_large=is_too_large,
         rpm=key.rpm,
         tpm=key.tpm,
         request_level=request_level,
         token_level=token_level,
-        retry_after_s=max(wait_requests_s, wait_tokens_s),
+        retry_after_s=retry_after_s,
         share=share,
     )
     return admission, request_level, token_level

@@ -23,6 +23,7 @@ from gateway import tls
 from gateway.http_limits import GatewayRequestHandler
 from gateway.request_ids import RequestIdFilter
 from gateway.settings import GatewaySettings
+from wire.config_fields import config_from
 from wire.connection_guard import ConnectionGuard, ConnectionLimits, GuardedListener
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class GatewayServer:
     ) -> None:
         self.app = app
         self._sock = sock
-        self.guard = ConnectionGuard(connection_limits(settings), context)
+        self.guard = ConnectionGuard(config_from(ConnectionLimits, settings), context)
         self._settings = settings
         self._runner = web.AppRunner(
             app, handler_cancellation=True, shutdown_timeout=GRACEFUL_SHUTDOWN_S
@@ -140,12 +141,3 @@ class GatewayServer:
             keepalive_timeout_s=self._settings.keepalive_timeout_s,
             max_header_bytes=self._settings.max_header_bytes,
         )
-
-
-def connection_limits(settings: GatewaySettings) -> ConnectionLimits:
-    return ConnectionLimits(
-        max_connections_per_address=settings.max_connections_per_address,
-        header_timeout_s=settings.header_timeout_s,
-        keepalive_timeout_s=settings.keepalive_timeout_s,
-        tls_handshake_timeout_s=settings.tls_handshake_timeout_s,
-    )
