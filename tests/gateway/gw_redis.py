@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from gw_fleet import wait_until
 
 from stack.servers import redis_server_path
 
@@ -33,16 +34,18 @@ def redis_server(port: int, directory: Path) -> Iterator[subprocess.Popen[bytes]
         str(directory),
     ]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def is_listening() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError("redis-server did not start")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        except OSError:
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
+        wait_until(is_listening, 10.0, "redis-server to listen")
         yield process
     finally:
         process.kill()

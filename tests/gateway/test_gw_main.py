@@ -8,7 +8,6 @@ import re
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from cryptography import x509
-from gw_fleet import Fleet, free_port
+from gw_fleet import Fleet, free_port, wait_until
 
 from gateway.__main__ import main
 from gateway.settings import GatewaySettings
@@ -26,6 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "gw-" + "x" * 30
 # SIGTERM: in-flight requests finish, then the process exits 0.
 CLEAN_EXIT = (0,)
+
+
+CERTIFICATE_LOGGED = re.compile(r"self-signed certificate in (\S+)")
 
 
 @pytest.fixture(autouse=True)
@@ -161,6 +163,7 @@ def test_self_signed_certificate_names_loopback_and_needs_tls_1_2(tmp_path: Path
     assert context.minimum_version == ssl.TLSVersion.TLSv1_2
 
 
+@pytest.mark.slow
 def test_the_gateway_process_serves_https_and_logs_request_ids(
     two_regions: Fleet, tmp_path: Path
 ) -> None:
@@ -207,25 +210,23 @@ def test_the_gateway_process_serves_https_and_logs_request_ids(
 
 
 def _wait_for_certificate(log_path: Path, process: subprocess.Popen[bytes]) -> Path:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        match = re.search(r"self-signed certificate in (\S+)", log_path.read_text())
-        if match:
-            return Path(match.group(1))
+    def logged() -> re.Match[str] | None:
         assert process.poll() is None, log_path.read_text()
-        time.sleep(0.05)
-    raise AssertionError("no certificate logged")
+        return CERTIFICATE_LOGGED.search(log_path.read_text())
+
+    wait_until(lambda: logged() is not None, 20.0, "the certificate logged")
+    match = logged()
+    assert match is not None
+    return Path(match.group(1))
 
 
 def _wait_for_health(url: str, context: ssl.SSLContext) -> dict[str, object]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    def is_healthy() -> bool:
         try:
-            response = httpx.get(url + "/health", verify=context)
-            if response.status_code == 200:
-                body: dict[str, object] = response.json()
-                return body
+            return httpx.get(url + "/health", verify=context).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("the gateway never became healthy")
+            return False
+
+    wait_until(is_healthy, 20.0, "the gateway healthy")
+    body: dict[str, object] = httpx.get(url + "/health", verify=context).json()
+    return body

@@ -206,9 +206,10 @@ def test_circuit_breaker_stops_trying_a_failing_region_then_probes_it(
             assert served_by(http) == "eu-west"
         assert upstream.num_requests == 2  # open after two failures
         upstream.behavior.fail_status = None
-        time.sleep(0.6)
+        breaker = gateway.handlers.router.regions["us-east"].breaker
+        wait_until(lambda: breaker.is_available(time.monotonic()), 5.0, "the breaker's open time")
         assert served_by(http) == "us-east"  # the half-open probe succeeds
-        assert gateway.handlers.router.regions["us-east"].breaker.state == "closed"
+        assert breaker.state == "closed"
 
 
 def test_two_near_regions_share_concurrent_load(fleet: Fleet, client_ssl: ssl.SSLContext) -> None:

@@ -5,14 +5,13 @@ with `http://HOST/internal/admin?steal=` (by an older control plane) is not rout
 from __future__ import annotations
 
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from aiohttp import web
-from gw_fleet import Fleet
+from gw_fleet import Fleet, wait_until
 
 from control_plane.store import open_store
 from gateway.region_ingress import with_region_ingress
@@ -102,10 +101,7 @@ def test_an_ingress_url_with_a_path_and_query_gets_nothing(
             and state.summary.healthy_nodes > 0
         )
 
-    deadline = time.monotonic() + 10.0
-    while not sees_the_region():
-        assert time.monotonic() < deadline, "the gateway never saw us-east"
-        time.sleep(0.02)
+    wait_until(sees_the_region, 10.0, "the gateway to see us-east")
     headers = {"Authorization": f"Bearer {secret}"}
     with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
         statuses = [http.post("/v1/chat/completions", json=CHAT).status_code for _ in range(3)]
