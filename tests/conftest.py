@@ -1,12 +1,21 @@
-"""Shared fixtures: the real SmolLM2 GGUF, our checkpoint of it, and transformers' reference."""
+"""Shared fixtures: the real SmolLM2 GGUF, our checkpoint of it, and transformers' reference; and
+the `--unit` guard that keeps `make test-fast` to unit tests (its hooks live in unit_guard.py)."""
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from unit_guard import (
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+)
 
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model_store import DEFAULT_MODEL, pull
@@ -16,9 +25,13 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """The real SmolLM2-135M-Instruct GGUF from our model store, pulled on first use."""
-    return pull(DEFAULT_MODEL, progress=lambda done, total: None, say=lambda message: None)
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M-Instruct GGUF from our model store, pulled on first use (by one
+    xdist worker: the others wait on the lock, then find it pulled)."""
+    lock_path = tmp_path_factory.getbasetemp().parent / "smollm2-pull.lock"
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return pull(DEFAULT_MODEL, progress=lambda done, total: None, say=lambda message: None)
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +57,12 @@ def hf_smollm2_model(smollm2_gguf: Path) -> PreTrainedModel:
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     )
     return model.eval()
+
+
+__all__ = [
+    "pytest_addoption",
+    "pytest_collection_modifyitems",
+    "pytest_configure",
+    "pytest_runtest_makereport",
+    "pytest_runtest_protocol",
+]
