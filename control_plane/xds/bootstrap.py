@@ -32,6 +32,7 @@ import yaml
 
 from control_plane.xds.groups import EnvoyGroup, Role
 from control_plane.xds.resources import TYPE_PREFIX
+from control_plane.xds.validation import is_ip
 
 DEFAULT_ADMIN = "127.0.0.1:9901"
 MAX_DOWNSTREAM_CONNECTIONS = 100_000
@@ -54,21 +55,13 @@ class BootstrapConfig:
     xds_ca: str | None = None  # a CA file: TLS to the xDS port, verified against it
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def _socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
 def _xds_tls(host: str, ca_file: str) -> dict[str, Any]:
     """TLS to the control plane: its certificate must chain to `ca_file` and name `host`."""
-    san_type = "IP_ADDRESS" if _is_ip(host) else "DNS"
+    san_type = "IP_ADDRESS" if is_ip(host) else "DNS"
     context: dict[str, Any] = {
         "@type": TYPE_PREFIX + UPSTREAM_TLS,
         "common_tls_context": {
@@ -90,7 +83,7 @@ def _xds_cluster(config: BootstrapConfig) -> dict[str, Any]:
     endpoints = [{"endpoint": {"address": _socket(host, port)}} for host, port in config.xds]
     first_host = config.xds[0][0]
     tls = {} if config.xds_ca is None else {"transport_socket": _xds_tls(first_host, config.xds_ca)}
-    is_static = all(_is_ip(host) for host, _ in config.xds)
+    is_static = all(is_ip(host) for host, _ in config.xds)
     return {
         "name": XDS_CLUSTER,
         "type": "STATIC" if is_static else "STRICT_DNS",
@@ -251,7 +244,7 @@ def config_of(args: argparse.Namespace) -> BootstrapConfig:
     admin_host, admin_port = args.admin
     if admin_host == "localhost":
         admin_host = "127.0.0.1"
-    if not (_is_ip(admin_host) and ipaddress.ip_address(admin_host).is_loopback):
+    if not (is_ip(admin_host) and ipaddress.ip_address(admin_host).is_loopback):
         raise ValueError(
             f"--admin must be a loopback address (Envoy's admin has no auth), got {admin_host!r}"
         )

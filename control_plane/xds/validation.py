@@ -40,7 +40,7 @@ MAX_WEIGHT_SUM = 2**32 - 1
 
 
 @functools.lru_cache(maxsize=65536)  # the same endpoint addresses come back in every rebuild
-def _is_ip(text: str) -> bool:
+def is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
     except ValueError:
@@ -50,7 +50,7 @@ def _is_ip(text: str) -> bool:
 
 def _address_violations(path: str, address: address_pb2.Address) -> list[str]:
     socket = address.socket_address
-    if not _is_ip(socket.address):
+    if not is_ip(socket.address):
         return [f"{path}: {socket.address!r} is not an IP address"]
     if not 1 <= socket.port_value <= 65535:
         return [f"{path}: port {socket.port_value} is out of range"]

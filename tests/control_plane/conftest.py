@@ -3,6 +3,7 @@ as a real `python -m control_plane` subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,15 @@ from wire.connection_guard import bind_socket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_START_S = 60.0  # a deadline, not a wait: on a loaded 2-core machine a start takes 20 s+
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> float:
+    """Seconds until `check()` holds, polled every 20 ms (fails the test after `timeout_s`)."""
+    started = time.monotonic()
+    while not await check():
+        assert time.monotonic() - started < timeout_s, "condition not met in time"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
 
 
 def new_tokens() -> TokenSet:
@@ -172,7 +182,7 @@ def postgres_server() -> Iterator[LocalPostgres]:
         shutil.rmtree(top, ignore_errors=True)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty database of each backend: a SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":

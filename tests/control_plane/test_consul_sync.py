@@ -9,14 +9,14 @@ import os
 import secrets
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import consul.aio
 import pytest
 import pytest_asyncio
-from conftest import ControlPlaneClient, heartbeat, make_settings
+from conftest import ControlPlaneClient, eventually, heartbeat, make_settings
 from consul_standin import ConsulTarget, consul_address
 
 from control_plane.consul_sync import ConsulSync, aggregate_status, entry_of, parse_consul_addr
@@ -109,17 +109,6 @@ async def agents(consul_target: ConsulTarget, service_name: str) -> AsyncIterato
             for node_id in list(agents.registered):
                 await agents.deregister(node_id)
         await client.close()
-
-
-async def eventually(
-    condition: Callable[[], Awaitable[bool]], timeout_s: float = MAX_WAIT_S
-) -> float:
-    started = time.monotonic()
-    while not await condition():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
 
 
 async def node_view(cp: ControlPlaneClient, node_id: str) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ import pytest
 import pytest_asyncio
 import uvicorn
 from aiohttp import web
-from conftest import bearer, free_port, heartbeat
+from conftest import bearer, eventually, free_port, heartbeat
 from envoy.config.cluster.v3 import cluster_pb2
 from fastapi import FastAPI
 
@@ -296,15 +296,6 @@ async def send(url: str, num_requests: int, concurrency: int = 1) -> Counter[str
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return answers
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> float:
-    """Seconds until `check()` holds (fails the test after `timeout_s`)."""
-    start = time.monotonic()
-    while not await check():
-        assert time.monotonic() - start < timeout_s, "condition not met in time"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 def weights_are(expected: dict[str, int]) -> Callable[[Resources], bool]:
