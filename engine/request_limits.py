@@ -2,10 +2,11 @@
 has started.
 
 Each entry point calls `RequestLimits.check` once for a request, before queueing it: the offline
-engine (`LLMEngine.add_request`), the serving API's front (`AsyncEngine.generate`), and a server
-that must answer before its response starts (node_agent/serving.py). The engine core behind
-them takes requests as checked. Kept apart from the engine so that a server in another process
-than the engine core can refuse a bad request before sending it anywhere (engine/core_client.py).
+engine (`LLMEngine.add_request`) and the serving API's front (`AsyncEngine.generate`); the engine
+core behind them takes requests as checked. A server that must answer before its response
+starts checks first with its own rule (node_agent/serving.py), so its requests pass two. Kept
+apart from the engine so that a server in another process than the engine core can refuse a
+bad request before sending it anywhere (engine/core_client.py).
 """
 
 from __future__ import annotations
