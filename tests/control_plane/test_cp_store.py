@@ -92,6 +92,7 @@ def test_failed_change_writes_nothing(db: str) -> None:
         store.close()
 
 
+@pytest.mark.slow
 def test_unreachable_postgres_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
     pytest.importorskip("psycopg")
     url = "postgresql://meridian:hunter2@127.0.0.1:1/fleet"  # nothing listens on port 1

@@ -66,6 +66,7 @@ def ca_file(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_admin_api_and_xds_serve_tls_to_clients_that_verify(
     start_process: Any, tmp_path: Path, cert_files: tuple[Path, Path], ca_file: Path
 ) -> None:
@@ -128,6 +129,7 @@ async def tls_xds(cert_files: tuple[Path, Path]) -> AsyncIterator[tuple[XdsServe
         store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_xds_over_tls_speaks_ads(tls_xds: tuple[XdsServer, str], ca_file: Path) -> None:
     xds, token = tls_xds
@@ -146,6 +148,7 @@ def settings(tmp_path: Path, tokens: TokenSet, cert_files: tuple[Path, Path]) ->
     return make_settings(tmp_path / "cp.db", tokens, tls_cert=cert_files[0], tls_key=cert_files[1])
 
 
+@pytest.mark.slow
 @needs_envoy
 def test_bootstrap_with_a_ca_points_envoy_at_a_tls_xds(
     tmp_path: Path, ca_file: Path, monkeypatch: pytest.MonkeyPatch
@@ -187,6 +190,7 @@ async def test_envoy_takes_its_config_from_a_tls_xds(
     assert answers == {"a": 20}, answers
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_gateways_and_node_agents_verify_a_tls_control_plane_by_its_ca(
     start_process: Any,

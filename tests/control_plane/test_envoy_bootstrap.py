@@ -40,6 +40,7 @@ def envoy_accepts(path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 @needs_envoy
 def test_ingress_bootstrap_from_the_command_line(tmp_path: Path) -> None:
     result = subprocess.run(
@@ -85,6 +86,7 @@ def test_ingress_bootstrap_from_the_command_line(tmp_path: Path) -> None:
     envoy_accepts(path)
 
 
+@pytest.mark.slow
 @needs_envoy
 def test_edge_bootstrap_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     token_file = tmp_path / "edge.token"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine import kernels
 
 
@@ -18,6 +20,7 @@ def _kernels_cli(**env: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_kernels_command_builds_and_names_the_module() -> None:
     done = _kernels_cli()
     assert done.returncode == 0, done.stderr
@@ -25,6 +28,7 @@ def test_kernels_command_builds_and_names_the_module() -> None:
     assert Path(done.stdout.split(": ", 1)[1].strip()).is_file()
 
 
+@pytest.mark.slow
 def test_kernels_command_says_when_they_are_off() -> None:
     done = _kernels_cli(MERIDIAN_CPU_KERNELS="0")
     assert done.returncode == 1

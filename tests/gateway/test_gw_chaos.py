@@ -72,6 +72,7 @@ def new_key(fleet: Fleet, gateway: GatewayThread, rpm: int) -> str:
     return secret
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 def test_redis_killed_mid_run_limits_still_hold_within_2x_and_requests_flow(
     fleet: Fleet, client_ssl: ssl.SSLContext, tmp_path: Path

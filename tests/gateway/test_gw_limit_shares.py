@@ -22,7 +22,10 @@ from gw_redis import REDIS_SERVER, redis_server
 
 from gateway.limit_shares import PopLimiter
 
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server (see gw_redis.py)")
+pytestmark = [
+    pytest.mark.slow,  # starts processes
+    pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server (see gw_redis.py)"),
+]
 POPS = ("new-york", "london", "singapore")
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 # The key of the live probe: 200 TPM. A request that reserves about 115 tokens and uses 67: two

@@ -164,6 +164,7 @@ def test_self_signed_certificate_names_loopback_and_needs_tls_1_2(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_the_gateway_process_serves_https_and_logs_request_ids(
     two_regions: Fleet, tmp_path: Path
 ) -> None:

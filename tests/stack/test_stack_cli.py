@@ -88,6 +88,7 @@ def _meridian(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_up_with_a_port_in_use_fails_in_one_line_and_starts_nothing(
     listener: socket.socket, tmp_path: Path
 ) -> None:
@@ -105,6 +106,7 @@ def test_up_with_a_port_in_use_fails_in_one_line_and_starts_nothing(
     assert not list((state / "logs").iterdir())
 
 
+@pytest.mark.slow
 def test_up_with_a_bad_config_exits_2_in_one_line(tmp_path: Path) -> None:
     config = tmp_path / "stack.yaml"
     config.write_text("regions: [{name: us-east, nodes: -1}]\n")
@@ -141,6 +143,7 @@ def test_pull_still_goes_to_the_model_store(monkeypatch: pytest.MonkeyPatch) -> 
     assert pulled == ["smollm2-135m-instruct", "some-model"]
 
 
+@pytest.mark.slow
 def test_a_child_that_exits_while_starting_is_reported_with_its_last_log_line(
     tmp_path: Path,
 ) -> None:
@@ -224,11 +227,13 @@ def test_the_printed_examples_can_be_pasted() -> None:
     assert 'verify=ssl.create_default_context(cafile="/s/tls/ca.pem")' in script
 
 
+@pytest.mark.slow
 def test_engine_commands_still_work_through_meridian() -> None:
     done = _meridian("generate", "--help")
     assert done.returncode == 0 and "--prompt" in done.stdout
 
 
+@pytest.mark.slow
 def test_front_commands_say_what_is_wrong_in_one_line(tmp_path: Path) -> None:
     state = str(tmp_path / "none")
     unknown = _meridian("resolve", "--from", "mars", "--state-dir", state)

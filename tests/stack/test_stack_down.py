@@ -37,6 +37,7 @@ def _state(records: list[ProcessRecord], detached: bool = True) -> StackState:
     )
 
 
+@pytest.mark.slow
 def test_start_time_identifies_a_process_not_merely_its_pid(sleeper: Sleeper) -> None:
     record, popen = sleeper()
     assert record.start_time == process_start_time(popen.pid)
@@ -48,6 +49,7 @@ def test_start_time_identifies_a_process_not_merely_its_pid(sleeper: Sleeper) ->
     assert not record.is_running()
 
 
+@pytest.mark.slow
 def test_a_zombie_is_not_running(sleeper: Sleeper) -> None:
     record, popen = sleeper()
     popen.kill()
@@ -61,6 +63,7 @@ def test_a_zombie_is_not_running(sleeper: Sleeper) -> None:
 
 
 def test_down_stops_the_recorded_processes_and_spares_an_unrelated_one(
+@pytest.mark.slow
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     node, node_popen = sleeper("node us-east-00", "node")
@@ -90,6 +93,7 @@ def test_down_stops_the_recorded_processes_and_spares_an_unrelated_one(
 
 
 def test_down_kills_what_ignores_sigterm_after_its_timeout(
+@pytest.mark.slow
     state_dir: StateDir, sleeper: Sleeper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(processes, "DEFAULT_STOP_TIMEOUT_S", 0.5)
@@ -108,6 +112,7 @@ def test_down_stops_in_order_gateway_first_control_plane_last(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     records = [
+@pytest.mark.slow
         sleeper("control-plane", "control-plane")[0],
         sleeper("node a", "node")[0],
         sleeper("envoy a", "envoy")[0],
@@ -125,6 +130,7 @@ def test_down_asks_a_foreground_up_to_stop_its_own_stack(state_dir: StateDir) ->
     # A stand-in for a foreground `meridian up`: on SIGTERM it clears the state and exits.
     code = (
         "import pathlib, signal, sys, time\n"
+@pytest.mark.slow
         f"state = pathlib.Path({str(state_dir.state_path)!r})\n"
         "def stop(*_):\n    state.unlink()\n    sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, stop)\n"
@@ -163,6 +169,7 @@ def test_stale_state_is_cleared_and_a_live_stack_refused(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     dead = ProcessRecord("gateway", "gateway", 999_999_999, "gone", "")
+@pytest.mark.slow
     state_dir.write(_state([dead]))
     check_not_running(state_dir)  # nothing alive: the state is stale and goes
     assert state_dir.read() is None
@@ -177,6 +184,7 @@ def test_state_round_trips_and_a_damaged_file_is_one_line(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     record, _ = sleeper()
+@pytest.mark.slow
     state = _state([record])
     state.ca_cert = "/x/ca.pem"
     state_dir.write(state)
@@ -201,6 +209,7 @@ def test_status_lists_processes_and_says_when_the_control_plane_is_unreachable(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     alive, _ = sleeper("node us-east-00")
+@pytest.mark.slow
     dead = ProcessRecord("gateway", "gateway", 999_999_999, "gone", "/x/gateway.log")
     state_dir.write(_state([alive, dead]))
     said: list[str] = []
@@ -221,6 +230,7 @@ def test_signal_goes_to_the_process_group_only_when_the_record_leads_it(
     sleeper: Sleeper,
 ) -> None:
     record, popen = sleeper()
+@pytest.mark.slow
     assert os.getpgid(popen.pid) == popen.pid  # started in its own session, as `up` does
     assert processes.send_signal(record, signal.SIGTERM)
     assert popen.wait(timeout=5) == -signal.SIGTERM

@@ -26,6 +26,8 @@ from stack.front import CHECK_INTERVAL_S, FAILURES_DOWN
 from wire.geo import LOCATIONS, locate
 
 POPS = {"new-york": "127.0.1.1", "london": "127.0.1.2", "singapore": "127.0.1.3"}
+pytestmark = pytest.mark.slow  # starts processes
+
 CITIES = ("tokyo", "paris", "chicago")
 NEAREST = {"tokyo": "singapore", "paris": "london", "chicago": "new-york"}
 

@@ -155,6 +155,7 @@ def test_status_shows_which_replica_leads_and_which_is_unreachable() -> None:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL changes user only for root")
 def test_root_runs_postgres_outside_a_state_directory_under_a_closed_home(tmp_path: Path) -> None:
     """Root's default state directory is under /root (0700), which the server user cannot enter."""

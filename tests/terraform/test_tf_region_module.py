@@ -13,6 +13,8 @@ import pytest
 import yaml
 from tf_helpers import Terraform, TerraformFactory, copy_terraform_tree, diagnostics
 
+pytestmark = pytest.mark.slow  # starts processes
+
 TOKEN = "adm-" + "t" * 24
 
 # A root module that passes its variables through to the region module; defaults are valid.
