@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import ControlPlaneClient, make_settings
+from conftest import ControlPlaneClient, eventually, make_settings
 
 from control_plane.changes import ChangeFeed, parse_wait_s
 from control_plane.model import Fleet, Node, NodeIdentity, Region
@@ -46,6 +47,20 @@ async def watch(
     assert response.status_code == 200, response.text
     assert int(response.headers["x-meridian-index"]) == int(response.json()["index"])
     return RegionSummaryIndex.model_validate_json(response.content), time.monotonic() - started
+
+
+async def current_when(
+    cp: ControlPlaneClient, holds: Callable[[RegionSummaryIndex], bool]
+) -> RegionSummaryIndex:
+    """The summaries once `holds` is true of them (polled, bounded)."""
+    found: list[RegionSummaryIndex] = []
+
+    async def check() -> bool:
+        found[:] = [await current(cp)]
+        return holds(found[0])
+
+    await eventually(check)
+    return found[0]
 
 
 async def current(cp: ControlPlaneClient) -> RegionSummaryIndex:
@@ -96,8 +111,7 @@ async def test_a_silent_node_leaves_the_summary_of_a_waiting_gateway(
     await live_cp.add_region("us-east")
     await live_cp.beat("n1")
     last_beat_at = time.monotonic()
-    await asyncio.sleep(0.3)  # let the first capacity publish settle
-    before = await current(live_cp)
+    before = await current_when(live_cp, lambda doc: doc.regions[0].healthy_nodes == 1)
     assert before.regions[0].healthy_nodes == 1
     document, _ = await watch(live_cp, before.index)
     silent_s = time.monotonic() - last_beat_at
@@ -114,8 +128,7 @@ async def test_a_silent_node_leaves_the_summary_of_a_waiting_gateway(
 async def test_capacity_change_reaches_waiting_gateway(live_cp: ControlPlaneClient) -> None:
     await live_cp.add_region("us-east")
     await live_cp.beat("n1", kv_blocks_free=600)
-    await asyncio.sleep(0.3)
-    before = await current(live_cp)
+    before = await current_when(live_cp, lambda doc: doc.regions[0].kv_blocks_free == 600)
     watcher = asyncio.create_task(watch(live_cp, before.index))
     await asyncio.sleep(0.1)
     await live_cp.beat("n1", kv_blocks_free=10)
