@@ -1,17 +1,22 @@
-"""Fixtures for the node agent: one real SmolLM2 engine, loaded once and shared by every
-in-process node agent, on a background event loop the servers run on."""
+"""Fixtures for the node agent, whose servers run on a background event loop: a fake engine
+(fake_engine.py) and a node over it for every test that is not about the engine's output, and
+one real SmolLM2 engine, loaded once and shared, for those that are."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fake_engine import FakeEngine
 from node_helpers import (
     BackgroundLoop,
+    FakeNodes,
     NodeHandle,
     start_engine,
+    start_fake_engine,
     start_node,
 )
 
@@ -50,8 +55,42 @@ def tokenizer(smollm2_gguf: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
-    """A node agent with default settings over the shared engine."""
+def real_node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
+    """A node agent with default settings over the shared real engine."""
     handle = start_node(server_loop, shared_llm)
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_llm(server_loop: BackgroundLoop) -> Iterator[FakeEngine]:
+    """One fake engine, shared: a test that steers it (`hold`, `fail`) starts one of its own."""
+    llm = start_fake_engine(server_loop)
+    yield llm
+    server_loop.run(llm.shutdown())
+
+
+@pytest.fixture(scope="session")
+def node(server_loop: BackgroundLoop, fake_llm: FakeEngine) -> Iterator[NodeHandle]:
+    """A node agent with default settings over the shared fake engine."""
+    handle = start_node(server_loop, fake_llm)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def fake_nodes(server_loop: BackgroundLoop) -> Iterator[FakeNodes]:
+    """Factory: a fake engine of the test's own (to steer) and a node over it with `settings`;
+    both stopped at the end."""
+    started: list[tuple[FakeEngine, NodeHandle]] = []
+
+    def start(**settings: Any) -> tuple[FakeEngine, NodeHandle]:
+        llm = start_fake_engine(server_loop)
+        started.append((llm, start_node(server_loop, llm, **settings)))
+        return started[-1]
+
+    yield start
+    for llm, node in started:
+        if not node.done.done():
+            node.stop()
+        server_loop.run(llm.shutdown())

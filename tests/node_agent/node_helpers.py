@@ -1,10 +1,12 @@
-"""Helpers for the node agent tests: a background event loop the servers run on, and node
-agents started on loopback over a shared engine (fixtures are in conftest.py)."""
+"""Helpers for the node agent tests: a background event loop the servers run on, engines (the
+real model, or the fake in fake_engine.py), and node agents started on loopback over one
+(fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -14,11 +16,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from fake_engine import FakeEngine
+from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats
 from node_agent.app import create_app
+from node_agent.heartbeat import HeartbeatLoop
 from node_agent.runtime import NodeRuntime, load_engine
 from node_agent.server import NodeServer
 from node_agent.settings import NodeAgentSettings
@@ -70,6 +75,30 @@ def start_engine(loop: BackgroundLoop, gguf: Path, **overrides: Any) -> AsyncEng
     return llm
 
 
+def start_fake_engine(loop: BackgroundLoop, **overrides: Any) -> FakeEngine:
+    """A fake engine (fake_engine.py) with the tests' small pool, started on `loop`."""
+    values: dict[str, Any] = {"num_kv_blocks": NUM_KV_BLOCKS, "max_model_len": MAX_MODEL_LEN}
+    llm = FakeEngine(**(values | overrides))
+    loop.call(llm.start)
+    return llm
+
+
+def node_agent_command(model: Path, port: int, *flags: str) -> list[str]:
+    """`python -m node_agent` serving `model` as MODEL_NAME on 127.0.0.1:`port`, with `flags`."""
+    return [
+        sys.executable,
+        "-m",
+        "node_agent",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--port",
+        str(port),
+        *flags,
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -82,6 +111,7 @@ class NodeHandle:
     """One node agent (create_app + NodeServer) serving on 127.0.0.1 from the servers' loop."""
 
     settings: NodeAgentSettings
+    app: FastAPI
     server: NodeServer
     done: Future[None]
     loop: BackgroundLoop
@@ -94,6 +124,11 @@ class NodeHandle:
     def runtime(self) -> NodeRuntime:
         return self.server.runtime
 
+    @property
+    def heartbeat(self) -> HeartbeatLoop:
+        loop: HeartbeatLoop = self.app.state.heartbeat
+        return loop
+
     def stats(self) -> EngineStats:
         stats = self.runtime.stats()
         assert stats is not None
@@ -103,23 +138,19 @@ class NodeHandle:
         return httpx.Client(base_url=self.base_url, timeout=30.0, **kwargs)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        with self.client() as http:
-            while time.monotonic() < deadline:
-                if self.done.done():
-                    self.done.result()
-                    raise RuntimeError("the node agent stopped before it was ready")
-                try:
-                    if http.get("/ready").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.02)
-        raise TimeoutError("the node agent did not become ready")
+        if not wait_until(lambda: self.done.done() or is_ready_at(self.base_url), timeout_s):
+            raise TimeoutError("the node agent did not become ready")
+        if self.done.done():
+            self.done.result()
+            raise RuntimeError("the node agent stopped before it was ready")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.server.should_exit = True
         self.done.result(timeout_s)
+
+
+# The `fake_nodes` fixture: (engine, node) with the node's settings.
+FakeNodes = Callable[..., tuple[FakeEngine, NodeHandle]]
 
 
 def start_node(
@@ -138,7 +169,7 @@ def start_node(
     app = create_app(settings, llm=llm)
     server = NodeServer(app, settings)
     done = loop.submit(server.serve(sockets=[sock]))
-    node = NodeHandle(settings, server, done, loop)
+    node = NodeHandle(settings, app, server, done, loop)
     if wait_ready:
         node.wait_ready()
     return node
@@ -151,6 +182,14 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, step_s: fl
             return True
         time.sleep(step_s)
     return predicate()
+
+
+def is_ready_at(base_url: str) -> bool:
+    """`/ready` answers 200 there (False while nothing listens yet)."""
+    try:
+        return httpx.get(base_url + "/ready").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def engine_idle(node: NodeHandle) -> bool:

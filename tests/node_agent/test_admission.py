@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -30,6 +31,12 @@ def test_queue_depth_counts_requests_without_a_first_token() -> None:
     assert admission.num_rejected == 2
 
 
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
 def test_drain_waits_for_in_flight_then_calls_back_only_when_exiting() -> None:
     async def scenario() -> list[str]:
         events: list[str] = []
@@ -39,15 +46,15 @@ def test_drain_waits_for_in_flight_then_calls_back_only_when_exiting() -> None:
         ticket = admission.admit(0)
         drain.begin("control plane", exit_when_drained=False)
         assert drain.is_draining
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # a turn of the loop: the drain's task waits for the ticket
         assert drain.cancel()  # undrain before it finishes
         assert not drain.is_draining
         drain.begin("SIGTERM", exit_when_drained=True)
         assert not drain.cancel()  # an exit cannot be undone
-        await asyncio.sleep(0.01)
-        assert events == []
+        await asyncio.sleep(0)
+        assert events == []  # the ticket is still in flight
         ticket.release()
-        await asyncio.sleep(0.01)
+        await until(lambda: events != [])
         return events
 
     assert asyncio.run(scenario()) == ["drained"]
@@ -59,7 +66,7 @@ def test_drain_upgraded_to_exit_after_it_finished_still_exits() -> None:
         drain = Drain(Admission(10, 1), timeout_s=5)
         drain.on_drained = lambda: events.append("drained")
         drain.begin("control plane", exit_when_drained=False)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # a turn of the loop: the drain's task finds nothing in flight
         drain.begin("SIGTERM", exit_when_drained=True)
         return events
 

@@ -1,25 +1,17 @@
-"""Admission control under overload (429 with Retry-After) and the Prometheus metrics."""
+"""Admission control under overload (429 with Retry-After) and the Prometheus metrics, over the
+fake engine (fake_engine.py): held, so that the request admitted first waits for its first token
+while the rest arrive."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from node_helpers import (
-    MODEL_NAME,
-    BackgroundLoop,
-    NodeHandle,
-    engine_idle,
-    start_node,
-    wait_until,
-)
+from fake_engine import FakeEngine
+from node_helpers import MODEL_NAME, FakeNodes, NodeHandle, engine_idle, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine.async_engine import AsyncEngine
-
-pytestmark = pytest.mark.slow
 
 GAUGES = {
     "num_requests_running",
@@ -46,18 +38,16 @@ HISTOGRAMS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tight_node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
+@pytest.fixture
+def tight_node(fake_nodes: FakeNodes) -> tuple[FakeEngine, NodeHandle]:
     """A node that lets at most one request wait."""
-    handle = start_node(server_loop, shared_llm, max_num_waiting_requests=1, retry_after_s=2)
-    yield handle
-    handle.stop()
+    return fake_nodes(max_num_waiting_requests=1, retry_after_s=2)
 
 
 async def _burst(
     base_url: str, num_requests: int, headers: dict[str, str] | None = None
 ) -> list[httpx.Response]:
-    words = " ".join(["river", "stone", "light", "garden"] * 60)  # a few hundred tokens
+    words = " ".join(["river", "stone", "light", "garden"] * 5)
     body = {
         "model": MODEL_NAME,
         "messages": [{"role": "user", "content": f"Summarise: {words}"}],
@@ -72,38 +62,57 @@ async def _burst(
         )
 
 
-def test_overload_gets_429_with_retry_after(tight_node: NodeHandle) -> None:
-    assert wait_until(lambda: engine_idle(tight_node))
-    responses = asyncio.run(_burst(tight_node.base_url, 6))
+def held_burst(
+    llm: FakeEngine, node: NodeHandle, num_requests: int, headers: dict[str, str] | None = None
+) -> list[httpx.Response]:
+    """`num_requests` at once while the engine gives none a token, released once all but the
+    first are refused."""
+    llm.hold()
+    admission = node.runtime.admission
+    num_refused = admission.num_rejected + admission.num_deflected + num_requests - 1
+    with ThreadPoolExecutor(1) as pool:
+        burst = pool.submit(asyncio.run, _burst(node.base_url, num_requests, headers))
+        try:
+            assert wait_until(
+                lambda: admission.num_rejected + admission.num_deflected == num_refused
+            )
+        finally:
+            llm.release()
+        return burst.result()
+
+
+def test_overload_gets_429_with_retry_after(tight_node: tuple[FakeEngine, NodeHandle]) -> None:
+    llm, node = tight_node
+    responses = held_burst(llm, node, 6)
     statuses = [r.status_code for r in responses]
-    assert 200 in statuses and 429 in statuses, statuses
-    assert set(statuses) <= {200, 429}
+    assert sorted(statuses) == [200] + [429] * 5, statuses
     for response in responses:
         if response.status_code == 429:
             assert response.headers["retry-after"] == "2"
             error = response.json()["error"]
             assert error["type"] == "rate_limit_error" and error["code"] == "overloaded"
-    assert wait_until(lambda: engine_idle(tight_node))
-    assert tight_node.runtime.admission.num_in_flight == 0
+    assert wait_until(lambda: engine_idle(node))
+    assert node.runtime.admission.num_in_flight == 0
     # Once the queue is empty again, requests are admitted.
-    assert [r.status_code for r in asyncio.run(_burst(tight_node.base_url, 1))] == [200]
+    assert [r.status_code for r in asyncio.run(_burst(node.base_url, 1))] == [200]
 
 
-def test_envoy_first_attempts_are_deflected_while_a_request_waits(tight_node: NodeHandle) -> None:
-    assert wait_until(lambda: engine_idle(tight_node))
-    first_attempt = {"x-envoy-attempt-count": "1"}
-    responses = asyncio.run(_burst(tight_node.base_url, 4, first_attempt))
+def test_envoy_first_attempts_are_deflected_while_a_request_waits(
+    tight_node: tuple[FakeEngine, NodeHandle],
+) -> None:
+    llm, node = tight_node
+    responses = held_burst(llm, node, 4, {"x-envoy-attempt-count": "1"})
     statuses = [r.status_code for r in responses]
-    assert statuses.count(200) >= 1 and 429 in statuses, statuses
+    assert sorted(statuses) == [200] + [429] * 3, statuses
     for response in responses:
         if response.status_code == 429:  # deflected, not overloaded: Envoy retries elsewhere
             assert response.headers["x-meridian-deflected"] == "1"
             assert response.json()["error"]["code"] == "deflected"
-    assert tight_node.runtime.admission.num_deflected >= 1
-    assert wait_until(lambda: engine_idle(tight_node))
+    assert node.runtime.admission.num_deflected == 3
+    assert wait_until(lambda: engine_idle(node))
     # A retry (attempt 2) is never deflected; with nothing waiting, neither is attempt 1.
     for attempt in ("2", "1"):
-        burst = asyncio.run(_burst(tight_node.base_url, 1, {"x-envoy-attempt-count": attempt}))
+        burst = asyncio.run(_burst(node.base_url, 1, {"x-envoy-attempt-count": attempt}))
         assert [r.status_code for r in burst] == [200]
 
 

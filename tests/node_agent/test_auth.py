@@ -8,19 +8,16 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from fake_engine import FakeEngine
 from node_helpers import MODEL_NAME, BackgroundLoop, NodeHandle, start_node
-
-from engine.async_engine import AsyncEngine
-
-pytestmark = pytest.mark.slow
 
 SERVING_TOKEN = "srv-token-for-tests-0123456789"
 CHAT_BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def guarded(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
-    handle = start_node(server_loop, shared_llm, serving_token=SERVING_TOKEN)
+def guarded(server_loop: BackgroundLoop, fake_llm: FakeEngine) -> Iterator[NodeHandle]:
+    handle = start_node(server_loop, fake_llm, serving_token=SERVING_TOKEN)
     yield handle
     handle.stop()
 

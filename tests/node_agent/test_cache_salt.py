@@ -13,8 +13,6 @@ from node_helpers import MODEL_NAME, NodeHandle
 
 from wire.cache_salt import CACHE_SALT_HEADER as HEADER
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture
 def http(node: NodeHandle) -> Iterator[httpx.Client]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fake_engine import FakeEngine
 from node_helpers import BackgroundLoop, NodeHandle, start_node
 from slow_clients import (
     connect,
@@ -26,23 +27,19 @@ from slow_clients import (
     wait_closed,
 )
 
-from engine.async_engine import AsyncEngine
-
-pytestmark = pytest.mark.slow
-
 SHORT_S = 1.0  # every bound these tests wait out
 MIB = 1024 * 1024
 ANSWER_TIMEOUT_S = 20.0  # a hang guard: the answers come at once
 
 
 @pytest.fixture
-def start(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[Any]:
-    """Factory: a node over the shared engine with short connection bounds (and `overrides`)."""
+def start(server_loop: BackgroundLoop, fake_llm: FakeEngine) -> Iterator[Any]:
+    """Factory: a node over the shared fake engine, with short connection bounds and `overrides`."""
     nodes: list[NodeHandle] = []
 
     def start(**overrides: Any) -> NodeHandle:
         limits = {"header_timeout_s": SHORT_S, "keepalive_timeout_s": SHORT_S}
-        node = start_node(server_loop, shared_llm, **(limits | overrides))
+        node = start_node(server_loop, fake_llm, **(limits | overrides))
         nodes.append(node)
         return node
 

@@ -10,12 +10,10 @@ from typing import Any
 import httpx
 import pytest
 from consul_standin import ConsulStandIn
+from fake_engine import FakeEngine
 from node_helpers import MODEL_NAME, BackgroundLoop, free_port, start_node, wait_until
 
-from engine.async_engine import AsyncEngine
 from node_agent.consul import parse_consul_addr
-
-pytestmark = pytest.mark.slow
 
 
 class ConsulView:
@@ -61,9 +59,9 @@ def consul_agent(server_loop: BackgroundLoop) -> Iterator[ConsulView]:
 
 
 def test_node_registers_keeps_its_ttl_check_and_deregisters(
-    server_loop: BackgroundLoop, shared_llm: AsyncEngine, consul_agent: ConsulView
+    server_loop: BackgroundLoop, fake_llm: FakeEngine, consul_agent: ConsulView
 ) -> None:
-    node = start_node(server_loop, shared_llm, consul=consul_agent.addr, heartbeat_interval_s=0.1)
+    node = start_node(server_loop, fake_llm, consul=consul_agent.addr, heartbeat_interval_s=0.1)
     service_id = node.settings.node_id
     assert service_id is not None
     check_id = f"service:{service_id}"

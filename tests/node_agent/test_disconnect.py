@@ -1,4 +1,5 @@
-"""A client that goes away aborts its request at once: the engine frees its KV blocks."""
+"""A client that goes away aborts its request at once: the engine (fake_engine.py, held so that
+only an abort can end the request) is left with nothing running and every KV block free."""
 
 from __future__ import annotations
 
@@ -6,11 +7,8 @@ import time
 
 import httpx
 import pytest
-from node_helpers import MODEL_NAME, NodeHandle, engine_idle, wait_until
+from node_helpers import MODEL_NAME, FakeNodes, NodeHandle, engine_idle, wait_until
 
-pytestmark = pytest.mark.slow
-
-# Long enough that only an abort can end it within the test's patience (~40 ms per token here).
 LONG = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
 ABORT_WITHIN_S = 2.0
 
@@ -20,8 +18,9 @@ def _running(node: NodeHandle) -> bool:
     return stats.num_running == 1 and stats.kv_blocks_free < stats.kv_blocks_total
 
 
-def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(node: NodeHandle) -> None:
-    assert wait_until(lambda: engine_idle(node))
+def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(fake_nodes: FakeNodes) -> None:
+    llm, node = fake_nodes()
+    llm.hold(after_tokens=6)
     body = {"model": MODEL_NAME, "prompt": "Count with me: one, two,", "stream": True, **LONG}
     with node.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -36,8 +35,9 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(node: NodeHand
     assert wait_until(lambda: node.runtime.admission.num_in_flight == 0)
 
 
-def test_a_client_that_gives_up_on_a_plain_request_aborts_it(node: NodeHandle) -> None:
-    assert wait_until(lambda: engine_idle(node))
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(fake_nodes: FakeNodes) -> None:
+    llm, node = fake_nodes()
+    llm.hold()
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell a story"}], **LONG}
     with (
         httpx.Client(base_url=node.base_url, timeout=httpx.Timeout(5.0, read=0.6)) as http,

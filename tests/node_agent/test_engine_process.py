@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
@@ -22,6 +20,8 @@ from node_helpers import (
     NodeHandle,
     engine_idle,
     free_port,
+    is_ready_at,
+    node_agent_command,
     start_engine,
     start_node,
     wait_until,
@@ -40,11 +40,11 @@ NODE_START_TIMEOUT_S = 300.0  # a model load in two processes, on a loaded machi
 
 
 def test_closing_a_stream_aborts_the_request_inside_the_core(
-    shared_llm: AsyncEngine, server_loop: BackgroundLoop, node: NodeHandle
+    shared_llm: AsyncEngine, server_loop: BackgroundLoop, real_node: NodeHandle
 ) -> None:
     assert isinstance(shared_llm, EngineCoreClient)
     assert shared_llm.process.pid != os.getpid()
-    assert wait_until(lambda: engine_idle(node))
+    assert wait_until(lambda: engine_idle(real_node))
 
     async def first_token_then_leave() -> int:
         async with aclosing(shared_llm.generate([1, 2, 3], LONG, "leaves-early")) as stream:
@@ -53,11 +53,11 @@ def test_closing_a_stream_aborts_the_request_inside_the_core(
         return 0
 
     assert server_loop.run(first_token_then_leave()) >= 1
-    assert wait_until(lambda: engine_idle(node), timeout_s=WITHIN_S)
+    assert wait_until(lambda: engine_idle(real_node), timeout_s=WITHIN_S)
 
 
 def test_an_abort_ends_the_stream_with_finish_reason_abort(
-    shared_llm: AsyncEngine, server_loop: BackgroundLoop, node: NodeHandle
+    shared_llm: AsyncEngine, server_loop: BackgroundLoop, real_node: NodeHandle
 ) -> None:
     async def abort_after_first_output() -> tuple[int, str | None, list[int]]:
         num_outputs, last = 0, None
@@ -72,7 +72,7 @@ def test_an_abort_ends_the_stream_with_finish_reason_abort(
     num_outputs, reason, prompt_ids = server_loop.run(abort_after_first_output())
     assert reason == "abort" and num_outputs < MAX_TOKENS
     assert prompt_ids == [4, 5, 6]  # the front restores what the core does not send back
-    assert wait_until(lambda: engine_idle(node), timeout_s=WITHIN_S)
+    assert wait_until(lambda: engine_idle(real_node), timeout_s=WITHIN_S)
 
 
 @pytest.fixture
@@ -125,39 +125,24 @@ def _descendants(pid: int) -> list[psutil.Process]:
 def test_the_core_and_its_workers_exit_when_the_node_agent_is_killed(smollm2_gguf: Path) -> None:
     # Two pipeline stages: the core starts a parallel worker of its own, which must go too.
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "node_agent",
-        "--model",
-        str(smollm2_gguf),
-        "--served-model-name",
-        MODEL_NAME,
-        "--port",
-        str(port),
-        "--num-kv-blocks",
-        "64",
-        "--pipeline-parallel-size",
-        "2",
-        "--engine-process",
-        "--log-level",
-        "WARNING",
-    ]
+    command = node_agent_command(
+        smollm2_gguf,
+        port,
+        *("--num-kv-blocks", "64", "--pipeline-parallel-size", "2", "--engine-process"),
+        *("--log-level", "WARNING"),
+    )
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     agent = subprocess.Popen(command, env=env)
     try:
-        deadline = time.monotonic() + NODE_START_TIMEOUT_S
-        while time.monotonic() < deadline and agent.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("the node agent did not become ready")
+        base_url = f"http://127.0.0.1:{port}"
+        assert wait_until(
+            lambda: agent.poll() is not None or is_ready_at(base_url),
+            timeout_s=NODE_START_TIMEOUT_S,
+            step_s=0.2,
+        )
+        assert agent.poll() is None, "the node agent exited before it was ready"
         body = {"model": MODEL_NAME, "prompt": "One, two,", "max_tokens": 4, "temperature": 0}
-        served = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        served = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
         children = _descendants(agent.pid)
         spawned = [p for p in children if "spawn_main" in " ".join(p.cmdline())]

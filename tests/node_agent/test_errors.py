@@ -11,8 +11,6 @@ import pytest
 from node_helpers import MAX_MODEL_LEN, MODEL_NAME, NodeHandle
 from openai.types.chat import ChatCompletionMessageParam
 
-pytestmark = pytest.mark.slow
-
 CHAT = "/v1/chat/completions"
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 

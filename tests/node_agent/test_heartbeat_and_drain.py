@@ -1,11 +1,11 @@
 """Heartbeats to a fake control plane: schema, backoff while it is away, resumption when it is
-back; the control plane's drain sequence (drain, consul_deregister, may_exit) and SIGTERM."""
+back; the control plane's drain sequence (drain, consul_deregister, may_exit) and SIGTERM. Over
+the fake engine (fake_engine.py), held where a request must still run while the drain goes on."""
 
 from __future__ import annotations
 
 import itertools
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,12 +13,18 @@ import httpx
 import pytest
 from consul_standin import ConsulStandIn
 from fake_control_plane import TOKEN, FakeControlPlane
-from node_helpers import MODEL_NAME, BackgroundLoop, NodeHandle, free_port, start_node, wait_until
+from fake_engine import FakeEngine
+from node_helpers import (
+    MODEL_NAME,
+    BackgroundLoop,
+    FakeNodes,
+    NodeHandle,
+    free_port,
+    start_node,
+    wait_until,
+)
 
-from engine.async_engine import AsyncEngine
 from wire.heartbeat import Heartbeat
-
-pytestmark = pytest.mark.slow
 
 INTERVAL_S = 0.1
 MAX_BACKOFF_S = 0.8
@@ -32,19 +38,16 @@ def control_plane(server_loop: BackgroundLoop) -> Iterator[FakeControlPlane]:
     server_loop.run(cp.stop())
 
 
-def start_reporting_node(
-    loop: BackgroundLoop, llm: AsyncEngine, cp: FakeControlPlane, **overrides: Any
-) -> NodeHandle:
-    return start_node(
-        loop,
-        llm,
-        control_plane=cp.url,
-        node_token=TOKEN,
-        heartbeat_interval_s=INTERVAL_S,
-        max_heartbeat_backoff_s=MAX_BACKOFF_S,
-        heartbeat_timeout_s=0.5,
+def reporting(cp: FakeControlPlane, **overrides: Any) -> dict[str, Any]:
+    """Settings for a node that beats to `cp` on the tests' short interval."""
+    return {
+        "control_plane": cp.url,
+        "node_token": TOKEN,
+        "heartbeat_interval_s": INTERVAL_S,
+        "max_heartbeat_backoff_s": MAX_BACKOFF_S,
+        "heartbeat_timeout_s": 0.5,
         **overrides,
-    )
+    }
 
 
 def _gaps(times: list[float]) -> list[float]:
@@ -52,67 +55,58 @@ def _gaps(times: list[float]) -> list[float]:
 
 
 def test_heartbeats_match_the_schema_back_off_and_resume(
-    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, fake_nodes: FakeNodes, control_plane: FakeControlPlane
 ) -> None:
-    node = start_reporting_node(server_loop, shared_llm, control_plane)
-    try:
-        assert wait_until(lambda: len(control_plane.beats) >= 5)
-        for body in control_plane.beats:
-            beat = Heartbeat.model_validate(body)
-            assert (beat.node_id, beat.region, beat.url) == (
-                node.settings.node_id,
-                "us-east",
-                node.base_url,
-            )
-            assert beat.model == MODEL_NAME and beat.tp_size == 1
-            assert beat.kv_blocks_total == node.stats().kv_blocks_total
-            assert beat.block_size == 16 and not beat.draining
-            assert beat.num_in_flight == 0
-        assert control_plane.bad_auth == 0
-        assert max(_gaps(control_plane.attempts)) < 5 * INTERVAL_S  # slack for a busy machine
-
-        # The control plane fails: beats back off (with jitter) up to the cap; serving goes on.
-        control_plane.status = 503
-        failing_from = len(control_plane.attempts)
-        with node.client() as http:
-            reply = http.post(
-                "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
-            )
-            assert reply.status_code == 200
-        time.sleep(2.5)
-        attempts = control_plane.attempts[failing_from:]
-        assert len(attempts) <= 10, "a 0.1 s interval would have made ~25 attempts"
-        gaps = _gaps(attempts)
-        assert max(gaps) > 3 * INTERVAL_S and max(gaps) <= MAX_BACKOFF_S + 0.5
-
-        # It goes away entirely, then comes back on the same port: beats resume promptly.
-        server_loop.run(control_plane.stop())
-        time.sleep(1.0)
-        control_plane.status = 200
-        num_beats = len(control_plane.beats)
-        server_loop.run(control_plane.start())
-        assert wait_until(
-            lambda: len(control_plane.beats) >= num_beats + 3, timeout_s=MAX_BACKOFF_S + 1.5
+    _, node = fake_nodes(**reporting(control_plane))
+    assert wait_until(lambda: len(control_plane.beats) >= 5)
+    for body in control_plane.beats:
+        beat = Heartbeat.model_validate(body)
+        assert (beat.node_id, beat.region, beat.url) == (
+            node.settings.node_id,
+            "us-east",
+            node.base_url,
         )
-        assert node.server.runtime is node.runtime
-    finally:
-        node.stop()
+        assert beat.model == MODEL_NAME and beat.tp_size == 1
+        assert beat.kv_blocks_total == node.stats().kv_blocks_total
+        assert beat.block_size == 16 and not beat.draining
+        assert beat.num_in_flight == 0
+    assert control_plane.bad_auth == 0
+    assert max(_gaps(control_plane.attempts)) < 5 * INTERVAL_S  # slack for a busy machine
+
+    # The control plane fails: beats back off (with jitter) up to the cap; serving goes on.
+    control_plane.status = 503
+    failing_from = len(control_plane.attempts)
+    with node.client() as http:
+        reply = http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+        )
+        assert reply.status_code == 200
+    # Five failures in a row: from the third on, the backoff's ceiling is at its cap.
+    assert wait_until(lambda: len(control_plane.attempts) >= failing_from + 6, timeout_s=10)
+    gaps = _gaps(control_plane.attempts[failing_from:])
+    assert min(gaps[2:]) > 3 * INTERVAL_S, gaps  # the cap with jitter: 0.4 s to 0.8 s
+    assert max(gaps) <= MAX_BACKOFF_S + 0.5, gaps
+
+    # It goes away entirely, then comes back on the same port: beats resume promptly.
+    server_loop.run(control_plane.stop())
+    num_failures = node.heartbeat.num_failures
+    assert wait_until(lambda: node.heartbeat.num_failures >= num_failures + 2, timeout_s=5)
+    control_plane.status = 200
+    num_beats = len(control_plane.beats)
+    server_loop.run(control_plane.start())
+    assert wait_until(
+        lambda: len(control_plane.beats) >= num_beats + 3, timeout_s=MAX_BACKOFF_S + 1.5
+    )
+    assert node.server.runtime is node.runtime
 
 
 def test_heartbeats_fail_over_between_control_plane_replicas(
-    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, fake_llm: FakeEngine, control_plane: FakeControlPlane
 ) -> None:
     other = FakeControlPlane(free_port(), interval_s=INTERVAL_S)
     server_loop.run(other.start())
-    node = start_node(
-        server_loop,
-        shared_llm,
-        control_plane=f"{control_plane.url},{other.url}",
-        node_token=TOKEN,
-        heartbeat_interval_s=INTERVAL_S,
-        max_heartbeat_backoff_s=MAX_BACKOFF_S,
-        heartbeat_timeout_s=0.5,
-    )
+    settings = reporting(control_plane, control_plane=f"{control_plane.url},{other.url}")
+    node = start_node(server_loop, fake_llm, **settings)
     try:
         assert wait_until(lambda: len(control_plane.beats) >= 3)
         assert other.beats == []  # the first URL while it answers
@@ -138,9 +132,10 @@ def _stream_lines(response: httpx.Response) -> Iterator[str]:
 
 
 def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
-    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
+    fake_nodes: FakeNodes, control_plane: FakeControlPlane
 ) -> None:
-    node = start_reporting_node(server_loop, shared_llm, control_plane)
+    llm, node = fake_nodes(**reporting(control_plane))
+    llm.hold(after_tokens=1)
     body = {
         "model": MODEL_NAME,
         "prompt": "Count: one, two,",
@@ -165,6 +160,7 @@ def test_control_plane_drain_refuses_new_work_finishes_old_and_undrains(
             assert wait_until(lambda: control_plane.beats[-1]["draining"] is True)
             # The stream admitted before the drain is reported in flight.
             assert wait_until(lambda: control_plane.beats[-1]["num_in_flight"] == 1)
+            llm.release()
             rest = list(lines)  # the request admitted before the drain runs to its end
         assert rest[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in rest[-2]
@@ -194,12 +190,9 @@ def _consul_services(standin: ConsulStandIn) -> dict[str, Any]:
 
 
 def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
-    server_loop: BackgroundLoop,
-    shared_llm: AsyncEngine,
-    control_plane: FakeControlPlane,
-    consul_standin: ConsulStandIn,
+    fake_nodes: FakeNodes, control_plane: FakeControlPlane, consul_standin: ConsulStandIn
 ) -> None:
-    node = start_reporting_node(server_loop, shared_llm, control_plane, consul=consul_standin.addr)
+    llm, node = fake_nodes(**reporting(control_plane, consul=consul_standin.addr))
     service_id = node.settings.node_id
     assert wait_until(lambda: service_id in _consul_services(consul_standin))
 
@@ -208,7 +201,9 @@ def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
     assert wait_until(lambda: node.runtime.drain.is_draining, timeout_s=2.0)
     control_plane.consul_deregister = True
     assert wait_until(lambda: service_id not in _consul_services(consul_standin))
-    time.sleep(5 * INTERVAL_S)  # several ticks: it is not registered again while draining
+    # Several ticks on, it is not registered again while draining.
+    num_beats = len(control_plane.beats)
+    assert wait_until(lambda: len(control_plane.beats) >= num_beats + 5)
     assert service_id not in _consul_services(consul_standin)
     control_plane.drain = control_plane.consul_deregister = False
     assert wait_until(lambda: service_id in _consul_services(consul_standin))
@@ -222,6 +217,7 @@ def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
         "ignore_eos": True,
         "stream": True,
     }
+    llm.hold(after_tokens=1)
     with node.client() as http, http.stream("POST", "/v1/completions", json=body) as stream:
         lines = _stream_lines(stream)
         assert next(lines).startswith("data: {")
@@ -237,8 +233,8 @@ def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
         control_plane.may_exit = True
         assert wait_until(lambda: node.runtime.drain.may_exit, timeout_s=2.0)
         # Allowed to exit, but not before the stream it holds is done.
-        num_in_flight = node.runtime.admission.num_in_flight
-        assert num_in_flight == 0 or not node.done.done()
+        assert node.runtime.admission.num_in_flight == 1 and not node.done.done()
+        llm.release()
         rest = list(lines)
     assert rest[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in rest[-2]
@@ -253,47 +249,37 @@ def _sigterm(loop: BackgroundLoop, node: NodeHandle) -> None:
 
 
 def test_sigterm_waits_for_may_exit_while_the_control_plane_is_reachable(
-    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, fake_nodes: FakeNodes, control_plane: FakeControlPlane
 ) -> None:
-    node = start_reporting_node(server_loop, shared_llm, control_plane)
-    try:
-        assert wait_until(lambda: len(control_plane.beats) >= 1)
-        _sigterm(server_loop, node)
-        assert wait_until(lambda: control_plane.beats[-1]["draining"] is True)
-        time.sleep(10 * INTERVAL_S)  # nothing in flight, but no may_exit yet: it stays up
-        assert not node.done.done()
-        control_plane.drain = True
-        control_plane.may_exit = True
-        node.done.result(timeout=5)
-    finally:
-        if not node.done.done():
-            node.stop()
+    _, node = fake_nodes(**reporting(control_plane))
+    assert wait_until(lambda: len(control_plane.beats) >= 1)
+    _sigterm(server_loop, node)
+    assert wait_until(lambda: control_plane.beats[-1]["draining"] is True)
+    # Nothing in flight, but no may_exit yet: ten beats on, it is still up.
+    num_beats = len(control_plane.beats)
+    assert wait_until(lambda: len(control_plane.beats) >= num_beats + 10)
+    assert not node.done.done()
+    control_plane.drain = True
+    control_plane.may_exit = True
+    node.done.result(timeout=5)
 
 
 def test_sigterm_exits_once_idle_when_the_control_plane_is_away(
-    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, fake_nodes: FakeNodes, control_plane: FakeControlPlane
 ) -> None:
-    node = start_reporting_node(server_loop, shared_llm, control_plane)
-    try:
-        assert wait_until(lambda: len(control_plane.beats) >= 1)
-        server_loop.run(control_plane.stop())
-        assert wait_until(lambda: not node.runtime.control_plane_reachable)
-        _sigterm(server_loop, node)
-        node.done.result(timeout=5)
-    finally:
-        if not node.done.done():
-            node.stop()
+    _, node = fake_nodes(**reporting(control_plane))
+    assert wait_until(lambda: len(control_plane.beats) >= 1)
+    server_loop.run(control_plane.stop())
+    assert wait_until(lambda: not node.runtime.control_plane_reachable)
+    _sigterm(server_loop, node)
+    node.done.result(timeout=5)
 
 
 def test_sigterm_wait_for_may_exit_is_bounded_by_the_drain_timeout(
-    server_loop: BackgroundLoop, shared_llm: AsyncEngine, control_plane: FakeControlPlane
+    server_loop: BackgroundLoop, fake_nodes: FakeNodes, control_plane: FakeControlPlane
 ) -> None:
-    node = start_reporting_node(server_loop, shared_llm, control_plane, drain_timeout_s=0.5)
-    try:
-        assert wait_until(lambda: len(control_plane.beats) >= 1)
-        _sigterm(server_loop, node)
-        node.done.result(timeout=5)
-        assert control_plane.beats[-1]["draining"] is True
-    finally:
-        if not node.done.done():
-            node.stop()
+    _, node = fake_nodes(**reporting(control_plane, drain_timeout_s=0.5))
+    assert wait_until(lambda: len(control_plane.beats) >= 1)
+    _sigterm(server_loop, node)
+    node.done.result(timeout=5)
+    assert control_plane.beats[-1]["draining"] is True

@@ -10,8 +10,6 @@ import httpx
 import pytest
 from node_helpers import MODEL_NAME, NodeHandle
 
-pytestmark = pytest.mark.slow
-
 # 4 MB, about 900,000 tokens: what stalled a node's loop for seconds when it was encoded there.
 BIG_TEXT = " The quick brown fox jumps over the lazy dog." * 90_000
 # 2 MB of token ids, which stalled it for a second while their text was checked for surrogates.

@@ -1,18 +1,20 @@
-"""The seeded workload and the load generator (against a real node agent, briefly)."""
+"""The seeded workload and the load generator (against a node agent over the fake engine, with
+the fake's tokenizer: fake_engine.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from fake_engine import byte_tokenizer
 from node_helpers import MODEL_NAME, NodeHandle
 
 from bench.loadgen import format_table, percentile, run_level
 from bench.workload import make_workload
-from engine.tokenizer import Tokenizer
 
 
-def test_workload_is_seeded_and_sized_with_the_tokenizer(tokenizer: Tokenizer) -> None:
+def test_workload_is_seeded_and_sized_with_the_tokenizer() -> None:
+    tokenizer = byte_tokenizer()
     workload = make_workload(40, seed=7, tokenizer=tokenizer)
     assert workload == make_workload(40, seed=7, tokenizer=tokenizer)
     assert workload != make_workload(40, seed=8, tokenizer=tokenizer)
@@ -32,9 +34,8 @@ def test_percentile_interpolates() -> None:
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
 
 
-@pytest.mark.slow
-def test_loadgen_reports_throughput_and_latency(node: NodeHandle, tokenizer: Tokenizer) -> None:
-    workload = make_workload(4, 0, tokenizer, prompt_tokens=(40, 80), output_tokens=(4, 8))
+def test_loadgen_reports_throughput_and_latency(node: NodeHandle) -> None:
+    workload = make_workload(4, 0, byte_tokenizer(), prompt_tokens=(60, 90), output_tokens=(4, 8))
     summary = asyncio.run(
         run_level(node.base_url, MODEL_NAME, "unused", workload, concurrency=2, quiet=True)
     )

@@ -7,13 +7,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from node_helpers import MODEL_NAME, free_port
+from node_helpers import MODEL_NAME, free_port, is_ready_at, node_agent_command, wait_until
 
 from node_agent.__main__ import load_settings, main, parse_args
 
@@ -119,23 +118,11 @@ def test_port_in_use_fails_before_loading_the_model(
 def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
-    command = [
-        sys.executable,
-        "-m",
-        "node_agent",
-        "--model",
-        str(smollm2_gguf),
-        "--served-model-name",
-        MODEL_NAME,
-        "--port",
-        str(port),
-        "--region",
-        "us-east",
-        "--num-kv-blocks",
-        "256",
-        "--max-model-len",
-        "1024",
-    ]
+    command = node_agent_command(
+        smollm2_gguf,
+        port,
+        *("--region", "us-east", "--num-kv-blocks", "256", "--max-model-len", "1024"),
+    )
     proc = subprocess.Popen(
         command,
         cwd=REPO_ROOT,
@@ -146,18 +133,11 @@ def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> No
     )
     base = f"http://127.0.0.1:{port}"
     try:
+        # Loading, and building the kernel once.
+        is_up = wait_until(lambda: proc.poll() is not None or is_ready_at(base), timeout_s=180)
+        assert proc.poll() is None, proc.communicate()[0]
+        assert is_up, "the node agent did not become ready"
         with httpx.Client(base_url=base, timeout=30) as http:
-            deadline = time.monotonic() + 180  # loading, and building the kernel once
-            while True:
-                assert proc.poll() is None, proc.communicate()[0]
-                try:
-                    if http.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the node agent did not become ready"
-                time.sleep(0.1)
-
             body = {
                 "model": MODEL_NAME,
                 "prompt": "Count: one, two,",
@@ -170,10 +150,7 @@ def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> No
                 assert next(lines).startswith("data: {")
                 proc.send_signal(signal.SIGTERM)
                 with httpx.Client(base_url=base, timeout=5) as other:
-                    deadline = time.monotonic() + 5
-                    while other.get("/ready").status_code != 503:
-                        assert time.monotonic() < deadline
-                        time.sleep(0.02)
+                    assert wait_until(lambda: other.get("/ready").status_code == 503)
                     refused = other.post(
                         "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"}
                     )

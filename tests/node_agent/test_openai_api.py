@@ -19,14 +19,18 @@ ANSWER = "The capital of France is Paris."
 
 
 @pytest.fixture
-def client(node: NodeHandle) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=node.base_url + "/v1", api_key="unused", max_retries=0) as client:
+def client(real_node: NodeHandle) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=real_node.base_url + "/v1", api_key="unused", max_retries=0
+    ) as client:
         yield client
 
 
 @pytest_asyncio.fixture
-async def async_client(node: NodeHandle) -> AsyncIterator[openai.AsyncOpenAI]:
-    client = openai.AsyncOpenAI(base_url=node.base_url + "/v1", api_key="unused", max_retries=0)
+async def async_client(real_node: NodeHandle) -> AsyncIterator[openai.AsyncOpenAI]:
+    client = openai.AsyncOpenAI(
+        base_url=real_node.base_url + "/v1", api_key="unused", max_retries=0
+    )
     yield client
     await client.close()
 
@@ -168,10 +172,10 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 
 def test_a_completion_with_max_tokens_null_stops_at_openais_default_of_16(
-    node: NodeHandle,
+    real_node: NodeHandle,
 ) -> None:
     body = {"model": MODEL_NAME, "prompt": "Once", "max_tokens": None, "ignore_eos": True}
-    with node.client() as http:
+    with real_node.client() as http:
         answer = http.post("/v1/completions", json=body).json()
     assert answer["usage"]["completion_tokens"] == 16
     assert answer["choices"][0]["finish_reason"] == "length"

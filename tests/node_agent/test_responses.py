@@ -1,11 +1,13 @@
-"""Response and chunk shapes, and token texts for logprobs."""
+"""Response and chunk shapes, and token texts for logprobs (on the fake engine's byte-level
+tokenizer: each byte a token of its own, spelled as GPT-2 spells bytes)."""
 
 from __future__ import annotations
 
 import json
 
+from fake_engine import IM_END, byte_tokenizer
+
 from engine.sequence import TokenLogprobs
-from engine.tokenizer import Tokenizer
 from node_agent.responses import (
     DONE,
     CompletionLogprobs,
@@ -47,30 +49,34 @@ def test_chat_chunks_carry_null_usage_only_when_usage_is_asked_for() -> None:
     assert DONE == b"data: [DONE]\n\n"
 
 
-def test_token_texts_give_exact_bytes_even_for_partial_characters(tokenizer: Tokenizer) -> None:
+def test_token_texts_give_exact_bytes_even_for_partial_characters() -> None:
+    tokenizer = byte_tokenizer()
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode(" café ☃")
+    assert len(ids) == len(" café ☃".encode())  # é and ☃ are split between tokens
     data = b"".join(bytes(texts.get(i)[1]) for i in ids)
     assert data == " café ☃".encode()
-    assert texts.get(2) == ("<|im_end|>", list(b"<|im_end|>"))
+    [im_end] = tokenizer.encode(IM_END)
+    assert texts.get(im_end) == (IM_END, list(IM_END.encode()))
 
 
-def test_logprobs_shapes(tokenizer: Tokenizer) -> None:
+def test_logprobs_shapes() -> None:
+    tokenizer = byte_tokenizer()
     texts = TokenTexts(tokenizer)
-    paris, london = tokenizer.encode(" Paris")[0], tokenizer.encode(" London")[0]
-    lps = [TokenLogprobs(paris, -0.1, [(paris, -0.1), (london, -2.0)])]
+    space, yes = tokenizer.encode(" "), tokenizer.encode("Y")
+    lps = [TokenLogprobs(space[0], -0.1, [(space[0], -0.1), (yes[0], -2.0)])]
     chat = chat_logprobs(texts, lps, 1)
     assert chat == {
         "content": [
             {
-                "token": " Paris",
+                "token": " ",
                 "logprob": -0.1,
-                "bytes": list(b" Paris"),
-                "top_logprobs": [{"token": " Paris", "logprob": -0.1, "bytes": list(b" Paris")}],
+                "bytes": list(b" "),
+                "top_logprobs": [{"token": " ", "logprob": -0.1, "bytes": list(b" ")}],
             }
         ]
     }
     legacy = CompletionLogprobs(texts, 2)
     first = legacy.next(lps)
-    assert first["top_logprobs"] == [{" Paris": -0.1, " London": -2.0}]
-    assert legacy.next(lps)["text_offset"] == [len(" Paris")]
+    assert first["top_logprobs"] == [{" ": -0.1, "Y": -2.0}]
+    assert legacy.next(lps)["text_offset"] == [len(" ")]

@@ -1,10 +1,11 @@
-"""Resuming a generation on the real SmolLM2: `return_token_ids` gives each chunk's ids, and
-`resume_token_ids` continues after them with what an unbroken run would have produced next.
+"""Resuming a generation: `return_token_ids` gives each chunk's ids, and `resume_token_ids`
+continues after them with what an unbroken run would have produced next.
 
-Exact continuation is tested on an fp32 engine: in bf16 the continuation's prefill of the
-resumed tokens rounds their KV differently from the decode steps that made them, and greedy
-texts part after a few tokens (docs/gateway.md). `resume_token_ids` is a gateway's field: these
-nodes have a serving token, and the requests carry it as a gateway's do."""
+Exact continuation is tested on the real SmolLM2 in an fp32 engine: in bf16 the continuation's
+prefill of the resumed tokens rounds their KV differently from the decode steps that made them,
+and greedy texts part after a few tokens (docs/gateway.md). The field's checks and the ids
+returned are tested over the fake engine (fake_engine.py). `resume_token_ids` is a gateway's
+field: these nodes have a serving token, and the requests carry it as a gateway's do."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fake_engine import FakeEngine
 from node_helpers import (
     MAX_MODEL_LEN,
     MODEL_NAME,
@@ -24,12 +26,9 @@ from node_helpers import (
     start_node,
 )
 
-from engine.async_engine import AsyncEngine
-
-pytestmark = pytest.mark.slow
-
 SERVING_TOKEN = "srv-" + "g" * 28
 AS_GATEWAY = {"Authorization": f"Bearer {SERVING_TOKEN}"}
+A_TOKEN = 65  # any id in both engines' vocabularies
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +41,9 @@ def fp32_node(smollm2_gguf: Path, server_loop: BackgroundLoop) -> Iterator[NodeH
 
 
 @pytest.fixture(scope="module")
-def gateway_node(server_loop: BackgroundLoop, shared_llm: AsyncEngine) -> Iterator[NodeHandle]:
-    """A node over the shared engine that serves gateways: it has a serving token."""
-    handle = start_node(server_loop, shared_llm, serving_token=SERVING_TOKEN)
+def gateway_node(server_loop: BackgroundLoop, fake_llm: FakeEngine) -> Iterator[NodeHandle]:
+    """A node over the shared fake engine that serves gateways: it has a serving token."""
+    handle = start_node(server_loop, fake_llm, serving_token=SERVING_TOKEN)
     yield handle
     handle.stop()
 
@@ -84,6 +83,7 @@ def content_and_ids(chunks: list[dict[str, Any]]) -> list[tuple[str, list[int]]]
     return pieces
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_a_resumed_stream_continues_exactly_as_the_unbroken_one(
     fp32_node: NodeHandle, sampling: str
@@ -132,6 +132,7 @@ def test_token_ids_are_returned_only_when_asked(node: NodeHandle) -> None:
     assert with_ids["choices"][0]["token_ids"] == streamed and len(streamed) == 6
 
 
+@pytest.mark.slow
 def test_a_completion_resumes_too(fp32_node: NodeHandle) -> None:
     node = fp32_node
     url = node.base_url + "/v1/completions"
@@ -180,7 +181,7 @@ def test_resume_token_ids_are_refused_from_a_caller_not_authenticated_as_a_gatew
 ) -> None:
     """A node without a serving token (loopback only, every caller alike) cannot tell a gateway
     from a client, so it refuses the field; a node with one takes it with the token."""
-    body = {**CHAT, "max_tokens": 2, "resume_token_ids": [504] * 6}
+    body = {**CHAT, "max_tokens": 2, "resume_token_ids": [A_TOKEN] * 6}
     refused = httpx.post(node.base_url + "/v1/chat/completions", json=body, timeout=60.0)
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
@@ -197,7 +198,7 @@ def test_resumed_ids_count_as_prompt_in_the_context_check(gateway_node: NodeHand
     answer = httpx.post(url, json={**body, "max_tokens": 1}, headers=AS_GATEWAY, timeout=60.0)
     num_prompt = answer.json()["usage"]["prompt_tokens"]
     room = 2  # tokens left for the completion after the prompt and the resumed ids
-    resumed = [504] * (MAX_MODEL_LEN - num_prompt - room)
+    resumed = [A_TOKEN] * (MAX_MODEL_LEN - num_prompt - room)
     fits = httpx.post(
         url,
         json={**body, "resume_token_ids": resumed, "max_tokens": room},
