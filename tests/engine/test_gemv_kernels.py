@@ -23,9 +23,21 @@ kernels = cpu_kernels() or pytest.skip(
     "the CPU kernels could not be built", allow_module_level=True
 )
 
-# (N, K): one row; a partial group and a partial vector; the model's shapes; many rows.
-SHAPES = [(1, 1), (5, 17), (7, 33), (576, 576), (130, 1536), (2051, 100)]
-TOKENS = [1, 2, 3, 8, 13, 64]
+# (N, K, tokens), each shape with the token counts that take its other paths, rather than every
+# pair: the kernel runs rows in groups of 4 (a last partial group row by row), K in vectors (a
+# last partial one masked) and tokens in tiles of 1-4. Together: every tile size with full and
+# partial row groups and vectors, and weights split over threads.
+CASES = [
+    (1, 1, 1),  # one row, K under one vector
+    (5, 17, 2),  # a group of 4 and a single row, a partial vector, a tile of 2
+    (5, 17, 13),  # tiles 4, 4, 4, 1
+    (7, 33, 3),  # three single rows, a tile of 3
+    (7, 33, 8),  # two full tiles
+    (576, 576, 1),  # the model's shape, over threads
+    (576, 576, 64),  # many tiles
+    (130, 1536, 13),  # over threads, with a partial group
+    (2051, 100, 3),  # many rows, a partial vector
+]
 
 
 def _bf16_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
@@ -35,8 +47,7 @@ def _bf16_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(ours.float(), expected, atol=1e-4 * scale, rtol=2**-7)
 
 
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize(("n", "k", "num_tokens"), CASES)
 def test_bf16_linear_equals_the_fp32_matmul(n: int, k: int, num_tokens: int) -> None:
     gen = torch.Generator().manual_seed(n + k * num_tokens)
     weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)

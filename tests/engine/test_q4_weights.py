@@ -41,9 +41,23 @@ from engine.model.parallel_layers import (
 )
 from engine.outputs import CompletionOutput
 
-# (N, K): one row; a partial group of four rows; the model's shapes; many short rows.
-SHAPES = [(1, 32), (5, 96), (7, 64), (576, 576), (130, 1536), (2051, 32)]
-TOKENS = [1, 2, 3, 4, 5, 13, GEMV_MAX_TOKENS, 64]
+# (N, K, tokens), each shape with the token counts that take its other paths, rather than every
+# pair: the kernel runs rows in groups of 4 (a last partial group row by row) and tokens in tiles
+# of 1-4 (over 4 in bf16 on AVX-512 BF16: rows dequantized in L1), and over GEMV_MAX_TOKENS (or
+# bf16's own limit) the dense path. Together: every tile size with full and partial row groups,
+# one block and many per row, a weight split over threads, and both sides of the token limit.
+CASES = [
+    (1, 32, 1),  # one row, one block
+    (5, 96, 2),  # a group of 4 and a single row, a tile of 2
+    (5, 96, 5),  # tiles of 4 and 1 (bf16: the rows dequantized in L1)
+    (7, 64, 3),  # three single rows, a tile of 3
+    (7, 64, 13),  # tiles 4, 4, 4, 1
+    (576, 576, 4),  # the model's shape, over threads: one full tile
+    (576, 576, GEMV_MAX_TOKENS),  # the last step in the kernel's range
+    (130, 1536, 1),  # over threads, with a partial group
+    (130, 1536, 64),  # past the range: the dense path (bf16 may keep the kernel)
+    (2051, 32, 5),  # many short rows, a partial group of 3
+]
 FORMATS = [Q4_1, Q8_0]
 
 
@@ -74,8 +88,7 @@ def _close(ours: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("kernels_on", [True, False])
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize(("n", "k", "num_tokens"), CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_linear_equals_the_gguf_dequantized_matmul(
