@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import logging
 import signal
@@ -27,27 +28,26 @@ from gateway.server import (
 )
 from gateway.settings import GatewaySettings
 from gateway.tls import server_context
+from wire import service_cli
 from wire.connection_guard import bind_socket
 from wire.validation import one_line
 
 PROG = "gateway"
 logger = logging.getLogger(PROG)
+_fail = functools.partial(service_cli.fail, PROG)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m gateway",
-        description="Meridian gateway: the HTTPS front door of one point of presence. Its "
-        "control-plane token comes from MERIDIAN_GATEWAY_TOKEN, the optional one scrapes of "
-        "/metrics must send from MERIDIAN_GATEWAY_METRICS_TOKEN.",
-        argument_default=argparse.SUPPRESS,
+    parser = service_cli.service_parser(
+        PROG,
+        "Meridian gateway: the HTTPS front door of one point of presence. Its control-plane "
+        "token comes from MERIDIAN_GATEWAY_TOKEN, the optional one scrapes of /metrics must "
+        "send from MERIDIAN_GATEWAY_METRICS_TOKEN.",
     )
     add = parser.add_argument
     add("--pop", help="this point of presence's name (a place in wire/geo.py)")
-    add("--host", help="address to listen on (default 127.0.0.1)")
-    add("--port", type=int, help="port to listen on (default 8443)")
-    add("--control-plane", help="control plane URL, e.g. http://127.0.0.1:8080")
-    add("--control-plane-ca", help="PEM CA file to verify an https:// control plane with")
+    service_cli.add_listen_flags(parser, default_port=8443)
+    service_cli.add_control_plane_flags(parser)
     add("--redis", help="redis:// URL to share rate limits with the PoP's other gateways")
     add(
         "--share-prefix-cache",
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="count requests by API key id too (lists the tenants to whoever can scrape)",
     )
-    add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    service_cli.add_log_level_flag(parser)
     add("--no-access-log", dest="access_log", action="store_false", help="no line per request")
     return parser.parse_args(argv)
 
@@ -100,11 +100,6 @@ def load_settings(args: argparse.Namespace) -> GatewaySettings:
     if "tls_cert" in values or "tls_key" in values:
         values.setdefault("tls_mode", "files")
     return GatewaySettings(**values)
-
-
-def _fail(message: str, status: int) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}", 1)
+        return _fail(service_cli.cannot_listen(settings.host, settings.port, exc), 1)
     try:
         metrics_sock = bind_socket(settings.metrics_host, settings.metrics_port)
     except OSError as exc:
         sock.close()
-        where = f"{settings.metrics_host}:{settings.metrics_port}"
-        return _fail(f"cannot listen on {where} for metrics: {exc.strerror}", 1)
+        host, port = settings.metrics_host, settings.metrics_port
+        return _fail(service_cli.cannot_listen(host, port, exc, " for metrics"), 1)
     metrics_host, metrics_port = metrics_sock.getsockname()[:2]
     logger.info(
         "gateway %s on %s://%s:%d (metrics on http://%s:%d/metrics), control plane %s, "

@@ -7,6 +7,7 @@ fails to load, 2 for bad flags or configuration (one line on stderr saying what 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -20,36 +21,32 @@ from node_agent.app import create_app
 from node_agent.consul import parse_consul_addr
 from node_agent.server import NodeServer
 from node_agent.settings import NodeAgentSettings, NodeConfigError
+from wire import service_cli
 from wire.connection_guard import bind_socket
 from wire.validation import one_line
 
 PROG = "node_agent"
 logger = logging.getLogger(PROG)
+_fail = functools.partial(service_cli.fail, PROG)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m node_agent",
-        description="Meridian node agent: serves a model over the OpenAI API and reports its "
-        "capacity to the control plane (token from MERIDIAN_NODE_TOKEN). With "
-        "MERIDIAN_SERVING_TOKEN set, every /v1 request must carry it as "
-        "`Authorization: Bearer`; a host other than loopback requires it.",
-        argument_default=argparse.SUPPRESS,
+    parser = service_cli.service_parser(
+        PROG,
+        "Meridian node agent: serves a model over the OpenAI API and reports its capacity to "
+        "the control plane (token from MERIDIAN_NODE_TOKEN). With MERIDIAN_SERVING_TOKEN set, "
+        "every /v1 request must carry it as `Authorization: Bearer`; a host other than "
+        "loopback requires it.",
     )
     add = parser.add_argument
     add("--config", dest="config_file", type=Path, help="YAML file of settings (lowest priority)")
     add("--model", help="model name (see `python -m engine pull`) or path to a GGUF / HF folder")
     add("--served-model-name", help="the name clients use (default: the model name)")
-    add("--host", help="address to listen on (default 127.0.0.1)")
-    add("--port", type=int, help="port to listen on (default 9001)")
+    service_cli.add_listen_flags(parser, default_port=9001)
     add("--region", help="region this node serves in (default local)")
     add("--node-id", help="this node's id (default: host name and port)")
     add("--advertise-url", help="URL others reach this node at (default http://HOST:PORT)")
-    add(
-        "--control-plane",
-        help="control plane URL for heartbeats, e.g. http://127.0.0.1:8080; replicas: URL,URL,...",
-    )
-    add("--control-plane-ca", help="PEM CA file to verify an https:// control plane with")
+    service_cli.add_control_plane_flags(parser)
     add("--tensor-parallel-size", type=int, help="GPUs per pipeline stage (default 1)")
     add("--pipeline-parallel-size", type=int, help="pipeline stages per replica (default 1)")
     add("--consul", help="Consul agent address (HOST:PORT) to register this node with")
@@ -72,17 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run the engine core in its own process (default; --no-engine-process: a thread)",
     )
     add("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds to finish in flight")
-    add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    service_cli.add_log_level_flag(parser)
     return parser.parse_args(argv)
 
 
 def load_settings(args: argparse.Namespace) -> NodeAgentSettings:
     return NodeAgentSettings(**vars(args))
-
-
-def _fail(message: str, status: int) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}", 1)
+        return _fail(service_cli.cannot_listen(settings.host, settings.port, exc), 1)
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

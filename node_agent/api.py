@@ -57,28 +57,16 @@ router = APIRouter()
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, runtime: Runtime
 ) -> Response:
-    return await _serve(
-        request,
-        runtime,
-        body,
-        lambda s, salt: s.prepare_chat(body, salt),
-        chat_events,
-        collect_chat,
-    )
+    return await _serve(request, runtime, body, Serving.prepare_chat, chat_events, collect_chat)
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, runtime: Runtime) -> Response:
-    return await _serve(
-        request,
-        runtime,
-        body,
-        lambda s, salt: s.prepare_completion(body, salt),
-        completion_events,
-        collect_completion,
-    )
+    prepare = Serving.prepare_completion
+    return await _serve(request, runtime, body, prepare, completion_events, collect_completion)
 
 
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 Events = Callable[[RequestRun, Outputs, TokenTexts], AsyncIterator[bytes]]
 Collect = Callable[[RequestRun, Outputs, TokenTexts], Awaitable[JSON]]
 
@@ -86,8 +74,8 @@ Collect = Callable[[RequestRun, Outputs, TokenTexts], Awaitable[JSON]]
 async def _serve(
     request: Request,
     runtime: NodeRuntime,
-    body: ChatCompletionRequest | CompletionRequest,
-    prepare: Callable[[Serving, str | None], Awaitable[PreparedRequest]],
+    body: Body,
+    prepare: Callable[[Serving, Body, str | None], Awaitable[PreparedRequest]],
     events: Events,
     collect: Collect,
 ) -> Response:
@@ -101,7 +89,7 @@ async def _serve(
     cache_salt = cache_salt_of(request.headers, body.cache_salt)
     serving, ticket = runtime.admit(attempt_of(request.headers.get(ATTEMPT_COUNT_HEADER)))
     try:
-        prepared = await prepare(serving, cache_salt)
+        prepared = await prepare(serving, body, cache_salt)
     except BaseException:
         ticket.release()
         raise

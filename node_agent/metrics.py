@@ -168,7 +168,6 @@ class NodeMetrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        label = {"model_name": model_name}
         self._success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
@@ -181,35 +180,30 @@ class NodeMetrics:
             ["model_name", "status"],
             registry=self.registry,
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Arrival at the node to first token.",
-            ["model_name"],
-            buckets=TTFT_BUCKETS_S,
-            registry=self.registry,
-        ).labels(**label)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive output tokens.",
-            ["model_name"],
-            buckets=ITL_BUCKETS_S,
-            registry=self.registry,
-        ).labels(**label)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Arrival at the node to first token.", TTFT_BUCKETS_S
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS_S
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds",
             "Arrival at the node to the last token.",
-            ["model_name"],
-            buckets=REQUEST_BUCKETS_S,
-            registry=self.registry,
-        ).labels(**label)
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
+            REQUEST_BUCKETS_S,
+        )
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds",
             "Time in the engine's waiting queue before first being scheduled.",
-            ["model_name"],
-            buckets=REQUEST_BUCKETS_S,
-            registry=self.registry,
-        ).labels(**label)
+            REQUEST_BUCKETS_S,
+        )
         self.registry.register(EngineStatsCollector(model_name, stats))
+
+    def _histogram(self, name: str, documentation: str, buckets_s: tuple[float, ...]) -> Histogram:
+        """One of this model's latency histograms, in seconds."""
+        family = Histogram(
+            PREFIX + name, documentation, ["model_name"], buckets=buckets_s, registry=self.registry
+        )
+        return family.labels(model_name=self.model_name)
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))

@@ -150,22 +150,9 @@ class ResponseHeader:
         usage: Usage,
         token_ids: list[int],
     ) -> JSON:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        self._add_token_ids(choice, token_ids)
-        return {
-            "id": self.response_id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            **self._prompt_ids(),
-            "choices": [choice],
-            "usage": usage.to_json(),
-        }
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": logprobs}
+        return self._body("chat.completion", choice, finish_reason, usage, token_ids)
 
     def chat_chunk(
         self,
@@ -174,10 +161,8 @@ class ResponseHeader:
         logprobs: JSON | None = None,
         token_ids: list[int] | None = None,
     ) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        if token_ids is not None:
-            self._add_token_ids(choice, token_ids)
-        return self._chunk(self._chat_chunk, [choice])
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs}
+        return self._chunk(self._chat_chunk, choice, finish_reason, token_ids)
 
     def chat_usage_chunk(self, usage: Usage) -> bytes:
         return sse({**self._chat_chunk, "choices": [], "usage": usage.to_json()})
@@ -192,17 +177,8 @@ class ResponseHeader:
         usage: Usage,
         token_ids: list[int],
     ) -> JSON:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        self._add_token_ids(choice, token_ids)
-        return {
-            "id": self.response_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            **self._prompt_ids(),
-            "choices": [choice],
-            "usage": usage.to_json(),
-        }
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
+        return self._body("text_completion", choice, finish_reason, usage, token_ids)
 
     def completion_chunk(
         self,
@@ -211,13 +187,54 @@ class ResponseHeader:
         logprobs: JSON | None = None,
         token_ids: list[int] | None = None,
     ) -> bytes:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        if token_ids is not None:
-            self._add_token_ids(choice, token_ids)
-        return self._chunk(self._text_chunk, [choice])
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
+        return self._chunk(self._text_chunk, choice, finish_reason, token_ids)
 
     def completion_usage_chunk(self, usage: Usage) -> bytes:
         return sse({**self._text_chunk, "choices": [], "usage": usage.to_json()})
+
+    # --- shared by both ---
+
+    def _body(
+        self,
+        kind: str,
+        choice: JSON,
+        finish_reason: str | None,
+        usage: Usage,
+        token_ids: list[int],
+    ) -> JSON:
+        """A whole (not streamed) response of one choice; the choice's `finish_reason` and
+        ids come last in it, as in OpenAI's."""
+        choice["finish_reason"] = finish_reason
+        self._add_token_ids(choice, token_ids)
+        return {
+            "id": self.response_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            **self._prompt_ids(),
+            "choices": [choice],
+            "usage": usage.to_json(),
+        }
+
+    def _chunk(
+        self,
+        base: JSON,
+        choice: JSON,
+        finish_reason: str | None,
+        token_ids: list[int] | None,
+    ) -> bytes:
+        choice["finish_reason"] = finish_reason
+        if token_ids is not None:
+            self._add_token_ids(choice, token_ids)
+        payload: JSON = {**base}
+        if not self._has_sent_prompt_ids:
+            self._has_sent_prompt_ids = True
+            payload |= self._prompt_ids()
+        payload["choices"] = [choice]
+        if self.include_usage:
+            payload["usage"] = None
+        return sse(payload)
 
     def _add_token_ids(self, choice: JSON, token_ids: list[int]) -> None:
         if self.return_token_ids:
@@ -227,16 +244,6 @@ class ResponseHeader:
         if not self.return_token_ids or self.prompt_token_ids is None:
             return {}
         return {PROMPT_TOKEN_IDS: self.prompt_token_ids}
-
-    def _chunk(self, base: JSON, choices: list[JSON]) -> bytes:
-        payload: JSON = {**base}
-        if not self._has_sent_prompt_ids:
-            self._has_sent_prompt_ids = True
-            payload |= self._prompt_ids()
-        payload["choices"] = choices
-        if self.include_usage:
-            payload["usage"] = None
-        return sse(payload)
 
 
 def error_event(status: int, message: str, code: str | None) -> bytes:
