@@ -15,7 +15,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from bounded_wait import wait_until
 from tf_helpers import REPO_ROOT, Terraform, copy_terraform_tree, diagnostics
 
 from stack.config import parse_config
@@ -63,16 +64,6 @@ module "region" {
 
 output "nodes" { value = module.region.nodes }
 """
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll `check` until true (bounded); the seconds it took."""
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.25)
-    return time.monotonic() - started
 
 
 def stack_config(tmp_path: Path) -> tuple[Path, StackLayout, int]:
@@ -264,11 +255,14 @@ def test_stack_terraform_openai_failover_and_down(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # 1. `meridian up` gets ready and prints the URL, a key, the CA and examples.
-    ready_s = wait_until(
+    started = time.monotonic()
+    wait_until(
         lambda: "Running in the foreground" in stack.output() or stack.proc.poll() is not None,
         MAX_UP_S,
         "meridian up",
+        interval_s=0.25,
     )
+    ready_s = time.monotonic() - started
     assert stack.proc.poll() is None, stack.output()
     assert "curl --cacert" in stack.output() and "openai.OpenAI(" in stack.output()
     print(f"meridian up ready in {ready_s:.1f} s")
@@ -308,6 +302,7 @@ def test_stack_terraform_openai_failover_and_down(
             lambda: gateway_regions(stack).get(TF_REGION, {}).get("healthy_nodes") == 1,
             MAX_NODE_S,
             f"the gateway to see {TF_REGION}'s node",
+            interval_s=0.25,
         )
 
         # 4. Kill a region's node agent: requests keep succeeding, from the other regions.
@@ -319,6 +314,7 @@ def test_stack_terraform_openai_failover_and_down(
             lambda: gateway_regions(stack)["us-east"]["healthy_nodes"] == 0,
             15,
             "the gateway to see us-east without healthy nodes",
+            interval_s=0.25,
         )
         served += [chat(client, f"Say goodbye number {i}.")[1] for i in range(3)]
         assert "us-east" not in served[-3:], served
@@ -332,7 +328,12 @@ def test_stack_terraform_openai_failover_and_down(
         assert destroyed.retcode == 0, "\n".join(diagnostics(destroyed)) or destroyed.error
         regions = stack.admin_get("/v1/regions")["regions"]
         assert TF_REGION not in [r["name"] for r in regions]
-        wait_until(lambda: TF_REGION not in gateway_regions(stack), 10, "the gateway to drop it")
+        wait_until(
+            lambda: TF_REGION not in gateway_regions(stack),
+            10,
+            "the gateway to drop it",
+            interval_s=0.25,
+        )
         chat(client, "One more, please.")
     finally:
         stop(tf_node)

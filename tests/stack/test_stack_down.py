@@ -9,11 +9,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bounded_wait import wait_until
 
 from stack import processes
 from stack.down import down
@@ -54,16 +54,17 @@ def test_a_zombie_is_not_running(sleeper: Sleeper) -> None:
     record, popen = sleeper()
     popen.kill()
     stat = Path(f"/proc/{popen.pid}/stat")
-    deadline = time.monotonic() + 5
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # dead, not yet reaped
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+
+    def is_zombie() -> bool:  # dead, not yet reaped
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+    wait_until(is_zombie, 5, "the killed process to be a zombie", interval_s=0.02)
     assert not record.is_running()
     popen.wait()
 
 
-def test_down_stops_the_recorded_processes_and_spares_an_unrelated_one(
 @pytest.mark.slow
+def test_down_stops_the_recorded_processes_and_spares_an_unrelated_one(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     node, node_popen = sleeper("node us-east-00", "node")
@@ -92,15 +93,18 @@ def test_down_stops_the_recorded_processes_and_spares_an_unrelated_one(
         unrelated.wait()
 
 
-def test_down_kills_what_ignores_sigterm_after_its_timeout(
 @pytest.mark.slow
+def test_down_kills_what_ignores_sigterm_after_its_timeout(
     state_dir: StateDir, sleeper: Sleeper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(processes, "DEFAULT_STOP_TIMEOUT_S", 0.5)
     stubborn, popen = sleeper("envoy us-east", "envoy", ignore_sigterm=True)
-    deadline = time.monotonic() + 10
-    while "sleeping" not in Path(stubborn.log).read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)  # its SIGTERM handler is in place
+    wait_until(
+        lambda: "sleeping" in Path(stubborn.log).read_text(),
+        10,
+        "its SIGTERM handler to be in place",
+        interval_s=0.05,
+    )
     state_dir.write(_state([stubborn]))
     said: list[str] = []
     assert down(state_dir.root, said.append) == 0
@@ -108,11 +112,11 @@ def test_down_kills_what_ignores_sigterm_after_its_timeout(
     assert any("killed (no exit within 0.5 s of SIGTERM)" in line for line in said)
 
 
+@pytest.mark.slow
 def test_down_stops_in_order_gateway_first_control_plane_last(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     records = [
-@pytest.mark.slow
         sleeper("control-plane", "control-plane")[0],
         sleeper("node a", "node")[0],
         sleeper("envoy a", "envoy")[0],
@@ -126,11 +130,11 @@ def test_down_stops_in_order_gateway_first_control_plane_last(
     assert order == ["gateway", "rtt-proxy", "node a", "envoy a", "control-plane"]
 
 
+@pytest.mark.slow
 def test_down_asks_a_foreground_up_to_stop_its_own_stack(state_dir: StateDir) -> None:
     # A stand-in for a foreground `meridian up`: on SIGTERM it clears the state and exits.
     code = (
         "import pathlib, signal, sys, time\n"
-@pytest.mark.slow
         f"state = pathlib.Path({str(state_dir.state_path)!r})\n"
         "def stop(*_):\n    state.unlink()\n    sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, stop)\n"
@@ -165,11 +169,11 @@ def test_down_with_nothing_recorded_is_a_no_op(tmp_path: Path) -> None:
     assert said == [f"no stack recorded in {tmp_path / 'none'}: nothing to stop"]
 
 
+@pytest.mark.slow
 def test_stale_state_is_cleared_and_a_live_stack_refused(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     dead = ProcessRecord("gateway", "gateway", 999_999_999, "gone", "")
-@pytest.mark.slow
     state_dir.write(_state([dead]))
     check_not_running(state_dir)  # nothing alive: the state is stale and goes
     assert state_dir.read() is None
@@ -180,11 +184,11 @@ def test_stale_state_is_cleared_and_a_live_stack_refused(
         check_not_running(state_dir)
 
 
+@pytest.mark.slow
 def test_state_round_trips_and_a_damaged_file_is_one_line(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     record, _ = sleeper()
-@pytest.mark.slow
     state = _state([record])
     state.ca_cert = "/x/ca.pem"
     state_dir.write(state)
@@ -205,11 +209,11 @@ def test_tokens_file_is_private(state_dir: StateDir) -> None:
     assert state_dir.read_tokens() == {"MERIDIAN_ADMIN_TOKEN": "adm-secret"}
 
 
+@pytest.mark.slow
 def test_status_lists_processes_and_says_when_the_control_plane_is_unreachable(
     state_dir: StateDir, sleeper: Sleeper
 ) -> None:
     alive, _ = sleeper("node us-east-00")
-@pytest.mark.slow
     dead = ProcessRecord("gateway", "gateway", 999_999_999, "gone", "/x/gateway.log")
     state_dir.write(_state([alive, dead]))
     said: list[str] = []
@@ -226,11 +230,11 @@ def test_status_without_a_stack(tmp_path: Path) -> None:
     assert said[0].startswith("no stack is running")
 
 
+@pytest.mark.slow
 def test_signal_goes_to_the_process_group_only_when_the_record_leads_it(
     sleeper: Sleeper,
 ) -> None:
     record, popen = sleeper()
-@pytest.mark.slow
     assert os.getpgid(popen.pid) == popen.pid  # started in its own session, as `up` does
     assert processes.send_signal(record, signal.SIGTERM)
     assert popen.wait(timeout=5) == -signal.SIGTERM

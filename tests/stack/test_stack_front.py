@@ -19,15 +19,16 @@ from pathlib import Path
 import httpx
 import pytest
 from aiohttp import web
+from bounded_wait import wait_until
 
 from gateway.anycast import Anycast, pops_at
 from stack.certs import ensure_pop_tls
 from stack.front import CHECK_INTERVAL_S, FAILURES_DOWN
 from wire.geo import LOCATIONS, locate
 
-POPS = {"new-york": "127.0.1.1", "london": "127.0.1.2", "singapore": "127.0.1.3"}
 pytestmark = pytest.mark.slow  # starts processes
 
+POPS = {"new-york": "127.0.1.1", "london": "127.0.1.2", "singapore": "127.0.1.3"}
 CITIES = ("tokyo", "paris", "chicago")
 NEAREST = {"tokyo": "singapore", "paris": "london", "chicago": "new-york"}
 
@@ -104,15 +105,14 @@ class Front:
         with log.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         self.verify = ssl.create_default_context(cafile=str(pops.ca_cert))
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(self.admin_url).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+        wait_until(self._is_up, 20, "the front's admin API", interval_s=0.05)
+
+    def _is_up(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()
+        try:
+            return httpx.get(self.admin_url).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     @property
     def admin_url(self) -> str:
@@ -189,7 +189,9 @@ def test_a_dead_pop_is_skipped_at_once_withdrawn_and_announced_again(
     pops_state = front.state()["pops"]
     assert pops_state["singapore"]["announced"] is False  # type: ignore[index]
     pops.start("singapore")
-    deadline = time.monotonic() + 10 * CHECK_INTERVAL_S * FAILURES_DOWN + 5
-    while front.pop_of("tokyo") != "singapore":
-        assert time.monotonic() < deadline, "singapore was not announced again"
-        time.sleep(0.05)
+    wait_until(
+        lambda: front.pop_of("tokyo") == "singapore",
+        10 * CHECK_INTERVAL_S * FAILURES_DOWN + 5,
+        "singapore to be announced again",
+        interval_s=0.05,
+    )
