@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api import Handlers
+from gateway.control_plane_client import ControlPlaneClient
 from gateway.edge import AutoTier
 from gateway.errors import GatewayError, error_response
 from gateway.http_limits import cap_headers
@@ -64,28 +65,19 @@ def _new_buckets(settings: GatewaySettings) -> Buckets:
 def _reporter(
     session: aiohttp.ClientSession, settings: GatewaySettings, limiter: PopLimiter
 ) -> UsageReporter:
-    return UsageReporter(
-        session,
-        ControlPlaneUrls.parse(settings.control_plane),  # its own: it fails over on its own
-        settings.gateway_token.get_secret_value(),
-        settings.pop,
-        limiter,
-        settings.limit_report_interval_s,
-    )
+    urls = ControlPlaneUrls.parse(settings.control_plane)  # its own: it fails over on its own
+    client = ControlPlaneClient(session, urls, settings.gateway_token.get_secret_value())
+    return UsageReporter(client, settings.pop, limiter, settings.limit_report_interval_s)
 
 
 def _watches(
     session: aiohttp.ClientSession, settings: GatewaySettings, handlers: Handlers
 ) -> list[Watch[RegionSummaryIndex] | Watch[KeySnapshot]]:
-    token = settings.gateway_token.get_secret_value()
-    urls = ControlPlaneUrls.parse(
-        settings.control_plane
-    )  # one list: the watches fail over together
+    urls = ControlPlaneUrls.parse(settings.control_plane)  # one list: they fail over together
+    client = ControlPlaneClient(session, urls, settings.gateway_token.get_secret_value())
     regions = Watch(
-        session,
-        urls,
+        client,
         "/v1/regions/summary",
-        token,
         RegionSummaryIndex.model_validate_json,
         lambda document: handlers.router.update(
             with_region_ingress(document, settings.region_ingress)
@@ -94,10 +86,8 @@ def _watches(
         settings.max_watch_backoff_s,
     )
     keys = Watch(
-        session,
-        urls,
+        client,
         "/v1/keys/snapshot",
-        token,
         KeySnapshot.model_validate_json,
         handlers.keys.replace,
         settings.watch_wait_s,

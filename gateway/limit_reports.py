@@ -13,11 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-from pydantic import ValidationError
-
+from gateway.control_plane_client import CALL_FAILURES, ControlPlaneClient
 from gateway.limit_shares import Asked, PopLimiter
-from wire.control_plane_urls import ControlPlaneUrls
 from wire.limit_shares import MAX_REPORTED_KEYS, KeyUse, ShareAnswer, UsageReport
 
 logger = logging.getLogger(__name__)
@@ -26,23 +23,16 @@ PATH = "/v1/limits/report"
 REPORT_TIMEOUT_S = 5.0
 
 
-class ReportRejectedError(Exception):
-    """The control plane answered with a status other than 200."""
-
-
 class UsageReporter:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
-        urls: ControlPlaneUrls,
-        token: str,
+        client: ControlPlaneClient,
         pop: str,
         limiter: PopLimiter,
         interval_s: float,
     ) -> None:
-        self._session = session
-        self._urls = urls
-        self._headers = {"Authorization": f"Bearer {token}"}
+        self._client = client
+        self._urls = client.urls
         self._pop = pop
         self._limiter = limiter
         self._interval_s = interval_s
@@ -57,7 +47,7 @@ class UsageReporter:
             started_s = loop.time()
             try:
                 await self.report_once()
-            except (aiohttp.ClientError, TimeoutError, ValidationError, ReportRejectedError) as exc:
+            except CALL_FAILURES as exc:
                 self._on_failure(exc)
             await asyncio.sleep(max(0.0, self._interval_s - (loop.time() - started_s)))
 
@@ -102,16 +92,9 @@ class UsageReporter:
         return uses
 
     async def _post(self, report: UsageReport) -> ShareAnswer:
-        timeout = aiohttp.ClientTimeout(total=REPORT_TIMEOUT_S)
-        async with self._session.post(
-            self._urls.current + PATH,
-            data=report.model_dump_json(),
-            headers={**self._headers, "Content-Type": "application/json"},
-            timeout=timeout,
-        ) as response:
-            body = await response.read()
-            if response.status != 200:
-                raise ReportRejectedError(f"HTTP {response.status}: {body[:200]!r}")
+        body = await self._client.call(
+            "POST", PATH, REPORT_TIMEOUT_S, json_body=report.model_dump_json()
+        )
         return ShareAnswer.model_validate_json(body)
 
     def _on_failure(self, exc: Exception) -> None:

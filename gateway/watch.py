@@ -16,10 +16,7 @@ import random
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-import aiohttp
-from pydantic import ValidationError
-
-from wire.control_plane_urls import ControlPlaneUrls
+from gateway.control_plane_client import CALL_FAILURES, ControlPlaneClient
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +33,19 @@ class Indexed(Protocol):
 D = TypeVar("D", bound=Indexed)
 
 
-class WatchRejectedError(Exception):
-    """The control plane answered with a status other than 200."""
-
-
 class Watch(Generic[D]):
     def __init__(
         self,
-        session: aiohttp.ClientSession,
-        urls: ControlPlaneUrls,
+        client: ControlPlaneClient,
         path: str,
-        token: str,
         parse: Callable[[bytes], D],
         apply: Callable[[D], None],
         wait_s: float,
         max_backoff_s: float,
     ) -> None:
-        self._session = session
-        self._urls = urls
+        self._client = client
+        self._urls = client.urls
         self._path = path
-        self._headers = {"Authorization": f"Bearer {token}"}
         self._parse = parse
         self._apply = apply
         self._wait_s = wait_s
@@ -70,7 +60,7 @@ class Watch(Generic[D]):
         while True:
             try:
                 document = await self.poll()
-            except (aiohttp.ClientError, TimeoutError, ValidationError, WatchRejectedError) as exc:
+            except CALL_FAILURES as exc:
                 await self._fail_over_or_back_off(exc)
                 continue
             if self.num_failures:
@@ -84,18 +74,12 @@ class Watch(Generic[D]):
 
     @property
     def _url(self) -> str:
-        return self._urls.current + self._path
+        return self._client.url_of(self._path)
 
     async def poll(self) -> D:
         wait_s = self._wait_s if self.loaded.is_set() else 0.0
         params = {"index": str(self.index), "wait": f"{wait_s:g}s"}
-        timeout = aiohttp.ClientTimeout(total=wait_s + WAIT_SLACK_S)
-        async with self._session.get(
-            self._url, params=params, headers=self._headers, timeout=timeout
-        ) as response:
-            body = await response.read()
-            if response.status != 200:
-                raise WatchRejectedError(f"HTTP {response.status}: {body[:200]!r}")
+        body = await self._client.call("GET", self._path, wait_s + WAIT_SLACK_S, params=params)
         return self._parse(body)
 
     async def _fail_over_or_back_off(self, exc: Exception) -> None:

@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from gateway.control_plane_client import ControlPlaneClient
 from gateway.watch import Watch
 from wire.control_plane_urls import ControlPlaneUrls
 
@@ -86,7 +87,8 @@ async def test_the_watch_fails_over_to_the_next_replica_at_once(
     seen: list[Document] = []
     async with aiohttp.ClientSession() as session:
         urls = ControlPlaneUrls([a.url, b.url])
-        watch = Watch(session, urls, PATH, "token", parse, seen.append, 0.2, MAX_BACKOFF_S)
+        client = ControlPlaneClient(session, urls, "token")
+        watch = Watch(client, PATH, parse, seen.append, 0.2, MAX_BACKOFF_S)
         task = asyncio.create_task(watch.run())
         try:
             async with asyncio.timeout(10):
