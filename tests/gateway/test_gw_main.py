@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import bounded_wait
 import httpx
 import pytest
 from cryptography import x509
@@ -164,7 +165,6 @@ def test_self_signed_certificate_names_loopback_and_needs_tls_1_2(tmp_path: Path
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_the_gateway_process_serves_https_and_logs_request_ids(
     two_regions: Fleet, tmp_path: Path
 ) -> None:
@@ -215,10 +215,7 @@ def _wait_for_certificate(log_path: Path, process: subprocess.Popen[bytes]) -> P
         assert process.poll() is None, log_path.read_text()
         return CERTIFICATE_LOGGED.search(log_path.read_text())
 
-    wait_until(lambda: logged() is not None, 20.0, "the certificate logged")
-    match = logged()
-    assert match is not None
-    return Path(match.group(1))
+    return Path(bounded_wait.wait_until(logged, 20.0, "the certificate logged").group(1))
 
 
 def _wait_for_health(url: str, context: ssl.SSLContext) -> dict[str, object]:
