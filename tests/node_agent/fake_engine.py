@@ -26,7 +26,9 @@ import contextlib
 import math
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -47,7 +49,8 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Between steps while nothing runs: how soon a new request is taken up.
+T = TypeVar("T")
+# Between steps while nothing can run (no request, or all held): how soon a change is seen.
 IDLE_POLL_S = 0.002
 
 
@@ -93,10 +96,9 @@ class _Request:
 
 
 class FakeEngine(AsyncEngine):
-    def __init__(self, max_model_len: int, num_kv_blocks: int, step_s: float = 0.0):
+    def __init__(self, max_model_len: int, num_kv_blocks: int):
         tokenizer = byte_tokenizer()
         self._num_kv_blocks = num_kv_blocks
-        self._step_s = step_s
         self._requests: dict[str, _Request] = {}
         self._cached_blocks: set[tuple[str | None, tuple[int, ...]]] = set()
         self._totals = {"queried": 0, "hits": 0, "prompt": 0, "generated": 0}
@@ -140,15 +142,11 @@ class FakeEngine(AsyncEngine):
     def answer_again(self) -> None:
         self._call(self._set_unresponsive, None)
 
-    @property
-    def running_request_ids(self) -> list[str]:
-        return list(self._requests)
-
     # --- the core ---
 
-    def _call(self, fn: object, *args: object) -> None:
-        assert self._loop is not None and callable(fn), "start the engine first"
-        self._loop.call_soon_threadsafe(fn, *args)
+    def _call(self, fn: Callable[[T], None], arg: T) -> None:
+        assert self._loop is not None, "start the engine first"
+        self._loop.call_soon_threadsafe(fn, arg)
 
     def _die(self, message: str) -> None:
         if self._core is not None:
@@ -157,17 +155,21 @@ class FakeEngine(AsyncEngine):
 
     async def _run(self) -> None:
         while True:
-            for command in _drain(self._commands):
+            commands = _drain(self._commands)
+            outputs: list[RequestOutput] = []
+            for command in commands:
                 if isinstance(command, StopCore):
                     self._deliver(self._abort_all())
                     return
                 if isinstance(command, AddRequest):
                     self._add(command)
                 elif isinstance(command, AbortRequest):
-                    self._deliver(self._abort(command.request_id))
-            if self.unresponsive_reason is None and self._requests:
-                self._deliver(self._step())
-            await asyncio.sleep(self._step_s if self._requests else IDLE_POLL_S)
+                    outputs += self._abort(command.request_id)
+            if self.unresponsive_reason is None:
+                outputs += self._step()
+            if outputs or commands:  # the stats moved
+                self._deliver(outputs)
+            await asyncio.sleep(0 if outputs else IDLE_POLL_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self._receive(CoreOutputs(outputs, [], self._snapshot()))
