@@ -48,10 +48,11 @@ test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=
 	@echo "line coverage of the services' packages: $$($(BIN)/coverage report --format=total)%"
 
-# Unit tests only: no model loads, no processes (--unit fails a test that does either, so an
-# unmarked one cannot creep in: mark it slow).
+# Unit tests only, for the edit-test loop: no model loads, no processes (--unit fails a test that
+# does either: mark it slow), nothing that takes seconds; spread test by test over 4 workers, as
+# most of their time is waiting on loopback servers.
 test-fast: setup-test
-	$(BIN)/python -m pytest -q -m "not slow" --unit -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -m "not slow" --unit -n 4 --dist load
 
 bench: setup-test
 	$(BIN)/python -m bench.engine_throughput

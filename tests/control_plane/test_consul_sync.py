@@ -224,6 +224,7 @@ async def drain_of(cp: ControlPlaneClient, node_id: str) -> dict[str, Any] | Non
     return view["drain"] if view is not None else None
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 @pytest.mark.asyncio
 async def test_drain_waits_for_the_node_to_leave_consul(
     cp: ControlPlaneClient, agents: NodeAgents
@@ -257,6 +258,7 @@ async def test_drain_waits_for_the_node_to_leave_consul(
     assert (await cp.beat("n4", draining=True, num_running=0, num_waiting=0))["may_exit"] is True
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 @pytest.mark.asyncio
 async def test_region_drain_deregisters_consul_only_nodes_itself(
     cp: ControlPlaneClient, agents: NodeAgents

@@ -66,6 +66,7 @@ def start(tmp_path: Path, tokens: TokenSet, ca: trustme.CA) -> Iterator[Any]:
         server.stop()
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_unfinished_handshakes_and_silent_connections_are_closed(
     start: Any, ca: trustme.CA
 ) -> None:
@@ -80,6 +81,7 @@ def test_unfinished_handshakes_and_silent_connections_are_closed(
         assert client.get(f"https://127.0.0.1:{port}/openapi.json").status_code == 200
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_heads_sent_a_byte_at_a_time_are_cut_off(start: Any) -> None:
     port = start()
     head = request_head(headers={f"x-pad-{i}": "p" * 50 for i in range(100)})

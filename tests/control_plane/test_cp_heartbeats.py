@@ -135,6 +135,7 @@ async def test_drain_is_told_to_the_node_and_takes_it_out(cp: ControlPlaneClient
         assert (await cp.http.post(path, headers=cp.admin)).status_code == 404
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 @pytest.mark.asyncio
 async def test_node_missing_three_beats_is_unhealthy_and_leaves_the_summary(
     cp: ControlPlaneClient,

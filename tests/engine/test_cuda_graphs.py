@@ -61,6 +61,7 @@ def decode_step(
     return inputs, slots
 
 
+@pytest.mark.slow  # seconds of CPU
 def test_graphs_are_for_single_process_cuda_only(runner: ModelRunner) -> None:
     assert not graphs_enabled(runner, is_single_process=True)
 

@@ -103,6 +103,7 @@ def test_redis_killed_mid_run_limits_still_hold_within_2x_and_requests_flow(
     assert after[200] > 0, after  # and requests flow on without it
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_hung_region_fails_non_streamed_requests_over_within_the_first_byte_timeout(
     two_regions: Fleet, client_ssl: ssl.SSLContext
 ) -> None:

@@ -47,6 +47,7 @@ def get_health(gateway: GatewayThread, client_ssl: ssl.SSLContext, source: str) 
         return client.get("/health").status_code
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_unfinished_handshakes_and_silent_connections_are_closed(fleet: Fleet) -> None:
     gateway = start_gateway(fleet)
     handshakes = [begin_tls(gateway.port) for _ in range(10)]
@@ -55,6 +56,7 @@ def test_unfinished_handshakes_and_silent_connections_are_closed(fleet: Fleet) -
         wait_closed(socks)
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_head_sent_a_byte_at_a_time_or_never_is_cut_off(
     fleet: Fleet, client_ssl: ssl.SSLContext
 ) -> None:

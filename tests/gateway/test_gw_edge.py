@@ -151,6 +151,7 @@ def test_a_dead_edge_falls_back_to_a_region_within_the_request(
     assert health["edge"]["url"] == edge.url
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_saturated_edge_sends_the_rest_to_a_region(
     client: httpx.Client, edge: FakeUpstream, edge_gateway: GatewayThread
 ) -> None:

@@ -40,6 +40,7 @@ def hang_after_the_role_chunk(regions: Resumable) -> None:
     regions.near.behavior.stall_after_chunks = 0
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_non_stream_whose_node_sends_only_the_role_chunk_is_answered_by_the_next_region(
     regions: Resumable,
 ) -> None:
@@ -59,6 +60,7 @@ def test_a_non_stream_whose_node_sends_only_the_role_chunk_is_answered_by_the_ne
     assert took_s < IDLE_TIMEOUT_S / 2
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_stream_whose_node_sends_only_the_role_chunk_has_not_begun(regions: Resumable) -> None:
     gateway = regions.gateway(
         first_byte_timeout_s=FIRST_BYTE_TIMEOUT_S, stream_idle_timeout_s=IDLE_TIMEOUT_S
@@ -77,6 +79,7 @@ def test_a_stream_whose_node_sends_only_the_role_chunk_has_not_begun(regions: Re
     assert took_s < IDLE_TIMEOUT_S / 2
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 @pytest.mark.parametrize("failure", ["die_after_chunks", "stall_after_chunks"])
 def test_a_resumed_non_stream_names_the_region_that_finished_it(
     regions: Resumable, failure: str

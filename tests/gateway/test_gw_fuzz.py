@@ -169,6 +169,7 @@ def assert_openai_error(response: httpx.Response) -> None:
     assert isinstance(error["message"], str) and error["message"]
 
 
+@pytest.mark.slow  # fuzzing: seconds of CPU
 def test_no_request_makes_the_gateway_answer_5xx(
     fuzz_fleet: Fleet, client_ssl: ssl.SSLContext
 ) -> None:

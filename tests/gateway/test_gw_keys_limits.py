@@ -82,6 +82,7 @@ def test_revoked_key_is_refused_within_seconds(
         assert_openai_error(response, 401, "invalid_api_key")
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_requests_per_minute_limit(
     gateway: GatewayThread, two_regions: Fleet, client_ssl: ssl.SSLContext
 ) -> None:

@@ -81,6 +81,7 @@ def test_openai_client_stream_with_usage_gets_it(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 2
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_stream_is_relayed_chunk_by_chunk(two_regions: Fleet, http: httpx.Client) -> None:
     behavior = two_regions.regions["us-east"].upstream.behavior
     behavior.num_chunks, behavior.chunk_delay_s = 4, 0.15

@@ -268,6 +268,7 @@ class SilentServer:
         self.num_connections += 1
         while await reader.read(65536):
             pass
+@pytest.mark.slow  # seconds of waiting on timeouts
         writer.close()
 
     async def stop(self) -> None:

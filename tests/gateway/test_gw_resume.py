@@ -130,6 +130,7 @@ def metric(gateway: GatewayThread, name: str) -> str:
     return "\n".join(line for line in rendered.splitlines() if line.startswith(name))
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 @pytest.mark.parametrize(
     "failure", ["die_after_chunks", "error_after_chunks", "stall_after_chunks"]
 )
@@ -172,6 +173,7 @@ def test_a_stream_broken_mid_way_continues_in_the_next_region_as_one_stream(
     assert 'region="eu-west"} 1.0' in gaps
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_stream_silent_from_a_region_with_no_healthy_node_resumes_without_the_idle_wait(
     resumable: Resumable,
 ) -> None:
@@ -179,6 +181,7 @@ def test_a_stream_silent_from_a_region_with_no_healthy_node_resumes_without_the_
     resumable.stall_near_and_resume_once_its_heartbeats_stop(gateway)
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_stream_silent_from_an_unhealthy_node_resumes_while_its_region_serves_on(
     resumable: Resumable,
 ) -> None:
@@ -193,6 +196,7 @@ def test_a_stream_silent_from_an_unhealthy_node_resumes_while_its_region_serves_
     assert summary.healthy_nodes == 1 and summary.unhealthy_nodes == ("us-east-n1",)
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_silent_stream_from_a_healthy_node_waits_the_idle_timeout_beside_an_unhealthy_one(
     resumable: Resumable,
 ) -> None:
@@ -237,6 +241,7 @@ def test_the_silence_limit_follows_the_streams_node_and_region() -> None:
     assert limits.of("us-east", None) == 2.0 and limits.of("us-east", "n2") == 2.0
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_stream_still_flowing_from_a_region_with_no_healthy_node_is_left_alone(
     resumable: Resumable,
 ) -> None:
@@ -254,6 +259,7 @@ def test_a_stream_still_flowing_from_a_region_with_no_healthy_node_is_left_alone
     assert time.monotonic() - started_s > 7.0
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_silent_stream_from_a_healthy_region_waits_the_idle_timeout(
     resumable: Resumable,
 ) -> None:
@@ -398,6 +404,7 @@ def test_an_unbroken_non_stream_gets_the_body_the_node_would_answer(
     assert near.seen[-1].body["stream"] is True
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 @pytest.mark.parametrize(
     "failure", ["die_after_chunks", "error_after_chunks", "stall_after_chunks"]

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 import httpx
+import pytest
 from gw_fleet import Fleet, GatewayThread, wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
@@ -28,6 +29,7 @@ def test_nearer_region_serves_when_both_are_idle(two_regions: Fleet, http: httpx
     assert two_regions.regions["eu-west"].upstream.num_requests == 0
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_farther_region_serves_once_the_nearer_is_loaded(
     two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
 ) -> None:
@@ -74,6 +76,7 @@ def test_draining_a_region_moves_new_traffic_within_a_second(
     assert {served_by(http) for _ in range(5)} == {"eu-west"}
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_node_draining_itself_gets_no_new_work(
     two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
 ) -> None:
@@ -113,6 +116,7 @@ async def _load(
     return statuses
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_killing_a_region_under_load_loses_no_request(
     two_regions: Fleet, gateway: GatewayThread, http: httpx.Client, client_ssl: ssl.SSLContext
 ) -> None:
@@ -191,6 +195,7 @@ def test_a_slow_first_byte_fails_over_for_streams(
         assert time.monotonic() - started < 1.5
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_circuit_breaker_stops_trying_a_failing_region_then_probes_it(
     two_regions: Fleet, client_ssl: ssl.SSLContext
 ) -> None:

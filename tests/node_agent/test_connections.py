@@ -65,6 +65,7 @@ def answer_to(port: int, head: bytes, body_parts: list[bytes]) -> tuple[int, byt
     return status, body
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_silent_connections_and_slow_heads_are_closed(start: Any) -> None:
     node = start()
     port = node.settings.port

@@ -54,6 +54,7 @@ def _gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_heartbeats_match_the_schema_back_off_and_resume(
     server_loop: BackgroundLoop, fake_nodes: FakeNodes, control_plane: FakeControlPlane
 ) -> None:
@@ -100,6 +101,7 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
     assert node.server.runtime is node.runtime
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_heartbeats_fail_over_between_control_plane_replicas(
     server_loop: BackgroundLoop, fake_llm: FakeEngine, control_plane: FakeControlPlane
 ) -> None:
@@ -189,6 +191,7 @@ def _consul_services(standin: ConsulStandIn) -> dict[str, Any]:
     return services
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_drain_sequence_deregisters_from_consul_and_exits_once_idle(
     fake_nodes: FakeNodes, control_plane: FakeControlPlane, consul_standin: ConsulStandIn
 ) -> None:

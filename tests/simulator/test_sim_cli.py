@@ -62,6 +62,7 @@ def test_a_run_prints_the_table_and_writes_the_json(
     assert result["policies"]["meridian"]["resume_p99_s"] is None  # no stream broke
 
 
+@pytest.mark.slow  # every scenario simulated: seconds of CPU
 def test_all_runs_every_scenario_and_writes_a_list(tmp_path: Path) -> None:
     out = tmp_path / "all.json"
     args = ["run", "--scenario", "all", "--requests", "30", "--policies", "oracle"]

@@ -23,6 +23,8 @@ from simulator.run import World, WorldOptions, WorldSpec
 from simulator.scenarios import SCENARIOS
 from wire.routing_policy import RoutingPolicy
 
+pytestmark = pytest.mark.slow  # whole simulated runs: seconds of CPU each
+
 NUM_REQUESTS = 300
 
 

@@ -69,6 +69,7 @@ def _record(state_dir: StateDir, dns_ports: list[int]) -> None:
     )
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_resolve_moves_on_to_the_next_replica_when_the_first_is_down(
     state_dir: StateDir, live_dns: int
 ) -> None:
@@ -79,6 +80,7 @@ def test_resolve_moves_on_to_the_next_replica_when_the_first_is_down(
     assert said == [f"paris ({subnet}) → {API_NAME} A {LONDON} (PoP london), TTL 5 s"]
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_resolve_names_every_replica_it_tried_when_none_answers(state_dir: StateDir) -> None:
     ports = [_dead_udp_port(), _dead_udp_port()]
     _record(state_dir, ports)
