@@ -17,12 +17,12 @@ def test_reports_round_trip_and_age(pg_url: str) -> None:
         store.write_sync(partial(save_report, "a", report))
         store.write_sync(partial(save_report, "b", {}))
         time.sleep(0.2)
-        [(replica_id, read, age_s)] = store.read_sync(partial(load_reports, "b"))
+        [(replica_id, read, old_age_s)] = store.read_sync(partial(load_reports, "b"))
         assert replica_id == "a" and read == report
-        assert 0.2 <= age_s < 5.0
-        store.write_sync(partial(save_report, "a", {}))  # written again: young, and replaced
+        assert 0.2 <= old_age_s < 5.0
+        store.write_sync(partial(save_report, "a", {}))  # written again: younger, and replaced
         [(_, read, age_s)] = store.read_sync(partial(load_reports, "b"))
-        assert read == {} and age_s < 0.2
+        assert read == {} and age_s < old_age_s
         assert [r for r, _, _ in store.read_sync(partial(load_reports, "a"))] == ["b"]
     finally:
         store.close()

