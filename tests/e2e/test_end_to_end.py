@@ -76,7 +76,9 @@ def stack_config(tmp_path: Path) -> tuple[Path, StackLayout, int]:
             "pops: [new-york]\nclients: []\nlimits: local\n"
             f"ports: {{control_plane: {base}, xds: {base + 1}, dns: {base + 2}, "
             f"gateway: {base + 3}, node_base: {base + 10}, envoy_base: {base + 20}, "
-            f"envoy_admin_base: {base + 30}, rtt_proxy_base: {base + 40}}}\n"
+            f"envoy_admin_base: {base + 30}, rtt_proxy_base: {base + 40}, "
+            # Not the default 9464: another stack test may run beside this one (xdist).
+            f"gateway_metrics: {base + 50}}}\n"
         )
         layout = plan_layout(parse_config(text), use_envoy=True)
         tf_port = base + 60

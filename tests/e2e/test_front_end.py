@@ -54,7 +54,9 @@ def _config(tmp_path: Path) -> tuple[Path, StackLayout]:
             f"gateway: {base + 3}, anycast_admin: {base + 4}, anycast_base: {base + 5}, "
             f"redis: {base + 60}, node_base: {base + 10}, edge_base: {base + 20}, "
             f"envoy_base: {base + 30}, envoy_admin_base: {base + 40}, "
-            f"rtt_proxy_base: {base + 50}}}\n"
+            f"rtt_proxy_base: {base + 50}, "
+            # Not the default 9464: another stack test may run beside this one (xdist).
+            f"gateway_metrics: {base + 70}}}\n"
         )
         # RTT routes: base+50 + 100*p for PoP p, redis base+60 + p; the next range starts far
         # enough away.

@@ -36,6 +36,7 @@ PORT_BLOCKS = (
     ("node_base", 1),
     ("envoy_base", 1),
     ("envoy_admin_base", 1),
+    ("gateway_metrics", 1),  # not the default 9464: another stack test may run beside this one
 )
 
 pytestmark = pytest.mark.slow
