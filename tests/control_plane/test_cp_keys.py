@@ -89,7 +89,7 @@ async def test_revocation_wakes_a_waiting_gateway(cp: ControlPlaneClient) -> Non
     assert revoked.status_code == 204
     snapshot, waited_s = await asyncio.wait_for(watcher, timeout=5)
     assert snapshot.index > first.index and snapshot.keys == []
-    assert waited_s < 1.5
+    assert waited_s < 5  # woken by the revocation, not its 10 s wait (how soon is no claim here)
 
     listed = (await cp.http.get("/v1/keys", headers=cp.admin)).json()["keys"]
     assert listed[0]["revoked_at"] is not None
@@ -108,7 +108,7 @@ async def test_snapshot_wait_times_out_with_the_same_index(cp: ControlPlaneClien
     response = await cp.http.get(
         "/v1/keys/snapshot", params={"index": index, "wait": "300ms"}, headers=cp.gateway
     )
-    assert 0.25 <= time.monotonic() - started < 1.0
+    assert 0.25 <= time.monotonic() - started < 5  # its 300 ms wait; the bound: it did not hang
     assert int(response.headers["x-meridian-index"]) == index
 
 
