@@ -49,10 +49,10 @@ test: lint
 	@echo "line coverage of the services' packages: $$($(BIN)/coverage report --format=total)%"
 
 # Unit tests only, for the edit-test loop: no model loads, no processes (--unit fails a test that
-# does either: mark it slow), nothing that takes seconds; spread test by test over 4 workers, as
-# most of their time is waiting on loopback servers.
+# does either: mark it slow), nothing that takes seconds; spread test by test over the workers,
+# as most of their time is waiting on loopback servers.
 test-fast: setup-test
-	$(BIN)/python -m pytest -q -m "not slow" --unit -n 4 --dist load
+	$(BIN)/python -m pytest -q -m "not slow" --unit -n $(TEST_WORKERS) --dist load
 
 bench: setup-test
 	$(BIN)/python -m bench.engine_throughput
