@@ -13,20 +13,12 @@ from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
 
 from control_plane.services import ControlPlane
 from control_plane.settings import Settings
+from wire.config_fields import config_from
 from wire.connection_guard import ConnectionLimits
 from wire.uvicorn_server import GuardedServer
 
 # Long-polling gateways hold requests open for up to `wait`; do not let them delay shutdown.
 GRACEFUL_SHUTDOWN_S = 2
-
-
-def connection_limits(settings: Settings) -> ConnectionLimits:
-    return ConnectionLimits(
-        max_connections_per_address=settings.max_connections_per_address,
-        header_timeout_s=settings.header_timeout_s,
-        keepalive_timeout_s=settings.keepalive_timeout_s,
-        tls_handshake_timeout_s=settings.tls_handshake_timeout_s,
-    )
 
 
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
@@ -50,7 +42,7 @@ class ControlPlaneServer(GuardedServer):
     def __init__(self, app: FastAPI, settings: Settings) -> None:
         super().__init__(
             app,
-            connection_limits(settings),
+            config_from(ConnectionLimits, settings),
             settings.max_header_bytes,
             tls_context(settings),
             log_level=settings.log_level,

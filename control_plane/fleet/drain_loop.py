@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from control_plane.consul_sync import ConsulSync
@@ -29,43 +30,35 @@ logger = logging.getLogger(__name__)
 CONSUL_CALL_TIMEOUT_S: Final = 5.0
 
 
+@dataclass(eq=False, slots=True)
 class DrainLoop:
-    def __init__(
-        self,
-        registry: Registry,
-        book: DrainBook,
-        store: FleetStore,
-        leadership: Leadership,
-        drains_noted: asyncio.Event,
-        consul: ConsulSync | None,
-    ) -> None:
-        self._registry = registry
-        self._book = book
-        self._store = store
-        self._leadership = leadership
-        self._drains_noted = drains_noted
-        self._consul = consul
-        self._tasks: set[asyncio.Task[Any]] = set()
+    registry: Registry
+    book: DrainBook
+    store: FleetStore
+    leadership: Leadership
+    drains_noted: asyncio.Event
+    consul: ConsulSync | None
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False)
 
     async def step(self) -> None:
         """On the leader: move every drain sequence, write what moved, make the Consul calls the
         steps asked for, and end the deletes of regions whose nodes have all been told to exit."""
-        epoch = self._leadership.epoch
-        if not self._leadership.is_leader:
+        epoch = self.leadership.epoch
+        if not self.leadership.is_leader:
             return
-        self._book.tick()
-        writes = self._book.take_writes()
+        self.book.tick()
+        writes = self.book.take_writes()
         if writes:
             try:
-                await self._store.write_drains(writes.rows, writes.entries, time.time(), epoch)
+                await self.store.write_drains(writes.rows, writes.entries, time.time(), epoch)
             except BaseException:
-                self._book.put_back(writes)  # written again with the next step
+                self.book.put_back(writes)  # written again with the next step
                 raise
-        for node_id in self._book.take_consul_calls():
-            if self._consul is not None:
-                self._spawn(_deregister_from_consul(self._consul, node_id))
-        for name in self._book.drained_regions():
-            await self._registry.finish_region_delete(DRAIN_ACTOR, name)
+        for node_id in self.book.take_consul_calls():
+            if self.consul is not None:
+                self._spawn(_deregister_from_consul(self.consul, node_id))
+        for name in self.book.drained_regions():
+            await self.registry.finish_region_delete(DRAIN_ACTOR, name)
 
     def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -80,8 +73,8 @@ class DrainLoop:
                 # that races with the event, and the lifespan would wait for this loop forever.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval_s):
-                        await self._drains_noted.wait()
-                self._drains_noted.clear()
+                        await self.drains_noted.wait()
+                self.drains_noted.clear()
                 try:
                     await self.step()
                 except Exception:
@@ -92,8 +85,8 @@ class DrainLoop:
 
     async def take_lead(self) -> None:
         """Just elected: resume every drain where the store says it stood, then lead."""
-        await self._registry.adopt_drains(await self._store.read_drains())
-        self._drains_noted.set()
+        await self.registry.adopt_drains(await self.store.read_drains())
+        self.drains_noted.set()
 
 
 async def _deregister_from_consul(consul: ConsulSync, node_id: str) -> None:
