@@ -58,22 +58,6 @@ class AsyncEngine(ABC):
     async def shutdown(self) -> None:
         """Stop the core (pending requests end as aborted) and whatever it started."""
 
-    def check_request(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        resumed_token_ids: list[int] | None = None,
-        cache_salt: str | None = None,
-        *,
-        clamp_max_tokens: bool = True,
-    ) -> None:
-        """Raise RequestRejected if this request cannot run (engine/request_limits.py; checked
-        here, not in the core). `generate` checks with the engine's rule; a server that must
-        refuse before its response starts checks first, with its own `clamp_max_tokens`."""
-        self.limits.check(
-            token_ids, params, resumed_token_ids, cache_salt, clamp_max_tokens=clamp_max_tokens
-        )
-
     def stats(self) -> EngineStats:
         """The snapshot taken after the core's latest step (cheap; safe from any thread)."""
         return self._stats
@@ -103,7 +87,9 @@ class AsyncEngine(ABC):
             token_ids = list(prompt)
         if params.output_kind is RequestOutputKind.CUMULATIVE:
             params = replace(params, output_kind=RequestOutputKind.DELTA)
-        self.check_request(token_ids, params, resumed_token_ids, cache_salt)
+        # Checked here, not in the core, with the engine's rule (engine/request_limits.py); a
+        # server that must refuse before its response starts checks first, with its own.
+        self.limits.check(token_ids, params, resumed_token_ids, cache_salt)
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         sink: _Sink = asyncio.Queue()

@@ -137,7 +137,7 @@ class Serving:
         resumed = list(body.resume_token_ids or ())
         try:
             # OpenAI's rule: the prompt and max_tokens together must fit in the context.
-            self.llm.check_request(token_ids, params, resumed, cache_salt, clamp_max_tokens=False)
+            self.llm.limits.check(token_ids, params, resumed, cache_salt, clamp_max_tokens=False)
         except RequestRejected as exc:
             raise client_error(exc, prompt_param) from exc
         request_id = f"{prefix}-{uuid.uuid4().hex}"
