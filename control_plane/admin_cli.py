@@ -35,7 +35,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +71,8 @@ class RegionSpec:
     weight: float
 
     def fields(self) -> dict[str, Any]:
-        return {
-            "lat": self.lat,
-            "lon": self.lon,
-            "ingress_url": self.ingress_url,
-            "weight": self.weight,
-        }
+        """Every field but the name: what a PATCH sends (a POST adds the name)."""
+        return {key: value for key, value in asdict(self).items() if key != "name"}
 
     def matches(self, view: dict[str, Any]) -> bool:
         return all(view.get(key) == value for key, value in self.fields().items())
