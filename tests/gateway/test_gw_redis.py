@@ -45,7 +45,6 @@ async def seeded(url: str, cooldown_s: float = COOLDOWN_S) -> RedisBuckets:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_concurrent_admissions_never_overspend(redis_url: str) -> None:
     key = ApiKey("key_r", rpm=10, tpm=1_000_000)
 
@@ -62,7 +61,6 @@ def test_concurrent_admissions_never_overspend(redis_url: str) -> None:
     assert sum(asyncio.run(run())) == 10
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_tokens_are_reserved_and_settled_in_redis(redis_url: str) -> None:
     key = ApiKey("key_t", rpm=1000, tpm=600)
@@ -95,7 +93,6 @@ def test_redis_going_away_falls_back_to_local_limits() -> None:
 
     assert asyncio.run(run()) == [True, True, False]
 
-@pytest.mark.slow
 
 @pytest.mark.slow
 def test_two_gateways_of_a_pop_share_one_budget(
@@ -114,7 +111,6 @@ def test_two_gateways_of_a_pop_share_one_budget(
         with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
             statuses.append(http.post("/v1/chat/completions", json=CHAT).status_code)
     assert statuses == [200, 200, 200, 200, 429, 429]
-@pytest.mark.slow
 
 
 @pytest.mark.slow
@@ -143,7 +139,6 @@ def test_debt_is_kept_until_it_is_repaid(redis_url: str) -> None:
     # Full again after 6,200 tokens at 10/s, in 620 s: until then the hash must not expire.
     assert 615_000 <= in_debt_ms <= 622_000
     # Full buckets need not be stored for long (a missing hash reads as full).
-@pytest.mark.slow
     assert 0 < full_ms <= 10_000
 
 
@@ -190,7 +185,6 @@ async def wait_for_async(
 
 @pytest.mark.slow
 def test_with_redis_gone_a_process_limits_from_the_levels_last_seen(tmp_path: Path) -> None:
-@pytest.mark.slow
     port = free_port()
     key = ApiKey("key_g", rpm=1000, tpm=1000)
 
@@ -210,7 +204,6 @@ def test_with_redis_gone_a_process_limits_from_the_levels_last_seen(tmp_path: Pa
     assert asyncio.run(run()) == [False, False, False]
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_redis_back_empty_is_reseeded_and_forgives_nothing(tmp_path: Path) -> None:
     port = free_port()
@@ -268,7 +261,6 @@ class SilentServer:
         self.num_connections += 1
         while await reader.read(65536):
             pass
-@pytest.mark.slow  # seconds of waiting on timeouts
         writer.close()
 
     async def stop(self) -> None:
@@ -276,6 +268,7 @@ class SilentServer:
             self._server.close()
 
 
+@pytest.mark.slow  # seconds of waiting on timeouts
 def test_a_hung_redis_is_tried_once_per_cool_down_not_per_request() -> None:
     key = ApiKey("key_h", rpm=1000, tpm=100_000)
 
