@@ -119,97 +119,61 @@ class CompletionLogprobs:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseKind:
+    """One endpoint's responses: their id prefix and `object` names, whole and streamed."""
+
+    id_prefix: str
+    body_object: str
+    chunk_object: str
+
+
+CHAT = ResponseKind("chatcmpl", "chat.completion", "chat.completion.chunk")
+COMPLETION = ResponseKind("cmpl", "text_completion", "text_completion")
+
+
 @dataclass(slots=True)
 class ResponseHeader:
-    """What every body and chunk of one response repeats."""
+    """What every body and chunk of one response repeats.
+
+    A choice's own fields (`content`) are `{"message": ...}` (chat) or `{"text": ...}`
+    (completions) in a whole body, `{"delta": ...}` or `{"text": ...}` in a chunk."""
 
     response_id: str
     created: int
     model: str
+    kind: ResponseKind
     include_usage: bool = False
     return_token_ids: bool = False  # each choice carries its output's ids (wire/resume.py)
     # With ids asked for: what the engine prefills (the prompt, then any resumed output), sent
     # in the first chunk (wire/resume.py) and in a whole body.
     prompt_token_ids: list[int] | None = None
-    _chat_chunk: JSON = field(init=False)
-    _text_chunk: JSON = field(init=False)
+    _chunk_base: JSON = field(init=False)
     _has_sent_prompt_ids: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        base: JSON = {"id": self.response_id, "created": self.created, "model": self.model}
-        self._chat_chunk = {**base, "object": "chat.completion.chunk"}
-        self._text_chunk = {**base, "object": "text_completion"}
+        self._chunk_base = {
+            "id": self.response_id,
+            "created": self.created,
+            "model": self.model,
+            "object": self.kind.chunk_object,
+        }
 
-    # --- chat ---
-
-    def chat_completion(
+    def body(
         self,
-        text: str,
+        content: JSON,
         finish_reason: str | None,
         logprobs: JSON | None,
-        usage: Usage,
-        token_ids: list[int],
-    ) -> JSON:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": logprobs}
-        return self._body("chat.completion", choice, finish_reason, usage, token_ids)
-
-    def chat_chunk(
-        self,
-        delta: JSON,
-        finish_reason: str | None = None,
-        logprobs: JSON | None = None,
-        token_ids: list[int] | None = None,
-    ) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs}
-        return self._chunk(self._chat_chunk, choice, finish_reason, token_ids)
-
-    def chat_usage_chunk(self, usage: Usage) -> bytes:
-        return sse({**self._chat_chunk, "choices": [], "usage": usage.to_json()})
-
-    # --- completions ---
-
-    def completion(
-        self,
-        text: str,
-        finish_reason: str | None,
-        logprobs: JSON | None,
-        usage: Usage,
-        token_ids: list[int],
-    ) -> JSON:
-        choice = {"index": 0, "text": text, "logprobs": logprobs}
-        return self._body("text_completion", choice, finish_reason, usage, token_ids)
-
-    def completion_chunk(
-        self,
-        text: str,
-        finish_reason: str | None = None,
-        logprobs: JSON | None = None,
-        token_ids: list[int] | None = None,
-    ) -> bytes:
-        choice = {"index": 0, "text": text, "logprobs": logprobs}
-        return self._chunk(self._text_chunk, choice, finish_reason, token_ids)
-
-    def completion_usage_chunk(self, usage: Usage) -> bytes:
-        return sse({**self._text_chunk, "choices": [], "usage": usage.to_json()})
-
-    # --- shared by both ---
-
-    def _body(
-        self,
-        kind: str,
-        choice: JSON,
-        finish_reason: str | None,
         usage: Usage,
         token_ids: list[int],
     ) -> JSON:
         """A whole (not streamed) response of one choice; the choice's `finish_reason` and
         ids come last in it, as in OpenAI's."""
-        choice["finish_reason"] = finish_reason
+        choice: JSON = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
         self._add_token_ids(choice, token_ids)
         return {
             "id": self.response_id,
-            "object": kind,
+            "object": self.kind.body_object,
             "created": self.created,
             "model": self.model,
             **self._prompt_ids(),
@@ -217,17 +181,17 @@ class ResponseHeader:
             "usage": usage.to_json(),
         }
 
-    def _chunk(
+    def chunk(
         self,
-        base: JSON,
-        choice: JSON,
-        finish_reason: str | None,
-        token_ids: list[int] | None,
+        content: JSON,
+        finish_reason: str | None = None,
+        logprobs: JSON | None = None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
-        choice["finish_reason"] = finish_reason
+        choice: JSON = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             self._add_token_ids(choice, token_ids)
-        payload: JSON = {**base}
+        payload: JSON = {**self._chunk_base}
         if not self._has_sent_prompt_ids:
             self._has_sent_prompt_ids = True
             payload |= self._prompt_ids()
@@ -235,6 +199,9 @@ class ResponseHeader:
         if self.include_usage:
             payload["usage"] = None
         return sse(payload)
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return sse({**self._chunk_base, "choices": [], "usage": usage.to_json()})
 
     def _add_token_ids(self, choice: JSON, token_ids: list[int]) -> None:
         if self.return_token_ids:

@@ -22,7 +22,7 @@ from node_agent.errors import BadRequestError
 from node_agent.metrics import RequestTimer
 from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from node_agent.prompts import PromptEncoder, client_error
-from node_agent.responses import ResponseHeader, TokenTexts
+from node_agent.responses import CHAT, COMPLETION, ResponseHeader, ResponseKind, TokenTexts
 
 # OpenAI's name for the system role in newer models; chat templates know only "system".
 _ROLE_ALIASES = {"developer": "system"}
@@ -71,7 +71,7 @@ class Serving:
         token_ids = await self.prompts.encode_chat(messages, num_resumed, body.max_output_tokens)
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
         return self._prepared(
-            "chatcmpl", "messages", token_ids, params, body, body.engine_logprobs, cache_salt
+            CHAT, "messages", token_ids, params, body, body.engine_logprobs, cache_salt
         )
 
     async def prepare_completion(
@@ -86,7 +86,9 @@ class Serving:
         else:
             token_ids = prompt
         params = self._params(body, body.max_tokens, body.logprobs)
-        return self._prepared("cmpl", "prompt", token_ids, params, body, body.logprobs, cache_salt)
+        return self._prepared(
+            COMPLETION, "prompt", token_ids, params, body, body.logprobs, cache_salt
+        )
 
     async def outputs(
         self, prepared: PreparedRequest, ticket: Ticket, timer: RequestTimer
@@ -126,7 +128,7 @@ class Serving:
 
     def _prepared(
         self,
-        prefix: str,
+        kind: ResponseKind,
         prompt_param: str,
         token_ids: list[int],
         params: SamplingParams,
@@ -140,11 +142,12 @@ class Serving:
             self.llm.limits.check(token_ids, params, resumed, cache_salt, clamp_max_tokens=False)
         except RequestRejected as exc:
             raise client_error(exc, prompt_param) from exc
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         header = ResponseHeader(
             request_id,
             int(time.time()),
             body.model,
+            kind,
             body.include_usage,
             body.return_token_ids,
             token_ids + resumed,

@@ -87,7 +87,7 @@ async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> A
     num_top = run.prepared.num_top_logprobs
     with_ids = run.prepared.return_token_ids
     async with aclosing(_guarded(run, outputs)) as stream:
-        yield header.chat_chunk({"role": "assistant", "content": ""})
+        yield header.chunk({"delta": {"role": "assistant", "content": ""}})
         async for item in stream:
             if isinstance(item, bytes):
                 yield item
@@ -97,13 +97,15 @@ async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> A
             # With ids asked for, every output that has ids is a chunk: the ids a client holds
             # then always match the text it holds (what a resume continues from).
             if completion.text or logprobs is not None or (with_ids and completion.token_ids):
-                yield header.chat_chunk(
-                    {"content": completion.text}, logprobs=logprobs, token_ids=completion.token_ids
+                yield header.chunk(
+                    {"delta": {"content": completion.text}},
+                    logprobs=logprobs,
+                    token_ids=completion.token_ids,
                 )
             if item.finished:
-                yield header.chat_chunk({}, finish_reason=completion.finish_reason)
+                yield header.chunk({"delta": {}}, finish_reason=completion.finish_reason)
     if header.include_usage:
-        yield header.chat_usage_chunk(run.usage)
+        yield header.usage_chunk(run.usage)
     yield DONE
 
 
@@ -124,11 +126,11 @@ async def completion_events(
             finish_reason = completion.finish_reason if item.finished else None
             has_ids = with_ids and bool(completion.token_ids)
             if completion.text or lp is not None or finish_reason is not None or has_ids:
-                yield header.completion_chunk(
-                    completion.text, finish_reason, lp, completion.token_ids
+                yield header.chunk(
+                    {"text": completion.text}, finish_reason, lp, completion.token_ids
                 )
     if header.include_usage:
-        yield header.completion_usage_chunk(run.usage)
+        yield header.usage_chunk(run.usage)
     yield DONE
 
 
@@ -153,8 +155,10 @@ async def _guarded(
 async def collect_chat(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:
     text, logprobs, token_ids = await _collect(run, outputs)
     num_top = run.prepared.num_top_logprobs
-    return run.prepared.header.chat_completion(
-        text, run.finish_reason, _chat_logprobs(texts, logprobs, num_top), run.usage, token_ids
+    message = {"role": "assistant", "content": text}
+    lp = _chat_logprobs(texts, logprobs, num_top)
+    return run.prepared.header.body(
+        {"message": message}, run.finish_reason, lp, run.usage, token_ids
     )
 
 
@@ -162,7 +166,7 @@ async def collect_completion(run: RequestRun, outputs: Outputs, texts: TokenText
     text, logprobs, token_ids = await _collect(run, outputs)
     num_top = run.prepared.num_top_logprobs
     lp = CompletionLogprobs(texts, num_top).next(logprobs) if num_top is not None else None
-    return run.prepared.header.completion(text, run.finish_reason, lp, run.usage, token_ids)
+    return run.prepared.header.body({"text": text}, run.finish_reason, lp, run.usage, token_ids)
 
 
 async def _collect(run: RequestRun, outputs: Outputs) -> tuple[str, list[TokenLogprobs], list[int]]:

@@ -9,6 +9,7 @@ from fake_engine import IM_END, byte_tokenizer
 
 from engine.sequence import TokenLogprobs
 from node_agent.responses import (
+    CHAT,
     DONE,
     CompletionLogprobs,
     ResponseHeader,
@@ -25,8 +26,8 @@ def parse(event: bytes) -> dict[str, object]:
 
 
 def test_chat_chunks_carry_null_usage_only_when_usage_is_asked_for() -> None:
-    with_usage = ResponseHeader("chatcmpl-1", 7, "m", include_usage=True)
-    chunk = parse(with_usage.chat_chunk({"content": "hi"}))
+    with_usage = ResponseHeader("chatcmpl-1", 7, "m", CHAT, include_usage=True)
+    chunk = parse(with_usage.chunk({"delta": {"content": "hi"}}))
     assert chunk == {
         "id": "chatcmpl-1",
         "created": 7,
@@ -37,8 +38,8 @@ def test_chat_chunks_carry_null_usage_only_when_usage_is_asked_for() -> None:
         ],
         "usage": None,
     }
-    assert "usage" not in parse(ResponseHeader("c", 7, "m").chat_chunk({}, "stop"))
-    last = parse(with_usage.chat_usage_chunk(Usage(3, 2, 1)))
+    assert "usage" not in parse(ResponseHeader("c", 7, "m", CHAT).chunk({"delta": {}}, "stop"))
+    last = parse(with_usage.usage_chunk(Usage(3, 2, 1)))
     assert last["choices"] == []
     assert last["usage"] == {
         "prompt_tokens": 3,

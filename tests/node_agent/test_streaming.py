@@ -14,7 +14,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from node_agent.admission import Admission
 from node_agent.metrics import NodeMetrics
-from node_agent.responses import ResponseHeader, TokenTexts
+from node_agent.responses import CHAT, ResponseHeader, TokenTexts
 from node_agent.serving import PreparedRequest
 from node_agent.streaming import RequestRun, chat_events, completion_events
 
@@ -39,7 +39,7 @@ def run_events(
 ) -> tuple[list[bytes], Admission, NodeMetrics]:
     admission = Admission(10, 1)
     metrics = NodeMetrics("m", lambda: None)
-    header = ResponseHeader("chatcmpl-x", 1, "m", include_usage=True)
+    header = ResponseHeader("chatcmpl-x", 1, "m", CHAT, include_usage=True)
     prepared = PreparedRequest("chatcmpl-x", [1, 2], SamplingParams(), header, None, None)
     run = RequestRun(prepared, admission.admit(0), metrics.start_request(), "rid")
     events = (chat_events if chat else completion_events)(
