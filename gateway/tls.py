@@ -1,5 +1,6 @@
 """TLS for the gateway: a server context that refuses anything older than TLS 1.2, and a
-self-signed certificate for local use.
+self-signed certificate for local use (its builder and key writer also make the local stack's
+CA and certificates, stack/certs.py).
 
 The self-signed certificate (ECDSA P-256, valid for a year, for `localhost`, 127.0.0.1, ::1 and
 the listening host) is written with its key to a private temporary directory at start; clients
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import ssl
 import tempfile
 from pathlib import Path
@@ -36,33 +38,55 @@ def _names(host: str) -> list[x509.GeneralName]:
     return names
 
 
+def certificate_builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    not_valid_after: datetime.datetime,
+) -> x509.CertificateBuilder:
+    """A certificate for `key`, valid from five minutes ago (clocks differ a little) until
+    `not_valid_after`; the caller adds its extensions and signs it."""
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(not_valid_after)
+    )
+
+
+def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    """Write `key` as PEM to a new file at `path` (any old one replaced) that only its owner
+    can read, from the moment it exists."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+
+
 def make_self_signed(host: str, directory: Path) -> tuple[Path, Path]:
     """Write a fresh self-signed certificate and key into `directory`; return their paths."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meridian-gateway (self-signed)")])
-    now = datetime.datetime.now(datetime.UTC)
+    not_valid_after = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=VALIDITY_DAYS)
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=VALIDITY_DAYS))
+        certificate_builder(subject, subject, key, not_valid_after)
         .add_extension(x509.SubjectAlternativeName(_names(host)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = directory / "gateway.crt", directory / "gateway.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.touch(mode=0o600)
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    write_key(key_path, key)
     return cert_path, key_path
 
 

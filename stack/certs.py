@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from gateway.tls import certificate_builder, write_key
 
 CA_VALIDITY: Final = datetime.timedelta(days=3650)
 CERT_VALIDITY: Final = datetime.timedelta(days=365)
@@ -39,31 +40,11 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-
-
 def _make_ca(cert_path: Path, key_path: Path) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Meridian local stack CA")])
-    now = _now()
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + CA_VALIDITY)
+        certificate_builder(name, name, key, _now() + CA_VALIDITY)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -82,7 +63,7 @@ def _make_ca(cert_path: Path, key_path: Path) -> None:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _write_key(key_path, key)
+    write_key(key_path, key)
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
@@ -112,15 +93,10 @@ def _issue(
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{ca_key_path} is not an EC key")
     key = ec.generate_private_key(ec.SECP256R1())
-    now = _now()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meridian-gateway")])
+    not_valid_after = min(_now() + CERT_VALIDITY, ca_cert.not_valid_after_utc)
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meridian-gateway")]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(min(now + CERT_VALIDITY, ca_cert.not_valid_after_utc))
+        certificate_builder(subject, ca_cert.subject, key, not_valid_after)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -131,7 +107,7 @@ def _issue(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    _write_key(key_path, key)
+    write_key(key_path, key)
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
