@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -167,8 +168,21 @@ async def test_node_of_unregistered_region_is_known_but_not_routed(cp: ControlPl
     assert (await summary(cp)).regions == []
     status = (await cp.http.get("/v1/status", headers=cp.admin)).json()
     assert status["unregistered_regions"] == ["ap-south"] and status["num_nodes"] == 1
-    await cp.add_region("ap-south", lat=19.1, lon=72.9)
-    assert (await summary(cp)).regions[0].healthy_nodes == 1
+
+    async def keep_beating() -> None:
+        # A live node beats on: a slow store must not let it lapse (3 x 0.2 s) meanwhile.
+        while True:
+            await cp.beat("n1", region="ap-south")
+            await asyncio.sleep(0.1)
+
+    beating = asyncio.create_task(keep_beating())
+    try:
+        await cp.add_region("ap-south", lat=19.1, lon=72.9)
+        assert (await summary(cp)).regions[0].healthy_nodes == 1
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
 
 
 @pytest.mark.asyncio

@@ -44,7 +44,10 @@ def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, TORCH_SPEC], check=True, timeout=900)
-    subprocess.run([*pip, str(REPO)], check=True, timeout=900)
+    # From a copy: a build in the checkout would leave build/ behind, whose stale files (a module
+    # since moved) the next build would install.
+    source = _source_copy(tmp_path_factory.mktemp("fresh-source") / "source")
+    subprocess.run([*pip, str(source)], check=True, timeout=900)
     return venv / "bin" / "python"
 
 
