@@ -23,6 +23,8 @@ from engine.model_store import DEFAULT_MODEL, pull
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+pytest_plugins = ("worker_groups",)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
