@@ -7,7 +7,6 @@ Terraform region destroyed, and `meridian down` leaving nothing running."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import socket
@@ -24,6 +23,7 @@ import httpx
 import openai
 import pytest
 from bounded_wait import wait_until
+from port_blocks import random_block_base
 from tf_helpers import REPO_ROOT, Terraform, copy_terraform_tree, diagnostics
 
 from stack.config import parse_config
@@ -69,7 +69,7 @@ output "nodes" { value = module.region.nodes }
 def stack_config(tmp_path: Path) -> tuple[Path, StackLayout, int]:
     """A two-region YAML on ports nothing holds now, and a free port for the Terraform node."""
     for _ in range(50):
-        base = random.randrange(20_000, 60_000, 10)
+        base = random_block_base(span=70)
         text = (
             "regions:\n  - name: us-east\n    nodes: 1\n  - name: eu-west\n    nodes: 1\n"
             "node: {kv_cache_gib: 0.25, max_num_seqs: 8}\n"

@@ -10,7 +10,6 @@ one (the `stack` extra installs one), else in its gateway."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import ssl
@@ -26,6 +25,7 @@ import httpx
 import openai
 import pytest
 from bounded_wait import wait_until
+from port_blocks import random_block_base
 from tf_helpers import REPO_ROOT
 
 from stack.config import parse_config
@@ -42,7 +42,7 @@ HAS_REDIS = redis_server_path() is not None
 
 def _config(tmp_path: Path) -> tuple[Path, StackLayout]:
     for _ in range(50):
-        base = random.randrange(20_000, 60_000, 100)
+        base = random_block_base(span=100, step=100)
         text = (
             "regions: [{name: us-east}]\n"
             "pops: [new-york, london, sydney]\nclients: [sydney, paris, chicago]\n"

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from bounded_wait import wait_until
+from port_blocks import random_block_base
 
 from stack.commands import ADMIN_TOKEN
 from stack.servers import PostgresNotFoundError, postgres_bin_dir
@@ -55,11 +56,9 @@ def _is_free(port: int) -> bool:
 def _free_block(size: int, taken: set[int]) -> int:
     """The first of `size` consecutive free ports (TCP and UDP)."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = int(sock.getsockname()[1])
+        base = random_block_base(span=size, step=1)
         block = range(base, base + size)
-        if base + size < 65000 and not taken & set(block) and all(map(_is_free, block)):
+        if not taken & set(block) and all(map(_is_free, block)):
             taken.update(block)
             return base
 
