@@ -23,6 +23,10 @@ class ApiKey:
     id: str
     rpm: int
     tpm: int
+    models: frozenset[str] | None = None  # the model and alias names it may use (None: all)
+
+    def may_use(self, name: str) -> bool:
+        return self.models is None or name in self.models
 
 
 class KeyTable:
@@ -39,7 +43,13 @@ class KeyTable:
 
     def replace(self, snapshot: KeySnapshot) -> None:
         self._by_hash = {
-            grant.secret_sha256: ApiKey(grant.id, grant.rpm, grant.tpm) for grant in snapshot.keys
+            grant.secret_sha256: ApiKey(
+                grant.id,
+                grant.rpm,
+                grant.tpm,
+                None if grant.models is None else frozenset(grant.models),
+            )
+            for grant in snapshot.keys
         }
         self.index = snapshot.index
 

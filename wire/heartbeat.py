@@ -39,6 +39,26 @@ Count = Annotated[int, Field(ge=0, le=2**40)]
 DrainPhaseName = Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
 
 
+class ModelIdentity(BaseModel):
+    """What a node's model is, beyond the name it serves it under: two nodes continue each
+    other's streams (a failover, a resume) only when their weights are the same."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # The weights' content: the first 16 bytes of the SHA-256 of the weights file(s), in hex
+    # (node_agent/model_identity.py), so the same file under two names is the same weights.
+    weights_id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    context_length: Annotated[int, Field(ge=1, le=2**24)]  # the most tokens one request may hold
+    dtype: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,16}$")]  # what it computes in: bf16, fp32
+    quantization: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,16}$")]  # none, int8, q4_1
+
+    @property
+    def serving_key(self) -> str:
+        """Equal for two nodes exactly when they write the same text: the same weights, kept
+        and computed the same way (a Q4_1 file run as fp32 is other numbers)."""
+        return f"{self.weights_id}:{self.quantization}:{self.dtype}"
+
+
 class Heartbeat(BaseModel):
     """One capacity report from a node agent (sent every heartbeat interval, default 1 s)."""
 
@@ -49,6 +69,8 @@ class Heartbeat(BaseModel):
     region: Name
     url: HttpUrlStr
     model: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+    # Optional: a node agent that does not send it serves weights no other node is known to share.
+    model_identity: ModelIdentity | None = None
     tp_size: Annotated[int, Field(ge=1, le=1024)] = 1
     kv_blocks_total: Count
     kv_blocks_free: Count

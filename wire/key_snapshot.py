@@ -22,6 +22,9 @@ class KeyGrant(BaseModel):
     secret_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     rpm: int = Field(ge=1)  # requests per minute
     tpm: int = Field(ge=1)  # tokens per minute (prompt + completion)
+    # The models and aliases this key may use (None: all). A fallback to a name not here is
+    # skipped.
+    models: tuple[str, ...] | None = None
 
 
 class KeySnapshot(BaseModel):

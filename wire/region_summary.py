@@ -5,6 +5,10 @@ gateway passes the last index it saw and the control plane answers as soon as an
 envelope changes, or after `wait` with the same index (Consul blocking-query semantics). If the
 index a gateway holds is ahead of the server's (a different control plane), it is answered at once
 and should adopt the new index.
+
+Version 2 makes the fleet model-aware: each region lists the models it serves (`models`, the
+numbers of the nodes serving each), and the envelope carries the model catalog. A gateway reads
+version 1 documents too (no models, no catalog: it routes model-blind, on the region totals).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from wire.heartbeat import HttpUrlStr, Name
+from wire.model_catalog import ModelCatalog
 from wire.routing_policy import RoutingPolicy
 
-REGION_SUMMARY_SCHEMA_VERSION: Final = 1
+REGION_SUMMARY_SCHEMA_VERSION: Final = 2
 
 RegionState = Literal["active", "draining", "disabled"]
 Latitude = Annotated[float, Field(ge=-90.0, le=90.0, allow_inf_nan=False)]
@@ -39,6 +44,22 @@ class QueueEstimate(BaseModel):
     expected_queue_delay_s: float = Field(ge=0.0)
 
 
+class ModelLoad(BaseModel):
+    """One routable model in a region: the numbers of the region's nodes serving it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]  # the name its nodes serve it under
+    # The distinct `ModelIdentity.serving_key`s of those nodes, sorted (empty: none reported).
+    # Two regions continue each other's streams only when both hold exactly one and the same.
+    serving_keys: tuple[str, ...] = ()
+    context_length: int | None = Field(default=None, ge=1)  # the least over its nodes
+    healthy_nodes: int = Field(ge=0)
+    kv_blocks_free: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+    queue: QueueEstimate
+
+
 class RegionSummary(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -58,6 +79,9 @@ class RegionSummary(BaseModel):
     queue: QueueEstimate
     # Operator's weight for this region (1.0 by default; 0 takes it out of weighted choices).
     weight: Weight
+    # The routable models here, by name, sorted (version 2). The totals above are over all of
+    # the region's nodes, whatever they serve.
+    models: tuple[ModelLoad, ...] = ()
 
 
 class RegionSummaryIndex(BaseModel):
@@ -65,8 +89,14 @@ class RegionSummaryIndex(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    schema_version: Literal[1] = REGION_SUMMARY_SCHEMA_VERSION
+    schema_version: Literal[1, 2] = REGION_SUMMARY_SCHEMA_VERSION
     index: int = Field(ge=0)
     regions: list[RegionSummary]
     # The operator's routing parameters, so a policy change reaches gateways the same way.
     routing: RoutingPolicy
+    # The operator's model catalog (version 2; None from a control plane that predates it).
+    catalog: ModelCatalog | None = None
+
+    @property
+    def is_model_aware(self) -> bool:
+        return self.schema_version >= 2
