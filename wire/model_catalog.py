@@ -26,6 +26,9 @@ ModelName = Annotated[str, Field(pattern=MODEL_NAME_PATTERN, min_length=1, max_l
 MAX_MODELS: Final = 1000
 MAX_ALIASES: Final = 10_000
 MAX_FALLBACKS: Final = 8
+# The model a request is for (gateway → region ingress: Envoy routes on it to the nodes serving
+# it), and the model that answered (gateway → client: a fallback's name when one answered).
+MODEL_HEADER: Final = "x-meridian-model"
 
 
 class CatalogError(ValueError):
