@@ -44,6 +44,7 @@ from control_plane.tokens import TokenSet, resolve_tokens
 from control_plane.xds.credentials import EnvoyCredentials
 from control_plane.xds.server import ServerTls, XdsServer
 from control_plane.xds.stream_gate import StreamGate
+from wire.model_catalog import ModelCatalog
 from wire.request_limits import RequestLimits
 from wire.routing_policy import RoutingPolicy
 
@@ -92,7 +93,7 @@ def build(
         publisher.refresh()
 
     policies = PolicyRegistry(store, policy, on_change=publish_now)
-    publisher = SummaryPublisher(fleet, lambda: policies.policy, summary_feed)
+    publisher = SummaryPublisher(fleet, lambda: policies.policy, ModelCatalog, summary_feed)
     refusals = RefusalAudit(
         store,
         RefusalLimits(settings.max_refusals_audited_per_address, settings.max_refusals_audited),

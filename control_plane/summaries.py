@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from control_plane.changes import ChangeFeed
 from control_plane.model import Fleet, Node, Region
+from wire.model_catalog import ModelCatalog
 from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
@@ -106,18 +107,28 @@ def summarize(fleet: Fleet) -> list[RegionSummary]:
 
 
 class SummaryPublisher:
-    """Holds the current `RegionSummaryIndex` (and its JSON), moving the feed when it changes."""
+    """Holds the current `RegionSummaryIndex` (and its JSON), moving the feed when it changes.
+    The document carries the operator's routing policy and model catalog as `read_policy` and
+    `read_catalog` give them now (their registries call `refresh` after every change)."""
 
     def __init__(
-        self, fleet: Fleet, read_policy: Callable[[], RoutingPolicy], feed: ChangeFeed
+        self,
+        fleet: Fleet,
+        read_policy: Callable[[], RoutingPolicy],
+        read_catalog: Callable[[], ModelCatalog],
+        feed: ChangeFeed,
     ) -> None:
         self.feed = feed
         self._fleet = fleet
         self._read_policy = read_policy
+        self._read_catalog = read_catalog
         self._dirty_regions: set[str] = set()  # live capacity changed since the last publish
         self._is_health_held = False
         self._current = RegionSummaryIndex(
-            index=feed.index, regions=summarize(fleet), routing=read_policy()
+            index=feed.index,
+            regions=summarize(fleet),
+            routing=read_policy(),
+            catalog=read_catalog(),
         )
         self._body: bytes | None = None  # encoded when first asked for
 
@@ -142,10 +153,11 @@ class SummaryPublisher:
         """Recompute now; returns True (and moves the index) if the document changed."""
         self._dirty_regions.clear()
         regions = summarize(self._fleet)
-        routing = self._read_policy()
-        if regions == self._current.regions and routing == self._current.routing:
+        routing, catalog = self._read_policy(), self._read_catalog()
+        current = self._current
+        if (regions, routing, catalog) == (current.regions, current.routing, current.catalog):
             return False
-        self._publish(regions, routing)
+        self._publish(regions, routing, catalog)
         return True
 
     def follow_beat(self, region: str, was: RouteView, node: Node) -> bool:
@@ -179,12 +191,14 @@ class SummaryPublisher:
                 regions[position] = summary
                 is_changed = True
         if is_changed:
-            self._publish(regions, self._current.routing)
+            self._publish(regions, self._current.routing, self._current.catalog)
         return is_changed
 
-    def _publish(self, regions: list[RegionSummary], routing: RoutingPolicy) -> None:
+    def _publish(
+        self, regions: list[RegionSummary], routing: RoutingPolicy, catalog: ModelCatalog | None
+    ) -> None:
         self._current = RegionSummaryIndex(
-            index=self.feed.advance(), regions=regions, routing=routing
+            index=self.feed.advance(), regions=regions, routing=routing, catalog=catalog
         )
         self._body = None
 

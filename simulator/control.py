@@ -30,6 +30,7 @@ from simulator.events import EventLoop
 from simulator.node import Node
 from wire.capacity import DECODE_RATE_WINDOW_S
 from wire.heartbeat import Heartbeat
+from wire.model_catalog import ModelCatalog
 from wire.region_summary import RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
@@ -75,7 +76,7 @@ class SimControlPlane:
         self.timing = timing
         self.fleet = Fleet(unhealthy_after_s=timing.unhealthy_after_s, regions=dict(regions))
         self.policy = policy
-        self.publisher = SummaryPublisher(self.fleet, self.read_policy, ChangeFeed(1))
+        self.publisher = SummaryPublisher(self.fleet, self.read_policy, ModelCatalog, ChangeFeed(1))
         self.published_s: list[float] = [0.0]
         self.documents: list[RegionSummaryIndex] = [self.publisher.current]
         self._rng = random.Random(f"heartbeats/{seed}")

@@ -9,6 +9,7 @@ from control_plane.changes import ChangeFeed
 from control_plane.model import Fleet, Node, NodeIdentity, Region
 from control_plane.summaries import SummaryPublisher, route_view
 from wire.heartbeat import Heartbeat
+from wire.model_catalog import ModelCatalog
 from wire.routing_policy import RoutingPolicy
 
 
@@ -17,7 +18,7 @@ def test_a_beat_without_a_live_engine_makes_the_node_unhealthy_at_once_and_back(
     fleet = Fleet(unhealthy_after_s=3.0, regions={"us-east": region})
     identity = NodeIdentity(region="us-east", url="http://n1.test:9001", model="m", tp_size=1)
     node = fleet.nodes["n1"] = Node("n1", identity, False, 0.0)
-    publisher = SummaryPublisher(fleet, RoutingPolicy, ChangeFeed(1))
+    publisher = SummaryPublisher(fleet, RoutingPolicy, ModelCatalog, ChangeFeed(1))
     beat = Heartbeat(
         node_id="n1",
         region="us-east",

@@ -23,6 +23,7 @@ from control_plane.summaries import (
 )
 from control_plane.tokens import TokenSet
 from wire.heartbeat import Heartbeat
+from wire.model_catalog import ModelCatalog
 from wire.region_summary import RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
@@ -171,7 +172,7 @@ def test_a_beat_publishes_a_node_back_to_health_now_and_capacity_at_the_tick() -
     fleet = Fleet(unhealthy_after_s=3.0, regions={"us-east": region})
     identity = NodeIdentity(region="us-east", url="http://n1.test:9001", model="m", tp_size=1)
     node = fleet.nodes["n1"] = Node("n1", identity, False, 0.0)
-    publisher = SummaryPublisher(fleet, RoutingPolicy, ChangeFeed(1))
+    publisher = SummaryPublisher(fleet, RoutingPolicy, ModelCatalog, ChangeFeed(1))
     beat = beat_of("n1", identity)
 
     def record(beat: Heartbeat, now_s: float) -> bool:
@@ -198,7 +199,7 @@ def test_a_tick_recomputes_only_the_regions_whose_nodes_beat_or_fell_silent() ->
         fleet.nodes[name] = Node(name, identity, False, 0.0)
         beats[name] = beat_of(name, identity)
         fleet.record_beat(fleet.nodes[name], beats[name], 0.0, 0.0)
-    publisher = SummaryPublisher(fleet, RoutingPolicy, ChangeFeed(1))
+    publisher = SummaryPublisher(fleet, RoutingPolicy, ModelCatalog, ChangeFeed(1))
     summarized: list[str] = []
 
     def counted(region: Region, nodes: list[Node]) -> RegionSummary:
@@ -272,3 +273,15 @@ async def test_change_feed_semantics() -> None:
     await asyncio.sleep(0.01)
     feed.close()
     assert await asyncio.wait_for(closing, 1) == 9
+
+
+def test_the_document_carries_the_catalog_and_a_catalog_change_republishes_it() -> None:
+    fleet = Fleet(unhealthy_after_s=3.0, regions={})
+    catalog = ModelCatalog()
+    publisher = SummaryPublisher(fleet, RoutingPolicy, lambda: catalog, ChangeFeed(1))
+    assert publisher.current.catalog == ModelCatalog() and publisher.current.is_model_aware
+    assert not publisher.refresh()  # nothing changed
+    catalog = ModelCatalog.model_validate({"models": [{"name": "m"}]})
+    assert publisher.refresh()
+    assert publisher.current.catalog == catalog and publisher.current.index == 2
+    assert RegionSummaryIndex.model_validate_json(publisher.body).catalog == catalog
