@@ -21,7 +21,15 @@ twice.) A stream's prefix-cache hits, as its node's usage reports them, come off
 prediction before the residual is taken: a region measured on hits would otherwise look
 cheaper for every prompt, and so would the regions not measured yet.
 
-Eligible regions are active, with healthy nodes, an ingress URL and a weight above 0. Among
+A plan for a model (`plan(..., model=...)`) is made among the regions whose summary lists it,
+each costed on the numbers of its nodes serving that model (healthy nodes, KV cache, queue)
+rather than the region's totals; the breaker, the in-flight counts and the TTFT correction stay
+the region's. The summary-derived part is worked out once per document for each region and
+model planned for (gateway/summary_loads.py), so that a catalog of many models costs nothing
+per request.
+
+Eligible regions are active, with healthy nodes (for a model: serving it), an ingress URL and
+a weight above 0. Among
 those, saturated ones (KV cache fuller than the policy's threshold) and ones whose circuit is
 open go last; below the threshold, KV use costs from `KV_PRESSURE_KNEE` of it on. The first
 choice is made among the near-best (cost within `p2c_tolerance` of the best, plus a small
@@ -48,15 +56,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.breaker import CircuitBreaker
+from gateway.summary_loads import SummaryLoad, SummaryLoads, kv_pressure_s, queue_delay_s
 from wire.geo import Place, rtt_ms
-from wire.region_summary import RegionSummary, RegionSummaryIndex
+from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
-
-# A fuller KV cache means bigger batches and slower steps, so a rising cost rather than a cliff:
-# 0 up to KNEE x the policy's saturation threshold, then linear up to KV_PRESSURE_S at it (values
-# tuned in the simulator; see docs/simulator.md). Past the threshold the region also goes last.
-KV_PRESSURE_KNEE = 0.7
-KV_PRESSURE_S = 0.1
 
 Reason = Literal["only", "p2c", "affinity", "fallback"]
 
@@ -85,99 +88,6 @@ class RoutePlan:
     reason: Reason
 
 
-@dataclass(frozen=True, slots=True)
-class SummaryLoad:
-    """The part of a region's cost that only its summary and the policy set, the same at every
-    PoP: worked out once per summary document, not once per request (a gateway plans far more
-    often), and shared between gateways that adopt the same document (`SummaryLoads`)."""
-
-    is_eligible: bool
-    is_saturated: bool  # KV cache fuller than the policy's threshold
-    queue_s: float
-    load_s: float  # the queue and KV pressure terms, before `queue_weight`
-    url: str
-
-
-def queue_delay_s(summary: RegionSummary, prefill_tokens_per_s: float) -> float:
-    """Seconds before a new request's own prefill starts: the prompt tokens ahead of it in the
-    region (waiting, and admitted but not yet prefilled), spread over its nodes, or the
-    summary's own estimate of the wait for a free slot, whichever is longer."""
-    queue = summary.queue
-    backlog_tokens = queue.num_waiting_prefill_tokens + queue.num_running_prefill_tokens
-    rate = prefill_tokens_per_s * max(1, summary.healthy_nodes)
-    return max(queue.expected_queue_delay_s, backlog_tokens / rate)
-
-
-def kv_pressure_s(summary: RegionSummary, policy: RoutingPolicy) -> float:
-    if summary.kv_blocks_total == 0:
-        return 0.0
-    used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
-    threshold = policy.saturation_threshold
-    knee = KV_PRESSURE_KNEE * threshold
-    return KV_PRESSURE_S * max(0.0, used - knee) / (threshold - knee)
-
-
-def _is_eligible(summary: RegionSummary) -> bool:
-    return (
-        summary.state == "active"
-        and summary.healthy_nodes > 0
-        and summary.ingress_url is not None
-        and summary.weight > 0.0
-    )
-
-
-def summary_load(
-    summary: RegionSummary, policy: RoutingPolicy, prefill_tokens_per_s: float
-) -> SummaryLoad:
-    queue_s = queue_delay_s(summary, prefill_tokens_per_s)
-    is_saturated = False
-    if summary.kv_blocks_total > 0:
-        used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
-        is_saturated = used > policy.saturation_threshold
-    return SummaryLoad(
-        is_eligible=_is_eligible(summary),
-        is_saturated=is_saturated,
-        queue_s=queue_s,
-        load_s=queue_s + kv_pressure_s(summary, policy),
-        url=(summary.ingress_url or "").rstrip("/"),
-    )
-
-
-# Enough for every PoP's document while they lag one another by a few ticks.
-MAX_SHARED_LOADS = 256
-
-
-@dataclass(slots=True)
-class SummaryLoads:
-    """The loads of recent summaries, by summary object: gateways that adopt the same document
-    (the simulator's PoPs, which share one) work each region's load out once between them."""
-
-    max_entries: int = MAX_SHARED_LOADS
-    # id(summary) -> (summary, policy, prefill rate, load); holding the summary keeps its id.
-    _entries: dict[int, tuple[RegionSummary, RoutingPolicy, float, SummaryLoad]] = field(
-        default_factory=dict
-    )
-
-    def load_of(
-        self, summary: RegionSummary, policy: RoutingPolicy, prefill_tokens_per_s: float
-    ) -> SummaryLoad:
-        entry = self._entries.get(id(summary))
-        if (
-            entry is not None
-            and entry[0] is summary
-            and entry[1] is policy
-            and entry[2] == prefill_tokens_per_s
-        ):
-            return entry[3]
-        load = summary_load(summary, policy, prefill_tokens_per_s)
-        entries = self._entries
-        entries.pop(id(summary), None)
-        entries[id(summary)] = (summary, policy, prefill_tokens_per_s, load)
-        if len(entries) > self.max_entries:
-            del entries[next(iter(entries))]  # the oldest
-        return load
-
-
 @dataclass(slots=True)
 class RegionState:
     """What this gateway itself knows about a region, beyond its summary."""
@@ -191,6 +101,9 @@ class RegionState:
     residual_at_s: float = 0.0
     num_ttft_samples: int = 0
     load: SummaryLoad | None = None  # for this summary and policy (None: not worked out yet)
+    # The summary's models by name, and the loads of those planned for since it came.
+    models: dict[str, ModelLoad] = field(default_factory=dict)
+    model_loads: dict[str, SummaryLoad] = field(default_factory=dict)
 
 
 _cost_s = operator.attrgetter("cost_s")
@@ -241,6 +154,8 @@ class Router:
                 known.rtt_ms = rtt_ms(self.pop, summary)
             known.summary = summary
             known.load = None  # worked out when next planned (a PoP may adopt several first)
+            known.models = {model.name: model for model in summary.models}
+            known.model_loads = {}
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing
@@ -274,6 +189,18 @@ class Router:
             state.load = self.loads.load_of(state.summary, self.policy, prefill_tokens_per_s)
         return state.load
 
+    def model_load_of(self, state: RegionState, model: str) -> SummaryLoad | None:
+        """The region's load on `model`'s nodes (None: the region does not list it)."""
+        load = state.model_loads.get(model)
+        if load is None:
+            nodes = state.models.get(model)
+            if nodes is None:
+                return None
+            prefill_tokens_per_s = self.config.prefill_tokens_per_s
+            load = self.loads.load_of(state.summary, self.policy, prefill_tokens_per_s, nodes)
+            state.model_loads[model] = load
+        return load
+
     def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
         prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
         return self._candidate(state, self.load_of(state), prefill_s, now_s)
@@ -298,10 +225,13 @@ class Router:
         affinity_key: str | None = None,
         now_s: float | None = None,
         exclude: Collection[str] = (),
+        model: str | None = None,
     ) -> RoutePlan:
         """Regions to try, best first; empty if no region may take new work. `now_s` is the
         monotonic clock unless given (the simulator drives the router on its own clock);
-        `exclude`: regions this request has tried already (a resume chooses among the rest)."""
+        `exclude`: regions this request has tried already (a resume chooses among the rest).
+        `model`: plan among the regions that serve it, each costed on its nodes for that
+        model (None: model-blind, on the region totals)."""
         now_s = time.monotonic() if now_s is None else now_s
         preferred: list[Candidate] = []
         others: list[Candidate] = []
@@ -309,8 +239,12 @@ class Router:
         for name, state in self.regions.items():
             if name in exclude:
                 continue
-            load = state.load if state.load is not None else self.load_of(state)
-            if not load.is_eligible:
+            load: SummaryLoad | None
+            if model is None:
+                load = state.load if state.load is not None else self.load_of(state)
+            else:
+                load = self.model_load_of(state, model)
+            if load is None or not load.is_eligible:
                 continue
             candidate = self._candidate(state, load, prefill_s, now_s)
             is_preferred = not load.is_saturated and state.breaker.is_available(now_s)

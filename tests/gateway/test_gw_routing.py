@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.routing import KV_PRESSURE_KNEE, KV_PRESSURE_S, Router, RouterConfig, SummaryLoads
+from gateway.routing import Router, RouterConfig
+from gateway.summary_loads import KV_PRESSURE_KNEE, KV_PRESSURE_S, SummaryLoads
 from wire.geo import LOCATIONS, locate, rtt_ms
 from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
