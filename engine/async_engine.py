@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
+from engine.config import WeightsFormat
 from engine.engine_core import AbortRequest, AddRequest, Command, CoreOutputs
 from engine.errors import EngineDeadError
 from engine.llm_engine import EngineStats
@@ -29,9 +30,16 @@ _Sink = asyncio.Queue[RequestOutput | BaseException]
 class AsyncEngine(ABC):
     """Streams each request's outputs while other requests join and leave the running batch."""
 
-    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits, stats: EngineStats):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: RequestLimits,
+        stats: EngineStats,
+        weights_format: WeightsFormat,
+    ):
         self.tokenizer = tokenizer
         self.limits = limits
+        self.weights_format = weights_format
         # Commands for the core, in order; the subclass carries them across.
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}

@@ -40,7 +40,7 @@ class AsyncLLM(AsyncEngine):
     """`AsyncEngine` over an `LLMEngine` stepping on its own thread in this process."""
 
     def __init__(self, engine: LLMEngine):
-        super().__init__(engine.tokenizer, engine.limits, engine.stats())
+        super().__init__(engine.tokenizer, engine.limits, engine.stats(), engine.weights_format)
         self.engine = engine
         self._thread: threading.Thread | None = None
 

@@ -18,6 +18,20 @@ _DTYPES = {
 }
 
 _QUANTIZATIONS = ("auto", "none", "int8", "q4_1")
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsFormat:
+    """How a loaded engine keeps and computes its weights, "auto" resolved: what a node reports,
+    since the same file kept otherwise writes other text."""
+
+    dtype: str  # fp32, bf16, fp16
+    quantization: str  # none, int8, q4_1
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, quantization: str) -> WeightsFormat:
+        return cls(_DTYPE_NAMES[dtype], quantization)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,7 @@ class EngineCoreClient(AsyncEngine):
         signs: CoreSigns,
         liveness: LivenessLimits,
     ):
-        super().__init__(ready.tokenizer, ready.limits, ready.stats)
+        super().__init__(ready.tokenizer, ready.limits, ready.stats, ready.weights_format)
         self.process = process
         self._pipe = pipe
         self._signs = signs

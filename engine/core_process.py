@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, WeightsFormat
 from engine.core_liveness import CoreSigns
 from engine.engine_core import Command, CoreOutputs, EngineCore
 from engine.errors import EngineDeadError
@@ -42,6 +42,7 @@ class CoreReady:
     tokenizer: Tokenizer
     limits: RequestLimits
     stats: EngineStats
+    weights_format: WeightsFormat
     pid: int
 
 
@@ -132,7 +133,15 @@ def _serve(
             pipe.send(CoreFailed(_portable(exc)))
             return
         try:
-            pipe.send(CoreReady(engine.tokenizer, engine.limits, engine.stats(), os.getpid()))
+            pipe.send(
+                CoreReady(
+                    engine.tokenizer,
+                    engine.limits,
+                    engine.stats(),
+                    engine.weights_format,
+                    os.getpid(),
+                )
+            )
             EngineCore(engine, _PipeInbox(pipe, signs), lambda b: _send_outputs(pipe, b)).run()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             logger.warning("the engine core's client is gone; stopping")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, WeightsFormat
 from engine.errors import InvalidRequestError
 from engine.executor import ModelExecutor
 from engine.kernels import cpu_kernels
@@ -74,6 +74,7 @@ class LLMEngine:
         shape = RunnerShape(
             device, dtype, config.block_size, context_len, config.weight_quantization(keeps_q4_1)
         )
+        self.weights_format = WeightsFormat.of(dtype, shape.quantization)
         self.executor = ModelExecutor(
             checkpoint,
             shape,

@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="most tokens in a step while no request decodes yet (2048)",
     )
     add("--dtype", help="auto, float32, bfloat16 or float16")
+    add("--quantization", help="weights kept as the dtype (none), int8 or q4_1 (auto)")
     add(
         "--engine-process",
         action=argparse.BooleanOptionalAction,

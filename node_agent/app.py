@@ -3,7 +3,8 @@
 The lifespan owns the engine (loaded in a thread after the server starts listening, so `/health`
 answers while `/ready` says the model is loading), the one `httpx.AsyncClient`, the heartbeat
 loop and the Consul registration. An engine passed in is used as is and left running at the end
-(tests share one loaded model between apps).
+(tests share one loaded model between apps); its weights' id comes with it (None: the node's
+heartbeats carry no model identity).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from wire.request_limits import RequestLimits
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: NodeAgentSettings, llm: AsyncEngine | None = None) -> FastAPI:
+def create_app(
+    settings: NodeAgentSettings, llm: AsyncEngine | None = None, weights_id: str | None = None
+) -> FastAPI:
     runtime = NodeRuntime(settings)
 
     @contextlib.asynccontextmanager
@@ -40,7 +43,7 @@ def create_app(settings: NodeAgentSettings, llm: AsyncEngine | None = None) -> F
         else:
             if not llm.is_running:
                 llm.start()
-            runtime.attach(llm)
+            runtime.attach(llm, weights_id)
         consul = (
             ConsulRegistration(settings, runtime.node_id, runtime.model_name)
             if settings.consul

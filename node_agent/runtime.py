@@ -21,9 +21,10 @@ from node_agent.admission import Admission, Ticket
 from node_agent.drain import Drain
 from node_agent.errors import ModelNotFoundError, UnavailableError
 from node_agent.metrics import NodeMetrics
+from node_agent.model_identity import model_identity, weights_id_of
 from node_agent.serving import Serving
 from node_agent.settings import NodeAgentSettings
-from wire.heartbeat import Heartbeat, HeartbeatReply
+from wire.heartbeat import Heartbeat, HeartbeatReply, ModelIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class NodeRuntime:
         self.node_id = settings.resolved_node_id
         self.started_at = int(time.time())
         self.llm: AsyncEngine | None = None
+        # What the loaded model is (its heartbeats carry it); None until loaded, or for an
+        # engine attached without its weights' id.
+        self.model_identity: ModelIdentity | None = None
         self.serving: Serving | None = None
         self.load_error: BaseException | None = None
         self.admission = Admission(
@@ -66,33 +70,41 @@ class NodeRuntime:
     # --- engine ---
 
     async def load(self) -> None:
-        """Load the engine in a thread (seconds); on failure, record it and stop the server."""
+        """Identify the weights and load the engine in a thread (seconds); on failure, record it
+        and stop the server."""
         try:
-            llm = await asyncio.to_thread(
-                load_engine,
-                self.settings.engine_config(),
-                self.settings.engine_process,
-                self.settings.engine_liveness(),
-            )
+            weights_id, llm = await asyncio.to_thread(self._load)
         except Exception as exc:  # any load failure ends the node; it is reported, not raised
             logger.error("could not load %s: %s", self.settings.model, exc)
             self.load_error = exc
             self._request_stop()
             return
         llm.start()
-        self.attach(llm)
+        self.attach(llm, weights_id)
 
-    def attach(self, llm: AsyncEngine) -> None:
+    def _load(self) -> tuple[str, AsyncEngine]:
+        weights_id = weights_id_of(self.settings.model)
+        settings = self.settings
+        llm = load_engine(
+            settings.engine_config(), settings.engine_process, settings.engine_liveness()
+        )
+        return weights_id, llm
+
+    def attach(self, llm: AsyncEngine, weights_id: str | None) -> None:
+        """Serve with `llm`, loaded from weights of `weights_id` (None: not known)."""
         self.llm = llm
         self.serving = Serving(llm, self.model_name)
+        if weights_id is not None:
+            self.model_identity = model_identity(weights_id, llm)
         stats = llm.stats()
         logger.info(
-            "serving %s as %r: %d KV blocks of %d tokens, context %d tokens",
+            "serving %s as %r: %d KV blocks of %d tokens, context %d tokens, %s",
             self.settings.model,
             self.model_name,
             stats.kv_blocks_total,
             stats.block_size,
             llm.max_model_len,
+            self.model_identity or "weights not identified",
         )
 
     def stats(self) -> EngineStats | None:
@@ -163,6 +175,7 @@ class NodeRuntime:
             region=self.settings.region,
             url=self.settings.url,
             model=self.model_name,
+            model_identity=self.model_identity,
             tp_size=self.settings.tensor_parallel_size,
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_free=min(stats.kv_blocks_free, stats.kv_blocks_total),

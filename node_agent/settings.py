@@ -55,6 +55,9 @@ class NodeAgentSettings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
     pipeline_parallel_size: int = Field(default=1, ge=1, le=1024)
     dtype: str = "auto"
+    # How the weights are kept (engine/config.py): as `dtype` ("none"), "int8" or a GGUF's own
+    # Q4_1 blocks; auto: what the engine judges fastest here.
+    quantization: Literal["auto", "none", "int8", "q4_1"] = "auto"
     block_size: int = Field(default=16, ge=1, le=1024)
     kv_cache_gib: float = Field(default=2.0, gt=0.0)
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -204,6 +207,7 @@ class NodeAgentSettings(BaseSettings):
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
+            quantization=self.quantization,
             block_size=self.block_size,
             cpu_kv_cache_gib=self.kv_cache_gib,
             num_kv_blocks=self.num_kv_blocks,

@@ -35,6 +35,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatTemplate
+from engine.config import WeightsFormat
 from engine.engine_core import AbortRequest, AddRequest, Command, CoreOutputs, StopCore
 from engine.errors import EngineDeadError
 from engine.llm_engine import EngineStats
@@ -105,7 +106,7 @@ class FakeEngine(AsyncEngine):
         self._hold_after: int | None = None
         self._core: asyncio.Task[None] | None = None
         limits = RequestLimits(max_model_len, tokenizer.vocab_size)
-        super().__init__(tokenizer, limits, self._snapshot())
+        super().__init__(tokenizer, limits, self._snapshot(), WeightsFormat("fp32", "none"))
 
     # --- the AsyncEngine interface ---
 

@@ -154,7 +154,11 @@ FakeNodes = Callable[..., tuple[FakeEngine, NodeHandle]]
 
 
 def start_node(
-    loop: BackgroundLoop, llm: AsyncEngine | None, wait_ready: bool = True, **overrides: Any
+    loop: BackgroundLoop,
+    llm: AsyncEngine | None,
+    wait_ready: bool = True,
+    weights_id: str | None = None,
+    **overrides: Any,
 ) -> NodeHandle:
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -166,7 +170,7 @@ def start_node(
         "log_level": "WARNING",
     }
     settings = NodeAgentSettings(**(values | overrides))
-    app = create_app(settings, llm=llm)
+    app = create_app(settings, llm=llm, weights_id=weights_id)
     server = NodeServer(app, settings)
     done = loop.submit(server.serve(sockets=[sock]))
     node = NodeHandle(settings, app, server, done, loop)

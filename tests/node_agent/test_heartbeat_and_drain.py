@@ -15,6 +15,7 @@ from consul_standin import ConsulStandIn
 from fake_control_plane import TOKEN, FakeControlPlane
 from fake_engine import FakeEngine
 from node_helpers import (
+    MAX_MODEL_LEN,
     MODEL_NAME,
     BackgroundLoop,
     FakeNodes,
@@ -24,7 +25,7 @@ from node_helpers import (
     wait_until,
 )
 
-from wire.heartbeat import Heartbeat
+from wire.heartbeat import Heartbeat, ModelIdentity
 
 INTERVAL_S = 0.1
 MAX_BACKOFF_S = 0.8
@@ -71,6 +72,7 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
         assert beat.kv_blocks_total == node.stats().kv_blocks_total
         assert beat.block_size == 16 and not beat.draining
         assert beat.num_in_flight == 0
+        assert beat.model_identity is None  # attached without its weights' id
     assert control_plane.bad_auth == 0
     assert max(_gaps(control_plane.attempts)) < 5 * INTERVAL_S  # slack for a busy machine
 
@@ -99,6 +101,19 @@ def test_heartbeats_match_the_schema_back_off_and_resume(
         lambda: len(control_plane.beats) >= num_beats + 3, timeout_s=MAX_BACKOFF_S + 1.5
     )
     assert node.server.runtime is node.runtime
+
+
+def test_heartbeats_carry_the_model_identity(
+    fake_nodes: FakeNodes, control_plane: FakeControlPlane
+) -> None:
+    weights_id = "0123456789abcdef" * 2
+    fake_nodes(weights_id=weights_id, **reporting(control_plane))
+    assert wait_until(lambda: len(control_plane.beats) >= 1)
+    beat = Heartbeat.model_validate(control_plane.beats[0])
+    assert beat.model_identity == ModelIdentity(
+        weights_id=weights_id, context_length=MAX_MODEL_LEN, dtype="fp32", quantization="none"
+    )
+    assert beat.model_identity.serving_key == f"{weights_id}:none:fp32"
 
 
 @pytest.mark.slow  # seconds of waiting on timeouts

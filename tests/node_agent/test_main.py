@@ -55,9 +55,18 @@ def test_the_token_budgets_reach_the_engine() -> None:
     assert (config.max_num_batched_tokens, config.max_num_prefill_only_tokens) == (256, 1024)
 
 
+def test_the_quantization_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(parse_args([])).engine_config().quantization == "auto"
+    config = load_settings(parse_args(["--quantization", "int8"])).engine_config()
+    assert config.quantization == "int8"
+    monkeypatch.setenv("MERIDIAN_NODE_AGENT_QUANTIZATION", "none")
+    assert load_settings(parse_args([])).engine_config().quantization == "none"
+
+
 @pytest.mark.parametrize(
     ("argv", "status", "needle"),
     [
+        (["--quantization", "q8"], 2, "quantization"),
         (["--tensor-parallel-size", "0"], 2, "tensor"),
         (["--pipeline-parallel-size", "0"], 2, "pipeline"),
         (["--model", "no-such-model"], 2, "no-such-model"),
