@@ -29,7 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from wire.heartbeat import Heartbeat
+from wire.heartbeat import Heartbeat, ModelIdentity
+from wire.model_catalog import ModelCatalog
 from wire.region_summary import RegionState
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,22 @@ def has_reached(phase: str | None, step: str) -> bool:
 
 def is_known_phase(phase: str) -> bool:
     return phase in _INDEX
+
+
+# The models that may be routed to: the ones the catalog lists, or None for every model some node
+# serves (while the catalog lists none). A node serving another model is "unlisted": in status,
+# but in no route (summaries' per-model loads, Envoy's per-model routes).
+Listed = frozenset[str] | None
+
+
+def listed_models(catalog: ModelCatalog | None) -> Listed:
+    if catalog is None or catalog.is_empty:
+        return None
+    return frozenset(model.name for model in catalog.models)
+
+
+def is_listed(model: str, listed: Listed) -> bool:
+    return listed is None or model in listed
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +126,16 @@ class Node:
     drain_echo_until: int = 0
     # The phase of the node's drain sequence (`control_plane.drain.book` keeps it as it moves).
     drain_phase: str | None = None
+
+    @property
+    def model(self) -> str:
+        """The name it serves its model under (from its beats, or Consul's)."""
+        return self.identity.model
+
+    @property
+    def model_identity(self) -> ModelIdentity | None:
+        """What its model is, from its latest beat (None: not reported, or not heard from)."""
+        return self.last_beat.model_identity if self.last_beat is not None else None
 
     @property
     def sources(self) -> list[NodeSource]:

@@ -115,7 +115,10 @@ class NodeView(BaseModel):
     node_id: str
     region: str
     url: str
-    model: str
+    model: str  # the name it serves its model under (its weights: `last_heartbeat`)
+    # False while the catalog lists models and not this one: the node is in no route until the
+    # operator lists it (an empty catalog lists every model).
+    listed: bool
     tp_size: int
     is_healthy: bool  # the merge of heartbeats and Consul (control_plane/fleet.py)
     is_draining: bool  # asked to drain, or draining on its own
@@ -246,6 +249,7 @@ class StatusView(BaseModel):
     num_draining_nodes: int
     regions: list[RegionSummary]
     unregistered_regions: list[str]  # named by nodes' heartbeats but not registered
+    unlisted_models: list[str]  # served by nodes, not in the catalog: routed to by no one
     nodes: list[NodeView]
     routing: RoutingPolicy
     drains: list[DrainView]  # every drain sequence, oldest first

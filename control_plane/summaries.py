@@ -16,11 +16,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from control_plane.changes import ChangeFeed
-from control_plane.model import Fleet, Node, Region
+from control_plane.model import Fleet, Listed, Node, Region, listed_models
+from wire.heartbeat import Heartbeat
 from wire.model_catalog import ModelCatalog
-from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
+from wire.region_summary import ModelLoad, QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -41,50 +43,122 @@ def expected_queue_delay_s(num_waiting_prefill_tokens: int, decode_tokens_per_s:
     return round(min(delay_s, MAX_QUEUE_DELAY_S), 3)
 
 
-def summarize_region(region: Region, nodes: list[Node]) -> RegionSummary:
-    """One region's summary from its nodes' latest beats (one pass: it runs for every region on
-    every tick)."""
-    num_routable = num_waiting = num_waiting_prefill_tokens = num_running_prefill_tokens = 0
-    kv_blocks_free = kv_blocks_total = 0
-    decode_tokens_per_s = 0.0
+@dataclass(slots=True)
+class _Load:
+    """Sums over some of a region's nodes in the summaries: one model's, or all of them."""
+
+    num_nodes: int = 0
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = 0
+    num_running_prefill_tokens: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    decode_tokens_per_s: float = 0.0
+    serving_keys: set[str] = field(default_factory=set)
+    context_length: int | None = None  # the least reported
+
+    @classmethod
+    def of(cls, beats: list[Heartbeat | None]) -> _Load:
+        """One model's nodes by their latest beats (None: known only from Consul, or restored:
+        healthy, but no capacity reported)."""
+        waiting = waiting_prefill = running_prefill = kv_free = kv_total = 0
+        decode_tokens_per_s = 0.0
+        serving_keys: set[str] = set()
+        contexts: list[int] = []
+        for beat in beats:  # in locals: this loop is most of a tick's work
+            if beat is None:
+                continue
+            waiting += beat.num_waiting
+            waiting_prefill += beat.num_waiting_prefill_tokens
+            running_prefill += beat.num_running_prefill_tokens
+            decode_tokens_per_s += beat.decode_tokens_per_s
+            kv_free += beat.kv_blocks_free
+            kv_total += beat.kv_blocks_total
+            identity = beat.model_identity
+            if identity is not None:
+                serving_keys.add(identity.serving_key)
+                contexts.append(identity.context_length)
+        return cls(
+            len(beats),
+            waiting,
+            waiting_prefill,
+            running_prefill,
+            kv_free,
+            kv_total,
+            decode_tokens_per_s,
+            serving_keys,
+            min(contexts, default=None),
+        )
+
+    def add(self, other: _Load) -> None:
+        """Count `other`'s nodes in this total (the identities stay theirs)."""
+        self.num_nodes += other.num_nodes
+        self.num_waiting += other.num_waiting
+        self.num_waiting_prefill_tokens += other.num_waiting_prefill_tokens
+        self.num_running_prefill_tokens += other.num_running_prefill_tokens
+        self.decode_tokens_per_s += other.decode_tokens_per_s
+        self.kv_blocks_free += other.kv_blocks_free
+        self.kv_blocks_total += other.kv_blocks_total
+
+    def queue(self) -> QueueEstimate:
+        decode_tokens_per_s = round(self.decode_tokens_per_s, 3)
+        return QueueEstimate(
+            num_waiting=self.num_waiting,
+            num_waiting_prefill_tokens=self.num_waiting_prefill_tokens,
+            num_running_prefill_tokens=self.num_running_prefill_tokens,
+            decode_tokens_per_s=decode_tokens_per_s,
+            expected_queue_delay_s=expected_queue_delay_s(
+                self.num_waiting_prefill_tokens, decode_tokens_per_s
+            ),
+        )
+
+    def model(self, name: str) -> ModelLoad:
+        return ModelLoad(
+            name=name,
+            serving_keys=tuple(sorted(self.serving_keys)),
+            context_length=self.context_length,
+            healthy_nodes=self.num_nodes,
+            kv_blocks_free=self.kv_blocks_free,
+            kv_blocks_total=self.kv_blocks_total,
+            queue=self.queue(),
+        )
+
+
+def summarize_region(region: Region, nodes: list[Node], listed: Listed = None) -> RegionSummary:
+    """One region's summary from its nodes' latest beats, with a load per model (`listed`: the
+    models to list, None for all). It runs for every region on every tick: each beat is summed
+    once, into its model's load, and the region's totals are the sum of those."""
+    by_model: dict[str, list[Heartbeat | None]] = {}
     unhealthy: list[str] = []
     for node in nodes:
         if not node.is_in_summaries:
             if not node.is_healthy:
                 unhealthy.append(node.node_id)
             continue
-        num_routable += 1
-        beat = node.last_beat
-        if beat is None:  # known only from Consul: healthy, but no capacity reported
-            continue
-        num_waiting += beat.num_waiting
-        num_waiting_prefill_tokens += beat.num_waiting_prefill_tokens
-        num_running_prefill_tokens += beat.num_running_prefill_tokens
-        decode_tokens_per_s += beat.decode_tokens_per_s
-        kv_blocks_free += beat.kv_blocks_free
-        kv_blocks_total += beat.kv_blocks_total
-    decode_tokens_per_s = round(decode_tokens_per_s, 3)
-    queue = QueueEstimate(
-        num_waiting=num_waiting,
-        num_waiting_prefill_tokens=num_waiting_prefill_tokens,
-        num_running_prefill_tokens=num_running_prefill_tokens,
-        decode_tokens_per_s=decode_tokens_per_s,
-        expected_queue_delay_s=expected_queue_delay_s(
-            num_waiting_prefill_tokens, decode_tokens_per_s
-        ),
-    )
+        beats = by_model.get(node.identity.model)
+        if beats is None:
+            beats = by_model[node.identity.model] = []
+        beats.append(node.last_beat)
+    total = _Load()
+    models: list[ModelLoad] = []
+    for name in sorted(by_model):
+        load = _Load.of(by_model[name])
+        total.add(load)
+        if listed is None or name in listed:  # unlisted: in the totals, routed to by no model
+            models.append(load.model(name))
     return RegionSummary(
         name=region.name,
         lat=region.lat,
         lon=region.lon,
         state=region.state,
         ingress_url=region.ingress_url,
-        healthy_nodes=num_routable,
+        healthy_nodes=total.num_nodes,
         unhealthy_nodes=tuple(sorted(unhealthy)),
-        kv_blocks_free=kv_blocks_free,
-        kv_blocks_total=kv_blocks_total,
-        queue=queue,
+        kv_blocks_free=total.kv_blocks_free,
+        kv_blocks_total=total.kv_blocks_total,
+        queue=total.queue(),
         weight=region.weight,
+        models=tuple(models),
     )
 
 
@@ -96,14 +170,16 @@ def route_view(node: Node) -> RouteView:
     return node.is_routable, node.is_in_summaries
 
 
-def summarize(fleet: Fleet) -> list[RegionSummary]:
+def summarize(fleet: Fleet, listed: Listed = None) -> list[RegionSummary]:
     """One summary per registered region, sorted by name; nodes of unknown regions are left out."""
     by_region: dict[str, list[Node]] = {name: [] for name in fleet.regions}
     for node in fleet.nodes.values():
         members = by_region.get(node.identity.region)
         if members is not None:
             members.append(node)
-    return [summarize_region(fleet.regions[name], by_region[name]) for name in sorted(by_region)]
+    return [
+        summarize_region(fleet.regions[name], by_region[name], listed) for name in sorted(by_region)
+    ]
 
 
 class SummaryPublisher:
@@ -124,17 +200,24 @@ class SummaryPublisher:
         self._read_catalog = read_catalog
         self._dirty_regions: set[str] = set()  # live capacity changed since the last publish
         self._is_health_held = False
+        catalog = read_catalog()
+        self._listed = listed_models(catalog)  # the current document's, for its catalog
         self._current = RegionSummaryIndex(
             index=feed.index,
-            regions=summarize(fleet),
+            regions=summarize(fleet, self._listed),
             routing=read_policy(),
-            catalog=read_catalog(),
+            catalog=catalog,
         )
         self._body: bytes | None = None  # encoded when first asked for
 
     @property
     def current(self) -> RegionSummaryIndex:
         return self._current
+
+    @property
+    def listed(self) -> Listed:
+        """The models the current document's catalog lets be routed to (None: all)."""
+        return self._listed
 
     @property
     def body(self) -> bytes:
@@ -152,11 +235,13 @@ class SummaryPublisher:
     def refresh(self) -> bool:
         """Recompute now; returns True (and moves the index) if the document changed."""
         self._dirty_regions.clear()
-        regions = summarize(self._fleet)
         routing, catalog = self._read_policy(), self._read_catalog()
+        listed = listed_models(catalog)
+        regions = summarize(self._fleet, listed)
         current = self._current
         if (regions, routing, catalog) == (current.regions, current.routing, current.catalog):
             return False
+        self._listed = listed
         self._publish(regions, routing, catalog)
         return True
 
@@ -186,7 +271,7 @@ class SummaryPublisher:
                 continue  # unregistered regions are not in the document
             if region is None or position is None:
                 return self.refresh()  # a region the document has lost, or does not have yet
-            summary = summarize_region(region, self._fleet.nodes_in(name))
+            summary = summarize_region(region, self._fleet.nodes_in(name), self._listed)
             if regions[position] != summary:
                 regions[position] = summary
                 is_changed = True

@@ -8,7 +8,7 @@ from fastapi import APIRouter, status
 from control_plane.api.auth import AdminAuth, NodeAuth
 from control_plane.drain.sequence import DrainSequence
 from control_plane.errors import ERROR_RESPONSES, PermissionDeniedError
-from control_plane.model import STEPS, Node, has_reached
+from control_plane.model import STEPS, Listed, Node, has_reached, is_listed
 from control_plane.safe_text import SafePathName
 from control_plane.schemas import (
     DrainStepView,
@@ -44,19 +44,20 @@ def drain_view(sequence: DrainSequence) -> DrainView:
 
 
 def node_view(services: ControlPlane, node: Node) -> NodeView:
-    view = view_of(node)
+    view = view_of(node, services.summaries.listed)
     sequence = services.drains.sequences.get(node.node_id)
     if sequence is not None:
         view.drain = drain_view(sequence)
     return view
 
 
-def view_of(node: Node) -> NodeView:
+def view_of(node: Node, listed: Listed) -> NodeView:
     return NodeView(
         node_id=node.node_id,
         region=node.identity.region,
         url=node.identity.url,
-        model=node.identity.model,
+        model=node.model,
+        listed=is_listed(node.model, listed),
         tp_size=node.identity.tp_size,
         is_healthy=node.is_healthy,
         is_draining=node.is_draining,

@@ -12,6 +12,7 @@ from control_plane.api.auth import AdminAuth
 from control_plane.api.nodes import drain_view, node_view
 from control_plane.audit import AuditEntry
 from control_plane.errors import ERROR_RESPONSES
+from control_plane.model import is_listed
 from control_plane.schemas import ReplicaView, StatusView
 from control_plane.services import ServicesDep
 from control_plane.store.base import Connection
@@ -31,6 +32,8 @@ async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
     summaries = services.summaries.current
     nodes = sorted(fleet.nodes.values(), key=lambda n: n.node_id)
     known = {node.identity.region for node in nodes}
+    listed = services.summaries.listed
+    unlisted = {node.model for node in nodes if not is_listed(node.model, listed)}
     leadership = services.leadership
     return StatusView(
         replica=ReplicaView(
@@ -47,6 +50,7 @@ async def get_status(actor: AdminAuth, services: ServicesDep) -> StatusView:
         num_draining_nodes=sum(node.is_draining for node in nodes),
         regions=summaries.regions,
         unregistered_regions=sorted(known - set(fleet.regions)),
+        unlisted_models=sorted(unlisted),
         nodes=[node_view(services, node) for node in nodes],
         routing=summaries.routing,
         drains=[

@@ -12,7 +12,7 @@ import pytest
 from conftest import ControlPlaneClient, eventually, make_settings
 
 from control_plane.changes import ChangeFeed, parse_wait_s
-from control_plane.model import Fleet, Node, NodeIdentity, Region
+from control_plane.model import Fleet, Listed, Node, NodeIdentity, Region
 from control_plane.settings import Settings
 from control_plane.summaries import (
     MAX_QUEUE_DELAY_S,
@@ -202,9 +202,9 @@ def test_a_tick_recomputes_only_the_regions_whose_nodes_beat_or_fell_silent() ->
     publisher = SummaryPublisher(fleet, RoutingPolicy, ModelCatalog, ChangeFeed(1))
     summarized: list[str] = []
 
-    def counted(region: Region, nodes: list[Node]) -> RegionSummary:
+    def counted(region: Region, nodes: list[Node], listed: Listed) -> RegionSummary:
         summarized.append(region.name)
-        return summarize_region(region, nodes)
+        return summarize_region(region, nodes, listed)
 
     with mock.patch("control_plane.summaries.summarize_region", side_effect=counted):
         publisher.tick(1.0)  # nothing beat: nothing recomputed, nothing published
