@@ -18,7 +18,7 @@ from pathlib import Path
 from stack.certs import GatewayTls
 from stack.config import StackConfig
 from stack.layout import HOST, PopLayout, RegionLayout, StackLayout, default_num_threads
-from stack.summary import served_model
+from stack.model_config import served_model
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "MERIDIAN_ADMIN_TOKEN"
@@ -94,18 +94,22 @@ def postgres(server_argv: list[str], layout: StackLayout) -> Command:
 def node_agents(
     config: StackConfig,
     layout: StackLayout,
-    model: str,
     tokens: Mapping[str, str],
     node_tokens: Mapping[str, str],
 ) -> list[Command]:
-    """Every node agent; `node_tokens`: each one's own control-plane credential, by node id."""
+    """Every node agent, each loading its own model as configured; `node_tokens`: each one's own
+    control-plane credential, by node id."""
     env = _node_env(config, tokens)
+    models = {model.served: model for model in config.fleet_models}
     commands = []
     for region in layout.regions:
         for node in region.nodes:
+            model = models[node.model]
             argv = _python(
                 "node_agent",
-                *("--model", model, "--host", HOST, "--port", str(node.port)),
+                *("--model", model.weights, "--served-model-name", model.served),
+                *("--dtype", model.dtype, "--quantization", model.quantization),
+                *("--host", HOST, "--port", str(node.port)),
                 *("--region", region.name, "--node-id", node.node_id),
                 *("--control-plane", layout.control_plane_urls),
                 *("--kv-cache-gib", f"{config.node.kv_cache_gib:g}"),
@@ -126,7 +130,7 @@ def _node_env(config: StackConfig, tokens: Mapping[str, str]) -> dict[str, str]:
 
 
 def edge_nodes(
-    config: StackConfig, layout: StackLayout, edge_model: str, tokens: Mapping[str, str]
+    config: StackConfig, layout: StackLayout, tokens: Mapping[str, str]
 ) -> list[Command]:
     """The edge node agents beside PoPs: no control plane (no region routes to them), only
     their PoP's gateway, for light `auto` requests."""
@@ -136,7 +140,7 @@ def edge_nodes(
             continue
         argv = _python(
             "node_agent",
-            *("--model", edge_model, "--host", HOST, "--port", str(pop.edge_port)),
+            *("--model", config.edge.model, "--host", HOST, "--port", str(pop.edge_port)),
             *("--region", f"edge-{pop.name}", "--node-id", f"edge-{pop.name}"),
             *("--kv-cache-gib", f"{config.node.kv_cache_gib:g}"),
             *("--max-num-seqs", str(config.edge.max_concurrency)),
@@ -188,10 +192,9 @@ def gateway(
     pop: PopLayout,
     tls: GatewayTls,
     tokens: Mapping[str, str],
-    model: str,
 ) -> Command:
     """The PoP's gateway, on its own address, told its own paths to the regions; `auto` means
-    the stack's model, answered by the PoP's edge node when it has one and the request is light."""
+    the default model, answered by the PoP's edge node when it has one and the request is light."""
     ingress = (
         arg for region, url in pop.region_ingress for arg in ("--region-ingress", f"{region}={url}")
     )
@@ -203,7 +206,7 @@ def gateway(
         *("--tls-cert", str(tls.cert), "--tls-key", str(tls.key)),
         *ingress,
         *(("--redis", pop.redis_url) if pop.redis_url is not None else ()),
-        *("--auto-model", served_model(model)),
+        *("--auto-model", config.default_model.served),
         *_edge_args(config, pop),
     )
     env = base_env() | {name: tokens[name] for name in (GATEWAY_TOKEN, SERVING_TOKEN)}

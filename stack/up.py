@@ -1,7 +1,8 @@
 """`meridian up`: the whole local fleet, in order, each part waited on until it is ready.
 
-1. checks: the config, Envoy (auto: warn and go on without it), no stack already running,
-   every port free, the model (pulled if missing, with progress);
+1. checks: the config, Envoy (auto: warn and go on without it, unless a region serves several
+   models), no stack already running, every port free, the models (pulled if missing, with
+   progress);
 2. the control plane (a fresh SQLite database: the YAML is the fleet's source of truth), or with
    `control_plane: {replicas: N, db: postgres}` a fresh PostgreSQL in the state directory and N
    replicas on it; then the regions registered through its admin API with their ingress URLs;
@@ -49,7 +50,7 @@ from stack.preflight import (
 from stack.probes import HttpProbes, port_is_open, postgres_accepts
 from stack.registration import Credentials, create_api_key, register_regions
 from stack.state import ProcessRecord, StackState, StateDir, process_start_time
-from stack.summary import limits_mode, render_summary, served_model
+from stack.summary import limits_mode, render_summary
 from stack.supervisor import ReadyCheck, Say, Supervisor
 
 CONTROL_PLANE_TIMEOUT_S: Final = 60.0
@@ -91,8 +92,6 @@ class StackStarter:
         self._probes: HttpProbes | None = None  # once prepare() has made the stack's CA
         self.tls: dict[str, GatewayTls] = {}  # by PoP
         self.api_key = ""
-        self.model = config.model
-        self.edge_model = config.model
 
     def close(self) -> None:
         if self._probes is not None:
@@ -108,9 +107,11 @@ class StackStarter:
     def prepare(self) -> StackState:
         check_not_running(self.state_dir)
         check_ports_free(self.layout)
-        self.model = ensure_model(self.config.model, self.say)
-        edge = self.config.edge
-        self.edge_model = ensure_model(edge.model, self.say) if edge is not None else self.model
+        sources = [model.weights for model in self.config.fleet_models]
+        if self.config.edge is not None:
+            sources.append(self.config.edge.model)
+        for source in dict.fromkeys(sources):
+            ensure_model(source, self.say)
         ensure_kernels(self.say)
         names = {
             pop.name: (pop.address, self.layout.dns_name, f"{pop.name}.{self.layout.dns_name}")
@@ -197,7 +198,7 @@ class StackStarter:
         once; then wait for all."""
         checks = []
         node_commands = commands.node_agents(
-            self.config, self.layout, self.model, self.tokens, self.credentials.node_tokens
+            self.config, self.layout, self.tokens, self.credentials.node_tokens
         )
         for command in node_commands:
             child = supervisor.start(command)
@@ -205,7 +206,7 @@ class StackStarter:
             assert command.url is not None
             probe = self.probes.node_is_ready(node_id, command.url)
             checks.append(ReadyCheck(command.name, probe, NODE_TIMEOUT_S, child))
-        for command in commands.edge_nodes(self.config, self.layout, self.edge_model, self.tokens):
+        for command in commands.edge_nodes(self.config, self.layout, self.tokens):
             child = supervisor.start(command)
             probe = self.probes.ok(f"{command.url}/ready")
             checks.append(ReadyCheck(command.name, probe, NODE_TIMEOUT_S, child))
@@ -235,7 +236,7 @@ class StackStarter:
             checks.append(ReadyCheck(label, port_is_open(pop.redis_port), REDIS_TIMEOUT_S, child))
         for pop in self.layout.pops:
             command = commands.gateway(
-                self.config, self.layout, pop, self.tls[pop.name], self.tokens, self.model
+                self.config, self.layout, pop, self.tls[pop.name], self.tokens
             )
             child = supervisor.start(command)
             label = f"{command.name} (every region healthy)"
@@ -266,10 +267,15 @@ class StackStarter:
         )
 
     def summary(self, ready_s: float) -> str:
-        model = served_model(self.model)
-        ca_cert = str(self.ca_cert)
         head = f"Meridian is up (in {ready_s:.1f} s): "
-        return head + render_summary(self.layout, model, self.api_key, ca_cert, self.state_dir.root)
+        return head + render_summary(
+            self.layout,
+            self.config.catalog(),
+            self.config.default_model.served,
+            self.api_key,
+            str(self.ca_cert),
+            self.state_dir.root,
+        )
 
 
 def _watch(supervisor: Supervisor) -> None:

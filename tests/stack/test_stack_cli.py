@@ -22,6 +22,7 @@ from stack.summary import commands_here, render_summary
 from stack.supervisor import ReadyCheck, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m-instruct"
 
 
 def _free_ports(count: int) -> list[int]:
@@ -184,9 +185,9 @@ def test_every_node_agent_and_the_gateway_get_the_fleets_one_serving_token() -> 
     serving = tokens[commands.SERVING_TOKEN]
     node_ids = [node.node_id for region in layout.regions for node in region.nodes]
     node_tokens = {node_id: f"mnode-{node_id}" for node_id in node_ids}
-    nodes = commands.node_agents(config, layout, "smollm2-135m-instruct", tokens, node_tokens)
+    nodes = commands.node_agents(config, layout, tokens, node_tokens)
     tls = GatewayTls(Path("/s/ca.pem"), Path("/s/cert.pem"), Path("/s/key.pem"))
-    gateway = commands.gateway(config, layout, layout.pops[0], tls, tokens, "m")
+    gateway = commands.gateway(config, layout, layout.pops[0], tls, tokens)
     assert len(nodes) == 2
     assert all(c.env[commands.SERVING_TOKEN] == serving for c in [*nodes, gateway])
     assert all(serving not in " ".join(c.argv) for c in [*nodes, gateway])
@@ -198,9 +199,10 @@ def test_every_node_agent_and_the_gateway_get_the_fleets_one_serving_token() -> 
 
 def test_the_ready_message_names_every_replicas_dns_port() -> None:
     config = "regions: [{name: us-east}]\ncontrol_plane: {replicas: 2, db: postgres}"
-    layout = plan_layout(parse_config(config), True)
+    parsed = parse_config(config)
+    layout = plan_layout(parsed, True)
     first, second = (replica.dns_port for replica in layout.control_planes)
-    text = render_summary(layout, "smollm2-135m-instruct", "mer-KEY", "/s/tls/ca.pem", Path("/s"))
+    text = render_summary(layout, parsed.catalog(), MODEL, "mer-KEY", "/s/tls/ca.pem", Path("/s"))
     assert (
         f"api.meridian.test on udp 127.0.0.1:{first}, 127.0.0.1:{second} "
         "(one per control-plane replica)" in text
@@ -208,8 +210,9 @@ def test_the_ready_message_names_every_replicas_dns_port() -> None:
 
 
 def test_the_printed_examples_can_be_pasted() -> None:
-    layout = plan_layout(parse_config("regions: [{name: us-east}, {name: eu-west}]"), True)
-    text = render_summary(layout, "smollm2-135m-instruct", "mer-KEY", "/s/tls/ca.pem", Path("/s"))
+    config = parse_config("regions: [{name: us-east}, {name: eu-west}]")
+    layout = plan_layout(config, True)
+    text = render_summary(layout, config.catalog(), MODEL, "mer-KEY", "/s/tls/ca.pem", Path("/s"))
     assert text.startswith(
         "2 regions (us-east, eu-west), 2 node agents, 2 Envoys, 3 PoPs (new-york, london, "
         "singapore), 3 client cities."

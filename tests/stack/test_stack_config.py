@@ -20,27 +20,38 @@ from stack.layout import plan_layout
 from wire.geo import REGIONS, locate, rtt_ms
 
 
-def test_default_config_is_the_three_local_regions_with_one_node_each() -> None:
+def test_default_config_is_the_three_local_regions_and_a_second_model_in_one() -> None:
     config = load_config()
-    assert [(r.name, r.nodes) for r in config.regions] == [
-        ("us-east", 1),
-        ("eu-west", 1),
-        ("ap-southeast", 1),
+    fp32 = f"{DEFAULT_MODEL}-fp32"
+    assert [(r.name, config.placement(r)) for r in config.regions] == [
+        ("us-east", {DEFAULT_MODEL: 1}),
+        ("eu-west", {DEFAULT_MODEL: 1, fp32: 1}),
+        ("ap-southeast", {DEFAULT_MODEL: 1}),
     ]
-    assert config.model == DEFAULT_MODEL
+    assert config.default_model.name == DEFAULT_MODEL
+    assert [(m.served, m.weights, m.dtype, m.quantization) for m in config.fleet_models] == [
+        (DEFAULT_MODEL, DEFAULT_MODEL, "auto", "auto"),
+        (fp32, DEFAULT_MODEL, "fp32", "none"),
+    ]
+    assert config.aliases == {"chat-default": DEFAULT_MODEL}
+    assert config.model_named(fp32).fallbacks == [DEFAULT_MODEL]
     assert config.pops == ["new-york", "london", "singapore"]
     assert config.clients == ["tokyo", "paris", "chicago"]
     assert config.limits == "shared" and config.edge is None
     assert config.dns_name == "api.meridian.test"
     assert config.envoy == "auto" and config.simulate_rtt
     assert config.ports.gateway == 8443 and config.ports.control_plane == 8080
-    # The YAML spells out every default: what a reader sees is what runs.
-    assert config == StackConfig(regions=config.regions)
+    # Beyond the fleet itself, the YAML spells out every default: what a reader sees is what runs.
+    assert config == StackConfig(
+        regions=config.regions, models=config.models, model=config.model, aliases=config.aliases
+    )
 
 
 def test_a_partial_file_takes_defaults_for_the_rest() -> None:
     config = parse_config("regions: [{name: eu-west, nodes: 2}]\nenvoy: off\n")
-    assert [(r.name, r.nodes) for r in config.regions] == [("eu-west", 2)]
+    assert [(r.name, config.placement(r)) for r in config.regions] == [
+        ("eu-west", {DEFAULT_MODEL: 2})
+    ]
     assert config.envoy == "off"
     assert config.ports.node_base == 9001
     assert config.regions[0].location == (REGIONS["eu-west"].lat, REGIONS["eu-west"].lon)

@@ -26,7 +26,7 @@ def test_each_pop_keeps_its_buckets_in_a_redis_server_of_its_own() -> None:
     ]
     assert ("127.0.0.1", 6391, "redis-server london") in layout.tcp_sockets()
     london = layout.pop("london")
-    gateway = commands.gateway(config, layout, london, TLS, TOKENS, "m")
+    gateway = commands.gateway(config, layout, london, TLS, TOKENS)
     assert gateway.argv[gateway.argv.index("--redis") + 1] == "redis://127.0.0.1:6391/0"
     redis = commands.redis_server("/bin/redis-server", london, Path("/tmp"))
     assert (redis.name, redis.kind, redis.url) == ("redis london", "redis", london.redis_url)
@@ -44,7 +44,7 @@ def test_without_redis_each_pop_keeps_its_buckets_in_its_gateway() -> None:
     ):
         layout = plan_layout(config, use_envoy=False, has_redis=has_redis)
         assert [pop.redis_url for pop in layout.pops] == [None, None, None]
-        gateway = commands.gateway(config, layout, layout.pop("london"), TLS, TOKENS, "m")
+        gateway = commands.gateway(config, layout, layout.pop("london"), TLS, TOKENS)
         assert "--redis" not in gateway.argv
         assert limits_mode(layout) == (
             "across PoPs by the control plane's shares; each PoP's buckets in its gateway process"

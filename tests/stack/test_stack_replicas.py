@@ -88,11 +88,11 @@ def test_every_replica_runs_on_the_postgres_and_every_client_gets_all_of_them() 
         "control-plane-2",
     ]
     urls = "http://127.0.0.1:8080,http://127.0.0.1:8081"
-    (node,) = commands.node_agents(config, layout, "m", tokens, {"us-east-00": "t"})
+    (node,) = commands.node_agents(config, layout, tokens, {"us-east-00": "t"})
     assert _argument(node.argv, "--control-plane") == urls
     tls = GatewayTls(Path("c"), Path("k"), Path("ca"))
     for pop in layout.pops:
-        gateway = commands.gateway(config, layout, pop, tls, tokens, "m")
+        gateway = commands.gateway(config, layout, pop, tls, tokens)
         assert _argument(gateway.argv, "--control-plane") == urls
 
 

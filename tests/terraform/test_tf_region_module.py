@@ -24,7 +24,23 @@ variable "location" {
   type    = object({ lat = number, lon = number })
   default = { lat = 39.04, lon = -77.49 }
 }
-variable "node_count" { default = 2 }
+variable "node_count" {
+  type    = number
+  default = 2
+}
+variable "models" {
+  type    = map(number)
+  default = null
+}
+variable "model_settings" {
+  type = map(object({
+    source       = optional(string)
+    dtype        = optional(string)
+    quantization = optional(string)
+    served_name  = optional(string)
+  }))
+  default = {}
+}
 variable "gpus_per_node" { default = 8 }
 variable "tensor_parallel_size" { default = 2 }
 variable "model" { default = "smollm2-135m-instruct" }
@@ -42,7 +58,9 @@ module "region" {
   source               = "../terraform/modules/region"
   name                 = var.name
   location             = var.location
-  node_count           = var.node_count
+  node_count           = var.node_count == -1 ? null : var.node_count # -1: not given
+  models               = var.models
+  model_settings       = var.model_settings
   gpus_per_node        = var.gpus_per_node
   tensor_parallel_size = var.tensor_parallel_size
   model                = var.model
@@ -111,6 +129,15 @@ def test_module_validates_on_its_own(tf_tree: Path, terraform: TerraformFactory)
         ({"weight": "-1"}, "weight must be within [0, 1000000]"),
         ({"model": "a model; rm -rf /"}, "model must be 1-256 characters"),
         ({"base_port": "65533"}, "must stay within 65535"),
+        ({"models": '{"m" = 1}'}, "Give node_count (with model) or models, not both"),
+        ({"node_count": "-1", "models": '{"a b" = 1}'}, "models must map model names"),
+        ({"node_count": "-1", "models": '{"m" = -1}'}, "models must map model names"),
+        ({"model_settings": '{"m" = {quantization = "q8"}}'}, "quantization one of auto"),
+        ({"model_settings": '{"m" = {dtype = "fp8"}}'}, "dtype one of auto, fp32"),
+        (
+            {"node_count": "-1", "models": '{"m" = 100}', "base_port": "65400"},
+            "must stay within 65535",
+        ),
     ],
 )
 def test_bad_inputs_are_refused_at_plan(
@@ -206,3 +233,52 @@ def test_cloud_user_data_starts_each_machines_agents(root: Terraform, tmp_path: 
     assert "--name '/meridian/serving-token'" in second
     syntax = subprocess.run(["bash", "-n"], input=second, text=True, capture_output=True)
     assert syntax.returncode == 0, syntax.stderr
+
+
+def test_each_model_gets_its_machines_and_its_agents_load_it_as_set(
+    root: Terraform, tmp_path: Path
+) -> None:
+    """`models` per region: machines per model in name order, each agent told the model's
+    source, dtype, quantization and served name (only what differs from its defaults)."""
+    fp32 = "smollm2-135m-instruct-fp32"
+    outputs = planned_outputs(
+        root,
+        tmp_path / "plan.tfplan",
+        node_count="-1",
+        tensor_parallel_size="4",  # 2 agents per machine
+        models=f'{{"{fp32}" = 1, "smollm2-135m-instruct" = 2}}',
+        model_settings=(
+            f'{{"{fp32}" = {{source = "smollm2-135m-instruct", dtype = "fp32", '
+            'quantization = "none"}}'
+        ),
+    )
+    nodes = outputs["nodes"]
+    assert [(n["node_id"], n["machine"], n["served_model_name"]) for n in nodes] == [
+        ("us-east-00", 0, "smollm2-135m-instruct"),
+        ("us-east-01", 0, "smollm2-135m-instruct"),
+        ("us-east-02", 1, "smollm2-135m-instruct"),
+        ("us-east-03", 1, "smollm2-135m-instruct"),
+        ("us-east-04", 2, fp32),
+        ("us-east-05", 2, fp32),
+    ]
+    assert [len(machine) for machine in outputs["nodes_by_machine"]] == [2, 2, 2]
+    first, last = nodes[0], nodes[-1]
+    assert first["command"].startswith(
+        "python -m node_agent --model smollm2-135m-instruct --host 127.0.0.1 --port 9001 "
+    )
+    assert last["command"].startswith(
+        "python -m node_agent --model smollm2-135m-instruct --dtype fp32 --quantization none "
+        f"--served-model-name {fp32} --host 127.0.0.1 --port 9006 "
+    )
+    assert yaml.safe_load(last["config_yaml"]) | {"control_plane": "-"} == {
+        "model": "smollm2-135m-instruct",
+        "served_model_name": fp32,
+        "dtype": "fp32",
+        "quantization": "none",
+        "host": "127.0.0.1",
+        "port": 9006,
+        "region": "us-east",
+        "node_id": "us-east-05",
+        "control_plane": "-",
+        "tensor_parallel_size": 4,
+    }

@@ -1,12 +1,33 @@
 locals {
   agents_per_node = floor(var.gpus_per_node / var.tensor_parallel_size)
-  num_agents      = var.node_count * local.agents_per_node
+  # Machines per model: `models`, or the short form's node_count machines of `model`.
+  placement = var.models != null ? var.models : { (var.model) = coalesce(var.node_count, 1) }
+  # How each model is loaded and the name it is served under (the short form's: the node
+  # agent's own default, a path's file stem).
+  model_specs = {
+    for name in keys(local.placement) : name => merge(
+      { source = name, dtype = "auto", quantization = "auto", served_name = var.models == null ? null : name },
+      { for key, value in try(var.model_settings[name], {}) : key => value if value != null },
+    )
+  }
+  # Each machine's model, in model-name order (a map's keys are sorted), then each agent's.
+  machine_models = flatten([
+    for name in keys(local.placement) : [for m in range(local.placement[name]) : name]
+  ])
+  num_machines = length(local.machine_models)
+  agent_specs = [
+    for i in range(local.num_machines * local.agents_per_node) :
+    local.model_specs[local.machine_models[floor(i / local.agents_per_node)]]
+  ]
 
   nodes = [
-    for i in range(local.num_agents) : {
+    for i, spec in local.agent_specs : {
       node_id              = format("%s-%02d", var.name, i)
       region               = var.name
-      model                = var.model
+      model                = spec.source
+      served_model_name    = spec.served_name
+      dtype                = spec.dtype
+      quantization         = spec.quantization
       tensor_parallel_size = var.tensor_parallel_size
       machine              = floor(i / local.agents_per_node)
       # The machine's GPUs this agent uses (its CUDA_VISIBLE_DEVICES).
@@ -19,17 +40,29 @@ locals {
     }
   ]
 
+  # Settings beyond the model that differ from the node agent's defaults.
+  model_settings = [
+    for node in local.nodes : merge(
+      coalesce(node.served_model_name, node.model) == node.model ? {} : { served_model_name = node.served_model_name },
+      node.dtype == "auto" ? {} : { dtype = node.dtype },
+      node.quantization == "auto" ? {} : { quantization = node.quantization },
+    )
+  ]
+
   # The node agent's command line (ARCHITECTURE.md, "Entry points"), without the program.
   node_args = [
-    for node in local.nodes : [
-      "--model", node.model,
-      "--host", node.host,
-      "--port", tostring(node.port),
-      "--region", node.region,
-      "--node-id", node.node_id,
-      "--control-plane", var.control_plane_url,
-      "--tensor-parallel-size", tostring(node.tensor_parallel_size),
-    ]
+    for i, node in local.nodes : concat(
+      ["--model", node.model],
+      flatten([for key, value in local.model_settings[i] : ["--${replace(key, "_", "-")}", value]]),
+      [
+        "--host", node.host,
+        "--port", tostring(node.port),
+        "--region", node.region,
+        "--node-id", node.node_id,
+        "--control-plane", var.control_plane_url,
+        "--tensor-parallel-size", tostring(node.tensor_parallel_size),
+      ],
+    )
   ]
 
   node_token_dir = abspath(coalesce(var.node_token_dir, "${path.root}/node-tokens"))
@@ -48,7 +81,7 @@ locals {
       environment = { CUDA_VISIBLE_DEVICES = node.gpu_ids }
       args        = local.node_args[i]
       command     = join(" ", concat(["python", "-m", "node_agent"], local.node_args[i]))
-      config_yaml = yamlencode({
+      config_yaml = yamlencode(merge({
         model                = node.model
         host                 = node.host
         port                 = node.port
@@ -56,7 +89,7 @@ locals {
         node_id              = node.node_id
         control_plane        = var.control_plane_url
         tensor_parallel_size = node.tensor_parallel_size
-      })
+      }, local.model_settings[i]))
     })
   ]
 }
@@ -83,7 +116,7 @@ output "nodes" {
 output "nodes_by_machine" {
   description = "The same entries grouped by machine: element m lists what machine m runs (gpus_per_node / tensor_parallel_size agents each)."
   value = [
-    for machine in range(var.node_count) :
+    for machine in range(local.num_machines) :
     [for node in local.node_configs : node if node.machine == machine]
   ]
 }

@@ -24,14 +24,51 @@ variable "location" {
 }
 
 variable "node_count" {
-  description = "Machines in the region."
+  description = "Machines in the region, all serving `model` (the one-model short form; default 1). Give `models` instead for several models."
   type        = number
-  default     = 1
-  nullable    = false
+  default     = null
 
   validation {
-    condition     = var.node_count >= 0 && var.node_count <= 1000 && floor(var.node_count) == var.node_count
+    condition     = var.node_count == null || (coalesce(var.node_count, 0) >= 0 && coalesce(var.node_count, 0) <= 1000 && floor(coalesce(var.node_count, 0)) == var.node_count)
     error_message = "node_count must be a whole number from 0 to 1000."
+  }
+  validation {
+    condition     = var.node_count == null || var.models == null
+    error_message = "Give node_count (with model) or models, not both."
+  }
+}
+
+variable "models" {
+  description = "The models the region serves: model name => machines serving it (each runs gpus_per_node / tensor_parallel_size node agents of it), in name order. A model is loaded as model_settings says (default: the name is a pulled model, dtype and quantization auto), served under its name. Null: node_count machines of `model`."
+  type        = map(number)
+  default     = null
+
+  validation {
+    condition     = var.models == null || alltrue([for name, count in coalesce(var.models, {}) : can(regex("^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$", name)) && count >= 0 && count <= 1000 && floor(count) == count])
+    error_message = "models must map model names (letters, digits and . _ : / @ + -, up to 128) to whole numbers of machines from 0 to 1000."
+  }
+}
+
+variable "model_settings" {
+  description = "How to load a model of `models`, by name: source (a name from `python -m engine pull` or a path; default: the model's name), dtype (auto, fp32, bf16, fp16), quantization (auto, none, int8, q4_1) and served_name (what clients send; default: the model's name)."
+  type = map(object({
+    source       = optional(string)
+    dtype        = optional(string, "auto")
+    quantization = optional(string, "auto")
+    served_name  = optional(string)
+  }))
+  default  = {}
+  nullable = false
+
+  validation {
+    condition = alltrue([
+      for name, model in var.model_settings :
+      (model.source == null || can(regex("^[A-Za-z0-9._/:@+-]{1,256}$", model.source))) &&
+      contains(["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"], model.dtype) &&
+      contains(["auto", "none", "int8", "q4_1"], model.quantization) &&
+      (model.served_name == null || can(regex("^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$", model.served_name)))
+    ])
+    error_message = "model_settings: source must be 1-256 characters of letters, digits and . _ / : @ + -; dtype one of auto, fp32, float32, bf16, bfloat16, fp16, float16; quantization one of auto, none, int8, q4_1; served_name a model name."
   }
 }
 
@@ -64,7 +101,7 @@ variable "tensor_parallel_size" {
 }
 
 variable "model" {
-  description = "Model the node agents serve: a name from `python -m engine pull` or a path."
+  description = "Model the node agents serve in the one-model short form (without `models`): a name from `python -m engine pull` or a path."
   type        = string
   default     = "smollm2-135m-instruct"
   nullable    = false
@@ -145,7 +182,7 @@ variable "base_port" {
     error_message = "base_port must be a whole number of at least 1."
   }
   validation {
-    condition     = var.base_port + var.node_count * floor(var.gpus_per_node / var.tensor_parallel_size) - 1 <= 65535
+    condition     = var.base_port + (var.models == null ? coalesce(var.node_count, 1) : sum(concat([0], values(coalesce(var.models, {}))))) * floor(var.gpus_per_node / var.tensor_parallel_size) - 1 <= 65535
     error_message = "The region's node agents need ports base_port .. base_port + agents - 1, which must stay within 65535."
   }
 }
