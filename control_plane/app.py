@@ -100,7 +100,7 @@ def build(
     )
     envoy_credentials = EnvoyCredentials(store)
     gate = StreamGate(envoy_credentials, refusals)
-    xds = XdsServer(fleet, summary_feed, settings.sweep_interval_s, gate)
+    xds = XdsServer(fleet, summary_feed, settings.sweep_interval_s, gate, lambda: publisher.listed)
     peer_envoys = PeerReports()
     has_consul = settings.consul_addr is not None
     times = DrainTimes.of(settings)

@@ -9,18 +9,25 @@ longer knows gets no new requests, its in-flight streams run to completion, and 
 region cannot fall into Envoy's panic mode, which would spread traffic over excluded hosts again.
 For the edge, each active region with a non-zero operator weight and routable nodes is one
 locality, weighted by its free KV blocks times that operator weight, in percent (at least 1).
+
+A region's ingress also has one cluster per routable model (listed by the catalog, as in the
+region summaries) over the routable nodes serving it, weighted by the same rule among them: Envoy
+sends a request naming the model in MODEL_HEADER there, and one without the header to the
+cluster of all the region's nodes.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import ipaddress
+import re
 import urllib.parse
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from control_plane.model import Fleet, Node, Region
+from control_plane.model import Fleet, Listed, Node, Region
 from control_plane.xds.groups import EnvoyGroup, Role
 
 WEIGHT_SCALE = 100  # weights are shares in percent
@@ -46,12 +53,24 @@ class Locality:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelCluster:
+    """One routable model of an ingress's region: where requests naming it go. A model that
+    every routable node of the region serves (the usual region, of one model) goes to the
+    region's own cluster: the same endpoints and weights, one assignment to build and push."""
+
+    model: str
+    cluster_name: str
+    localities: tuple[Locality, ...]  # one, as the ingress's own cluster
+
+
+@dataclass(frozen=True, slots=True)
 class EnvoyPlan:
     group: EnvoyGroup
     cluster_name: str
     localities: tuple[Locality, ...]
     # Routable nodes whose URL cannot be an EDS endpoint (https, or a host name), for the logs.
     skipped_node_ids: tuple[str, ...] = ()
+    models: tuple[ModelCluster, ...] = ()  # by model name (ingress only)
 
     @property
     def is_locality_weighted(self) -> bool:
@@ -59,6 +78,10 @@ class EnvoyPlan:
 
     def endpoint_ids(self) -> set[str]:
         return {e.node_id for locality in self.localities for e in locality.endpoints}
+
+    @property
+    def is_ingress(self) -> bool:
+        return self.group.role is Role.INGRESS
 
 
 _Endpoints = tuple[tuple[Endpoint, ...], tuple[str, ...]]  # endpoints, and node ids left out
@@ -133,20 +156,54 @@ def ingress_cluster_name(region: str) -> str:
     return f"meridian_{region}_nodes"
 
 
+@functools.lru_cache(maxsize=65536)
+def model_cluster_name(region: str, model: str) -> str:
+    """A cluster name for any model name: readable, Envoy-stat safe, and distinct (the hash)."""
+    slug = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:64]
+    digest = hashlib.sha256(model.encode()).hexdigest()[:8]
+    return f"meridian_{region}_model_{slug}_{digest}"
+
+
+def model_clusters(
+    region: str, nodes: list[Node], listed: Listed, all_nodes: tuple[Locality, ...]
+) -> tuple[ModelCluster, ...]:
+    """A cluster per listed model that routable nodes of `region` serve, by name; one without
+    a usable endpoint is left out (requests for it find no model route here)."""
+    routable = [node for node in nodes if node.is_routable]
+    by_model: dict[str, list[Node]] = {}
+    for node in routable:
+        if listed is None or node.model in listed:
+            by_model.setdefault(node.model, []).append(node)
+    clusters: list[ModelCluster] = []
+    for model in sorted(by_model):
+        members = by_model[model]
+        if len(members) == len(routable):
+            if all_nodes:
+                clusters.append(ModelCluster(model, ingress_cluster_name(region), all_nodes))
+            continue
+        endpoints, _ = node_endpoints(members)
+        if endpoints:
+            localities = (Locality(region, 1, endpoints),)
+            clusters.append(ModelCluster(model, model_cluster_name(region, model), localities))
+    return tuple(clusters)
+
+
 def plan_ingress(
-    group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None = None
+    group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None = None, listed: Listed = None
 ) -> EnvoyPlan:
-    """A region's node agents, one locality. Nodes of an unregistered region get no traffic."""
+    """A region's node agents, one locality, and a cluster per routable model (`listed`: the
+    models the catalog lets be routed to, None for all). Nodes of an unregistered region get no
+    traffic."""
     assert group.region is not None
     name = ingress_cluster_name(group.region)
     if group.region not in fleet.regions:
         return EnvoyPlan(group=group, cluster_name=name, localities=())
-    nodes = by_region.get(group.region, []) if by_region is not None else None
-    endpoints, skipped = node_endpoints(
-        nodes if nodes is not None else fleet.nodes_in(group.region)
-    )
+    found = by_region.get(group.region) if by_region is not None else None
+    nodes = found if found is not None else fleet.nodes_in(group.region)
+    endpoints, skipped = node_endpoints(nodes)
     localities = (Locality(group.region, 1, endpoints),) if endpoints else ()
-    return EnvoyPlan(group, name, localities, skipped)
+    models = model_clusters(group.region, nodes, listed, localities)
+    return EnvoyPlan(group, name, localities, skipped, models)
 
 
 def _region_endpoints(region: Region, nodes: list[Node]) -> _Endpoints:
@@ -179,8 +236,10 @@ def plan_edge(group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None =
     return EnvoyPlan(group, EDGE_CLUSTER, localities, tuple(skipped))
 
 
-def plan_for(group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None = None) -> EnvoyPlan:
+def plan_for(
+    group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None = None, listed: Listed = None
+) -> EnvoyPlan:
     """The plan for `group`; pass `nodes_by_region(fleet)` when planning many groups."""
     if group.role is Role.EDGE:
         return plan_edge(group, fleet, by_region)
-    return plan_ingress(group, fleet, by_region)
+    return plan_ingress(group, fleet, by_region, listed)

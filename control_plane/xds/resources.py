@@ -16,6 +16,10 @@ Pure functions. The choices that matter for LLM traffic:
 - Circuit breakers far above Envoy's defaults of 1,024 (long streams would hit them), outlier
   detection on consecutive 5xx, HTTP/1.1 to the node agents, and no update merge window, so a
   weight change applies as soon as it is accepted.
+- Per model, at an ingress: a route per routable model, matching MODEL_HEADER exactly, to that
+  model's cluster; a request naming a model no route has (its nodes left, or it is not listed)
+  gets 503 `model_unavailable` from Envoy itself, never another model's answer; a request without
+  the header goes to all the region's nodes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, proto
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.config.route.v3.route_components_pb2 import Route
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -36,8 +41,10 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from control_plane.xds.plan import EnvoyPlan
+from control_plane.xds.plan import EnvoyPlan, Locality
 from wire.deflection import DEFLECTED_HEADER, MAX_DEFLECTIONS
+from wire.errors import error_json
+from wire.model_catalog import MODEL_HEADER
 
 TYPE_PREFIX: Final = "type.googleapis.com/"
 LISTENER_TYPE: Final = TYPE_PREFIX + listener_pb2.Listener.DESCRIPTOR.full_name
@@ -72,6 +79,12 @@ MAX_CONNECTIONS: Final = 100_000  # Envoy's default is 1,024 for each of these
 MAX_REQUESTS: Final = 100_000
 MAX_RETRIES: Final = 1_000
 HTTP_OPTIONS_KEY: Final = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+MODEL_UNAVAILABLE: Final = "model_unavailable"
+MODEL_UNAVAILABLE_BODY: Final = error_json(
+    503,
+    "no node of this region serves the requested model now; try another region",
+    MODEL_UNAVAILABLE,
+).decode()
 
 
 def pack(message: Message) -> any_pb2.Any:
@@ -140,8 +153,8 @@ def listener(plan: EnvoyPlan) -> listener_pb2.Listener:
     return listener_pb2.Listener(name=listener_name(plan), address=address, filter_chains=[chain])
 
 
-def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
-    retry = route_components_pb2.RetryPolicy(
+def _retry_policy() -> route_components_pb2.RetryPolicy:
+    return route_components_pb2.RetryPolicy(
         retry_on=RETRY_ON,
         retriable_status_codes=RETRIABLE_STATUS_CODES,
         retriable_headers=[
@@ -159,14 +172,48 @@ def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
         ],
         host_selection_retry_max_attempts=HOST_SELECTION_ATTEMPTS,
     )
+
+
+def _route(name: str, match: route_components_pb2.RouteMatch, cluster: str) -> Route:
     action = route_components_pb2.RouteAction(
-        cluster=plan.cluster_name, timeout=_seconds(0), retry_policy=retry
+        cluster=cluster, timeout=_seconds(0), retry_policy=_retry_policy()
     )
-    route = route_components_pb2.Route(
-        name="all", match=route_components_pb2.RouteMatch(prefix="/"), route=action
+    return Route(name=name, match=match, route=action)
+
+
+def _model_match(model: str | None) -> route_components_pb2.RouteMatch:
+    """Requests whose MODEL_HEADER is `model` (None: that carry the header at all)."""
+    header = route_components_pb2.HeaderMatcher(name=MODEL_HEADER)
+    if model is None:
+        header.present_match = True
+    else:
+        header.string_match.exact = model
+    return route_components_pb2.RouteMatch(prefix="/", headers=[header])
+
+
+def _model_unavailable() -> Route:
+    body = base_pb2.DataSource(inline_string=MODEL_UNAVAILABLE_BODY)
+    content_type = base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
     )
+    return Route(
+        name="model_unavailable",
+        match=_model_match(None),
+        direct_response=route_components_pb2.DirectResponseAction(status=503, body=body),
+        response_headers_to_add=[content_type],
+    )
+
+
+def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
+    routes = [
+        _route(f"model {m.model}", _model_match(m.model), m.cluster_name) for m in plan.models
+    ]
+    if plan.is_ingress:
+        routes.append(_model_unavailable())
+    routes.append(_route("all", route_components_pb2.RouteMatch(prefix="/"), plan.cluster_name))
     host = route_components_pb2.VirtualHost(
-        name="meridian", domains=["*"], routes=[route], include_request_attempt_count=True
+        name="meridian", domains=["*"], routes=routes, include_request_attempt_count=True
     )
     return route_pb2.RouteConfiguration(name=route_name(plan), virtual_hosts=[host])
 
@@ -199,15 +246,15 @@ def _http1_upstream() -> http_protocol_options_pb2.HttpProtocolOptions:
     )
 
 
-def cluster(plan: EnvoyPlan) -> cluster_pb2.Cluster:
+def cluster(name: str, is_locality_weighted: bool) -> cluster_pb2.Cluster:
     lb_config = cluster_pb2.Cluster.CommonLbConfig(update_merge_window=_seconds(0))
-    if plan.is_locality_weighted:
+    if is_locality_weighted:
         lb_config.locality_weighted_lb_config.SetInParent()
     return cluster_pb2.Cluster(
-        name=plan.cluster_name,
+        name=name,
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
-            eds_config=ads_source(), service_name=plan.cluster_name
+            eds_config=ads_source(), service_name=name
         ),
         connect_timeout=_seconds(CONNECT_TIMEOUT_S),
         lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
@@ -223,11 +270,13 @@ def cluster(plan: EnvoyPlan) -> cluster_pb2.Cluster:
     )
 
 
-def load_assignment(plan: EnvoyPlan) -> endpoint_pb2.ClusterLoadAssignment:
-    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=plan.cluster_name)
-    for locality in plan.localities:
+def load_assignment(
+    name: str, localities: tuple[Locality, ...], is_locality_weighted: bool
+) -> endpoint_pb2.ClusterLoadAssignment:
+    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    for locality in localities:
         group = assignment.endpoints.add(locality=base_pb2.Locality(region=locality.region))
-        if plan.is_locality_weighted:
+        if is_locality_weighted:
             group.load_balancing_weight.value = locality.weight
         for endpoint in locality.endpoints:
             address = address_pb2.Address(
@@ -247,10 +296,17 @@ def load_assignment(plan: EnvoyPlan) -> endpoint_pb2.ClusterLoadAssignment:
 
 
 def resources_of(plan: EnvoyPlan) -> dict[str, list[Message]]:
-    """All four resource types for one plan, by type URL."""
+    """All four resource types for one plan, by type URL: its own cluster, and each model's."""
+    weighted = plan.is_locality_weighted
+    clusters = [(plan.cluster_name, plan.localities, weighted)]
+    clusters += [
+        (m.cluster_name, m.localities, False)
+        for m in plan.models
+        if m.cluster_name != plan.cluster_name  # a model of every node: the plan's own cluster
+    ]
     return {
         LISTENER_TYPE: [listener(plan)],
         ROUTE_TYPE: [route_configuration(plan)],
-        CLUSTER_TYPE: [cluster(plan)],
-        ENDPOINT_TYPE: [load_assignment(plan)],
+        CLUSTER_TYPE: [cluster(name, is_weighted) for name, _, is_weighted in clusters],
+        ENDPOINT_TYPE: [load_assignment(*each) for each in clusters],
     }

@@ -21,14 +21,14 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from control_plane.changes import ChangeFeed
-from control_plane.model import Fleet
+from control_plane.model import Fleet, Listed
 from control_plane.xds.acks import AckCondition, AckWait
 from control_plane.xds.cache import SnapshotCache
 from control_plane.xds.credentials import EnvoyCredential
@@ -106,7 +106,10 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         feed: ChangeFeed,
         refresh_interval_s: float,
         gate: StreamGate,
+        read_listed: Callable[[], Listed],
     ) -> None:
+        """`read_listed`: the models the catalog lets be routed to now (None: all), as the
+        current region summaries have them (the feed moves when they change)."""
         self.cache = SnapshotCache()
         self.counters = XdsCounters()
         self.port: int | None = None
@@ -114,6 +117,7 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self._feed = feed
         self._refresh_interval_s = refresh_interval_s
         self._gate = gate
+        self._read_listed = read_listed
         self._plans: dict[EnvoyGroup, EnvoyPlan] = {}
         self._connections: dict[int, EnvoyConnection] = {}
         self._stream_ids = itertools.count(1)
@@ -167,7 +171,7 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         return sum(self._rebuild(group, by_region) for group in self.cache.watched_groups())
 
     def _rebuild(self, group: EnvoyGroup, by_region: NodesByRegion | None = None) -> bool:
-        plan = plan_for(group, self._fleet, by_region)
+        plan = plan_for(group, self._fleet, by_region, self._read_listed())
         old = self._plans.get(group)
         if plan == old and self.cache.get(group) is not None:
             return False

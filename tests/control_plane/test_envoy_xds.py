@@ -42,6 +42,7 @@ from control_plane.xds.server import XdsServer
 from control_plane.xds.snapshot import Resources, Snapshot
 from control_plane.xds.validation import snapshot_violations
 from wire.deflection import ATTEMPT_COUNT_HEADER, DEFLECTED_HEADER, attempt_of, should_deflect
+from wire.model_catalog import MODEL_HEADER
 
 ENVOY = Path(sys.executable).with_name("envoy")
 pytestmark = [
@@ -282,15 +283,19 @@ def start_envoy(tmp_path: Path) -> Iterator[Callable[..., Awaitable[Envoy]]]:
         envoy.stop()
 
 
-async def send(url: str, num_requests: int, concurrency: int = 1) -> Counter[str]:
-    """Who answered `num_requests` GETs through Envoy; any failure shows as its status."""
+async def send(
+    url: str, num_requests: int, concurrency: int = 1, model: str | None = None
+) -> Counter[str]:
+    """Who answered `num_requests` GETs through Envoy (naming `model` in MODEL_HEADER if
+    given); any failure shows as its status."""
     answers: Counter[str] = Counter()
     queue = iter(range(num_requests))
+    headers = {MODEL_HEADER: model} if model is not None else {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
 
         async def worker() -> None:
             for _ in queue:
-                async with session.get(url + "/v1/models") as response:
+                async with session.get(url + "/v1/models", headers=headers) as response:
                     body = await response.text()
                     answers[body if response.status == 200 else f"status {response.status}"] += 1
 
@@ -358,6 +363,35 @@ async def test_envoy_proxies_and_follows_capacity_live(
         assert seen["types"][name]["acked_version"] == versions[name]
         assert seen["types"][name]["num_nacks"] == 0
     assert status["num_nacks"] == {} and status["num_invalid_snapshots"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_naming_a_model_reaches_only_the_nodes_serving_it(
+    cp: LiveControlPlane, upstreams: Any, start_envoy: Any
+) -> None:
+    small_a, small_b, large = await upstreams("small-a", "small-b", "large")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    for upstream in (small_a, small_b):
+        await cp.beat(upstream.name, url=upstream.url, model="small", kv_blocks_free=500)
+    await cp.beat("large", url=large.url, model="org/large:v2", kv_blocks_free=500)
+    envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
+
+    assert set(await send(envoy.url, 40, model="small")) == {"small-a", "small-b"}
+    assert await send(envoy.url, 20, model="org/large:v2") == {"large": 20}
+    assert set(await send(envoy.url, 60)) == {"small-a", "small-b", "large"}  # no header: all
+    # A model no node here serves: Envoy answers itself, never with another model's node.
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        refused = await http.get(envoy.url + "/v1/models", headers={MODEL_HEADER: "absent"})
+    assert refused.status_code == 503 and refused.headers["content-type"] == "application/json"
+    assert refused.json()["error"]["code"] == "model_unavailable"
+
+    # The large model's only node drains: its route goes with it, and no small node answers.
+    await cp.admin("POST", "/v1/nodes/large/drain")
+    await cp.beat("large", draining=True)
+    waited = await cp.xds.wait_for_ack("us-east", lacks_endpoint(large.url), PUSH_BUDGET_S)
+    assert waited.is_complete, waited
+    assert await send(envoy.url, 10, model="org/large:v2") == {"status 503": 10}
+    assert set(await send(envoy.url, 40, model="small")) == {"small-a", "small-b"}
 
 
 @pytest.mark.asyncio

@@ -190,7 +190,7 @@ def test_resources_are_fit_for_streams_and_retry_only_before_the_response() -> N
 
     (config,) = resources[ROUTE_TYPE]
     assert isinstance(config, route_pb2.RouteConfiguration)
-    action = config.virtual_hosts[0].routes[0].route
+    action = config.virtual_hosts[0].routes[-1].route  # the catch-all, to all the nodes
     assert action.cluster == "meridian_us-east_nodes" and action.timeout.seconds == 0
     assert set(action.retry_policy.retry_on.split(",")) == {
         "connect-failure",

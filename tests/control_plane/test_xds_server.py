@@ -64,7 +64,7 @@ def xds_server(fleet: Fleet, feed: ChangeFeed, store: Store) -> XdsServer:
     """An ADS server whose credentials and refusals live in `store`."""
     refusals = RefusalAudit(store, RefusalLimits(max_per_address=100, max_total=1000))
     gate = StreamGate(EnvoyCredentials(store), refusals)
-    return XdsServer(fleet, feed, 0.05, gate)
+    return XdsServer(fleet, feed, 0.05, gate, lambda: None)
 
 
 async def ingress_token(store: Store, region: str = "us-east") -> str:
