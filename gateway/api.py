@@ -2,9 +2,10 @@
 listener: metrics_listener.py).
 
 A completion goes through three steps, each in its own module: admit (gateway/admit.py: API key,
-body checks, the rate-limit reservation of one request and its whole token count), route
-(gateway/dispatch.py: the route plan, then upstream with failover) and relay
-(gateway/respond.py: the answer whole or streamed, the reservation settled from the usage).
+body checks, the model resolved (gateway/model_routes.py), the rate-limit reservation of one
+request and its whole token count), route (gateway/dispatch.py: the route plan for the model,
+then upstream with failover, and fallbacks) and relay (gateway/respond.py: the answer whole or
+streamed, the reservation settled from the usage).
 Every answer is counted and logged once (gateway/calls.py). aiohttp.web handlers: this is the hot
 path (see docs/gateway.md for why not FastAPI here).
 """
@@ -20,10 +21,11 @@ from gateway.calls import Call, CallLog
 from gateway.dispatch import Dispatch, upstream_headers
 from gateway.edge import AutoTier
 from gateway.errors import GatewayError, NotReadyError
-from gateway.keys import KeyTable
+from gateway.keys import ApiKey, KeyTable
 from gateway.limit_shares import PopLimiter
 from gateway.metrics import GatewayMetrics
-from gateway.openai_request import Endpoint, parse_request
+from gateway.model_routes import ModelChoice
+from gateway.openai_request import Endpoint, ParsedRequest, parse_request
 from gateway.proxy import Proxy
 from gateway.request_ids import HEADER
 from gateway.respond import Respond
@@ -66,11 +68,19 @@ class Handlers:
             raw = await read_body(request, self.settings.max_body_bytes)
             parsed = parse_request(raw, endpoint, self.settings.default_max_tokens)
             proxy, limiter = self._proxy(), self._limiter()
+            choice = self._model_choice(parsed, key)  # before admission: a 404 spends nothing
             admitted = await admit(limiter, self.metrics, key, parsed)
-            routed = await self.dispatch(proxy, limiter, call, admitted, path)
+            routed = await self.dispatch(proxy, limiter, call, admitted, path, choice)
         except GatewayError as exc:
             return self.log.refuse(call, exc)
         return await self.respond(proxy, limiter, call, admitted, routed)
+
+    def _model_choice(self, parsed: ParsedRequest, key: ApiKey) -> ModelChoice:
+        """The models `parsed` may be answered by (ModelNotFoundError, ModelNotAllowedError)."""
+        name = parsed.model
+        if self.auto is not None and self.auto.is_auto(parsed):
+            name = self.auto.region_model  # what `auto` means at the regions
+        return self.router.models.resolve(name, key)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         call = Call.start(request)

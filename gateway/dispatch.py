@@ -1,24 +1,35 @@
 """The route step of a completion: the upstream request built, the route plan made, and the first
 region (or, for `auto`, the edge) that answers in time opened (gateway/proxy.py, gateway/edge.py).
+
+The request goes as the model it resolved to (gateway/model_routes.py): its plan is among the
+regions serving that model, and the body and MODEL_HEADER name it. When the model has no
+capacity reachable (no region serving it can take work, every region tried refused for capacity
+or none could be reached), the next of its fallbacks the key may use is tried the same way,
+within the same deadline; the answer is the first model's with capacity, or the last refusal.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from gateway.admit import Admitted
 from gateway.cache_salt import cache_salt_of
 from gateway.calls import Call
 from gateway.edge import AutoTier
+from gateway.errors import GatewayError, NoCapacityError, UpstreamError
 from gateway.keys import ApiKey
 from gateway.limit_shares import PopLimiter
+from gateway.model_routes import ModelChoice, is_out_of_capacity
 from gateway.proxy import Opened, Proxy
 from gateway.request_ids import HEADER
-from gateway.routing import Router
+from gateway.routing import RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.tiers import Tier
 from gateway.upstream_request import UpstreamRequest
 from wire.cache_salt import CACHE_SALT_HEADER
+
+logger = logging.getLogger(__name__)
 
 
 def upstream_headers(
@@ -41,6 +52,8 @@ class Routed:
     upstream: UpstreamRequest  # as first sent: what a resume or a prewarm starts from
     opened: Opened
     tier: Tier
+    model: str  # the model that answered: its name went upstream
+    is_model_aware: bool  # False: planned over every region (a version 1 document)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +63,19 @@ class Dispatch:
     auto: AutoTier | None  # the `auto` alias and the edge tier, when configured
 
     async def __call__(
-        self, proxy: Proxy, limiter: PopLimiter, call: Call, admitted: Admitted, path: str
+        self,
+        proxy: Proxy,
+        limiter: PopLimiter,
+        call: Call,
+        admitted: Admitted,
+        path: str,
+        choice: ModelChoice,
     ) -> Routed:
-        """`admitted` sent to `path` upstream; when no answer is had (or the client leaves),
-        its reservation is settled in full before the error goes on."""
+        """`admitted` sent to `path` upstream as `choice`'s first model with capacity; when no
+        answer is had (or the client leaves), its reservation is settled in full before the
+        error goes on."""
         parsed, key = admitted.parsed, admitted.key
         try:
-            plan = self.router.plan(parsed.prompt_tokens, parsed.affinity_key)
-            deadline_s = call.started_s + self.settings.request_deadline_s
             upstream = UpstreamRequest(
                 method="POST",
                 path=path,
@@ -65,12 +83,69 @@ class Dispatch:
                 headers=upstream_headers(self.settings, key, call.request_id, has_body=True),
                 is_stream=True,  # a non-stream's answer is assembled from it
             )
-            tier: Tier = "region"
-            if self.auto is not None and self.auto.is_auto(parsed):
-                opened, tier = await self.auto.open(proxy, upstream, parsed, key, plan, deadline_s)
-            else:
-                opened = await proxy.open(upstream, plan, deadline_s)
+            deadline_s = call.started_s + self.settings.request_deadline_s
+            return await self._open(proxy, upstream, admitted, choice, deadline_s)
         except BaseException:
             await limiter.settle(key, admitted.admission, parsed.reserved_tokens)
             raise
-        return Routed(upstream, opened, tier)
+
+    async def _open(
+        self,
+        proxy: Proxy,
+        upstream: UpstreamRequest,
+        admitted: Admitted,
+        choice: ModelChoice,
+        deadline_s: float,
+    ) -> Routed:
+        """The answer of the first of `choice`'s models with capacity reachable: a region
+        planned for it that answers other than with a refusal for capacity. When none has,
+        the last refusal, else why no region could answer."""
+        parsed = admitted.parsed
+        refusal: Routed | None = None
+        error: GatewayError | None = None
+        for model in choice.models:
+            plan_model = model if choice.is_model_aware else None
+            plan = self.router.plan(parsed.prompt_tokens, parsed.affinity_key, model=plan_model)
+            if not plan.candidates:
+                continue
+            request = upstream.for_model(model) if choice.is_model_aware else upstream
+            try:
+                opened, tier = await self._open_plan(proxy, request, admitted, plan, deadline_s)
+            except UpstreamError as exc:  # no region reachable: no capacity either
+                error = exc
+                continue
+            routed = Routed(request, opened, tier, model, choice.is_model_aware)
+            if not is_out_of_capacity(opened.status):
+                if model != choice.model:
+                    logger.info("model %s has no capacity: %s answered", choice.model, model)
+                return routed
+            if refusal is not None:
+                refusal.opened.finish()
+            refusal = routed
+        if refusal is not None:
+            return refusal
+        raise error or _no_capacity(choice)
+
+    async def _open_plan(
+        self,
+        proxy: Proxy,
+        request: UpstreamRequest,
+        admitted: Admitted,
+        plan: RoutePlan,
+        deadline_s: float,
+    ) -> tuple[Opened, Tier]:
+        parsed = admitted.parsed
+        if self.auto is not None and self.auto.is_auto(parsed):
+            return await self.auto.open(proxy, request, parsed, admitted.key, plan, deadline_s)
+        return await proxy.open(request, plan, deadline_s), "region"
+
+
+def _no_capacity(choice: ModelChoice) -> NoCapacityError:
+    if not choice.is_model_aware:
+        message = "no region can take requests now"
+    elif len(choice.models) == 1:
+        message = f"no region can take requests for the model {choice.model!r} now"
+    else:
+        tried = ", ".join(repr(model) for model in choice.models)
+        message = f"no region can take requests for the models {tried} now"
+    return NoCapacityError(message, "no_capacity", headers={"retry-after": "1"})

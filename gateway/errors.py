@@ -1,8 +1,8 @@
 """The gateway's exceptions, and the one place they become OpenAI-style JSON error responses.
 
 Every error body is `{"error": {"message", "type", "param", "code"}}` as OpenAI sends it; the
-status carries the meaning (400 bad input, 401 bad key, 413 too large, 429 rate limited, 502/503/
-504 when no region could answer).
+status carries the meaning (400 bad input, 401 bad key, 403 a model the key may not use, 404 an
+unknown model, 413 too large, 429 rate limited, 502/503/504 when no region could answer).
 """
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ class BodyTooLargeError(GatewayError):
 
 class AuthenticationError(GatewayError):
     status_code = 401
+
+
+class ModelNotAllowedError(GatewayError):
+    """The key may not use the model it asked for."""
+
+    status_code = 403
+
+
+class ModelNotFoundError(GatewayError):
+    """No model or alias of that name is routed to."""
+
+    status_code = 404
 
 
 class RateLimitError(GatewayError):

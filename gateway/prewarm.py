@@ -20,7 +20,7 @@ from dataclasses import replace
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.request_ids import HEADER as REQUEST_ID_HEADER
-from gateway.routing import Router
+from gateway.resume import ResumeTargets
 from gateway.upstream_request import UpstreamRequest
 
 logger = logging.getLogger(__name__)
@@ -40,18 +40,17 @@ def prewarm_of(request: UpstreamRequest) -> UpstreamRequest | None:
 
 async def prewarm(
     proxy: Proxy,
-    router: Router,
     metrics: GatewayMetrics,
     request: UpstreamRequest,
     home: str,
     prompt_tokens: int,
-    affinity_key: str | None,
+    targets: ResumeTargets,
 ) -> None:
     """Send `request`'s prewarm to the region a stream from `home` would resume in now."""
     warm = prewarm_of(request)
     if warm is None:
         return
-    candidates = router.plan(prompt_tokens, affinity_key, exclude=(home,)).candidates
+    candidates = targets.candidates(prompt_tokens, (home,))
     if not candidates:
         return
     region = candidates[0].region

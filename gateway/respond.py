@@ -1,6 +1,8 @@
 """The relay step of a completion: the opened answer to the client, whole or streamed (with
 resumes, and a prewarm where asked), then the reservation settled from the usage and the call
-recorded. An answer other than 200 is the node's judgement and goes back as it came."""
+recorded. An answer other than 200 is the node's judgement and goes back as it came. Every
+answer names the model that answered in MODEL_HEADER (a fallback's name when one did), as its
+body's `model` does: the node writes the name the body sent upstream said."""
 
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from gateway.prewarm import prewarm
 from gateway.proxy import Opened, Proxy
 from gateway.relay import SilenceLimits, StreamRelay
 from gateway.request_ids import HEADER
-from gateway.resume import Resumer
+from gateway.resume import Resumer, ResumeTargets
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.sse import StreamReader
 from gateway.whole import BodySink, whole_body
+from wire.model_catalog import MODEL_HEADER
 
 
 def num_used(parsed: ParsedRequest, reader: StreamReader) -> int:
@@ -60,7 +63,12 @@ class Respond:
     ) -> web.StreamResponse:
         opened = routed.opened
         where = self.log.where(opened.candidate.region, routed.tier)
-        headers = {HEADER: call.request_id, **where, **admitted.admission.headers()}
+        headers = {
+            HEADER: call.request_id,
+            MODEL_HEADER: routed.model,
+            **where,
+            **admitted.admission.headers(),
+        }
         if opened.status != 200:
             return await self._answer_whole(limiter, call, admitted, opened, headers)
         relay = self._relay(proxy, limiter, call, admitted, routed)
@@ -79,16 +87,10 @@ class Respond:
         on_end = partial(self._end_stream, limiter, call, admitted)
         resumer = None
         if self.settings.max_resumes:
-            resumer = Resumer(
-                proxy,
-                self.router,
-                self.metrics,
-                routed.upstream,
-                parsed.prompt_tokens,
-                parsed.affinity_key,
-            )
+            targets = ResumeTargets.of(self.router, parsed.affinity_key, routed)
+            resumer = Resumer(proxy, self.metrics, routed.upstream, parsed.prompt_tokens, targets)
             if self.settings.resume_prewarm and routed.tier == "region":
-                self._prewarm(proxy, routed, parsed)
+                self._prewarm(proxy, routed, parsed.prompt_tokens, targets)
         return StreamRelay(routed.opened, reader, on_end, self.silence, resumer)
 
     async def _collect(
@@ -183,16 +185,11 @@ class Respond:
             first_chunk_s = resume.first_chunk_s - resume.detected_s
             self.metrics.observe_resume_latency(candidate.region, "first_chunk", first_chunk_s)
 
-    def _prewarm(self, proxy: Proxy, routed: Routed, parsed: ParsedRequest) -> None:
-        warm = prewarm(
-            proxy,
-            self.router,
-            self.metrics,
-            routed.upstream,
-            routed.opened.candidate.region,
-            parsed.prompt_tokens,
-            parsed.affinity_key,
-        )
+    def _prewarm(
+        self, proxy: Proxy, routed: Routed, prompt_tokens: int, targets: ResumeTargets
+    ) -> None:
+        home = routed.opened.candidate.region
+        warm = prewarm(proxy, self.metrics, routed.upstream, home, prompt_tokens, targets)
         task = asyncio.create_task(warm)
         self._prewarms.add(task)
         task.add_done_callback(self._prewarms.discard)

@@ -6,19 +6,23 @@ relayed so far; a client may not send that field itself, gateway/openai_request.
 yet, in the order of a plan made among them at the break: by then the breaker has heard of the
 streams broken before it, and those moved count as this gateway's requests awaiting a first
 byte, so a region's many broken streams spread instead of all following the first plan's second
-choice. The node then produces what an unbroken run would have produced next: the same text for
-greedy decoding, and for seeded sampling where the engine's sampling is deterministic
-(docs/gateway.md). Every resume feeds the broken region's circuit breaker and the resume
-metrics; a resume that cannot happen (no region left, the deadline passed, the resume budget
-spent, the continuation refused) lets the stream end with its error event.
+choice; for a model, only the regions whose nodes serve the very weights the stream began on
+(`ResumeTargets`). The node then produces what an unbroken run would have produced next: the
+same text for greedy decoding, and for seeded sampling where the engine's sampling is
+deterministic (docs/gateway.md). Every resume feeds the broken region's circuit breaker and the
+resume metrics; a resume that cannot happen (no region left, the deadline passed, the resume
+budget spent, the continuation refused) lets the stream end with its error event.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
+from functools import partial
 
+from gateway.dispatch import Routed
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Opened, Proxy
@@ -41,27 +45,52 @@ def continuation_of(request: UpstreamRequest, token_ids: list[int]) -> UpstreamR
     return replace(request, body=request.body.edited(changes, max_tokens=num_left))
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeTargets:
+    """Where one stream may continue: the router's plan among the regions not tried yet and,
+    for a model, among those whose nodes for it write exactly what the stream's first region's
+    did (`serving_key`): a continuation on other weights would be another text."""
+
+    router: Router
+    affinity_key: str | None
+    model: str | None  # the model planned for (None: model-blind, any region)
+    serving_key: str | None  # the first region's nodes' for `model` (None: not one known)
+
+    @classmethod
+    def of(cls, router: Router, affinity_key: str | None, routed: Routed) -> ResumeTargets:
+        if not routed.is_model_aware:
+            return cls(router, affinity_key, None, None)
+        region = routed.opened.candidate.region
+        serving_key = router.serving_key_of(region, routed.model)
+        return cls(router, affinity_key, routed.model, serving_key)
+
+    def candidates(self, prompt_tokens: int, tried: Collection[str]) -> list[Candidate]:
+        plan = self.router.plan(prompt_tokens, self.affinity_key, exclude=tried, model=self.model)
+        model = self.model
+        if model is None:
+            return plan.candidates
+        if self.serving_key is None:
+            return []
+        key_of = self.router.serving_key_of
+        return [c for c in plan.candidates if key_of(c.region, model) == self.serving_key]
+
+
 @dataclass(slots=True)
 class Resumer:
     """Opens continuations of one request's stream (the relay's `resume`)."""
 
     proxy: Proxy
-    router: Router
     metrics: GatewayMetrics
     request: UpstreamRequest
     prompt_tokens: int  # the request's, for the plan at a break
-    affinity_key: str | None
+    targets: ResumeTargets
 
     async def __call__(self, broken: Opened, reader: StreamReader, cause: str) -> Opened | None:
         attempts = broken.attempts
         if attempts is None:
             return None
         prompt_tokens = self.prompt_tokens + len(reader.token_ids)  # the continuation's
-
-        def replan(tried: list[str]) -> list[Candidate]:
-            return self.router.plan(prompt_tokens, self.affinity_key, exclude=tried).candidates
-
-        refusal = attempts.resume(time.monotonic(), replan)
+        refusal = attempts.resume(time.monotonic(), partial(self.targets.candidates, prompt_tokens))
         if refusal is not None:
             self.metrics.count_resume_refused(refusal.reason)
             return None
@@ -81,7 +110,7 @@ class Resumer:
             return None
         # The broken region's failure (when no resume happens, the stream's end records it).
         region = broken.candidate.region
-        state = self.router.state_of(region)
+        state = self.targets.router.state_of(region)
         if state is not None:
             state.breaker.on_failure(time.monotonic())
         self.metrics.count_resume(region, opened.candidate.region)

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.breaker import CircuitBreaker
+from gateway.model_routes import ModelRoutes
 from gateway.summary_loads import SummaryLoad, SummaryLoads, kv_pressure_s, queue_delay_s
 from wire.geo import Place, rtt_ms
 from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
@@ -132,6 +133,7 @@ class Router:
     index: int = 0
     is_loaded: bool = False
     loads: SummaryLoads = field(default_factory=SummaryLoads)  # may be shared with other routers
+    models: ModelRoutes = field(default_factory=ModelRoutes.blind)  # the document's model names
     # The residual over every region's samples: what a region not measured yet is assumed to
     # be off by (the error every prediction shares, e.g. the first token's decode step).
     ttft_residual_s: float = 0.0
@@ -159,6 +161,7 @@ class Router:
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing
+        self.models = ModelRoutes.of(document, self.models)
         self.index = document.index
         self.is_loaded = True
 
@@ -292,6 +295,15 @@ class Router:
 
     def state_of(self, region: str) -> RegionState | None:
         return self.regions.get(region)
+
+    def serving_key_of(self, region: str, model: str) -> str | None:
+        """What the region's nodes for `model` write, when they all write the same (None: the
+        region does not list the model, its nodes did not say, or they differ)."""
+        state = self.regions.get(region)
+        nodes = None if state is None else state.models.get(model)
+        if nodes is None or len(nodes.serving_keys) != 1:
+            return None
+        return nodes.serving_keys[0]
 
     def observe_ttft(
         self,

@@ -1,21 +1,23 @@
 """A request as the gateway sends it upstream, kept as data until it is sent.
 
 A completion's body is the client's JSON after the gateway's checks and its own fields
-(gateway/openai_request.py). The gateway edits it for the edge (the real model behind `auto`),
-for a continuation (the ids relayed, fewer tokens left) and for a prewarm (one token, not
-streamed): each edit makes a new `UpstreamBody` from the fields, never from the bytes, and
-`encode` is the one way a body becomes bytes. It encodes at once rather than at the send: the
-encoding is what finds text JSON cannot carry (a lone surrogate), which must be a 400 before
-admission, and a body sent to several regions in turn is encoded once.
+(gateway/openai_request.py). The gateway edits it for the model it resolved the request to (and
+each fallback it tries), for the edge (the real model behind `auto`), for a continuation (the
+ids relayed, fewer tokens left) and for a prewarm (one token, not streamed): each edit makes
+a new `UpstreamBody` from the fields, never from the bytes, and `encode` is the one way a body
+becomes bytes. It encodes at once rather than at the send: the encoding is what finds text JSON
+cannot carry (a lone surrogate), which must be a 400 before admission, and a body sent to
+several regions in turn is encoded once.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.errors import InvalidRequestError
+from wire.model_catalog import MODEL_HEADER
 from wire.output_limit import set_output_limit
 
 
@@ -80,3 +82,11 @@ class UpstreamRequest:
     @property
     def data(self) -> bytes | None:
         return self.body.encoded if self.body is not None else None
+
+    def for_model(self, model: str) -> UpstreamRequest:
+        """This request for `model`: its body's `model` and MODEL_HEADER (what a region's
+        ingress routes on) name it."""
+        body = self.body
+        if body is not None and body.fields.get("model") != model:
+            body = body.edited({"model": model})
+        return replace(self, body=body, headers={**self.headers, MODEL_HEADER: model})

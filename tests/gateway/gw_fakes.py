@@ -50,6 +50,9 @@ class Seen:
 class FakeUpstream:
     name: str
     node_id: str  # named on every answer, as the node agent names itself
+    # The model it serves: a request for another is refused with 404, as the node agent does
+    # (None: it answers any).
+    model: str | None = None
     behavior: Behavior = field(default_factory=Behavior)
     seen: list[Seen] = field(default_factory=list)
     num_abandoned: int = 0  # streams whose reader went away before the end
@@ -93,13 +96,16 @@ class FakeUpstream:
         self.seen.append(Seen(request.path, _lower(request.headers), {}))
         body = {
             "object": "list",
-            "data": [{"id": "fake-model", "object": "model", "owned_by": self.name}],
+            "data": [{"id": self.model or "fake-model", "object": "model", "owned_by": self.name}],
         }
         return web.json_response(body)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, _lower(request.headers), body))
+        if self.model is not None and body.get("model") != self.model:
+            error = {"error": {"message": "no such model", "type": "x", "code": "model_not_found"}}
+            return web.json_response(error, status=404)
         behavior = self.behavior
         if behavior.delay_s:
             await asyncio.sleep(behavior.delay_s)

@@ -39,6 +39,9 @@ from wire.geo import locate, rtt_ms
 T = TypeVar("T")
 POP = "new-york"
 MAX_START_S = 20.0
+# What fake nodes serve unless a test says otherwise, and the weights they report for it.
+FAKE_MODEL = "fake-model"
+FAKE_WEIGHTS = "f" * 32
 # Fake nodes beat every 0.5 s (unhealthy after 1.5 s): fast for tests, with room for this
 # harness's loop to stall on a busy 2-core machine without regions flapping (at 0.25 s, a
 # stall of 0.8 s during a full CI run once took both regions out of routing).
@@ -96,6 +99,8 @@ class FakeRegion:
     proxy: DelayProxy
     rtt_ms: float
     load: Load = field(default_factory=Load)
+    model: str = FAKE_MODEL  # what its nodes serve, under this name
+    weights_id: str = FAKE_WEIGHTS  # and the weights they report serving it with
     is_beating: bool = True  # the upstream's node
     # More nodes of the region, by id, that beat (at the same URL and load) while True.
     spare_nodes: dict[str, bool] = field(default_factory=dict)
@@ -229,7 +234,13 @@ class Fleet:
             "node_id": node_id,
             "region": region.name,
             "url": region.upstream.url,
-            "model": "fake-model",
+            "model": region.model,
+            "model_identity": {
+                "weights_id": region.weights_id,
+                "context_length": 2048,
+                "dtype": "fp32",
+                "quantization": "none",
+            },
             "kv_blocks_total": 1000,
             "kv_blocks_free": load.kv_blocks_free,
             "block_size": 16,
@@ -270,15 +281,25 @@ class Fleet:
 
     # Regions.
 
-    def add_region(self, name: str, pop: str = POP, register: bool = True) -> FakeRegion:
-        """A fake region at the location table's place `name`, behind the simulated RTT."""
+    def add_region(
+        self,
+        name: str,
+        pop: str = POP,
+        register: bool = True,
+        model: str = FAKE_MODEL,
+        weights_id: str = FAKE_WEIGHTS,
+    ) -> FakeRegion:
+        """A fake region at the location table's place `name`, behind the simulated RTT, whose
+        node serves `model` (and refuses others) with the weights `weights_id`."""
         place = locate(name)
         region_rtt_ms = rtt_ms(locate(pop), place)
-        upstream = FakeUpstream(name, f"{name}-n1")
+        upstream = FakeUpstream(name, f"{name}-n1", model)
         self.loop.run(upstream.start())
         proxy = DelayProxy(upstream.port, region_rtt_ms / 2000.0)
         self.loop.run(proxy.start())
-        region = FakeRegion(name, upstream, proxy, region_rtt_ms)
+        region = FakeRegion(
+            name, upstream, proxy, region_rtt_ms, model=model, weights_id=weights_id
+        )
         self.regions[name] = region
         if register:
             body = {"name": name, "lat": place.lat, "lon": place.lon, "ingress_url": proxy.url}

@@ -82,7 +82,7 @@ def edge_gateway(
 ) -> GatewayThread:
     gateway = two_regions.start_gateway(
         edge_policy={key_id: policy for policy, (key_id, _) in policy_keys.items()},
-        auto_model="region-model",
+        auto_model="fake-model",
         edge_url=edge.url,
         edge_model="edge-model",
         edge_max_tokens=32,
@@ -123,7 +123,7 @@ def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
     assert heavy.status_code == 200
     pop, region, tier = _where(heavy)
     assert (pop, tier) == ("new-york", "region") and region in two_regions.regions
-    assert two_regions.regions[region].upstream.seen[-1].body["model"] == "region-model"
+    assert two_regions.regions[region].upstream.seen[-1].body["model"] == "fake-model"
     explicit = client.post("/v1/chat/completions", json=LIGHT | {"model": "fake-model"})
     assert explicit.status_code == 200 and _where(explicit)[2] == "region"
     assert len(edge.seen) == 1

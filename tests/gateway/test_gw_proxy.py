@@ -180,7 +180,8 @@ def test_nodes_get_the_serving_token_and_never_the_clients_key(
     with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
         assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
         assert http.get("/v1/models").status_code == 200
-        assert http.post("/v1/completions", json={"model": "m", "prompt": "a"}).status_code == 200
+        completion = {"model": "fake-model", "prompt": "a"}
+        assert http.post("/v1/completions", json=completion).status_code == 200
     assert len(upstream.seen) == 3
     for seen in upstream.seen:
         assert seen.headers["authorization"] == f"Bearer {serving_token}"

@@ -16,7 +16,7 @@ from test_gw_routing import summary as region_summary
 from gateway.attempts import AttemptLimits, AttemptSequence, Try
 from gateway.errors import UpstreamError
 from gateway.metrics import GatewayMetrics
-from gateway.resume import Resumer, continuation_of
+from gateway.resume import Resumer, ResumeTargets, continuation_of
 from gateway.routing import Router
 from gateway.sse import StreamReader
 from gateway.upstream_request import UpstreamBody, UpstreamRequest
@@ -85,7 +85,8 @@ def test_a_resume_goes_where_the_router_would_send_the_continuation_at_the_break
 
     body = {"model": "m", "max_tokens": 10}
     proxy: Any = Proxy()
-    resumer = Resumer(proxy, router, GatewayMetrics("test"), request(body, 10), 400, None)
+    targets = ResumeTargets(router, None, None, None)
+    resumer = Resumer(proxy, GatewayMetrics("test"), request(body, 10), 400, targets)
     reader = StreamReader(strip_usage=False)
     reader.token_ids.extend([5, 6])
     broken: Any = SimpleNamespace(attempts=attempts, candidate=broken_region.candidate)

@@ -20,7 +20,7 @@ from wire.routing_policy import RoutingPolicy
 from wire.upstream_url import join_path
 
 SERVING_TOKEN = "srv-" + "s" * 30
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 class Listener:
