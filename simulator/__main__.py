@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 132)  # a table in a log file keeps its columns
+        console.width = max(console.width, 180)  # a table in a log file keeps its columns
     try:
         if args.command == "calibrate":
             report = load_bench_report(args.report)

@@ -36,6 +36,7 @@ class ScenarioResult:
     stats: dict[str, PolicyStats]
     recorders: dict[str, Recorder]
     has_edge: bool = False
+    placed_model: str | None = None  # the model served in a few regions only, if any
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,4 +147,7 @@ def run_scenario(
     stats = {policy: recorder.stats() for policy, recorder in recorders.items()}
     wall_s = time.perf_counter() - started_s
     has_edge = spec.options.edge is not None
-    return ScenarioResult(scenario.name, seed, num_requests, wall_s, stats, recorders, has_edge)
+    placed = scenario.placed.name if scenario.placed is not None else None
+    return ScenarioResult(
+        scenario.name, seed, num_requests, wall_s, stats, recorders, has_edge, placed
+    )

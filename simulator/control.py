@@ -6,12 +6,13 @@ what a beat changed (a node back to health refreshes its region at once; anythin
 the next tick), `SummaryPublisher.tick(now)` recomputes and versions the document. Only the glue
 around them is here: the beat and sweep timers, and the network delays.
 
-Each beat is a real `wire.heartbeat.Heartbeat`, made from the node's load at send time, sent every
-`heartbeat_interval_s` (the control plane's default) and received one way later (plus the
-scenario's extra delay). A gateway watches the document with blocking queries: a poll reaches
-the control plane one way after it was sent, is answered at once if the index moved, else when it
-next moves, and the answer takes one way back; the gateway polls again as soon as it has one.
-`PopWatch` plays that chain lazily, when the gateway next needs the document.
+Each beat is a real `wire.heartbeat.Heartbeat`, made from the node's load at send time (with its
+model's name and identity), sent every `heartbeat_interval_s` (the control plane's default) and
+received one way later (plus the scenario's extra delay). A gateway watches the document with
+blocking queries: a poll reaches the control plane one way after it was sent, is answered at once
+if the index moved, else when it next moves, and the answer takes one way back; the gateway polls
+again as soon as it has one. `PopWatch` plays that chain lazily, when the gateway next needs the
+document.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from control_plane.model import Node as FleetNode
 from control_plane.settings import Settings as ControlPlaneSettings
 from control_plane.summaries import SummaryPublisher, route_view
 from simulator.events import EventLoop
+from simulator.models import identity_of
 from simulator.node import Node
 from wire.capacity import DECODE_RATE_WINDOW_S
 from wire.heartbeat import Heartbeat
@@ -34,7 +36,6 @@ from wire.model_catalog import ModelCatalog
 from wire.region_summary import RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
-MODEL = "smollm2-135m-instruct"
 # Simulated Unix time at simulated 0 (only heartbeats' informational timestamps carry it).
 UNIX_AT_ZERO_S = 1_800_000_000.0
 
@@ -71,12 +72,16 @@ class SimControlPlane:
         regions: dict[str, Region],
         policy: RoutingPolicy,
         seed: int,
+        catalog: ModelCatalog,
     ) -> None:
         self.loop = loop
         self.timing = timing
         self.fleet = Fleet(unhealthy_after_s=timing.unhealthy_after_s, regions=dict(regions))
         self.policy = policy
-        self.publisher = SummaryPublisher(self.fleet, self.read_policy, ModelCatalog, ChangeFeed(1))
+        self.catalog = catalog
+        self.publisher = SummaryPublisher(
+            self.fleet, self.read_policy, self.read_catalog, ChangeFeed(1)
+        )
         self.published_s: list[float] = [0.0]
         self.documents: list[RegionSummaryIndex] = [self.publisher.current]
         self._rng = random.Random(f"heartbeats/{seed}")
@@ -86,12 +91,15 @@ class SimControlPlane:
     def read_policy(self) -> RoutingPolicy:
         return self.policy
 
+    def read_catalog(self) -> ModelCatalog:
+        return self.catalog
+
     @property
     def current(self) -> RegionSummaryIndex:
         return self.publisher.current
 
     def add_node(self, node: Node, url: str, delay_s: float) -> None:
-        identity = NodeIdentity(region=node.region, url=url, model=MODEL, tp_size=1)
+        identity = NodeIdentity(region=node.region, url=url, model=node.model, tp_size=1)
         self.fleet.nodes[node.name] = FleetNode(node.name, identity, False, UNIX_AT_ZERO_S)
         self._beatings.append(Beating(node, url, delay_s))
 
@@ -121,7 +129,8 @@ class SimControlPlane:
             node_id=node.name,
             region=node.region,
             url=beating.url,
-            model=MODEL,
+            model=node.model,
+            model_identity=identity_of(node.model),
             kv_blocks_total=calibration.kv_blocks,
             kv_blocks_free=load.kv_blocks_free,
             block_size=calibration.block_size,

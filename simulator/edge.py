@@ -22,6 +22,7 @@ from typing import Final
 from gateway.settings import GatewaySettings
 from gateway.tiers import EdgeThresholds, TierChoice, classify
 from simulator.calibration import ServiceCalibration
+from simulator.models import DEFAULT_MODEL
 from simulator.site import Site
 from simulator.workload import Request
 
@@ -53,9 +54,14 @@ class EdgeSpec:
 
 
 def auto_requests(spec: EdgeSpec, requests: Sequence[Request], seed: int) -> frozenset[int]:
-    """The ids of the requests sent as `auto` (seeded apart from the workload's own draws)."""
+    """The ids of the requests sent as `auto` (seeded apart from the workload's own draws): of
+    those for the default model, the one the edge serves."""
     rng = random.Random(f"auto/{seed}")
-    return frozenset(r.request_id for r in requests if rng.random() < spec.auto_share)
+    return frozenset(
+        r.request_id
+        for r in requests
+        if rng.random() < spec.auto_share and r.model == DEFAULT_MODEL
+    )
 
 
 class EdgeTier:

@@ -19,10 +19,13 @@ class Flight:
     origin: Location  # where attempts leave from: the PoP, or the client itself
     pop: str  # "" when the client goes to a region directly
     client_delay_s: float  # client ↔ origin, one way
+    # The models to try in order: the request's, then its fallbacks (none without a gateway).
+    models: tuple[str, ...]
+    model_turn: int = 0  # the one tried now
     picks: dict[str, Pick] = field(default_factory=dict)  # by region, the latest plan's
     is_edge: bool = False  # the attempts under way are the edge's
     attempts: AttemptSequence | None = None  # the gateway's sequencer over the plan
-    attempt: int = -1  # the attempt under way: how many were handed out before it
+    attempt: int = -1  # the attempt under way: how many were made before it (for every model)
     sent_s: float = 0.0
     pick: Pick | None = None
     site: Site | None = None  # the pick's
@@ -38,6 +41,10 @@ class Flight:
     is_committed: bool = False  # the client has its first byte
     is_streaming: bool = False  # the attempt under way has sent its first byte
     is_ended: bool = False
+
+    @property
+    def model(self) -> str:
+        return self.models[self.model_turn]
 
     @property
     def num_resumes(self) -> int:

@@ -16,6 +16,12 @@ The client keeps its first token's time; the stream ends when the continuation's
 Timeouts and limits are the gateway's default settings. Each outcome is reported to the policy
 (breakers, in-flight counts, observed TTFT), which is where the real gateway code learns. With
 an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
+
+A request is for one model, and goes only to regions (and nodes) serving it. When the model has
+no capacity (no region serving it in the plan, or every region tried failed before a first
+byte), the gateway tries the next of its fallbacks the same way, within the same deadline, as
+`gateway/dispatch.py` does; the request ends in an error only when none has. A resume stays on
+the model the stream began on (another model would write another text).
 """
 
 from __future__ import annotations
@@ -83,17 +89,18 @@ class Traffic:
 
     # Requests.
 
-    def send(self, request: Request) -> None:
-        """The client sends `request` now."""
+    def send(self, request: Request, models: tuple[str, ...]) -> None:
+        """The client sends `request` now; `models`: its model, then the fallbacks a gateway
+        would try (a client that goes to a region directly has no gateway to fall back)."""
         city = self.geography.cities[request.city]
         if self.chooser.is_via_pop:
             pop = self.access.pop_for(request.city, self.loop.now_s)
             origin = self.geography.pops[pop]
             delay_s = self.delays.between(city, origin)
-            flight = Flight(request, origin, pop, delay_s)
+            flight = Flight(request, origin, pop, delay_s, models)
             self.loop.at(self.loop.now_s + delay_s, self._at_origin, flight)
         else:
-            self._at_origin(Flight(request, city, "", 0.0))
+            self._at_origin(Flight(request, city, "", 0.0, models[:1]))
 
     def _at_origin(self, flight: Flight) -> None:
         edge = self.edge
@@ -107,12 +114,20 @@ class Traffic:
         self._open_regions(flight)
 
     def _open_regions(self, flight: Flight) -> None:
+        """The first of the flight's models (from the one tried now) that some region serves."""
         now_s = self.loop.now_s
-        picks = self.chooser.order(flight.pop, flight.request, now_s, self.max_attempts)
-        if not picks:
-            self._end(flight, Outcome.NO_CAPACITY)
-            return
-        self._open(flight, picks, self.limits)
+        while True:
+            request = flight.request
+            if flight.model != request.model:  # a fallback: planned for as if asked for
+                request = replace(request, model=flight.model)
+            picks = self.chooser.order(flight.pop, request, now_s, self.max_attempts)
+            if picks:
+                self._open(flight, picks, self.limits)
+                return
+            if flight.model_turn + 1 == len(flight.models):
+                self._end(flight, Outcome.NO_CAPACITY)
+                return
+            flight.model_turn += 1
 
     def _open(self, flight: Flight, picks: list[Pick], limits: AttemptLimits) -> None:
         candidates = self._candidates(flight, picks)
@@ -133,10 +148,15 @@ class Traffic:
             if flight.is_committed:  # no continuation opened: the stream ends in an error
                 self._observe_ttft(flight, 0)
                 self._end(flight, Outcome.CUT)
+            elif step.reason != "deadline" and flight.model_turn + 1 < len(flight.models):
+                flight.model_turn += 1  # no capacity for this model: its next fallback
+                self._open_regions(flight)
             else:
                 self._end(flight, Outcome.FAILED)
             return
-        flight.attempt = flight.attempts.num_tried - 1
+        # Counted over the flight, not the sequence: a fallback model's sequence starts afresh,
+        # and an event for the last model's attempts must not pass for its attempts.
+        flight.attempt = flight.num_attempts
         pick = flight.picks[step.candidate.region]
         flight.num_attempts += 1
         flight.pick, flight.sent_s, flight.job, flight.node = pick, now_s, None, None
@@ -155,9 +175,14 @@ class Traffic:
         now_s = self.loop.now_s
         assert flight.pick is not None and flight.site is not None
         site = flight.site
-        node = flight.pick.node if flight.pick.node is not None else site.pick_node()
+        model = flight.model
+        node = flight.pick.node if flight.pick.node is not None else site.pick_node(model)
         if not site.is_up or node is None or not node.is_up:
-            self.loop.at(flight.sent_s + self.timing.connect_timeout_s, self._failed, event)
+            if site.is_up and not site.is_serving(model):  # the ingress has no route for it
+                back_s = now_s + self.delays.between(site.location, flight.origin)
+                self.loop.at(back_s, self._failed, event)
+            else:
+                self.loop.at(flight.sent_s + self.timing.connect_timeout_s, self._failed, event)
             return
         request = flight.request
         sent = flight.num_sent  # a continuation: the prompt and the output relayed so far
@@ -319,7 +344,9 @@ class Traffic:
         """The policy's order now, among the regions not `tried`, for the continuation (its
         prompt holds the tokens sent)."""
         request = flight.request
-        continuation = replace(request, prompt_tokens=request.prompt_tokens + flight.num_sent)
+        continuation = replace(
+            request, prompt_tokens=request.prompt_tokens + flight.num_sent, model=flight.model
+        )
         picks = self.chooser.order(flight.pop, continuation, now_s, self.max_attempts, tried)
         return self._candidates(flight, picks)
 
@@ -350,7 +377,8 @@ class Traffic:
         if self.edge is not None and self.edge.is_auto(request):
             tier = TIER_EDGE if is_edge else TIER_REGION
         resume_s = flight.longest_resume_s if flight.is_streaming and flight.num_resumes else nan
+        model = flight.model if outcome is Outcome.OK else None
         self.recorder.record(
             request, outcome, region, flight.num_attempts, flight.num_resumes, ttft_s, e2e_s,
-            resume_s, tier,
+            resume_s, tier, model,
         )  # fmt: skip

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 from simulator.calibration import ServiceCalibration
 from simulator.events import EventLoop
+from simulator.models import DEFAULT_MODEL
 
 EPSILON_TOKENS = 1e-6
 INFINITY = float("inf")
@@ -68,6 +69,7 @@ class Node:
     loop: EventLoop
     on_first_token: Callable[[Job], None]
     on_finished: Callable[[Job], None]
+    model: str = DEFAULT_MODEL  # the one model it serves, under this name
     is_up: bool = True
     waiting: deque[Job] = field(default_factory=deque)
     prefilling: deque[Job] = field(default_factory=deque)

@@ -3,6 +3,8 @@
 - `<scenario>_ttft_cdf.png`: the CDF of TTFT per policy (answered requests).
 - `<scenario>_region_load.png`: requests per second each region took over time, per policy.
 - `<scenario>_region_share.png`: each region's share of the requests, per policy.
+- `<scenario>_placed_model.png` (a scenario with a placed model): its requests per second over
+  time, per policy: answered by it, answered by a fallback, failed.
 """
 
 from __future__ import annotations
@@ -81,14 +83,47 @@ def _region_share(result: ScenarioResult, path: Path) -> None:
     plt.close(figure)
 
 
+def _placed_model(result: ScenarioResult, path: Path) -> None:
+    placed = result.placed_model
+    assert placed is not None
+    recorders = result.recorders
+    figure, rows = plt.subplots(
+        len(recorders), 1, figsize=(9, 2.2 * len(recorders)), sharex=True, squeeze=False
+    )
+    for (policy, recorder), (axes,) in zip(recorders.items(), rows, strict=True):
+        index = recorder.models.index(placed)
+        asked = recorder.asked == index
+        edges = np.linspace(recorder.arrival_s.min(), recorder.arrival_s.max(), NUM_TIME_BINS + 1)
+        width_s = edges[1] - edges[0]
+        answered = recorder.answered[asked]
+        for label, chosen in (
+            (f"answered by {placed}", answered == index),
+            ("answered by a fallback", (answered >= 0) & (answered != index)),
+            ("failed", answered < 0),
+        ):
+            counts, _ = np.histogram(recorder.arrival_s[asked][chosen], bins=edges)
+            axes.plot(edges[:-1], counts / width_s, label=label, linewidth=1)
+        axes.set_ylabel("req/s")
+        axes.set_title(policy, fontsize=9, loc="left")
+    rows[0][0].legend(fontsize=7, loc="upper right")
+    rows[-1][0].set_xlabel("simulated time (s)")
+    figure.suptitle(f"{result.scenario}: requests for {placed} (seed {result.seed})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def write_plots(result: ScenarioResult, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for suffix, draw in (
+    drawings = [
         ("ttft_cdf", _ttft_cdf),
         ("region_load", _region_load),
         ("region_share", _region_share),
-    ):
+    ]
+    if result.placed_model is not None:
+        drawings.append(("placed_model", _placed_model))
+    for suffix, draw in drawings:
         path = folder / f"{result.scenario}_{suffix}.png"
         draw(result, path)
         paths.append(path)

@@ -9,8 +9,10 @@
 - `least_loaded`: each PoP picks the region with the least queue in its summaries (then KV use,
   then its own requests in flight there per node), ignoring distance.
 - `oracle`: sees every node's true queue and the true path RTT now, and picks the node with the
-  least predicted TTFT (the bound the others are measured against).
-Every policy but `nearest` fails over in the order it gave, as the gateway does.
+  least predicted TTFT among those serving the model (the bound the others are measured against).
+Every policy but `nearest` fails over in the order it gave, as the gateway does. Each plans for
+one model at a time, among the regions serving it (with a model-blind summary document: all),
+on the numbers of its nodes there; the gateway's fallback to another model is simulator/flow.py's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import ipaddress
 import itertools
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping
+from functools import partial
 from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
@@ -33,7 +36,7 @@ from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
 from wire.geo import IPNetwork, client_subnet_of
-from wire.region_summary import RegionSummary, RegionSummaryIndex
+from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
 
 POLICIES: Final = ("meridian", "round_robin", "nearest", "least_loaded", "oracle")
 
@@ -61,8 +64,8 @@ class Chooser:
     def order(
         self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
     ) -> list[Pick]:
-        """At most `limit` regions to try, best first, none of `exclude` (those the request
-        tried before a resume); empty if none can take the request."""
+        """At most `limit` regions to try for the request's model, best first, none of `exclude`
+        (those the request tried before a resume); empty if none can take the request."""
         raise NotImplementedError
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
@@ -85,16 +88,36 @@ class Chooser:
         return None
 
 
-def _is_serving(summary: RegionSummary) -> bool:
-    return summary.state == "active" and summary.healthy_nodes > 0
+def nodes_for(summary: RegionSummary, model: str | None) -> RegionSummary | ModelLoad | None:
+    """The numbers of the region's nodes serving `model` (None: the region's totals, for a
+    model-blind document), None if it lists no node serving it."""
+    if model is None:
+        return summary
+    return next((m for m in summary.models if m.name == model), None)
 
 
-def _serving(watch: PopWatch, now_s: float, exclude: Collection[str]) -> list[RegionSummary]:
-    """The regions serving in the PoP's summaries now, less `exclude` (none before the first)."""
+def planned_model(document: RegionSummaryIndex, model: str) -> str | None:
+    """What a gateway plans for: the model, or None (every region) from a version 1 document."""
+    return model if document.is_model_aware else None
+
+
+def _serving(
+    watch: PopWatch, now_s: float, exclude: Collection[str], model: str
+) -> list[tuple[RegionSummary, RegionSummary | ModelLoad]]:
+    """The regions serving `model` in the PoP's summaries now, with its nodes' numbers there,
+    less `exclude` (none before the first)."""
     document = watch.read(now_s)
     if document is None:
         return []
-    return [s for s in document.regions if _is_serving(s) and s.name not in exclude]
+    planned = planned_model(document, model)
+    serving = []
+    for summary in document.regions:
+        nodes = nodes_for(summary, planned)
+        is_serving = summary.state == "active" and nodes is not None and nodes.healthy_nodes > 0
+        if is_serving and summary.name not in exclude:
+            assert nodes is not None
+            serving.append((summary, nodes))
+    return serving
 
 
 class MeridianChooser(Chooser):
@@ -119,7 +142,8 @@ class MeridianChooser(Chooser):
             return []
         if not router.is_loaded or document.index != router.index:
             router.update(document)
-        plan = router.plan(request.prompt_tokens, request.affinity_key, now_s, exclude)
+        planned = planned_model(document, request.model)
+        plan = router.plan(request.prompt_tokens, request.affinity_key, now_s, exclude, planned)
         return [Pick(c.region, c.predicted_ttft_s) for c in plan.candidates[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
@@ -165,7 +189,8 @@ class RoundRobinChooser(Chooser):
     def order(
         self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
     ) -> list[Pick]:
-        names = [s.name for s in _serving(self.watches[pop], now_s, exclude)]
+        serving = _serving(self.watches[pop], now_s, exclude, request.model)
+        names = [summary.name for summary, _ in serving]
         if not names:
             return []
         turn = self.turn[pop] % len(names)
@@ -181,16 +206,19 @@ class LeastLoadedChooser(Chooser):
     def order(
         self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
     ) -> list[Pick]:
-        def load(summary: RegionSummary) -> tuple[float, float, float, str]:
+        def load(
+            serving: tuple[RegionSummary, RegionSummary | ModelLoad],
+        ) -> tuple[float, float, float, str]:
+            summary, nodes = serving
             used = 0.0
-            if summary.kv_blocks_total:
-                used = 1.0 - summary.kv_blocks_free / summary.kv_blocks_total
-            mine = self.in_flight.get((pop, summary.name), 0) / summary.healthy_nodes
-            return summary.queue.expected_queue_delay_s, used, mine, summary.name
+            if nodes.kv_blocks_total:
+                used = 1.0 - nodes.kv_blocks_free / nodes.kv_blocks_total
+            mine = self.in_flight.get((pop, summary.name), 0) / nodes.healthy_nodes
+            return nodes.queue.expected_queue_delay_s, used, mine, summary.name
 
-        serving = _serving(self.watches[pop], now_s, exclude)
+        serving = _serving(self.watches[pop], now_s, exclude, request.model)
         serving.sort(key=load)
-        return [Pick(s.name) for s in serving[:limit]]
+        return [Pick(summary.name) for summary, _ in serving[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
         self.in_flight[(pop, region)] = self.in_flight.get((pop, region), 0) + 1
@@ -203,7 +231,9 @@ class LeastLoadedChooser(Chooser):
 
 
 class NearestChooser(Chooser):
-    """Geo-DNS: the control plane's steering, behind resolver caches (one per client city)."""
+    """Geo-DNS: the control plane's steering, behind resolver caches (one per client city). For a
+    model, the steering answers among the regions serving it, as if each model had a hostname of
+    its own (the control plane's DNS has none: this is kinder to geo-DNS than it is today)."""
 
     is_via_pop = False
     max_attempts = 1
@@ -213,26 +243,50 @@ class NearestChooser(Chooser):
     ) -> None:
         self.config = DnsConfig()
         # The DNS server runs in the control plane: it reads the current summaries, no watch.
-        self.steering = Steering(self.config, read_summaries)
+        self.read_summaries = read_summaries
+        self.steerings: dict[str, Steering] = {}  # by model: each its own shedding state
+        self.views: dict[str, RegionSummaryIndex] = {}  # by model: the latest document's
         self.networks: dict[str, IPNetwork] = {
             city: ipaddress.ip_network(client_subnet_of(city)) for city in cities
         }
-        self.cache: dict[str, tuple[str, float]] = {}  # city → (region, expires at)
+        # (city, model) → (region, expires at)
+        self.cache: dict[tuple[str, str], tuple[str, float]] = {}
 
-    def answer(self, city: str, now_s: float) -> str | None:
-        cached = self.cache.get(city)
+    def view_for(self, model: str) -> RegionSummaryIndex:
+        """The current document as a hostname for `model` sees it: the regions serving it, each
+        with the numbers of its nodes serving it."""
+        document = self.read_summaries()
+        if planned_model(document, model) is None:
+            return document
+        view = self.views.get(model)
+        if view is None or view.index != document.index:
+            regions = []
+            for summary in document.regions:
+                nodes = nodes_for(summary, model)
+                if nodes is not None:
+                    numbers = ("healthy_nodes", "kv_blocks_free", "kv_blocks_total", "queue")
+                    update = {name: getattr(nodes, name) for name in numbers}
+                    regions.append(summary.model_copy(update=update))
+            view = self.views[model] = document.model_copy(update={"regions": regions})
+        return view
+
+    def answer(self, city: str, model: str, now_s: float) -> str | None:
+        cached = self.cache.get((city, model))
         if cached is not None and now_s < cached[1]:
             return cached[0]
-        decision = self.steering.decide(self.networks[city])
+        steering = self.steerings.get(model)
+        if steering is None:
+            steering = self.steerings[model] = Steering(self.config, partial(self.view_for, model))
+        decision = steering.decide(self.networks[city])
         if decision is None:
             return None
-        self.cache[city] = (decision.target.name, now_s + self.config.ttl_s)
+        self.cache[(city, model)] = (decision.target.name, now_s + self.config.ttl_s)
         return decision.target.name
 
     def order(
         self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
     ) -> list[Pick]:
-        region = self.answer(request.city, now_s)
+        region = self.answer(request.city, request.model, now_s)
         return [] if region is None else [Pick(region)]
 
 
@@ -269,6 +323,7 @@ class OracleChooser(Chooser):
         self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
     ) -> list[Pick]:
         self._arrived_by(now_s)
+        model = request.model
         picks = []
         # Once per request, not once per node (`affinity_key` and `prefix_tokens` are properties).
         prompt_tokens = request.prompt_tokens
@@ -279,7 +334,7 @@ class OracleChooser(Chooser):
                 continue
             rtt_s = self.rtt_s(pop, site)
             best: tuple[float, Node] | None = None
-            for node in site.nodes:
+            for node in site.serving.get(model, ()):
                 if not node.is_up:
                     continue
                 num, tokens = incoming.get(node.name, (0, 0))

@@ -1,4 +1,5 @@
-"""The table a run prints: one per scenario, policies as rows."""
+"""The table a run prints: one per scenario, policies as rows (with an edge tier or a placed
+model, their columns too)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ COLUMNS = (
 
 
 EDGE_COLUMNS = ("at edge", "auto p99 s")  # with an edge tier
+# With a placed model: its requests' TTFT p99 (answered by it or a fallback), failed, and
+# answered by a fallback.
+PLACED_COLUMNS = ("placed p99 s", "placed failed", "by fallback")
 
 
 def _s(seconds: float) -> str:
@@ -26,12 +30,19 @@ def table(result: ScenarioResult) -> Table:
         f"{result.scenario}: {result.num_requests:,} requests, seed {result.seed}, "
         f"{result.wall_s:.1f} s"
     )
+    placed = result.placed_model
+    if placed is not None:
+        title += f"; placed model: {placed}"
     out = Table(title=title)
-    columns = COLUMNS + EDGE_COLUMNS if result.has_edge else COLUMNS
+    columns = COLUMNS + (EDGE_COLUMNS if result.has_edge else ())
+    columns += PLACED_COLUMNS if placed is not None else ()
     for i, column in enumerate(columns):
         out.add_column(column, justify="left" if i == 0 else "right")
     for policy, stats in result.stats.items():
-        edge = [f"{stats.edge_share:.1%}", _s(stats.auto_ttft_p99_s)] if result.has_edge else []
+        extra = [f"{stats.edge_share:.1%}", _s(stats.auto_ttft_p99_s)] if result.has_edge else []
+        if placed is not None:
+            model = stats.models[placed]
+            extra += [_s(model.ttft_p99_s), f"{model.failed:,}", f"{model.by_fallback:,}"]
         out.add_row(
             policy,
             _s(stats.ttft_p50_s),
@@ -44,6 +55,6 @@ def table(result: ScenarioResult) -> Table:
             f"{stats.resumed:,}",
             _s(stats.resume_p99_s),
             f"{stats.lost:,}",
-            *edge,
+            *extra,
         )
     return out

@@ -10,13 +10,15 @@ first byte there (what the client sees as a gap in its stream, less the one-way 
 requests that never ended when the world ran dry (an accounting check: it must be 0). `goodput`: the
 share of all requests whose first token reached the client within `GOODPUT_TTFT_S`. With an edge
 tier: `edge_share`, the share of all requests the edge answered, and `auto_ttft_p99_s`, the p99 TTFT
-of the requests sent as `auto`.
+of the requests sent as `auto`. Per model asked for (`models`): how many asked for it, the p99
+TTFT of those answered (by it or by a fallback), how many failed, and how many a fallback
+answered.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Final
 
@@ -41,6 +43,24 @@ class Outcome(IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class ModelStats:
+    """The requests that asked for one model."""
+
+    requests: int
+    ttft_p99_s: float  # of those answered, by the model or a fallback
+    failed: int
+    by_fallback: int  # answered by another model
+
+    def to_json(self) -> dict[str, float | int | None]:
+        return {
+            "requests": self.requests,
+            "ttft_p99_s": _rounded(self.ttft_p99_s),
+            "failed": self.failed,
+            "by_fallback": self.by_fallback,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyStats:
     ttft_p50_s: float
     ttft_p95_s: float
@@ -54,8 +74,9 @@ class PolicyStats:
     resume_p99_s: float = float("nan")
     edge_share: float = 0.0
     auto_ttft_p99_s: float = float("nan")
+    models: dict[str, ModelStats] = field(default_factory=dict)  # by the model asked for
 
-    def to_json(self) -> dict[str, float | int | None]:
+    def to_json(self) -> dict[str, object]:
         return {
             "ttft_p50_s": round(self.ttft_p50_s, 4),
             "ttft_p95_s": round(self.ttft_p95_s, 4),
@@ -69,6 +90,7 @@ class PolicyStats:
             "resume_p99_s": _rounded(self.resume_p99_s),
             "edge_share": round(self.edge_share, 4),
             "auto_ttft_p99_s": _rounded(self.auto_ttft_p99_s),
+            "models": {name: stats.to_json() for name, stats in self.models.items()},
         }
 
 
@@ -76,10 +98,16 @@ def _rounded(seconds: float) -> float | None:
     return None if math.isnan(seconds) else round(seconds, 4)
 
 
+def _pct(values: npt.NDArray[np.float64], q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else float("nan")
+
+
 class Recorder:
-    def __init__(self, num_requests: int, regions: list[str]) -> None:
+    def __init__(self, num_requests: int, regions: list[str], models: list[str]) -> None:
         self.regions = regions
+        self.models = models
         self._region_index = {name: i for i, name in enumerate(regions)}
+        self._model_index = {name: i for i, name in enumerate(models)}
         self.outcome = np.full(num_requests, NOT_ENDED, dtype=np.int8)
         self.region = np.full(num_requests, -1, dtype=np.int16)
         self.num_attempts = np.zeros(num_requests, dtype=np.int16)
@@ -89,6 +117,8 @@ class Recorder:
         self.e2e_s = np.full(num_requests, np.nan)
         self.resume_s = np.full(num_requests, np.nan)
         self.tier = np.full(num_requests, TIER_NONE, dtype=np.int8)
+        self.asked = np.full(num_requests, -1, dtype=np.int8)  # the model asked for
+        self.answered = np.full(num_requests, -1, dtype=np.int8)  # the model that answered
         self.num_ended = 0
 
     def record(
@@ -102,7 +132,9 @@ class Recorder:
         e2e_s: float,
         resume_s: float,
         tier: int = TIER_NONE,
+        answered_by: str | None = None,
     ) -> None:
+        """`answered_by`: the model that answered (None: it failed)."""
         i = request.request_id
         assert self.outcome[i] == NOT_ENDED, f"request {i} ended twice"
         self.num_ended += 1
@@ -115,6 +147,9 @@ class Recorder:
         self.e2e_s[i] = e2e_s
         self.resume_s[i] = resume_s
         self.tier[i] = tier
+        self.asked[i] = self._model_index[request.model]
+        if answered_by is not None:
+            self.answered[i] = self._model_index[answered_by]
 
     def ok_ttfts_s(self) -> npt.NDArray[np.float64]:
         return self.ttft_s[self.outcome == Outcome.OK]
@@ -124,20 +159,30 @@ class Recorder:
         ttft = self.ttft_s[ok]
         e2e = self.e2e_s[ok]
 
-        def pct(values: npt.NDArray[np.float64], q: float) -> float:
-            return float(np.percentile(values, q)) if values.size else float("nan")
-
         return PolicyStats(
-            ttft_p50_s=pct(ttft, 50),
-            ttft_p95_s=pct(ttft, 95),
-            ttft_p99_s=pct(ttft, 99),
-            e2e_p99_s=pct(e2e, 99),
+            ttft_p50_s=_pct(ttft, 50),
+            ttft_p95_s=_pct(ttft, 95),
+            ttft_p99_s=_pct(ttft, 99),
+            e2e_p99_s=_pct(e2e, 99),
             goodput=float(np.count_nonzero(ttft <= GOODPUT_TTFT_S)) / len(self.outcome),
             failed=int(np.count_nonzero((self.outcome != Outcome.OK) & (self.outcome >= 0))),
             retried=int(np.count_nonzero(self.num_attempts > 1 + self.num_resumes)),
             lost=int(np.count_nonzero(self.outcome == NOT_ENDED)),
             resumed=int(np.count_nonzero(self.num_resumes)),
-            resume_p99_s=pct(self.resume_s[~np.isnan(self.resume_s)], 99),
+            resume_p99_s=_pct(self.resume_s[~np.isnan(self.resume_s)], 99),
             edge_share=float(np.count_nonzero(ok & (self.tier == TIER_EDGE))) / len(self.outcome),
-            auto_ttft_p99_s=pct(self.ttft_s[ok & (self.tier != TIER_NONE)], 99),
+            auto_ttft_p99_s=_pct(self.ttft_s[ok & (self.tier != TIER_NONE)], 99),
+            models={model: self.model_stats(model) for model in self.models},
+        )
+
+    def model_stats(self, model: str) -> ModelStats:
+        index = self._model_index[model]
+        asked = self.asked == index
+        ok = asked & (self.outcome == Outcome.OK)
+        failed = asked & (self.outcome != Outcome.OK) & (self.outcome != NOT_ENDED)
+        return ModelStats(
+            requests=int(np.count_nonzero(asked)),
+            ttft_p99_s=_pct(self.ttft_s[ok], 99),
+            failed=int(np.count_nonzero(failed)),
+            by_fallback=int(np.count_nonzero(ok & (self.answered != index))),
         )

@@ -31,7 +31,7 @@ from simulator.policies import (
     default_router_config,
 )
 from simulator.results import Recorder
-from simulator.scenarios import NODES_PER_REGION, Outage, Scenario
+from simulator.scenarios import Outage, Scenario
 from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
@@ -123,7 +123,11 @@ class World:
         timing = ControlTiming(extra_beat_delay_s=spec.scenario.extra_beat_delay_s)
         options = spec.options
         routing = options.routing_policy
-        self.control = SimControlPlane(self.loop, timing, regions, routing, spec.seed)
+        placement = spec.scenario.placement
+        self.tries_of = placement.tries_of()
+        self.control = SimControlPlane(
+            self.loop, timing, regions, routing, spec.seed, placement.catalog
+        )
         cp = geography.control_plane
         watches = {
             pop: PopWatch(self.control, delay_s, poll_at_cp_s=delay_s)
@@ -132,7 +136,7 @@ class World:
         }
         self.sites: dict[str, Site] = {}
         self.chooser = _chooser(policy, spec, self.control, watches, self.sites)
-        self.recorder = Recorder(len(spec.requests), sorted(regions))
+        self.recorder = Recorder(len(spec.requests), sorted(regions), list(placement.models))
         self.edge = self._edge_tier() if options.edge is not None else None
         self.traffic = Traffic(
             self.loop,
@@ -155,8 +159,9 @@ class World:
                     self.loop,
                     self.traffic.on_first_token,
                     self.traffic.on_finished,
+                    model,
                 )
-                for i in range(NODES_PER_REGION[name])
+                for i, model in enumerate(placement.nodes[name])
             ]
             assert region.ingress_url is not None
             deflect_at = options.deflect_at_waiting
@@ -198,8 +203,8 @@ class World:
             return first_s + fraction * (last_s - first_s)
 
         scenario = self.spec.scenario
-        if scenario.region_failure is not None:
-            outage: Outage = scenario.region_failure
+        outage: Outage
+        for outage in scenario.region_failures:
             self.loop.at(at(outage.start), self._fail_region, outage.name)
             self.loop.at(at(outage.end), self._restore_region, outage.name)
         if scenario.region_hang is not None:
@@ -256,7 +261,8 @@ class World:
 
     def _arrive(self, index: int) -> None:
         requests = self.spec.requests
-        self.traffic.send(requests[index])
+        request = requests[index]
+        self.traffic.send(request, self.tries_of[request.model])
         if index + 1 < len(requests):
             self.loop.at(requests[index + 1].arrival_s, self._arrive, index + 1)
 

@@ -1,8 +1,9 @@
 """The scenarios: one fleet, one kind of day, and what goes wrong in it.
 
-Every scenario runs the same fleet (`NODES_PER_REGION`) at a mean load of `utilisation` of its
-estimated capacity; a simulated day lasts as long as the run, so every continent passes through
-its peak (1.5x its mean) once. Times of events are fractions of the run.
+Every scenario runs the same fleet (`NODES_PER_REGION`, serving the default model), plus, where a
+scenario places a second model, that model's nodes (simulator/models.py), at a mean load of
+`utilisation` of its estimated capacity; a simulated day lasts as long as the run, so every
+continent passes through its peak (1.5x its mean) once. Times of events are fractions of the run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from simulator.calibration import ServiceCalibration
+from simulator.models import DEFAULT_MODEL, PlacedModel, Placement
 from simulator.workload import Surge, WorkloadSpec
 
 NODES_PER_REGION: Final[Mapping[str, int]] = {
@@ -39,13 +41,27 @@ class Scenario:
     description: str
     utilisation: float = 0.55
     surge: tuple[str, float, float, float] | None = None  # continent, start, end, factor
-    region_failure: Outage | None = None  # its nodes die: their connections reset
+    region_failures: tuple[Outage, ...] = ()  # their nodes die: their connections reset
     region_hang: Outage | None = None  # its nodes hang: connections stay open, beats stop
     node_hang: Outage | None = None  # one node hangs; the others of its region serve on
     pop_withdrawal: Outage | None = None
     extra_beat_delay_s: float = 0.0
     workload: WorkloadSpec | None = None  # overrides of lengths and tenants (rate is derived)
+    placed: PlacedModel | None = None  # a second model, in a few regions only
 
+    @property
+    def placement(self) -> Placement:
+        return Placement.of(NODES_PER_REGION, self.placed)
+
+
+# The per-model scenarios' second model: the default model's weights in fp32, as the stack's
+# default fleet serves it, on nodes of its own in two of the seven regions.
+PLACED_MODEL: Final = "smollm2-135m-instruct-fp32"
+PLACED_NODES: Final[Mapping[str, int]] = {"us-east": 3, "eu-west": 3}
+PLACED_SHARE: Final = 0.1
+# One region of the placed model's dies, then the other, the only one left, so that for 15% of
+# the run no region serves it; then they come back in the same order.
+PLACED_REGION_FAILURES: Final = (Outage("us-east", 0.3, 0.6), Outage("eu-west", 0.45, 0.75))
 
 PREFIX_HEAVY = WorkloadSpec(
     num_requests=0,
@@ -65,7 +81,7 @@ SCENARIOS: Final[Mapping[str, Scenario]] = {
         Scenario(
             "region_failure",
             "ap-northeast dies at 30% of the run and returns at 60%",
-            region_failure=Outage("ap-northeast", 0.3, 0.6),
+            region_failures=(Outage("ap-northeast", 0.3, 0.6),),
         ),
         Scenario(
             "region_hang",
@@ -90,6 +106,20 @@ SCENARIOS: Final[Mapping[str, Scenario]] = {
             "90% of tenants send a 1-3k token system prompt",
             workload=PREFIX_HEAVY,
         ),
+        *(
+            Scenario(
+                f"model_{variant}",
+                f"{PLACED_MODEL} ({PLACED_SHARE:.0%} of requests) is served in us-east and "
+                f"eu-west only; us-east dies at 30% of the run, eu-west at 45%, us-east returns "
+                f"at 60%, eu-west at 75%; with no region left its requests {what}",
+                region_failures=PLACED_REGION_FAILURES,
+                placed=PlacedModel(PLACED_MODEL, PLACED_NODES, PLACED_SHARE, fallbacks),
+            )
+            for variant, what, fallbacks in (
+                ("fallback", f"go to its fallback, {DEFAULT_MODEL}", (DEFAULT_MODEL,)),
+                ("error", "fail (no fallback)", ()),
+            )
+        ),
     )
 }
 
@@ -109,7 +139,8 @@ def workload_of(
     scenario: Scenario, num_requests: int, calibration: ServiceCalibration
 ) -> WorkloadSpec:
     base = scenario.workload or WorkloadSpec(num_requests=0, rate_req_s=0.0, day_s=0.0)
-    num_nodes = sum(NODES_PER_REGION.values())
+    placement = scenario.placement
+    num_nodes = placement.num_nodes
     rate_req_s = scenario.utilisation * num_nodes * node_capacity_req_s(calibration, base)
     duration_s = num_requests / rate_req_s
     start_s = WARMUP_S + scenario.extra_beat_delay_s
@@ -124,4 +155,5 @@ def workload_of(
         day_s=duration_s,
         surge=surge,
         start_s=start_s,
+        models=placement.shares,
     )

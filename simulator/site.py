@@ -11,7 +11,7 @@ nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from simulator.node import Node
 from wire.deflection import DEFAULT_DEFLECT_AT_WAITING, should_deflect
@@ -27,25 +27,36 @@ class Site:
     is_up: bool = True
     deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' setting
     num_deflected: int = 0
+    serving: dict[str, list[Node]] = field(default_factory=dict)  # model → its nodes here
 
-    def _least_loaded(self, tried: list[Node]) -> Node | None:
+    def __post_init__(self) -> None:
+        for node in self.nodes:
+            self.serving.setdefault(node.model, []).append(node)
+
+    def _least_loaded(self, nodes: list[Node], tried: list[Node]) -> Node | None:
         best: Node | None = None
         best_load = 0
-        for node in self.nodes:
+        for node in nodes:
             if node.is_up and node not in tried:
                 load = node.num_in_flight
                 if best is None or load < best_load:
                     best, best_load = node, load
         return best
 
-    def pick_node(self) -> Node | None:
-        """The node that takes a request arriving now (None: no node is up)."""
+    def is_serving(self, model: str) -> bool:
+        """Whether any node here serves `model` (else its ingress has no route for it)."""
+        return model in self.serving
+
+    def pick_node(self, model: str) -> Node | None:
+        """The node serving `model` that takes a request arriving now (None: no such node is
+        up)."""
+        nodes = self.serving.get(model, [])
         tried: list[Node] = []
         attempt = 1
         while True:
-            node = self._least_loaded(tried)
+            node = self._least_loaded(nodes, tried)
             if node is None:  # every live node was tried: Envoy's plain pick, not deflected
-                return self._least_loaded([])
+                return self._least_loaded(nodes, [])
             if not should_deflect(node.num_not_started, attempt, self.deflect_at_waiting):
                 return node
             self.num_deflected += 1

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
 from simulator.__main__ import main
-from simulator.scenarios import SCENARIOS
+from simulator.models import DEFAULT_MODEL
+from simulator.scenarios import PLACED_MODEL, SCENARIOS
 
 
 @pytest.mark.parametrize(
@@ -55,11 +57,32 @@ def test_a_run_prints_the_table_and_writes_the_json(
     assert set(result["policies"]) == {"meridian", "oracle"}
     assert set(result["policies"]["meridian"]) == {
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "e2e_p99_s", "goodput", "failed", "retried",
-        "lost", "resumed", "resume_p99_s", "edge_share", "auto_ttft_p99_s",
+        "lost", "resumed", "resume_p99_s", "edge_share", "auto_ttft_p99_s", "models",
     }  # fmt: skip
+    assert result["policies"]["meridian"]["models"] == {
+        DEFAULT_MODEL: {"requests": 100, "ttft_p99_s": ANY, "failed": 0, "by_fallback": 0}
+    }
     assert result["edge"] is False and result["policies"]["meridian"]["edge_share"] == 0.0
     assert result["policies"]["meridian"]["auto_ttft_p99_s"] is None  # no `auto` requests
     assert result["policies"]["meridian"]["resume_p99_s"] is None  # no stream broke
+
+
+def test_a_run_with_a_placed_model_shows_its_requests_and_plots_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    out, plots = tmp_path / "out.json", tmp_path / "plots"
+    args = ["run", "--scenario", "model_fallback", "--requests", "300", "--jobs", "1"]
+    assert (
+        main([*args, "--policies", "meridian,oracle", "--json", str(out), "--plots", str(plots)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert f"placed model: {PLACED_MODEL}" in printed and "by fallback" in printed
+    models = json.loads(out.read_text())["policies"]["meridian"]["models"]
+    assert set(models) == {DEFAULT_MODEL, PLACED_MODEL}
+    assert models[DEFAULT_MODEL]["requests"] + models[PLACED_MODEL]["requests"] == 300
+    assert (plots / "model_fallback_placed_model.png").stat().st_size > 0
 
 
 @pytest.mark.slow  # every scenario simulated: seconds of CPU

@@ -84,8 +84,7 @@ def test_streams_a_dying_region_cuts_are_continued_elsewhere_as_the_gateway_does
     stats = resumed.stats()
     assert stats.resumed == cut.size and stats.failed == 0
     assert (resumed.outcome[cut] == Outcome.OK).all()
-    outage = SCENARIOS["region_failure"].region_failure
-    assert outage is not None
+    (outage,) = SCENARIOS["region_failure"].region_failures
     dead = resumed.regions.index(outage.name)
     assert (resumed.region[cut] != dead).all()  # each ended where it was continued
     assert (resumed.num_resumes[cut] == 1).all() and stats.resume_p99_s > 0.0

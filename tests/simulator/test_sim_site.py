@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from simulator.calibration import ServiceCalibration
 from simulator.events import EventLoop
+from simulator.models import DEFAULT_MODEL
 from simulator.node import Job, Node
 from simulator.site import Site
 from wire.geo import Location
@@ -32,9 +33,9 @@ def test_the_ingress_picks_the_node_with_the_fewest_requests_in_flight() -> None
     site = site_of(3, deflect_at_waiting=1)
     decoding_node(site, 0, 3), decoding_node(site, 2, 1)
     busy = decoding_node(site, 1, 2)
-    assert site.pick_node() is site.nodes[2]
+    assert site.pick_node(DEFAULT_MODEL) is site.nodes[2]
     site.nodes[2].is_up = False
-    assert site.pick_node() is busy and site.num_deflected == 0
+    assert site.pick_node(DEFAULT_MODEL) is busy and site.num_deflected == 0
 
 
 def test_a_node_with_a_request_still_waiting_deflects_to_the_next_least_loaded() -> None:
@@ -43,11 +44,11 @@ def test_a_node_with_a_request_still_waiting_deflects_to_the_next_least_loaded()
     fresh = site.nodes[2]
     fresh.submit(Job("long prompt", 2000, 10, None, 0), fresh.loop.now_s)  # 2 s of prefill
     assert fresh.num_in_flight == 1 and fresh.num_not_started == 1
-    assert site.pick_node() is site.nodes[1]  # 3 in flight, but none of them waits
+    assert site.pick_node(DEFAULT_MODEL) is site.nodes[1]  # 3 in flight, but none of them waits
     assert site.num_deflected == 1
     # Off (0), least-request alone sends it behind the long prefill.
     site.deflect_at_waiting = 0
-    assert site.pick_node() is fresh
+    assert site.pick_node(DEFAULT_MODEL) is fresh
 
 
 def test_only_the_first_attempt_is_deflected_and_a_lone_node_takes_it() -> None:
@@ -55,10 +56,11 @@ def test_only_the_first_attempt_is_deflected_and_a_lone_node_takes_it() -> None:
     for node in site.nodes:
         node.submit(Job(node.name, 2000, 10, None, 0), 0.0)
     # All wait: n0 deflects attempt 1, Envoy's attempt 2 goes to n1 and is taken.
-    assert site.pick_node() is site.nodes[1] and site.num_deflected == 1
+    assert site.pick_node(DEFAULT_MODEL) is site.nodes[1] and site.num_deflected == 1
     lone = site_of(1, deflect_at_waiting=1)
     lone.nodes[0].submit(Job("a", 2000, 10, None, 0), 0.0)
-    assert lone.pick_node() is lone.nodes[0]  # no other host: the retry lands on it again
+    # No other host: the retry lands on it again.
+    assert lone.pick_node(DEFAULT_MODEL) is lone.nodes[0]
     assert lone.num_deflected == 1
 
 
@@ -67,4 +69,4 @@ def test_a_deep_queue_does_not_deflect_its_neighbours_are_as_busy() -> None:
     for node in site.nodes:
         for i in range(3):  # three waiting each: past 1 + DEFLECT_WINDOW
             node.submit(Job(f"{node.name}/{i}", 2000, 10, None, 0), 0.0)
-    assert site.pick_node() is site.nodes[0] and site.num_deflected == 0
+    assert site.pick_node(DEFAULT_MODEL) is site.nodes[0] and site.num_deflected == 0

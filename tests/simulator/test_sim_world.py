@@ -7,11 +7,13 @@ from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
 from simulator.control import ControlTiming, PopWatch, SimControlPlane
 from simulator.events import EventLoop
+from simulator.models import DEFAULT_MODEL
 from simulator.policies import NearestChooser
 from simulator.run import World, WorldOptions
 from simulator.scenarios import SCENARIOS
 from wire.geo import REGIONS
-from wire.region_summary import QueueEstimate, RegionSummary, RegionSummaryIndex
+from wire.model_catalog import ModelCatalog
+from wire.region_summary import ModelLoad, QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
 
@@ -52,6 +54,10 @@ def summary(name: str, healthy_nodes: int) -> RegionSummary:
         num_waiting=0, num_waiting_prefill_tokens=0, decode_tokens_per_s=0.0,
         expected_queue_delay_s=0.0,
     )  # fmt: skip
+    served = ModelLoad(
+        name=DEFAULT_MODEL, healthy_nodes=healthy_nodes, kv_blocks_free=10, kv_blocks_total=10,
+        queue=queue,
+    )  # fmt: skip
     return RegionSummary(
         name=name,
         lat=place.lat,
@@ -63,6 +69,7 @@ def summary(name: str, healthy_nodes: int) -> RegionSummary:
         kv_blocks_total=10,
         queue=queue,
         weight=1.0,
+        models=(served,) if healthy_nodes else (),
     )
 
 
@@ -75,14 +82,17 @@ def test_a_dns_answer_changes_only_once_its_ttl_has_passed() -> None:
     current = [document(1, tokyo_nodes=2)]
     dns = NearestChooser(lambda: current[0], ["tokyo"])
     ttl_s = dns.config.ttl_s
-    assert dns.answer("tokyo", 10.0) == "ap-northeast"
+    assert dns.answer("tokyo", DEFAULT_MODEL, 10.0) == "ap-northeast"
     current[0] = document(2, tokyo_nodes=0)  # Tokyo's nodes are gone
-    assert dns.answer("tokyo", 10.0 + ttl_s - 0.01) == "ap-northeast"  # the resolver's cache
-    assert dns.answer("tokyo", 10.0 + ttl_s) == "ap-southeast"
+    # The resolver's cache.
+    assert dns.answer("tokyo", DEFAULT_MODEL, 10.0 + ttl_s - 0.01) == "ap-northeast"
+    assert dns.answer("tokyo", DEFAULT_MODEL, 10.0 + ttl_s) == "ap-southeast"
 
 
 def test_a_watch_hears_of_each_change_one_way_later_and_polls_again_at_once() -> None:
-    control = SimControlPlane(EventLoop(), ControlTiming(), {}, RoutingPolicy(), seed=0)
+    control = SimControlPlane(
+        EventLoop(), ControlTiming(), {}, RoutingPolicy(), seed=0, catalog=ModelCatalog()
+    )
     first = control.current
     control.published_s += [1.0, 1.05]
     control.documents += [document(first.index + 1, 2), document(first.index + 2, 2)]
