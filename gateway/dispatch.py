@@ -109,8 +109,11 @@ class Dispatch:
             if not plan.candidates:
                 continue
             request = upstream.for_model(model) if choice.is_model_aware else upstream
+            is_auto = model == choice.model and self.auto is not None and self.auto.is_auto(parsed)
             try:
-                opened, tier = await self._open_plan(proxy, request, admitted, plan, deadline_s)
+                opened, tier = await self._open_plan(
+                    proxy, request, admitted, plan, deadline_s, is_auto
+                )
             except UpstreamError as exc:  # no region reachable: no capacity either
                 error = exc
                 continue
@@ -133,9 +136,11 @@ class Dispatch:
         admitted: Admitted,
         plan: RoutePlan,
         deadline_s: float,
+        is_auto: bool,
     ) -> tuple[Opened, Tier]:
-        parsed = admitted.parsed
-        if self.auto is not None and self.auto.is_auto(parsed):
+        """`is_auto`: `auto`'s own model (its fallbacks go to the regions as any model)."""
+        if is_auto and self.auto is not None:
+            parsed = admitted.parsed
             return await self.auto.open(proxy, request, parsed, admitted.key, plan, deadline_s)
         return await proxy.open(request, plan, deadline_s), "region"
 

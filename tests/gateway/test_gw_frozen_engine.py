@@ -31,13 +31,14 @@ IDLE_TIMEOUT_S = 60.0  # what the request waited before
 def near_real_far_fake(
     tmp_path: Path, server_cert: tuple[Path, Path], smollm2_gguf: Path
 ) -> Iterator[tuple[Fleet, subprocess.Popen[bytes]]]:
-    """us-east: a real node agent; eu-west: a fake region, further away."""
+    """us-east: a real node agent; eu-west: a fake region serving the same model, further
+    away."""
     fleet = Fleet(tmp_path, server_cert, heartbeat_interval_s=0.5)
     nodes: list[subprocess.Popen[bytes]] = []
     try:
         fleet.start_control_plane()
         nodes.append(start_real_node(fleet, "us-east", tmp_path))
-        fleet.add_region("eu-west")
+        fleet.add_region("eu-west", model=DEFAULT_MODEL)
         yield fleet, nodes[0]
     finally:
         stop_nodes(nodes)
