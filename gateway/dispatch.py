@@ -117,7 +117,8 @@ class Dispatch:
             except UpstreamError as exc:  # no region reachable: no capacity either
                 error = exc
                 continue
-            routed = Routed(request, opened, tier, model, choice.is_model_aware)
+            answered_by = self.auto.edge_model if tier == "edge" and self.auto else model
+            routed = Routed(request, opened, tier, answered_by, choice.is_model_aware)
             if not is_out_of_capacity(opened.status):
                 if model != choice.model:
                     logger.info("model %s has no capacity: %s answered", choice.model, model)

@@ -119,11 +119,13 @@ def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
     assert light.status_code == 200, light.text
     assert _where(light) == ("new-york", "edge-new-york", "edge")
     assert edge.seen[-1].body["model"] == "edge-model"  # the alias resolved upstream
+    assert light.headers["x-meridian-model"] == "edge-model"  # and named as what answered
     heavy = client.post("/v1/chat/completions", json=HEAVY)
     assert heavy.status_code == 200
     pop, region, tier = _where(heavy)
     assert (pop, tier) == ("new-york", "region") and region in two_regions.regions
     assert two_regions.regions[region].upstream.seen[-1].body["model"] == "fake-model"
+    assert heavy.headers["x-meridian-model"] == "fake-model"
     explicit = client.post("/v1/chat/completions", json=LIGHT | {"model": "fake-model"})
     assert explicit.status_code == 200 and _where(explicit)[2] == "region"
     assert len(edge.seen) == 1
