@@ -31,6 +31,7 @@ from wire.model_catalog import CatalogIndex, ModelCatalog
 from wire.region_summary import RegionSummaryIndex
 
 MAX_NAMED: Final = 10  # names a 404 lists
+MAX_NAME_SHOWN: Final = 128  # characters of a client's name an error repeats (a name's limit)
 # Upstream answers that say a region has no room for the request now: the node's waiting queue
 # is full (429, also when deflected) or it is not ready, draining or dead (503).
 CAPACITY_STATUSES: Final = frozenset((429, 503))
@@ -147,11 +148,18 @@ class ModelRoutes:
         else:
             known = " This key may use no model here."
         return ModelNotFoundError(
-            f"The model {name!r} does not exist.{known}", "model_not_found", param="model"
+            f"The model {_shown(name)} does not exist.{known}", "model_not_found", param="model"
         )
 
 
 def _not_allowed(name: str) -> ModelNotAllowedError:
     return ModelNotAllowedError(
-        f"This API key may not use the model {name!r}.", "model_not_allowed", param="model"
+        f"This API key may not use the model {_shown(name)}.", "model_not_allowed", param="model"
     )
+
+
+def _shown(name: str) -> str:
+    """A client's name as an error repeats it: no longer than a model name may be."""
+    if len(name) > MAX_NAME_SHOWN:
+        return repr(name[:MAX_NAME_SHOWN]) + "..."
+    return repr(name)

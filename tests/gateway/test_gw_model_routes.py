@@ -73,6 +73,14 @@ def test_an_unknown_name_is_a_404_naming_the_names_the_key_may_use() -> None:
     assert limited.value.message.endswith("Models you may use: chat-small.")
 
 
+def test_an_error_repeats_no_more_of_a_name_than_a_name_may_hold() -> None:
+    routes = ModelRoutes.of(document())
+    with pytest.raises(ModelNotFoundError) as unknown:
+        routes.resolve("x" * 100_000, ANY_KEY)
+    assert f"'{'x' * 128}'... does not exist" in unknown.value.message
+    assert len(unknown.value.message) < 300
+
+
 def test_a_404_names_at_most_ten() -> None:
     many = ModelCatalog(models=tuple(CatalogModel(name=f"m{i:02}") for i in range(30)))
     with pytest.raises(ModelNotFoundError) as unknown:
