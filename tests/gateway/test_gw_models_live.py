@@ -163,14 +163,14 @@ def test_an_unknown_model_is_a_404_that_spends_no_rate_limit(
     assert all(r.upstream.num_requests <= 2 for r in two_models.regions.values())
 
 
-def test_an_alias_is_answered_as_its_model_and_a_limited_key_gets_403(
+def test_an_alias_is_answered_as_its_model_flips_and_a_limited_key_gets_403(
     two_models: Fleet,
     forwarder: CatalogForwarder,
     catalog_gateway: GatewayThread,
     client_ssl: ssl.SSLContext,
 ) -> None:
-    secret = new_key(two_models, catalog_gateway)
-    with client(catalog_gateway, client_ssl, secret) as http:
+    first_secret = new_key(two_models, catalog_gateway)
+    with client(catalog_gateway, client_ssl, first_secret) as http:
         aliased = http.post(CHAT_PATH, json=chat("chat-default"))
         assert_answered_by(aliased, "eu-west", "large")
         assert aliased.json()["model"] == "large"
@@ -188,6 +188,13 @@ def test_an_alias_is_answered_as_its_model_and_a_limited_key_gets_403(
         # Refusals spent none of its 2 requests a minute.
         assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "us-east", "small")
         assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "us-east", "small")
+    # A rollout flips the alias: the next document moves its traffic.
+    flipped = (CatalogAlias(name="chat-default", target="small"),)
+    forwarder.set_catalog(CATALOG.model_copy(update={"aliases": flipped}))
+    routes = catalog_gateway.handlers.router
+    wait_until(lambda: routes.models.model_of["chat-default"] == "small", 5.0, "the flip")
+    with client(catalog_gateway, client_ssl, first_secret) as http:
+        assert_answered_by(http.post(CHAT_PATH, json=chat("chat-default")), "us-east", "small")
 
 
 def test_a_model_without_capacity_is_answered_by_its_fallback(
