@@ -106,15 +106,16 @@ class Dispatch:
         for model in choice.models:
             plan_model = model if choice.is_model_aware else None
             plan = self.router.plan(parsed.prompt_tokens, parsed.affinity_key, model=plan_model)
-            if not plan.candidates:
+            # `auto`'s own model may still go to the edge when no region can take it.
+            is_auto = model == choice.model and self.auto is not None and self.auto.is_auto(parsed)
+            if not plan.candidates and not is_auto:
                 continue
             request = upstream.for_model(model) if choice.is_model_aware else upstream
-            is_auto = model == choice.model and self.auto is not None and self.auto.is_auto(parsed)
             try:
                 opened, tier = await self._open_plan(
                     proxy, request, admitted, plan, deadline_s, is_auto
                 )
-            except UpstreamError as exc:  # no region reachable: no capacity either
+            except (UpstreamError, NoCapacityError) as exc:  # none reachable, or none planned
                 error = exc
                 continue
             answered_by = self.auto.edge_model if tier == "edge" and self.auto else model
