@@ -44,10 +44,25 @@ def smollm2_checkpoint(smollm2_gguf: Path) -> Checkpoint:
 
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_gguf: Path) -> PreTrainedTokenizerBase:
-    """transformers' tokenizer for the same GGUF: the reference ours must match."""
+    """transformers' tokenizer for the same GGUF, splitting text as the model's own
+    tokenizer.json does: the reference ours must match.
+
+    transformers does not know the GGUF's `tokenizer.ggml.pre = smollm` and falls back to
+    GPT-2's split, which keeps a space and a number other than 0-9 in one piece: " ²" becomes
+    "ĠÂ" + "²" (ids 3351, 127). SmolLM2's tokenizer.json (and llama.cpp's `smollm`) first puts
+    every number on its own, so " " + "²" (ids 216, 19133), which is what the model was trained
+    on; the vocabulary, merges and special tokens stay transformers' own reading of the file."""
+    from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    return tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.chat_template import ChatTemplate
@@ -32,6 +32,7 @@ TEXTS = [
     "emoji 🤖🚀 flags 🇫🇷 family 👨‍👩‍👧 skin 👍🏽",
     "math 𝔘𝔫𝔦 ∑∫√ and ﷺ",
     "numbers 12345 3.14159 -0.5e10 1,000,000",
+    "other numbers x² ①② ٣٤ Ⅻ, each on its own",
     "def f(x: int) -> int:\n    return x ** 2  # square\n",
     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
     "text<|endoftext|>more<repo_name>x",
@@ -78,6 +79,14 @@ def test_special_tokens_are_smollm2s(tokenizer: Tokenizer) -> None:
 
 
 @pytest.mark.slow
+def test_every_number_is_split_from_what_precedes_it(tokenizer: Tokenizer) -> None:
+    # As SmolLM2's tokenizer.json and llama.cpp's `smollm` split, any number, not only 0-9:
+    # GPT-2's split alone would merge the space with the "²"'s first byte ("ĠÂ", 3351).
+    assert tokenizer.encode(" ²") == [216, 19133]
+    assert tokenizer.encode(" 12") == [216, 33, 34]
+
+
+@pytest.mark.slow
 def test_the_known_prompt_renders_to_37_tokens(tokenizer: Tokenizer) -> None:
     prompt = tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
     assert "You are a helpful AI assistant named SmolLM" in prompt
@@ -104,6 +113,7 @@ def test_encode_matches_transformers(
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.text(max_size=60))
+@example(text=" ²")  # found by hypothesis: a space before a number other than 0-9 (conftest)
 def test_encode_matches_transformers_on_any_text(
     tokenizer: Tokenizer, hf_smollm2_tokenizer: PreTrainedTokenizerBase, text: str
 ) -> None:
