@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 
+from engine.cache_events import CacheEvents
 from engine.config import WeightsFormat
-from engine.engine_core import AbortRequest, AddRequest, Command, CoreOutputs
+from engine.engine_core import AbortRequest, AddRequest, Command, CoreOutputs, WatchCache
 from engine.errors import EngineDeadError
 from engine.llm_engine import EngineStats
 from engine.outputs import RequestOutput
@@ -48,6 +49,7 @@ class AsyncEngine(ABC):
         # Why the core does not answer now (None: it does, as far as this side can tell).
         self.unresponsive_reason: str | None = None
         self._stats = stats
+        self._cache_listeners: list[Callable[[CacheEvents], None]] = []
 
     @property
     def max_model_len(self) -> int:
@@ -124,9 +126,19 @@ class AsyncEngine(ABC):
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
+    def watch_cache(self, listener: Callable[[CacheEvents], None]) -> None:
+        """Call `listener` on the event loop with the prefix cache's contents (a snapshot), then
+        with its changes after each turn of the core that changed it. Until someone watches, the
+        core records none. Another watcher makes every listener receive a new snapshot."""
+        self._cache_listeners.append(listener)
+        self._commands.put(WatchCache())
+
     def _receive(self, batch: CoreOutputs) -> None:
         """On the event loop: one turn of the core's outputs, to each request's stream."""
         self._stats = batch.stats
+        for events in batch.cache_events:
+            for listener in self._cache_listeners:
+                listener(events)
         for request_id, error in batch.errors:
             self._put(request_id, error)
         for output in batch.outputs:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.cache_events import CacheEvents
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -35,11 +36,16 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class WatchCache:
+    """Send the prefix cache's contents, then its changes with every turn's outputs."""
+
+
+@dataclass(frozen=True, slots=True)
 class StopCore:
     """Abort whatever runs and end the loop."""
 
 
-Command = AddRequest | AbortRequest | StopCore
+Command = AddRequest | AbortRequest | WatchCache | StopCore
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,9 @@ class CoreOutputs:
     outputs: list[RequestOutput]
     errors: list[tuple[str, Exception]]  # requests refused when added: (request id, why)
     stats: EngineStats
+    # The prefix cache's snapshot (after WatchCache) and changes in this turn, in order; empty
+    # while nobody watches.
+    cache_events: tuple[CacheEvents, ...] = ()
 
 
 class Inbox(Protocol):
@@ -72,6 +81,7 @@ class EngineCore:
         while True:
             outputs: list[RequestOutput] = []
             errors: list[tuple[str, Exception]] = []
+            cache_events: list[CacheEvents] = []
             commands = self._inbox.get(block=not engine.has_unfinished_requests())
             for command in commands:
                 if isinstance(command, StopCore):
@@ -79,11 +89,15 @@ class EngineCore:
                     return
                 if isinstance(command, AbortRequest):
                     outputs += engine.abort_request([command.request_id])
+                elif isinstance(command, WatchCache):
+                    cache_events = [engine.watch_cache_events()]
                 else:
                     self._add(command, errors)
             if engine.has_unfinished_requests():
                 outputs += engine.step()
-            self._outbox(CoreOutputs(outputs, errors, engine.stats()))
+            if (changes := engine.take_cache_events()) is not None:
+                cache_events.append(changes)
+            self._outbox(CoreOutputs(outputs, errors, engine.stats(), tuple(cache_events)))
 
     def _add(self, command: AddRequest, errors: list[tuple[str, Exception]]) -> None:
         try:

@@ -2,7 +2,8 @@
 
 Blocks whose refcount drops to zero go to the tail of a free queue but keep their contents and
 hash, so the free queue doubles as the prefix cache: allocation takes from the head (least
-recently used) and only then forgets what the block held.
+recently used) and only then forgets what the block held. Once watched, it records each hash
+that enters or leaves the prefix cache (engine/cache_events.py); until then it records nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from engine.cache_events import CacheEventRecorder, CacheEvents
 from engine.sequence import Sequence
 
 
@@ -49,6 +51,17 @@ class KVCacheManager:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        self._events: CacheEventRecorder | None = None
+
+    def watch_events(self) -> CacheEvents:
+        """Start recording the prefix cache's changes (again: from now on only); returns what it
+        holds now, which those changes follow."""
+        self._events = CacheEventRecorder()
+        return CacheEvents(tuple(self._cached), is_snapshot=True)
+
+    def take_events(self) -> CacheEvents | None:
+        """The changes since the last call (None: none, or nobody watches)."""
+        return self._events.take() if self._events is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +133,8 @@ class KVCacheManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
+                if self._events is not None:
+                    self._events.stored(block_hash)
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks. Its last blocks are queued first, so they are evicted first:
@@ -136,6 +151,8 @@ class KVCacheManager:
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash
             self.blocks[block_id].block_hash = None
+            if self._events is not None:
+                self._events.removed(block_hash)
         self._cached.clear()
 
     def _take_free_block(self) -> int:
@@ -143,6 +160,8 @@ class KVCacheManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self._events is not None:
+                self._events.removed(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block_id

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache_events import CacheEvents
 from engine.config import EngineConfig, WeightsFormat
 from engine.errors import InvalidRequestError
 from engine.executor import ModelExecutor
@@ -230,6 +231,14 @@ class LLMEngine:
         return num_in_flight >= self.config.pipeline_parallel_size or (
             num_in_flight > 0 and not started
         )
+
+    def watch_cache_events(self) -> CacheEvents:
+        """Record the prefix cache's changes from now on; returns what it holds now."""
+        return self.scheduler.kv_cache.watch_events()
+
+    def take_cache_events(self) -> CacheEvents | None:
+        """The prefix cache's changes since the last call (None: none, or not watched)."""
+        return self.scheduler.kv_cache.take_events()
 
     def shutdown(self) -> None:
         """Stop the parallel workers, if any; the engine cannot step afterwards."""

@@ -41,6 +41,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE)
         self.live: list[Sequence] = []
         self.next_id = 0
+        # What a watcher of the cache's events believes it holds.
+        self.mirror = set(self.kv.watch_events().stored)
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20))
     def admit_sequence(self, prompt: list[int]) -> None:
@@ -73,6 +75,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.kv.free(seq)
         assert seq.block_table == []
 
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
     def _snapshot(self) -> tuple[object, ...]:
         return (
             [(b.ref_count, b.block_hash) for b in self.kv.blocks],
@@ -103,6 +109,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert self.kv.blocks[block_id].block_hash == block_hash
         hashed = [b for b in self.kv.blocks if b.block_hash is not None]
         assert len(hashed) == len(self.kv._cached)
+
+    @invariant()
+    def events_follow_the_prefix_cache_exactly(self) -> None:
+        events = self.kv.take_events()
+        if events is not None:
+            assert not set(events.stored) & set(events.removed)
+            assert set(events.removed) <= self.mirror
+            assert not set(events.stored) & self.mirror
+            self.mirror = (self.mirror - set(events.removed)) | set(events.stored)
+        assert self.mirror == set(self.kv._cached)
 
     @invariant()
     def shared_blocks_hold_the_same_tokens(self) -> None:
