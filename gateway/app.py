@@ -128,7 +128,9 @@ def create_app(
             metrics_sock, metrics.render, settings.metrics_token, [openai_errors]
         )
     router = Router(config_from(RouterConfig, settings), locate(settings.pop))
-    auto = AutoTier(settings, metrics.registry) if settings.auto_model is not None else None
+    auto = None
+    if settings.auto_model is not None:
+        auto = AutoTier(settings, metrics.registry, router)
     handlers = Handlers(settings, KeyTable(), router, metrics, auto)
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:

@@ -113,12 +113,14 @@ class Dispatch:
             request = upstream.for_model(model) if choice.is_model_aware else upstream
             try:
                 opened, tier = await self._open_plan(
-                    proxy, request, admitted, plan, deadline_s, is_auto
+                    proxy, request, admitted, plan, deadline_s, is_auto, plan_model
                 )
             except (UpstreamError, NoCapacityError) as exc:  # none reachable, or none planned
                 error = exc
                 continue
-            answered_by = self.auto.edge_model if tier == "edge" and self.auto else model
+            answered_by = model  # the edge serves `auto` only as the model it resolved to
+            if tier == "edge" and self.auto is not None and not choice.is_model_aware:
+                answered_by = self.auto.edge_model  # model-blind: the edge's, as configured
             routed = Routed(request, opened, tier, answered_by, choice.is_model_aware)
             if not is_out_of_capacity(opened.status):
                 if model != choice.model:
@@ -139,11 +141,13 @@ class Dispatch:
         plan: RoutePlan,
         deadline_s: float,
         is_auto: bool,
+        model: str | None,
     ) -> tuple[Opened, Tier]:
-        """`is_auto`: `auto`'s own model (its fallbacks go to the regions as any model)."""
+        """`is_auto`: `auto`'s own model (its fallbacks go to the regions as any model);
+        `model`: what it resolved to (None: model-blind)."""
         if is_auto and self.auto is not None:
-            parsed = admitted.parsed
-            return await self.auto.open(proxy, request, parsed, admitted.key, plan, deadline_s)
+            parsed, key = admitted.parsed, admitted.key
+            return await self.auto.open(proxy, request, parsed, key, plan, deadline_s, model)
         return await proxy.open(request, plan, deadline_s), "region"
 
 

@@ -4,7 +4,12 @@ saturated (`edge_max_concurrency` requests in flight from here) or down (its cir
 failures), go to a region as any request does. An edge attempt that fails before the first byte
 falls back to the regions within the same request, so nothing is lost to a dead edge.
 
-`auto` means `auto_model` at the regions and `edge_model` at the edge; the body sent upstream
+The edge serves one model, `edge_model` (default `auto_model`). `auto` means `auto_model`,
+resolved through the document's catalog as any name (gateway/model_routes.py): it goes to the
+edge only while it resolves to the edge's model (`edge_model` resolved the same way), so an
+alias flip that moves `auto` to another model moves all of it to the regions, and no other
+model's request ever reaches the edge. Under a version 1 document (model-blind) the edge gets
+`auto` as `edge_model` and the regions as `auto_model`, as before models. The body sent upstream
 names the real model. Metrics: the thresholds, and `auto` requests by tier and reason with the
 share each tier served.
 """
@@ -22,7 +27,7 @@ from gateway.errors import GatewayError
 from gateway.keys import ApiKey
 from gateway.openai_request import ParsedRequest
 from gateway.proxy import Opened, Proxy
-from gateway.routing import Candidate, RegionState, RoutePlan
+from gateway.routing import Candidate, RegionState, RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.tiers import (
     AUTO_MODEL,
@@ -108,9 +113,12 @@ def _edge_state(settings: GatewaySettings) -> RegionState | None:
 class AutoTier:
     """`auto` requests at this gateway (only built when `auto_model` is set)."""
 
-    def __init__(self, settings: GatewaySettings, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, settings: GatewaySettings, registry: CollectorRegistry, router: Router
+    ) -> None:
         assert settings.auto_model is not None
         self._settings = settings
+        self._router = router  # its document's catalog resolves the edge's model
         self.region_model = settings.auto_model
         self.edge_model = settings.edge_model or settings.auto_model
         self.thresholds = EdgeThresholds(settings.edge_max_prompt_tokens, settings.edge_max_tokens)
@@ -121,7 +129,14 @@ class AutoTier:
     def is_auto(parsed: ParsedRequest) -> bool:
         return parsed.model == AUTO_MODEL
 
-    def choose(self, parsed: ParsedRequest, key: ApiKey, now_s: float) -> TierChoice:
+    def edge_model_now(self) -> str:
+        """The model the edge serves, resolved through the document held now."""
+        return self._router.models.model_of.get(self.edge_model, self.edge_model)
+
+    def choose(
+        self, parsed: ParsedRequest, key: ApiKey, model: str | None, now_s: float
+    ) -> TierChoice:
+        """`model`: what the request resolved to (None: a version 1 document)."""
         policy: EdgePolicy = self._settings.edge_policy.get(key.id, "auto")
         edge = self.edge
         return classify(
@@ -133,6 +148,7 @@ class AutoTier:
             is_edge_saturated=edge is not None
             and edge.num_in_flight >= self._settings.edge_max_concurrency,
             has_edge=edge is not None,
+            is_edge_model=model is None or model == self.edge_model_now(),
         )
 
     async def open(
@@ -143,16 +159,21 @@ class AutoTier:
         key: ApiKey,
         plan: RoutePlan,
         deadline_s: float,
+        model: str | None,
     ) -> tuple[Opened, Tier]:
-        """The edge's answer if the request is light and the edge answers, else a region's."""
-        choice = self.choose(parsed, key, time.monotonic())
+        """The edge's answer if the request is light, resolved to the edge's model and the edge
+        answers, else a region's. `model`: what `auto` resolved to, which `request` names
+        already (None: a version 1 document; `request` names `auto`)."""
+        choice = self.choose(parsed, key, model, time.monotonic())
         if choice.tier == "edge" and self.edge is not None:
-            opened = await self._open_edge(proxy, _with_model(request, self.edge_model), deadline_s)
+            to_edge = request if model is not None else _with_model(request, self.edge_model)
+            opened = await self._open_edge(proxy, to_edge, deadline_s)
             if opened is not None:
                 self.metrics.count("edge", choice.reason)
                 return opened, "edge"
             choice = TierChoice("region", "down")
-        opened = await proxy.open(_with_model(request, self.region_model), plan, deadline_s)
+        to_region = request if model is not None else _with_model(request, self.region_model)
+        opened = await proxy.open(to_region, plan, deadline_s)
         self.metrics.count("region", choice.reason)
         return opened, "region"
 
@@ -189,6 +210,7 @@ class AutoTier:
             return None
         return {
             "url": edge.summary.ingress_url,
+            "model": self.edge_model_now(),
             "breaker": edge.breaker.state.value,
             "in_flight": edge.num_in_flight,
             "max_concurrency": self._settings.edge_max_concurrency,

@@ -2,7 +2,9 @@
 node beside it (an OpenAI-speaking upstream, no RTT) and fake regions behind simulated RTTs.
 `auto` requests that are light go to the edge, the rest (and all of them while the edge is
 saturated or down) to a region; explicit models behave as before; every answer says where it
-went; the thresholds and the share per tier are metrics."""
+went; the thresholds and the share per tier are metrics. Per model: `auto` goes to the edge only
+while it resolves to the edge's model (an alias flip takes it away), no other model's request
+reaches the edge, and a version 1 document keeps the edge's model as configured."""
 
 from __future__ import annotations
 
@@ -12,29 +14,46 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import test_gw_models_live as live
+from gw_catalog import CatalogForwarder
 from gw_fakes import FakeUpstream
 from gw_fleet import Fleet, GatewayThread, wait_until
+from test_gw_model_list import FirstVersionForwarder
+from test_gw_models_live import CATALOG, new_key, wait_for_models
 
 from gateway.tiers import EdgeThresholds, classify
+from wire.model_catalog import CatalogAlias, ModelCatalog
 
 THRESHOLDS = EdgeThresholds(max_prompt_tokens=50, max_tokens=32)
 
 
 @pytest.mark.parametrize(
-    ("prompt_tokens", "max_tokens", "policy", "is_up", "is_saturated", "has_edge", "expected"),
+    (
+        "prompt_tokens",
+        "max_tokens",
+        "policy",
+        "is_up",
+        "is_saturated",
+        "has_edge",
+        "is_edge_model",
+        "expected",
+    ),
     [
-        (10, 16, "auto", True, False, True, ("edge", "light")),
-        (10, 33, "auto", True, False, True, ("region", "heavy")),
-        (51, 16, "auto", True, False, True, ("region", "heavy")),
-        (10, 16, "forbid", True, False, True, ("region", "forbidden")),
-        (500, 1000, "force", True, False, True, ("edge", "forced")),
-        (10, 16, "auto", False, False, True, ("region", "down")),
-        (10, 16, "auto", True, True, True, ("region", "saturated")),
-        (500, 1000, "force", True, True, True, ("region", "saturated")),
-        (500, 1000, "auto", False, True, True, ("region", "heavy")),
-        (10, 16, "auto", False, False, False, ("region", "no_edge")),
-        (500, 1000, "force", False, False, False, ("region", "no_edge")),
-        (10, 16, "forbid", False, False, False, ("region", "forbidden")),
+        (10, 16, "auto", True, False, True, True, ("edge", "light")),
+        (10, 33, "auto", True, False, True, True, ("region", "heavy")),
+        (51, 16, "auto", True, False, True, True, ("region", "heavy")),
+        (10, 16, "forbid", True, False, True, True, ("region", "forbidden")),
+        (500, 1000, "force", True, False, True, True, ("edge", "forced")),
+        (10, 16, "auto", False, False, True, True, ("region", "down")),
+        (10, 16, "auto", True, True, True, True, ("region", "saturated")),
+        (500, 1000, "force", True, True, True, True, ("region", "saturated")),
+        (500, 1000, "auto", False, True, True, True, ("region", "heavy")),
+        (10, 16, "auto", False, False, False, True, ("region", "no_edge")),
+        (500, 1000, "force", False, False, False, True, ("region", "no_edge")),
+        (10, 16, "forbid", False, False, False, True, ("region", "forbidden")),
+        (10, 16, "auto", True, False, True, False, ("region", "other_model")),
+        (500, 1000, "force", True, False, True, False, ("region", "other_model")),
+        (500, 1000, "auto", True, False, True, False, ("region", "heavy")),
     ],
 )
 def test_classifier(
@@ -44,16 +63,18 @@ def test_classifier(
     is_up: bool,
     is_saturated: bool,
     has_edge: bool,
+    is_edge_model: bool,
     expected: tuple[str, str],
 ) -> None:
     choice = classify(
         prompt_tokens,
         max_tokens,
         THRESHOLDS,
-        policy,
+        policy,  # type: ignore[arg-type]
         is_up,
         is_saturated,
-        has_edge,  # type: ignore[arg-type]
+        has_edge,
+        is_edge_model,
     )
     assert (choice.tier, choice.reason) == expected
 
@@ -84,7 +105,6 @@ def edge_gateway(
         edge_policy={key_id: policy for policy, (key_id, _) in policy_keys.items()},
         auto_model="fake-model",
         edge_url=edge.url,
-        edge_model="edge-model",
         edge_max_tokens=32,
         edge_max_prompt_tokens=50,
         edge_max_concurrency=2,
@@ -118,8 +138,8 @@ def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
     light = client.post("/v1/chat/completions", json=LIGHT)
     assert light.status_code == 200, light.text
     assert _where(light) == ("new-york", "edge-new-york", "edge")
-    assert edge.seen[-1].body["model"] == "edge-model"  # the alias resolved upstream
-    assert light.headers["x-meridian-model"] == "edge-model"  # and named as what answered
+    assert edge.seen[-1].body["model"] == "fake-model"  # the alias resolved upstream
+    assert light.headers["x-meridian-model"] == "fake-model"  # and named as what answered
     heavy = client.post("/v1/chat/completions", json=HEAVY)
     assert heavy.status_code == 200
     pop, region, tier = _where(heavy)
@@ -150,7 +170,7 @@ def test_a_dead_edge_falls_back_to_a_region_within_the_request(
         assert response.status_code == 200  # nothing lost
         assert _where(response)[2] == "region"
     health = client.get("/health").json()
-    assert health["edge"]["url"] == edge.url
+    assert (health["edge"]["url"], health["edge"]["model"]) == (edge.url, "fake-model")
 
 
 @pytest.mark.slow  # seconds of waiting on timeouts
@@ -186,3 +206,82 @@ def test_a_keys_policy_forbids_or_forces_the_edge(
     metrics = httpx.get(edge_gateway.metrics_url).text
     assert 'meridian_gateway_auto_requests_total{reason="forbidden",tier="region"} 1.0' in metrics
     assert 'meridian_gateway_auto_requests_total{reason="forced",tier="edge"} 1.0' in metrics
+
+
+# Per model.
+
+# The regions (`small` in us-east, `large` in eu-west) and the catalog's forwarder.
+two_models = live.two_models
+forwarder = live.forwarder
+
+
+@pytest.fixture
+def small_edge(two_models: Fleet) -> Iterator[FakeUpstream]:
+    """An edge node serving `small` (and refusing other models, as a node agent does)."""
+    upstream = FakeUpstream("edge", "edge-n1", "small")
+    two_models.loop.run(upstream.start())
+    yield upstream
+    two_models.loop.run(upstream.stop())
+
+
+def test_auto_goes_to_the_edge_only_while_it_names_the_edges_model(
+    two_models: Fleet,
+    forwarder: CatalogForwarder,
+    small_edge: FakeUpstream,
+    client_ssl: ssl.SSLContext,
+) -> None:
+    # `auto` is the alias chat-default, first for `small` (the edge's model), then `large`.
+    to_small = (CatalogAlias(name="chat-default", target="small"),)
+    forwarder.set_catalog(CATALOG.model_copy(update={"aliases": to_small}))
+    gateway = two_models.start_gateway(
+        control_plane=forwarder.url,
+        watch_wait_s=0.5,
+        auto_model="chat-default",
+        edge_url=small_edge.url,
+        edge_model="small",
+    )
+    router = gateway.handlers.router
+    wait_for_models(gateway, "small", "large")
+    wait_until(lambda: router.models.model_of["chat-default"] == "small", 5.0, "the catalog")
+    with live.client(gateway, client_ssl, new_key(two_models, gateway)) as http:
+        light = http.post("/v1/chat/completions", json=LIGHT)
+        assert _where(light)[1:] == ("edge-new-york", "edge")
+        assert light.headers["x-meridian-model"] == "small"
+        assert small_edge.seen[-1].body["model"] == "small"
+        # A request naming a model goes to the regions, the edge's own model too.
+        for model in ("small", "large"):
+            named = http.post("/v1/chat/completions", json=LIGHT | {"model": model})
+            assert named.status_code == 200 and _where(named)[2] == "region"
+        assert small_edge.num_requests == 1
+        # The rollout flips the alias: `auto` now means `large`, which the edge does not serve.
+        forwarder.set_catalog(CATALOG)
+        wait_until(lambda: router.models.model_of["chat-default"] == "large", 5.0, "the flip")
+        flipped = http.post("/v1/chat/completions", json=LIGHT)
+        assert _where(flipped)[1:] == ("eu-west", "region")
+        assert flipped.headers["x-meridian-model"] == "large"
+        assert small_edge.num_requests == 1
+        assert http.get("/health").json()["edge"]["model"] == "small"
+    metrics = httpx.get(gateway.metrics_url).text
+    assert 'meridian_gateway_auto_requests_total{reason="other_model",tier="region"} 1.0' in metrics
+
+
+def test_a_first_version_document_sends_auto_to_the_edge_as_its_configured_model(
+    two_regions: Fleet, edge: FakeUpstream, client_ssl: ssl.SSLContext
+) -> None:
+    first = FirstVersionForwarder(two_regions.cp_url, ModelCatalog())
+    two_regions.loop.run(first.start())
+    try:
+        gateway = two_regions.start_gateway(
+            control_plane=first.url, auto_model="fake-model", edge_url=edge.url, edge_model="tiny"
+        )
+        two_regions.wait_for_gateway(gateway)
+        with live.client(gateway, client_ssl, new_key(two_regions, gateway)) as http:
+            light = http.post("/v1/chat/completions", json=LIGHT)
+            assert _where(light)[2] == "edge" and light.headers["x-meridian-model"] == "tiny"
+            assert edge.seen[-1].body["model"] == "tiny"
+            heavy = http.post("/v1/chat/completions", json=HEAVY)
+            assert _where(heavy)[2] == "region"
+        region = two_regions.regions[_where(heavy)[1]]
+        assert region.upstream.seen[-1].body["model"] == "fake-model"
+    finally:
+        two_regions.loop.run(first.stop())
