@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     service_cli.add_control_plane_flags(parser)
     add("--tensor-parallel-size", type=int, help="GPUs per pipeline stage (default 1)")
     add("--pipeline-parallel-size", type=int, help="pipeline stages per replica (default 1)")
+    add("--picker-url", help="the region picker to stream prefix-cache events to (HOST:PORT URL)")
     add("--consul", help="Consul agent address (HOST:PORT) to register this node with")
     add("--heartbeat-interval", dest="heartbeat_interval_s", type=float, help="seconds (1)")
     add("--max-num-waiting-requests", type=int, help="waiting-queue bound before 429 (256)")

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from engine.async_engine import AsyncEngine
 from node_agent.api import router
 from node_agent.auth import ServingAuthMiddleware
+from node_agent.cache_stream import stream_cache_events
 from node_agent.consul import ConsulRegistration
 from node_agent.errors import install_error_handlers
 from node_agent.heartbeat import HeartbeatLoop, control_plane_client
@@ -55,10 +56,15 @@ def create_app(
             beats = None
             if settings.control_plane or consul is not None:
                 beats = asyncio.create_task(heartbeat.run(), name="heartbeat")
+            cache_events = None
+            if settings.picker_url is not None:
+                cache_events = asyncio.create_task(
+                    _stream_cache_events(runtime, loader), name="cache-events"
+                )
             try:
                 yield
             finally:
-                await _stop(beats, loader)
+                await _stop(cache_events, beats, loader)
                 await runtime.drain.close()
                 if runtime.drain.is_draining:
                     await heartbeat.beat()  # tell the control plane at once that we are going
@@ -83,6 +89,17 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     return app
+
+
+async def _stream_cache_events(runtime: NodeRuntime, loader: asyncio.Task[None] | None) -> None:
+    if loader is not None:
+        await asyncio.wait([loader])  # not `await loader`: cancelling this must not cancel it
+    settings = runtime.settings
+    if runtime.llm is None or settings.picker_url is None:
+        return  # the load failed: the node is stopping
+    await stream_cache_events(
+        runtime.llm, settings.picker_url, runtime.node_id, settings.cache_events_max_pending
+    )
 
 
 async def _stop(*tasks: asyncio.Task[None] | None) -> None:

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.core_liveness import LivenessLimits
 from engine.model_store import DEFAULT_MODEL
 from wire.addresses import is_loopback_host
+from wire.cache_events import stream_url
 from wire.capacity import DEFAULT_MAX_NUM_WAITING_REQUESTS
 from wire.control_plane_urls import ControlPlaneUrls
 from wire.deflection import DEFAULT_DEFLECT_AT_WAITING
@@ -135,6 +136,12 @@ class NodeAgentSettings(BaseSettings):
     )
     consul_service_name: str = "meridian-node"
 
+    # The region's picker (http(s):// or ws(s)://HOST:PORT): the node streams its prefix
+    # cache's events to it (node_agent/cache_stream.py); unset, the engine records none.
+    picker_url: str | None = None
+    # Batches of events queued for a slow picker before they are dropped for a snapshot.
+    cache_events_max_pending: int = Field(default=1024, ge=1, le=1_000_000)
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @classmethod
@@ -171,6 +178,8 @@ class NodeAgentSettings(BaseSettings):
             )
         if self.advertise_url is not None and not _HTTP_URL.match(self.advertise_url):
             raise ValueError("advertise_url must be an http(s):// URL")
+        if self.picker_url is not None:
+            stream_url(self.picker_url)  # its ValueError names the rule
         if self.heartbeat_timeout_s > self.max_heartbeat_backoff_s:
             raise ValueError("heartbeat_timeout_s must not exceed max_heartbeat_backoff_s")
         return self

@@ -9,11 +9,15 @@ request carries on where the echo had got to, as an unbroken one would). A reque
 real engine ends one: a stop token ("stop", unless `ignore_eos`), a stop string (its text held
 back while it could be forming, cut at the match), or `max_tokens` ("length"; at most what the
 context leaves). Prefix-cache hits are counted per whole block of the prompt seen before with
-the same cache salt, and the stats move as the real engine's do.
+the same cache salt (keyed by the engine's own salted hash chain, the least recently used block
+evicted once the pool's worth is cached), and the stats move as the real engine's do. Watched
+(`watch_cache`), it sends a snapshot and then each turn's stored and evicted hashes, as the real
+core does.
 
 Steering, from any thread: `hold(after_tokens)` lets no request past that many output tokens
 until `release()`; `fail(message)` kills the core (every request fails with EngineDeadError);
-`stop_answering(reason)` / `answer_again()` as a core that goes silent and comes back.
+`stop_answering(reason)` / `answer_again()` as a core that goes silent and comes back;
+`cached_hashes()` (on its loop) what its prefix cache holds.
 
 The tokenizer is byte-level (one token per UTF-8 byte, so any text round-trips) with ChatML's
 specials and template; `<|im_end|>` is the stop token.
@@ -26,6 +30,7 @@ import contextlib
 import math
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -34,10 +39,19 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from engine.async_engine import AsyncEngine
+from engine.cache_events import CacheEventRecorder, CacheEvents
 from engine.chat_template import ChatTemplate
 from engine.config import WeightsFormat
-from engine.engine_core import AbortRequest, AddRequest, Command, CoreOutputs, StopCore
+from engine.engine_core import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CoreOutputs,
+    StopCore,
+    WatchCache,
+)
 from engine.errors import EngineDeadError
+from engine.kv_cache_manager import chain_root, hash_block
 from engine.llm_engine import EngineStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_limits import RequestLimits
@@ -101,7 +115,8 @@ class FakeEngine(AsyncEngine):
         tokenizer = byte_tokenizer()
         self._num_kv_blocks = num_kv_blocks
         self._requests: dict[str, _Request] = {}
-        self._cached_blocks: set[tuple[str | None, tuple[int, ...]]] = set()
+        self._cached_blocks: OrderedDict[bytes, None] = OrderedDict()  # least recent first
+        self._cache_events: CacheEventRecorder | None = None
         self._totals = {"queried": 0, "hits": 0, "prompt": 0, "generated": 0}
         self._hold_after: int | None = None
         self._core: asyncio.Task[None] | None = None
@@ -143,6 +158,10 @@ class FakeEngine(AsyncEngine):
     def answer_again(self) -> None:
         self._call(self._set_unresponsive, None)
 
+    def cached_hashes(self) -> frozenset[bytes]:
+        """What the prefix cache holds now (call on the engine's loop)."""
+        return frozenset(self._cached_blocks)
+
     # --- the core ---
 
     def _call(self, fn: Callable[[T], None], arg: T) -> None:
@@ -158,37 +177,56 @@ class FakeEngine(AsyncEngine):
         while True:
             commands = _drain(self._commands)
             outputs: list[RequestOutput] = []
+            cache_events: list[CacheEvents] = []
             for command in commands:
                 if isinstance(command, StopCore):
-                    self._deliver(self._abort_all())
+                    self._deliver(self._abort_all(), [])
                     return
                 if isinstance(command, AddRequest):
                     self._add(command)
                 elif isinstance(command, AbortRequest):
                     outputs += self._abort(command.request_id)
+                elif isinstance(command, WatchCache):
+                    self._cache_events = CacheEventRecorder()
+                    cache_events = [CacheEvents(tuple(self._cached_blocks), is_snapshot=True)]
             if self.unresponsive_reason is None:
                 outputs += self._step()
+            if self._cache_events is not None and (changes := self._cache_events.take()):
+                cache_events.append(changes)
             if outputs or commands:  # the stats moved
-                self._deliver(outputs)
+                self._deliver(outputs, cache_events)
             await asyncio.sleep(0 if outputs else IDLE_POLL_S)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._receive(CoreOutputs(outputs, [], self._snapshot()))
+    def _deliver(self, outputs: list[RequestOutput], cache_events: list[CacheEvents]) -> None:
+        self._receive(CoreOutputs(outputs, [], self._snapshot(), tuple(cache_events)))
 
     def _add(self, add: AddRequest) -> None:
         ids = [*add.token_ids, *(add.resumed_token_ids or ())]
         num_cached = 0
+        parent = chain_root(add.cache_salt)
         for end in range(BLOCK_SIZE, len(ids) + 1, BLOCK_SIZE):
-            block = (add.cache_salt, tuple(ids[:end]))
-            if block in self._cached_blocks and num_cached == end - BLOCK_SIZE:
+            parent = hash_block(parent, ids[end - BLOCK_SIZE : end])
+            if parent in self._cached_blocks and num_cached == end - BLOCK_SIZE:
                 num_cached = end
-            self._cached_blocks.add(block)
+            self._cache(parent)
         room = self.limits.max_model_len - len(ids)
         max_tokens = min(add.params.max_tokens or room, room)
         self._requests[add.request_id] = _Request(add, max_tokens, time.time(), num_cached)
         self._totals["queried"] += len(ids)
         self._totals["hits"] += num_cached
         self._totals["prompt"] += len(ids)
+
+    def _cache(self, block_hash: bytes) -> None:
+        if block_hash in self._cached_blocks:
+            self._cached_blocks.move_to_end(block_hash)
+            return
+        self._cached_blocks[block_hash] = None
+        if self._cache_events is not None:
+            self._cache_events.stored(block_hash)
+        if len(self._cached_blocks) > self._num_kv_blocks:
+            evicted, _ = self._cached_blocks.popitem(last=False)
+            if self._cache_events is not None:
+                self._cache_events.removed(evicted)
 
     def _step(self) -> list[RequestOutput]:
         outputs = []

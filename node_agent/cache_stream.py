@@ -1,0 +1,139 @@
+"""Streams the engine's prefix-cache events to the region's picker (wire/cache_events.py).
+
+One websocket at a time, for as long as the node runs: each connection starts with a snapshot,
+then carries the batches in order; the picker's `CacheResync` (it missed one) gets a snapshot
+too. A lost or refused connection is retried with a doubling delay (with jitter, up to
+`max_backoff_s`), and the next one starts with a snapshot again. Nothing here waits on the
+engine or holds up serving: the engine's events go into a bounded buffer
+(node_agent/cache_buffer.py) and only this task waits on the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+
+import pydantic
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import WebSocketException
+
+from engine.async_engine import AsyncEngine
+from node_agent.cache_buffer import CacheEventBuffer, Delta, Snapshot
+from wire.cache_events import (
+    MAX_FRAME_BYTES,
+    CacheDelta,
+    CacheResync,
+    CacheSnapshot,
+    stream_url,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTarget:
+    """Where the stream goes and what it says about this node."""
+
+    url: str  # ws(s)://host:port/v1/cache-events
+    node_id: str
+    block_size: int
+    open_timeout_s: float = 5.0
+    min_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+
+
+class CacheEventStream:
+    def __init__(self, target: StreamTarget, buffer: CacheEventBuffer) -> None:
+        self._target = target
+        self._buffer = buffer
+        self.num_connections = 0
+        self.is_connected = False
+
+    async def run(self) -> None:
+        """Connect, stream, reconnect: until cancelled."""
+        target = self._target
+        delay_s = target.min_backoff_s
+        while True:
+            try:
+                async with connect(
+                    target.url, open_timeout=target.open_timeout_s, max_size=MAX_FRAME_BYTES
+                ) as socket:
+                    self._buffer.request_snapshot()
+                    self.num_connections += 1
+                    self.is_connected = True
+                    delay_s = target.min_backoff_s
+                    logger.info("streaming cache events to %s", target.url)
+                    await self._exchange(socket)
+            except (OSError, TimeoutError, WebSocketException) as exc:
+                logger.warning("cache event stream to %s: %s", target.url, exc)
+            finally:
+                self.is_connected = False
+            await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
+            delay_s = min(delay_s * 2, target.max_backoff_s)
+
+    async def _exchange(self, socket: ClientConnection) -> None:
+        """Send and listen until either ends (the connection closed, or failed)."""
+        tasks = {
+            asyncio.create_task(self._send(socket), name="cache-events-send"),
+            asyncio.create_task(self._listen(socket), name="cache-events-listen"),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for task in done:
+            task.result()  # raises what ended it
+
+    async def _send(self, socket: ClientConnection) -> None:
+        while True:
+            message = self._buffer.next_message()
+            if message is None:
+                await self._buffer.wait()
+            elif isinstance(message, Snapshot):
+                # A whole cache's JSON takes a while: built off the event loop.
+                await socket.send(await asyncio.to_thread(self._snapshot_frame, message))
+            else:
+                await socket.send(_delta_frame(self._target.node_id, message))
+
+    async def _listen(self, socket: ClientConnection) -> None:
+        async for frame in socket:
+            try:
+                resync = CacheResync.model_validate_json(frame)
+            except pydantic.ValidationError:
+                logger.warning("the picker sent an unknown message; ignored")
+                continue
+            logger.info("the picker asks for a snapshot: %s", resync.reason)
+            self._buffer.request_snapshot()
+
+    def _snapshot_frame(self, snapshot: Snapshot) -> str:
+        return CacheSnapshot.model_construct(
+            node_id=self._target.node_id,
+            block_size=self._target.block_size,
+            seq=snapshot.seq,
+            hashes=[h.hex() for h in snapshot.hashes],
+        ).model_dump_json()
+
+
+def _delta_frame(node_id: str, delta: Delta) -> str:
+    return CacheDelta.model_construct(
+        node_id=node_id,
+        seq=delta.seq,
+        stored=[h.hex() for h in delta.events.stored],
+        removed=[h.hex() for h in delta.events.removed],
+    ).model_dump_json()
+
+
+async def stream_cache_events(
+    llm: AsyncEngine, picker_url: str, node_id: str, max_pending_batches: int
+) -> None:
+    """Watch `llm`'s prefix cache and stream it to the picker at `picker_url`, until cancelled."""
+    buffer = CacheEventBuffer(max_pending_batches)
+    llm.watch_cache(buffer.apply)
+    target = StreamTarget(stream_url(picker_url), node_id, llm.stats().block_size)
+    await CacheEventStream(target, buffer).run()

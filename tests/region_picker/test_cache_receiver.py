@@ -1,0 +1,124 @@
+"""The picker's listener for cache event streams, spoken to by raw websocket clients on
+loopback: it feeds the index, answers a batch out of turn with one resync, lets a reconnected
+node's new stream take over, and refuses what is not the stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from region_picker.cache_index import CacheIndex
+from region_picker.cache_receiver import CacheEventReceiver
+from wire.cache_events import CACHE_EVENTS_PATH, CacheDelta, CacheResync, CacheSnapshot
+
+Scenario = Callable[[CacheIndex, CacheEventReceiver, str], Awaitable[None]]
+
+
+def h(n: int) -> str:
+    return n.to_bytes(16, "big").hex()
+
+
+def snapshot(seq: int, *hashes: int, node: str = "n1") -> str:
+    message = CacheSnapshot(node_id=node, block_size=16, seq=seq, hashes=[h(x) for x in hashes])
+    return message.model_dump_json()
+
+
+def delta(seq: int, *stored: int, node: str = "n1") -> str:
+    return CacheDelta(node_id=node, seq=seq, stored=[h(x) for x in stored]).model_dump_json()
+
+
+def run(scenario: Scenario) -> None:
+    async def main() -> None:
+        index = CacheIndex()
+        receiver = CacheEventReceiver(index)
+        server = await receiver.serve("127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            await scenario(index, receiver, f"ws://127.0.0.1:{port}")
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition did not come true in time")
+
+
+async def resync_of(socket: ClientConnection) -> CacheResync:
+    return CacheResync.model_validate_json(await asyncio.wait_for(socket.recv(), 5.0))
+
+
+def test_a_gap_is_answered_once_with_a_resync_and_the_snapshot_repairs() -> None:
+    async def scenario(index: CacheIndex, receiver: CacheEventReceiver, url: str) -> None:
+        async with connect(url + CACHE_EVENTS_PATH) as socket:
+            await socket.send(snapshot(0, 1))
+            await socket.send(delta(1, 2))
+            await until(lambda: index.hashes_of("n1") == {bytes.fromhex(h(1)), bytes.fromhex(h(2))})
+            await socket.send(delta(3, 4))  # batch 2 never came
+            assert "batch 3" in (await resync_of(socket)).reason
+            await socket.send(delta(4, 5))  # no second resync while the snapshot is on its way
+            await socket.send(snapshot(4, 1, 2, 4, 5))
+            await socket.send(delta(5, 6))
+            await until(lambda: index.cached_prefix_blocks("n1", [bytes.fromhex(h(6))]) == 1)
+            assert receiver.stats.num_gaps == 1 and receiver.stats.num_snapshots == 2
+        await until(lambda: "n1" not in index.node_ids)  # its stream ended
+
+    run(scenario)
+
+
+def test_a_reconnected_node_takes_over_and_the_old_streams_end_forgets_nothing() -> None:
+    async def scenario(index: CacheIndex, receiver: CacheEventReceiver, url: str) -> None:
+        async with connect(url + CACHE_EVENTS_PATH) as old:
+            await old.send(snapshot(0, 1))
+            async with connect(url + CACHE_EVENTS_PATH) as new:
+                await new.send(snapshot(0, 7))
+                await until(lambda: index.hashes_of("n1") == {bytes.fromhex(h(7))})
+                await old.send(delta(1, 2))  # the old stream's batch: not the node's stream now
+                assert "out of turn" in (await resync_of(old)).reason
+                await old.close()
+                await new.send(delta(1, 8))
+                await until(lambda: len(index.hashes_of("n1")) == 2)
+                assert index.hashes_of("n1") == {bytes.fromhex(h(7)), bytes.fromhex(h(8))}
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        (["not json"], 1007),
+        ([delta(1, 1).replace('"n1"', '"N 1"')], 1007),
+        ([snapshot(0, 1), snapshot(0, 1, node="n2")], 1008),  # one stream carries one node
+    ],
+)
+def test_a_stream_that_breaks_the_protocol_is_closed(frames: list[str], code: int) -> None:
+    async def scenario(index: CacheIndex, receiver: CacheEventReceiver, url: str) -> None:
+        async with connect(url + CACHE_EVENTS_PATH) as socket:
+            for frame in frames:
+                await socket.send(frame)
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(socket.recv(), 5.0)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == code
+        await until(lambda: not index.node_ids)
+
+    run(scenario)
+
+
+def test_only_the_streams_path_is_served() -> None:
+    async def scenario(index: CacheIndex, receiver: CacheEventReceiver, url: str) -> None:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(url + "/elsewhere"):
+                pass
+        assert refused.value.response.status_code == 404
+
+    run(scenario)
