@@ -2,6 +2,7 @@
 
     python -m bench.gateway_overhead [--json] [--latency-requests 2000] [--throughput-s 5]
         [--streams 256] [--stream-window-s 6] [--envoy-workers 1]
+        [--catalog-models N [--catalog-aliases-per-model M]]
 
 One run starts everything on 127.0.0.1: the fast upstream (`bench/gateway_upstream.py`, its own
 process), a real control plane (`python -m control_plane`) with that upstream registered as a
@@ -20,6 +21,12 @@ client in this process:
   tokens/s per stream, starts spread over one stream's length); TTFB of every stream started in
   the `--stream-window-s` after the ramp (target: p99 under 50 ms through the gateway);
   burst: `--streams` streams opened at the same instant on warm connections, 3 rounds.
+
+With `--catalog-models N` the gateway resolves every request against a model catalog of N
+models with M aliases each (`bench/catalog_injector.py` puts it into the summaries the gateway
+watches; the requests name `bench`, the catalog's first model); without it the control plane's
+own catalog (empty: the served model routed by its name). The number of names the gateway
+lists is recorded (`models_listed`).
 
 Plain HTTP on every hop (Envoy too), so the comparison is about the proxies, not TLS. The
 machine's load average is recorded: on a shared machine, other work skews every number.
@@ -270,6 +277,15 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
     upstream_url = f"http://127.0.0.1:{upstream_port}"
     cp_url = f"http://127.0.0.1:{cp_port}"
     api_key, node_token = _register(cp_url, tokens["admin"], upstream_url)
+    watched_url = cp_url  # what the gateway watches
+    if args.catalog_models:
+        injector_port = free_port()
+        injector_args = [python, "-m", "bench.catalog_injector", "--port", str(injector_port)]
+        injector_args += ["--control-plane", cp_url, "--models", str(args.catalog_models)]
+        injector_args += ["--aliases-per-model", str(args.catalog_aliases_per_model)]
+        processes.start("catalog_injector", injector_args)
+        wait_for_port(injector_port)
+        watched_url = f"http://127.0.0.1:{injector_port}"
 
     async def beat() -> None:
         body = {
@@ -303,7 +319,7 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
             "--metrics-port",
             "0",
             "--control-plane",
-            cp_url,
+            watched_url,
             "--plain",
         ],
         env,
@@ -371,6 +387,13 @@ async def wait_until_serving(session: aiohttp.ClientSession, url: str) -> None:
             pass
         await asyncio.sleep(0.1)
     raise RuntimeError(f"{url} never answered 200")
+
+
+async def num_listed(session: aiohttp.ClientSession, url: str) -> int:
+    """The names the gateway's `/v1/models` lists for the benchmark's key."""
+    async with session.get(url + "/v1/models") as response:
+        listing = await response.json()
+    return len(listing["data"])
 
 
 async def latency(session: aiohttp.ClientSession, url: str, num: int) -> list[float]:
@@ -474,6 +497,7 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> Report:
         ) as session:
             for url in fleet.urls.values():
                 await wait_until_serving(session, url)
+            report.config["models_listed"] = await num_listed(session, fleet.urls["gateway"])
             for name, url in fleet.urls.items():
                 report.results[name] = await measure_target(args, session, name, url, fleet)
     finally:
@@ -591,7 +615,8 @@ def print_table(report: Report) -> None:
     config = report.config
     print(
         f"errors: {errors}; {config['cpus']} CPUs, load average {config['load_average_before']}"
-        f" before, {config['load_average_after']} after"
+        f" before, {config['load_average_after']} after; the gateway lists"
+        f" {config['models_listed']} models"
     )
 
 
@@ -617,6 +642,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream-window-s", type=float, default=6.0)
     parser.add_argument("--envoy-workers", type=int, default=1)
     parser.add_argument("--no-envoy", action="store_true")
+    parser.add_argument(
+        "--catalog-models", type=int, default=0, help="a catalog of N models (0: none)"
+    )
+    parser.add_argument("--catalog-aliases-per-model", type=int, default=0)
     return parser.parse_args()
 
 
