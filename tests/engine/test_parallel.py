@@ -47,10 +47,10 @@ PROMPTS = [[5, 17, 40, 2, 9, 33, 61], [70, 12, 3, 3, 3, 44, 18, 90, 21, 8, 11, 3
 @pytest.mark.parametrize(
     ("family", "tp_size", "overrides"),
     [
-        ("llama", 2, {}),
-        ("llama", 4, {}),  # 2 KV heads on 4 ranks: each KV head replicated on two
-        ("qwen2", 2, {}),  # biases on Q, K, V are split with their rows
-        ("llama", 4, {"num_key_value_heads": 4, "vocab_size": 98}),  # a padded vocabulary shard
+        ("qwen2", 2, {}),  # biases on Q, K, V are split with their rows; a tied LM head
+        # 2 KV heads on 4 ranks (each replicated on two), an untied LM head and a padded
+        # vocabulary shard (98 rows over 4 ranks)
+        ("llama", 4, {"vocab_size": 98}),
     ],
 )
 def test_tp_greedy_equals_one_process(
@@ -68,17 +68,31 @@ def test_tp_greedy_equals_one_process(
     assert_gone(pids)
 
 
-def test_tp3_on_the_real_model_equals_one_process(smollm2_gguf: Path) -> None:
-    single = LLM(str(smollm2_gguf), dtype="float32")
-    tokenizer = single.get_tokenizer()
-    prompts = [
+@pytest.fixture(scope="module")
+def real_prompts(smollm2_checkpoint: Checkpoint) -> list[list[int]]:
+    tokenizer = smollm2_checkpoint.tokenizer
+    return [
         tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]))
-        for q in ("What is the capital of France?", "Write a haiku about the sea.")
+        for q in ("What is the capital of France?", "Write a haiku about the sea.", "Hi!")
     ]
-    expected = greedy_tokens(single, prompts)
+
+
+@pytest.fixture(scope="module")
+def one_process_tokens(smollm2_gguf: Path, real_prompts: list[list[int]]) -> list[list[int]]:
+    """The real model's greedy tokens in one process: what TP and PP must equal."""
+    single = LLM(str(smollm2_gguf), dtype="float32")
+    try:
+        return greedy_tokens(single, real_prompts)
+    finally:
+        single.shutdown()
+
+
+def test_tp3_on_the_real_model_equals_one_process(
+    smollm2_gguf: Path, real_prompts: list[list[int]], one_process_tokens: list[list[int]]
+) -> None:
     parallel = LLM(str(smollm2_gguf), dtype="float32", tensor_parallel_size=3)
     try:
-        assert greedy_tokens(parallel, prompts) == expected
+        assert greedy_tokens(parallel, real_prompts) == one_process_tokens
     finally:
         parallel.shutdown()
 
@@ -91,9 +105,9 @@ def test_a_size_that_does_not_split_the_heads_names_the_valid_ones(smollm2_gguf:
 @pytest.mark.parametrize(
     ("family", "tp_size", "pp_size", "overrides"),
     [
-        ("llama", 1, 2, {}),  # an untied LM head on the last stage
         ("qwen2", 1, 2, {}),  # a tied head: the last stage holds the embedding too
-        ("llama", 1, 3, {"num_hidden_layers": 5}),  # a middle stage; stages of 1, 2 and 2 layers
+        # a middle stage (stages of 1, 2 and 2 layers), an untied LM head on the last
+        ("llama", 1, 3, {"num_hidden_layers": 5}),
         ("llama", 2, 2, {}),  # composed: 2 stages of 2 TP ranks
     ],
 )
@@ -114,20 +128,15 @@ def test_pp_greedy_equals_one_process(
     assert_gone(pids)
 
 
-def test_pp2_on_the_real_model_equals_one_process(smollm2_gguf: Path) -> None:
-    single = LLM(str(smollm2_gguf), dtype="float32")
-    tokenizer = single.get_tokenizer()
-    prompts = [
-        tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]))
-        for q in ("What is the capital of France?", "Write a haiku about the sea.", "Hi!")
-    ]
-    expected = greedy_tokens(single, prompts)
+def test_pp2_on_the_real_model_equals_one_process(
+    smollm2_gguf: Path, real_prompts: list[list[int]], one_process_tokens: list[list[int]]
+) -> None:
     parallel = LLM(str(smollm2_gguf), dtype="float32", pipeline_parallel_size=2)
     try:
         runner = parallel.engine.executor.runner
         assert len(runner.model.layers) == 19  # the first stage: no LM head, more layers
         assert runner.model.norm is None
-        assert greedy_tokens(parallel, prompts) == expected
+        assert greedy_tokens(parallel, real_prompts) == one_process_tokens
     finally:
         parallel.shutdown()
 
