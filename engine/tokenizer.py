@@ -165,6 +165,19 @@ class Tokenizer:
         return ids
 
     @cached_property
+    def split_points(self) -> tuple[str, ...] | None:
+        """The added tokens' texts, if the ids of any text are the ids of its pieces between
+        them (each added token standing for itself), encoded one by one and concatenated; None
+        where an added token strips or normalizes its neighbours, so pieces would not add up.
+        The region picker encodes a long prompt by pieces it has seen before this way."""
+        added = self._backend.get_added_tokens_decoder().values()
+        if any(t.lstrip or t.rstrip or t.single_word for t in added) or (
+            self._backend.normalizer is not None and any(t.normalized for t in added)
+        ):
+            return None
+        return tuple(sorted({t.content for t in added}, key=len, reverse=True))
+
+    @cached_property
     def max_bytes_per_token(self) -> int | None:
         """The most UTF-8 bytes of text one token stands for, so that text of B bytes encodes to
         at least B / this many tokens; None where no such bound holds: only a byte-level

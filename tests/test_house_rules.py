@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "node_agent", "control_plane", "gateway", "wire", "stack", "simulator")
+PACKAGES = (
+    "engine",
+    "node_agent",
+    "control_plane",
+    "gateway",
+    "wire",
+    "stack",
+    "simulator",
+    "region_picker",
+)
 MAX_PUBLIC_METHODS = 15
 MAX_MODULE_LINES = 400
 

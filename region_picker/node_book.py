@@ -1,0 +1,62 @@
+"""The region's routable nodes as the control plane last reported them, and the requests the
+picker sent each since (its report cannot count those yet)."""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass, field
+
+from region_picker.scoring import Candidate
+from wire.region_nodes import NodeLoad, RegionNodes
+
+
+def envoy_address(url: str) -> str | None:
+    """host:port of a plain-HTTP node URL, what Envoy's original-destination cluster takes."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or parts.hostname is None:
+        return None
+    host = "127.0.0.1" if parts.hostname == "localhost" else parts.hostname
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{parts.port or 80}"
+
+
+@dataclass(slots=True)
+class NodeBook:
+    index: int = 0
+    _loads: dict[str, NodeLoad] = field(default_factory=dict)
+    _sent: dict[str, int] = field(default_factory=dict)
+
+    def adopt(self, document: RegionNodes) -> set[str]:
+        """The control plane's new document; returns the node ids that left."""
+        loads = {n.node_id: n for n in document.nodes if envoy_address(n.url) is not None}
+        gone = set(self._loads) - set(loads)
+        # A node whose report changed has counted what was sent to it before.
+        self._sent = {
+            node_id: count
+            for node_id, count in self._sent.items()
+            if node_id in loads and loads[node_id] == self._loads.get(node_id)
+        }
+        self._loads = loads
+        self.index = document.index
+        return gone
+
+    def candidates(self, model: str | None) -> list[Candidate]:
+        """The nodes serving `model` (None: every node)."""
+        return [
+            Candidate(
+                node_id=load.node_id,
+                address=envoy_address(load.url) or "",
+                block_size=load.block_size,
+                kv_blocks_total=load.kv_blocks_total,
+                kv_blocks_free=load.kv_blocks_free,
+                num_running=load.num_running,
+                num_waiting=load.num_waiting,
+                num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
+                num_sent=self._sent.get(load.node_id, 0),
+            )
+            for load in self._loads.values()
+            if model is None or load.model == model
+        ]
+
+    def note_sent(self, node_id: str) -> None:
+        self._sent[node_id] = self._sent.get(node_id, 0) + 1

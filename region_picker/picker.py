@@ -1,0 +1,116 @@
+"""One decision: a request's headers and body in, the node to send it to (or None: let Envoy
+balance it) out. Synchronous and quick: it runs on the ext_proc server's event loop."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.chat_template import ChatMessage
+from engine.errors import InvalidRequestError
+from region_picker.metrics import PickerMetrics
+from region_picker.node_book import NodeBook
+from region_picker.prompt_hashes import PromptHasher
+from region_picker.routed_prefixes import RoutedPrefixes
+from region_picker.scoring import CacheView, Decision, pick
+from wire.cache_salt import CACHE_SALT_HEADER
+from wire.model_catalog import MODEL_HEADER
+
+# OpenAI's name for the system role in newer models; the node agent maps it the same way.
+_ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    model: str | None
+    messages: list[ChatMessage] | None  # a chat
+    text: str | None  # a completion's prompt
+
+
+def parse_prompt(headers: Mapping[str, str], body: bytes) -> Prompt | None:
+    """The request's model and prompt, as the node agent reads them; None if the body is not a
+    completion or chat this picker can read (Envoy then balances it as usual)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    model = headers.get(MODEL_HEADER) or data.get("model")
+    model = model if isinstance(model, str) else None
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        chat = [_message(m) for m in messages]
+        if any(m is None for m in chat):
+            return None
+        return Prompt(model, [m for m in chat if m is not None], None)
+    prompt = data.get("prompt")
+    return Prompt(model, None, prompt if isinstance(prompt, str) else None)
+
+
+def _message(message: object) -> ChatMessage | None:
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(message, dict) or not isinstance(role, str):
+        return None
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict)]
+        content = "".join(p for p in parts if isinstance(p, str))
+    entry: dict[str, str] = {
+        "role": _ROLE_ALIASES.get(role, role),
+        "content": content if isinstance(content, str) else "",
+    }
+    if isinstance(message.get("name"), str) and message["name"]:
+        entry["name"] = message["name"]
+    return entry
+
+
+class Picker:
+    def __init__(
+        self,
+        nodes: NodeBook,
+        hashers: Mapping[str, PromptHasher],
+        cache: CacheView,
+        routed: RoutedPrefixes,
+        metrics: PickerMetrics,
+        rng: random.Random,
+    ) -> None:
+        self._nodes = nodes
+        self._hashers = hashers  # by served model name
+        self._cache = cache
+        self._routed = routed
+        self._metrics = metrics
+        self._rng = rng
+
+    def decide(self, headers: Mapping[str, str], body: bytes) -> Decision | None:
+        prompt = parse_prompt(headers, body)
+        if prompt is None:
+            self._metrics.fallback("unreadable_body")
+            return None
+        candidates = self._nodes.candidates(prompt.model)
+        if not candidates:
+            self._metrics.fallback("no_candidate")
+            return None
+        hashes = self._hashes(prompt, headers.get(CACHE_SALT_HEADER), candidates[0].block_size)
+        decision = pick(candidates, hashes, self._cache, self._rng)
+        assert decision is not None
+        chosen = decision.chosen.candidate.node_id
+        self._nodes.note_sent(chosen)
+        self._routed.record(chosen, hashes)
+        self._metrics.decided(decision, len(hashes))
+        return decision
+
+    def _hashes(self, prompt: Prompt, salt: str | None, block_size: int) -> list[bytes]:
+        hasher = self._hashers.get(prompt.model or "")
+        if hasher is None or hasher.block_size != block_size:
+            return []  # a model without a tokenizer here: load alone decides
+        try:
+            if prompt.messages is not None:
+                return hasher.chat_hashes(prompt.messages, salt)
+            if prompt.text:
+                return hasher.text_hashes(prompt.text, salt)
+        except InvalidRequestError:
+            pass  # the node will refuse it with its own 400; anywhere will do
+        return []

@@ -1,0 +1,109 @@
+"""Which node a request goes to: pure scoring over the nodes' cached prefixes and load.
+
+Each candidate's cost is the work ahead of the request there, in prompt tokens:
+- the prompt tokens it would prefill (those past its cached prefix of the prompt's blocks),
+- the prefill tokens already waiting on it,
+- a request's worth of tokens for each request waiting, or sent by the picker since the node
+  last reported (the report cannot count those yet), and a smaller share for each running one,
+all scaled up by how full its KV cache is (a node short of blocks evicts the very prefixes that
+make it cheap, and preempts). The cheapest wins; among the near ties (within `NEAR_TIE`) two are
+drawn at random and the less busy of the two wins, so that one hot prefix spreads over the nodes
+that hold it instead of piling onto one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+# What a queued request costs a new one, in prompt tokens: about a typical prompt's prefill.
+WAITING_REQUEST_TOKENS: Final = 256
+# What a running request costs (its decode steps share the batch): a fraction of that.
+RUNNING_REQUEST_TOKENS: Final = 32
+# Costs within this fraction of the best (or NEAR_TIE_TOKENS of it) are ties.
+NEAR_TIE: Final = 0.1
+NEAR_TIE_TOKENS: Final = 64
+
+
+class CacheView(Protocol):
+    """What the picker knows of the nodes' prefix caches."""
+
+    def cached_prefix_blocks(self, node_id: str, block_hashes: Sequence[bytes]) -> int:
+        """How many of the prompt's leading blocks `node_id` holds."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A node that serves the request's model, as last reported, plus the picker's own sends."""
+
+    node_id: str
+    address: str  # host:port, what Envoy's original-destination cluster connects to
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = 0
+    num_sent: int = 0  # requests the picker sent it since its last report
+
+    @property
+    def num_busy(self) -> int:
+        return self.num_running + self.num_waiting + self.num_sent
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    candidate: Candidate
+    cached_blocks: int
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    chosen: Scored
+    scored: tuple[Scored, ...]  # every candidate, in the order given
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.chosen.cached_blocks * self.chosen.candidate.block_size
+
+
+def score(candidate: Candidate, num_blocks: int, cached_blocks: int) -> float:
+    """The candidate's cost for a prompt of `num_blocks` full blocks, `cached_blocks` of them
+    cached there (the partial last block is prefilled everywhere and left out)."""
+    uncached = (num_blocks - cached_blocks) * candidate.block_size
+    queued = candidate.num_waiting + candidate.num_sent
+    work = (
+        uncached
+        + candidate.num_waiting_prefill_tokens
+        + WAITING_REQUEST_TOKENS * queued
+        + RUNNING_REQUEST_TOKENS * candidate.num_running
+    )
+    total = max(candidate.kv_blocks_total, 1)
+    used = 1.0 - min(candidate.kv_blocks_free, total) / total
+    return work * (1.0 + used)
+
+
+def pick(
+    candidates: Sequence[Candidate],
+    block_hashes: Sequence[bytes],
+    cache: CacheView,
+    rng: random.Random,
+) -> Decision | None:
+    """The best candidate for a prompt with these block hashes; None if there is none."""
+    if not candidates:
+        return None
+    scored = []
+    for candidate in candidates:
+        cached = cache.cached_prefix_blocks(candidate.node_id, block_hashes) if block_hashes else 0
+        scored.append(Scored(candidate, cached, score(candidate, len(block_hashes), cached)))
+    best = min(s.cost for s in scored)
+    ties = [s for s in scored if s.cost <= best + max(best * NEAR_TIE, NEAR_TIE_TOKENS)]
+    if len(ties) == 1:
+        return Decision(ties[0], tuple(scored))
+    first, second = rng.sample(ties, 2)
+    chosen = min((first, second), key=lambda s: (s.candidate.num_busy, s.cost))
+    return Decision(chosen, tuple(scored))

@@ -1,0 +1,94 @@
+"""The picker's scoring, by known answers: cached prefix against load, near ties, and the
+approximate cache view (what the picker routed where)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from region_picker.routed_prefixes import RoutedPrefixes
+from region_picker.scoring import (
+    RUNNING_REQUEST_TOKENS,
+    WAITING_REQUEST_TOKENS,
+    Candidate,
+    pick,
+    score,
+)
+
+
+def node(node_id: str, **load: int) -> Candidate:
+    values = {"block_size": 16, "kv_blocks_total": 1000, "kv_blocks_free": 1000} | load
+    return Candidate(node_id=node_id, address=f"127.0.0.1:{9000 + len(node_id)}", **values)
+
+
+class Held:
+    """A cache view by hand: node -> how many leading blocks it holds."""
+
+    def __init__(self, **held: int) -> None:
+        self.held = held
+
+    def cached_prefix_blocks(self, node_id: str, block_hashes: Sequence[bytes]) -> int:
+        return min(self.held.get(node_id, 0), len(block_hashes))
+
+
+BLOCKS = [bytes([i]) * 16 for i in range(100)]  # a 1,600-token prompt
+
+
+def test_cost_is_the_work_ahead_in_tokens_scaled_by_kv_use() -> None:
+    idle = node("a")
+    assert score(idle, num_blocks=100, cached_blocks=0) == 1600
+    assert score(idle, num_blocks=100, cached_blocks=90) == 160
+    busy = node("b", num_waiting=2, num_running=3, num_waiting_prefill_tokens=500, num_sent=1)
+    expected = 160 + 500 + 3 * WAITING_REQUEST_TOKENS + 3 * RUNNING_REQUEST_TOKENS
+    assert score(busy, 100, 90) == expected
+    half_full = node("c", kv_blocks_free=500)
+    assert score(half_full, 100, 90) == 160 * 1.5
+
+
+def test_the_node_holding_the_prompt_wins_against_modest_load() -> None:
+    nodes = [node("a"), node("b", num_running=4), node("c")]
+    decision = pick(nodes, BLOCKS, Held(b=95), random.Random(0))
+    assert decision is not None
+    assert decision.chosen.candidate.node_id == "b"
+    assert decision.chosen.cached_blocks == 95 and decision.cached_tokens == 1520
+    assert [s.cost for s in decision.scored] == [1600, 80 + 4 * RUNNING_REQUEST_TOKENS, 1600]
+
+
+def test_a_loaded_node_loses_its_cache_advantage() -> None:
+    # b holds the prompt but has 8 requests queued (2,048 tokens of work): a is cheaper.
+    nodes = [node("a"), node("b", num_waiting=8)]
+    decision = pick(nodes, BLOCKS, Held(b=100), random.Random(0))
+    assert decision is not None and decision.chosen.candidate.node_id == "a"
+
+
+def test_near_ties_go_to_the_less_busy_of_two_drawn() -> None:
+    # Both hold the prompt; b has one running request more: a tie on cost, b is busier.
+    nodes = [node("a"), node("b", num_running=1)]
+    for seed in range(20):
+        decision = pick(nodes, BLOCKS, Held(a=100, b=100), random.Random(seed))
+        assert decision is not None and decision.chosen.candidate.node_id == "a"
+    # Among three equal idle nodes, the draw spreads the choice.
+    trio = [node("a"), node("b"), node("c")]
+    chosen = set()
+    for seed in range(30):
+        decision = pick(trio, [], Held(), random.Random(seed))
+        assert decision is not None
+        chosen.add(decision.chosen.candidate.node_id)
+    assert chosen == {"a", "b", "c"}
+
+
+def test_no_candidate_no_decision() -> None:
+    assert pick([], BLOCKS, Held(), random.Random(0)) is None
+
+
+def test_routed_prefixes_remember_where_a_prompt_went() -> None:
+    routed = RoutedPrefixes(capacity=10)
+    routed.record("a", BLOCKS[:4])
+    assert routed.cached_prefix_blocks("a", BLOCKS[:6]) == 4
+    assert routed.cached_prefix_blocks("b", BLOCKS[:6]) == 0
+    # Over capacity the least recently sent go first, a chain's tail before its head.
+    routed.record("b", BLOCKS[10:18])
+    assert len(routed) == 10
+    assert routed.cached_prefix_blocks("a", BLOCKS[:4]) == 2
+    routed.forget("b")
+    assert routed.cached_prefix_blocks("b", BLOCKS[10:18]) == 0 and len(routed) == 2
