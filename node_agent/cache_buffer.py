@@ -58,8 +58,10 @@ class CacheEventBuffer:
     def apply(self, events: CacheEvents) -> None:
         """The engine's listener: follow its cache, queue the batch (never blocks)."""
         if events.is_snapshot:
-            self._held = set(events.stored)
-            self.request_snapshot()
+            held = set(events.stored)
+            if held != self._held:  # the picker needs to hear of it (else: nothing new)
+                self._held = held
+                self.request_snapshot()
             return
         self._held.difference_update(events.removed)
         self._held.update(events.stored)

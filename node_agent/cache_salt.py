@@ -1,9 +1,8 @@
 """Which prefix-cache partition a request belongs to (the engine's `cache_salt`).
 
 The gateway names the tenant in the `x-meridian-cache-salt` header; a client may also send
-vLLM's `cache_salt` body field. The engine's salt tags each part with where it came from, and
-with both it is both: a client can split its tenant's partition further, but no body salt
-reaches another tenant's partition, nor any header salt's.
+vLLM's `cache_salt` body field; the engine's salt combines them (wire/cache_salt.py, shared
+with the region picker, which hashes prompts as the engine will).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 
 from node_agent.errors import BadRequestError
-from wire.cache_salt import CACHE_SALT_HEADER
+from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
 
 MAX_CACHE_SALT_LEN = 1024
 
@@ -22,8 +21,4 @@ def cache_salt_of(headers: Headers, body_salt: str | None) -> str | None:
         raise BadRequestError(
             f"the {CACHE_SALT_HEADER} header must hold 1 to {MAX_CACHE_SALT_LEN} characters"
         )
-    body = None if body_salt is None else f"body:{body_salt}"
-    if header is None:
-        return body
-    # A header value cannot hold a newline, so the parts cannot be confused.
-    return f"header:{header}" if body is None else f"header:{header}\n{body}"
+    return engine_cache_salt(header, body_salt)

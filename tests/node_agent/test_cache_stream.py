@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import BLOCK_SIZE, FakeEngine
 from node_helpers import (
     MODEL_NAME,
     BackgroundLoop,
@@ -28,12 +28,13 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import Server, ServerConnection, serve
 
 from engine.cache_events import CacheEvents
+from engine.kv_cache_manager import chain_root, hash_block
 from node_agent.cache_buffer import CacheEventBuffer, Delta, Snapshot
 from node_agent.settings import NodeAgentSettings
 from region_picker.cache_index import CacheIndex
 from region_picker.cache_receiver import CacheEventReceiver
 from wire.cache_events import CACHE_EVENTS_PATH
-from wire.cache_salt import CACHE_SALT_HEADER
+from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
 
 WAIT_S = 10.0
 
@@ -84,17 +85,16 @@ def small_engine(server_loop: BackgroundLoop) -> Iterator[FakeEngine]:
     server_loop.run(llm.shutdown())
 
 
+def prompt_text(index: int) -> str:
+    return f"You are assistant number {index % 3}, and you answer briefly. Question {index}?"
+
+
 def send_prompts(node: NodeHandle, start: int, count: int) -> None:
     with node.client() as client:
         for index in range(start, start + count):
-            system = f"You are assistant number {index % 3}, and you answer briefly. "
             response = client.post(
                 "/v1/completions",
-                json={
-                    "model": MODEL_NAME,
-                    "prompt": system + f"Question {index}?",
-                    "max_tokens": 2,
-                },
+                json={"model": MODEL_NAME, "prompt": prompt_text(index), "max_tokens": 2},
                 headers={CACHE_SALT_HEADER: f"tenant-{index % 2}"},
             )
             assert response.status_code == 200, response.text
@@ -126,6 +126,13 @@ def test_the_index_follows_a_nodes_cache_exactly_as_it_fills_and_evicts(
         held = picker.holds(node_id)
         holders = server_loop.call(lambda: {picker.index.nodes_holding(h) for h in held})
         assert holders == {frozenset({node_id})}
+        # The last prompt's blocks, hashed as a picker hashes them (the engine's chain, salted
+        # as the node salts a header's tenant), are the ones the index holds.
+        ids = small_engine.tokenizer.encode(prompt_text(11))
+        parent = chain_root(engine_cache_salt("tenant-1", None))
+        for start in range(0, len(ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+            parent = hash_block(parent, ids[start : start + BLOCK_SIZE])
+            assert parent in held
     finally:
         node.stop()
 
@@ -222,6 +229,8 @@ def test_an_overflowing_buffer_drops_its_batches_for_one_snapshot() -> None:
         buffer = CacheEventBuffer(max_pending_batches=2)
         buffer.apply(CacheEvents((b"a",), is_snapshot=True))
         assert buffer.next_message() == Snapshot(0, (b"a",))
+        buffer.apply(CacheEvents((b"a",), is_snapshot=True))  # another watcher: nothing new
+        assert buffer.next_message() is None
         buffer.apply(CacheEvents((b"b",)))
         buffer.apply(CacheEvents((b"c",), (b"a",)))
         assert buffer.next_message() == Delta(1, CacheEvents((b"b",)))
