@@ -9,17 +9,24 @@ report first updates one `meta` row, which on PostgreSQL holds that row's lock u
 reports are worked out one at a time across replicas, each against the shares the others were
 granted (SQLite serializes writes anyway).
 
-A key whose demand has died down everywhere, whose shares are back to the PoPs' defaults and
-whose buckets have all refilled is forgotten (its rows deleted); so are a revoked key's.
+A key's limits on one model are an entry of their own (`wire.limit_shares.model_entry`), shared
+the same way with that model's limits. A key whose demand has died down everywhere, whose shares
+are back to the PoPs' defaults and whose buckets have all refilled is forgotten (its rows
+deleted); so are a revoked key's, and a removed model limit's.
+
+The same transaction records the report's spend (`control_plane/spend.py`) and answers what
+each key with a budget spent in its current period.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Final
 
 from control_plane.limit_shares import (
     MIN_DEMAND,
@@ -30,8 +37,18 @@ from control_plane.limit_shares import (
     need_of,
     share_for,
 )
+from control_plane.spend import budgets_spent, record_spend
 from control_plane.store.base import Connection, Row, Store, set_meta
-from wire.limit_shares import KeyLevels, KeyShare, KeyUse, ShareAnswer, UsageReport
+from wire.key_snapshot import ModelLimit
+from wire.limit_shares import (
+    MODEL_SEPARATOR,
+    KeyLevels,
+    KeyShare,
+    KeyUse,
+    ShareAnswer,
+    UsageReport,
+    model_entry,
+)
 
 SECONDS_PER_MINUTE = 60.0
 # A PoP that refused a request keeps the share to hold it this long: once it holds it, the
@@ -39,6 +56,9 @@ SECONDS_PER_MINUTE = 60.0
 NEED_HOLD_S = 75.0
 LOCK_ROW = "limit_shares_lock"
 SAME = 1e-9  # shares this close are the same
+_IS_MODEL_ENTRY: Final = f"%{MODEL_SEPARATOR}%"  # LIKE pattern
+# Limit entry -> its (rpm, tpm).
+Limits = dict[str, tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -118,8 +138,11 @@ class LimitLedger:
             "reported_at = excluded.reported_at",
             (pop, default_share, now),
         )
-        rows = _load_rows(conn)
-        reported = _record_uses(conn, report, rows, now, self._config.demand_half_life_s)
+        record_spend(conn, report, now)
+        model_limits = _model_limits(conn)
+        rows = _load_rows(conn, model_limits)
+        half_life_s = self._config.demand_half_life_s
+        reported = _record_uses(conn, report, rows, model_limits, now, half_life_s)
         shares = []
         for key_id, by_pop in rows.items():
             standing = self._standing(by_pop, held, now)
@@ -139,14 +162,16 @@ class LimitLedger:
                 mine.share = share
                 _save(conn, mine)
         conn.execute(
-            "DELETE FROM limit_shares WHERE key_id NOT IN "
-            "(SELECT id FROM api_keys WHERE revoked_at IS NULL)"
+            "DELETE FROM limit_shares WHERE key_id NOT LIKE ? AND key_id NOT IN "
+            "(SELECT id FROM api_keys WHERE revoked_at IS NULL)",
+            (_IS_MODEL_ENTRY,),
         )
         levels = []
         if report.wants_levels:
             mine_rows = (by_pop.get(pop) for by_pop in rows.values())
             levels = [lv for row in mine_rows if row and (lv := row.levels_now(now)) is not None]
-        return ShareAnswer(default_share=default_share, shares=shares, levels=levels)
+        spent = budgets_spent(conn, now)
+        return ShareAnswer(default_share=default_share, shares=shares, levels=levels, spent=spent)
 
     def _held_defaults(self, conn: Connection, pop: str, now: float) -> Held:
         """The default share each live PoP holds, `pop`'s included (None if it has none yet)."""
@@ -184,42 +209,69 @@ class LimitLedger:
         return True
 
 
-def _load_rows(conn: Connection) -> dict[str, dict[str, _KeyRow]]:
-    """Every active key's rows, by key id and PoP."""
-    columns = ", ".join(f"s.{name}" for name in _STORED)
+def _model_limits(conn: Connection) -> Limits:
+    """The limit entry of every active key's limit on a model, with its limits."""
+    limits: Limits = {}
+    for row in conn.execute(
+        "SELECT id, model_limits FROM api_keys "
+        "WHERE revoked_at IS NULL AND model_limits IS NOT NULL"
+    ):
+        for model, limit in json.loads(row["model_limits"]).items():
+            checked = ModelLimit.model_validate(limit)
+            limits[model_entry(row["id"], model)] = (checked.rpm, checked.tpm)
+    return limits
+
+
+def _load_rows(conn: Connection, model_limits: Limits) -> dict[str, dict[str, _KeyRow]]:
+    """Every active limit entry's rows, by entry and PoP (a removed model limit's deleted)."""
     rows: dict[str, dict[str, _KeyRow]] = defaultdict(dict)
+    columns = ", ".join(f"s.{name}" for name in _STORED)
     for row in conn.execute(
         f"SELECT {columns}, k.rpm, k.tpm FROM limit_shares s JOIN api_keys k "
         "ON k.id = s.key_id WHERE k.revoked_at IS NULL"
     ):
         key_row = _KeyRow.of(row)
         rows[key_row.key_id][key_row.pop] = key_row
+    gone: set[str] = set()
+    for row in conn.execute(
+        f"SELECT {', '.join(_STORED)} FROM limit_shares WHERE key_id LIKE ?", (_IS_MODEL_ENTRY,)
+    ):
+        limits = model_limits.get(row["key_id"])
+        if limits is None:
+            gone.add(row["key_id"])
+            continue
+        key_row = _KeyRow.of({**row, "rpm": limits[0], "tpm": limits[1]})
+        rows[key_row.key_id][key_row.pop] = key_row
+    conn.executemany("DELETE FROM limit_shares WHERE key_id = ?", [(entry,) for entry in gone])
     return rows
 
 
-def _limits_of(conn: Connection, key_ids: list[str]) -> dict[str, tuple[int, int]]:
-    if not key_ids:
-        return {}
-    marks = ", ".join("?" for _ in key_ids)
-    return {
-        row["id"]: (int(row["rpm"]), int(row["tpm"]))
-        for row in conn.execute(
-            f"SELECT id, rpm, tpm FROM api_keys WHERE revoked_at IS NULL AND id IN ({marks})",
-            key_ids,
-        )
-    }
+def _limits_of(conn: Connection, key_ids: list[str], model_limits: Limits) -> Limits:
+    """The limits of each active entry among `key_ids`."""
+    limits = {entry: model_limits[entry] for entry in key_ids if entry in model_limits}
+    overall = [key_id for key_id in key_ids if MODEL_SEPARATOR not in key_id]
+    if not overall:
+        return limits
+    marks = ", ".join("?" for _ in overall)
+    for row in conn.execute(
+        f"SELECT id, rpm, tpm FROM api_keys WHERE revoked_at IS NULL AND id IN ({marks})",
+        overall,
+    ):
+        limits[row["id"]] = (int(row["rpm"]), int(row["tpm"]))
+    return limits
 
 
 def _record_uses(
     conn: Connection,
     report: UsageReport,
     rows: dict[str, dict[str, _KeyRow]],
+    model_limits: Limits,
     now: float,
     half_life_s: float,
 ) -> set[str]:
-    """Fold the report into `rows` (demand, need, levels): the key ids it changed. Unknown and
-    revoked keys are skipped."""
-    limits = _limits_of(conn, [use.key_id for use in report.keys])
+    """Fold the report into `rows` (demand, need, levels): the entries it changed. Unknown and
+    revoked keys (and model limits no longer set) are skipped."""
+    limits = _limits_of(conn, [use.key_id for use in report.keys], model_limits)
     for use in report.keys:
         if use.key_id not in limits:
             continue

@@ -170,33 +170,6 @@ class NodePatch(BaseModel):
         return self
 
 
-class KeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: Label
-    tenant: Label | None = None
-    rpm: int = Field(ge=1, le=10**9, description="requests per minute")
-    tpm: int = Field(ge=1, le=10**12, description="tokens per minute")
-
-
-class KeyView(BaseModel):
-    id: str
-    name: str
-    tenant: str | None
-    rpm: int
-    tpm: int
-    created_at: float
-    revoked_at: float | None
-
-
-class KeyCreated(KeyView):
-    secret: str = Field(description="the API key itself; shown only in this response")
-
-
-class KeyList(BaseModel):
-    keys: list[KeyView]
-
-
 class XdsCredentialCreate(BaseModel):
     """What an Envoy's xDS credential binds its streams to: a role, and an ingress's region."""
 

@@ -1,10 +1,14 @@
 """The admit step of a completion: its body read within the size cap and checked
 (gateway/openai_request.py), then its rate-limit reservation taken (one request and the whole
-token reservation at once) or a 429 that says which limit refused it."""
+token reservation at once, from the key's limits and its limits on the request's model, within
+its token budget) or a 429 that says which limit refused it: `rate_limit_exceeded` naming the
+RPM or TPM (and the model, for a limit on one), or `budget_exceeded` saying when it resets."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -14,6 +18,7 @@ from gateway.limit_shares import PopLimiter
 from gateway.limits import Admission
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ParsedRequest
+from wire.key_snapshot import period_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,31 +43,58 @@ async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
 
 
 async def admit(
-    limiter: PopLimiter, metrics: GatewayMetrics, key: ApiKey, parsed: ParsedRequest
+    limiter: PopLimiter, metrics: GatewayMetrics, key: ApiKey, parsed: ParsedRequest, model: str
 ) -> Admitted:
-    """`parsed`'s reservation for `key`, or RateLimitError."""
-    admission = await limiter.admit(key, parsed.reserved_tokens)
+    """`parsed`'s reservation for `key` on `model` (what its name resolved to), or
+    RateLimitError."""
+    admission = await limiter.admit(key, model, parsed.reserved_tokens)
     if not admission.is_allowed:
         metrics.count_rate_limited(key.id, admission.limited_by or "tokens")
+        if admission.limited_by == "budget":
+            raise budget_error(key, admission)
         raise rate_limit_error(admission, parsed.reserved_tokens)
     return Admitted(key, parsed, admission)
 
 
 def rate_limit_error(admission: Admission, num_tokens: int) -> RateLimitError:
+    on = f" on model {admission.model}" if admission.refused_on_model else ""
     if admission.is_too_large:
         message = (
-            f"Request too large for tokens per min (TPM): Limit {admission.tpm}, Requested "
+            f"Request too large for tokens per min (TPM){on}: Limit {admission.tpm}, Requested "
             f"{num_tokens} (max_tokens, and the prompt counted as at most one token per UTF-8 "
             "byte). Lower max_tokens or the prompt."
         )
     elif admission.limited_by == "requests":
         message = (
-            f"Rate limit reached for requests per min (RPM): Limit {admission.rpm}. Please try "
-            f"again in {admission.retry_after_s:.1f}s."
+            f"Rate limit reached for requests per min (RPM){on}: Limit {admission.rpm}. Please "
+            f"try again in {admission.retry_after_s:.1f}s."
         )
     else:
         message = (
-            f"Rate limit reached for tokens per min (TPM): Limit {admission.tpm}, Requested "
+            f"Rate limit reached for tokens per min (TPM){on}: Limit {admission.tpm}, Requested "
             f"{num_tokens}. Please try again in {admission.retry_after_s:.1f}s."
         )
     return RateLimitError(message, "rate_limit_exceeded", headers=admission.headers())
+
+
+def budget_error(key: ApiKey, admission: Admission) -> RateLimitError:
+    budget = key.budget
+    assert budget is not None, "only a key with a budget is refused for it"
+    resets_at = datetime.fromtimestamp(time.time() + admission.retry_after_s, UTC)
+    message = (
+        f"Token budget exceeded: this key's budget of {budget.max_tokens} tokens per "
+        f"{period_text(budget.period_s)} is spent. It resets at "
+        f"{resets_at.isoformat(timespec='seconds').replace('+00:00', 'Z')} (in "
+        f"{_hours_minutes(admission.retry_after_s)})."
+    )
+    return RateLimitError(message, "budget_exceeded", headers=admission.headers())
+
+
+def _hours_minutes(seconds: float) -> str:
+    """`3h12m`, `12m5s`, `45s`."""
+    whole_s = max(1, round(seconds))
+    hours, rest_s = divmod(whole_s, 3600)
+    minutes, rest_s = divmod(rest_s, 60)
+    if hours:
+        return f"{hours}h{minutes}m"
+    return f"{minutes}m{rest_s}s" if minutes else f"{rest_s}s"

@@ -9,24 +9,50 @@ as the control plane publishes a change (within about a second).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from gateway.errors import AuthenticationError, NotReadyError
 from wire.errors import INVALID_CREDENTIAL, MISSING_CREDENTIAL
-from wire.key_snapshot import KeySnapshot
+from wire.key_snapshot import KeyGrant, KeySnapshot
+from wire.limit_shares import model_entry
 
 MAX_KEY_LEN = 512
 
 
 @dataclass(frozen=True, slots=True)
+class KeyBudget:
+    max_tokens: int  # per period
+    period_s: int  # periods start at its multiples since the epoch
+
+
+@dataclass(frozen=True, slots=True)
 class ApiKey:
+    """A key's limits: its id and limits are those of one limit entry (the key's own, or a
+    `model_limits` entry: `key#model`, that model's limits)."""
+
     id: str
     rpm: int
     tpm: int
     models: frozenset[str] | None = None  # the model and alias names it may use (None: all)
+    # Model -> the key's limits on it (on top of these), as an entry of their own.
+    model_limits: Mapping[str, ApiKey] = field(default_factory=dict)
+    budget: KeyBudget | None = None
 
     def may_use(self, name: str) -> bool:
         return self.models is None or name in self.models
+
+    @classmethod
+    def of(cls, grant: KeyGrant) -> ApiKey:
+        model_limits = {
+            model: ApiKey(model_entry(grant.id, model), limit.rpm, limit.tpm)
+            for model, limit in grant.model_limits.items()
+        }
+        budget = None
+        if grant.max_budget_tokens is not None and grant.budget_period_s is not None:
+            budget = KeyBudget(grant.max_budget_tokens, grant.budget_period_s)
+        models = None if grant.models is None else frozenset(grant.models)
+        return cls(grant.id, grant.rpm, grant.tpm, models, model_limits, budget)
 
 
 class KeyTable:
@@ -42,15 +68,7 @@ class KeyTable:
         return len(self._by_hash or {})
 
     def replace(self, snapshot: KeySnapshot) -> None:
-        self._by_hash = {
-            grant.secret_sha256: ApiKey(
-                grant.id,
-                grant.rpm,
-                grant.tpm,
-                None if grant.models is None else frozenset(grant.models),
-            )
-            for grant in snapshot.keys
-        }
+        self._by_hash = {grant.secret_sha256: ApiKey.of(grant) for grant in snapshot.keys}
         self.index = snapshot.index
 
     def authenticate(self, authorization: str | None) -> ApiKey:

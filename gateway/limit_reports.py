@@ -1,7 +1,9 @@
 """The usage report loop: every `limit_report_interval_s`, what each key asked of this PoP and its
 buckets' levels go to the control plane (`POST /v1/limits/report`, wire/limit_shares.py); the
 answer is this PoP's share of every key, and, when the buckets asked for them, the levels the
-control plane last knew here (see `gateway/redis_limits.py`).
+control plane last knew here (see `gateway/redis_limits.py`). Each report also carries what keys
+spent per model (a batch: `gateway/spend.py`), and its answer what each key with a budget spent
+in its current period.
 
 A report that fails (the control plane away) keeps its counts for the next one, and the PoP
 keeps the shares it has: while no PoP hears from the control plane, none changes its shares, and
@@ -58,13 +60,21 @@ class UsageReporter:
             rest = list(taken)[MAX_REPORTED_KEYS:]
             meter.give_back({key_id: taken.pop(key_id) for key_id in rest})
         wants_levels = buckets.needs_levels
-        report = UsageReport(pop=self._pop, wants_levels=wants_levels, keys=self._uses(taken))
+        batch = self._limiter.spend.take()  # kept for the next report until answered
+        report = UsageReport(
+            pop=self._pop,
+            wants_levels=wants_levels,
+            keys=self._uses(taken),
+            spend=batch.spend() if batch is not None else [],
+            spend_batch=batch.id if batch is not None else None,
+        )
         try:
             answer = await self._post(report)
         except BaseException:
             meter.give_back(taken)
             raise
         self._limiter.shares.replace(answer)
+        self._limiter.spend.answered(batch, answer.spent)
         if wants_levels:
             await buckets.seed(answer.levels)
         if self.num_failures:

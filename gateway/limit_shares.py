@@ -5,15 +5,21 @@ The shares come from the control plane in the answer to each usage report
 (`gateway/limit_reports.py`); until the first answer the PoP knows none and answers 503, as it
 does until it has keys. Counting what was asked is a dictionary update per request: the report
 leaves the request path.
+
+The limiter admits a request against the key's budget (`gateway/spend.py`), then its own
+buckets, then its buckets on the request's model if it has limits there; the spend of what a
+finished request used is counted per key and model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 from gateway.errors import NotReadyError
 from gateway.keys import ApiKey
 from gateway.limits import Admission, Buckets
+from gateway.spend import Exhausted, SpendBook
 from wire.limit_shares import ShareAnswer
 
 
@@ -90,25 +96,75 @@ class UsageMeter:
 
 
 class PopLimiter:
-    """What the handlers admit from and settle to: this PoP's buckets at its current shares."""
+    """What the handlers admit from and settle to: this PoP's buckets at its current shares,
+    and the keys' budgets."""
 
-    def __init__(self, buckets: Buckets, shares: ShareTable, meter: UsageMeter) -> None:
+    def __init__(
+        self,
+        buckets: Buckets,
+        shares: ShareTable,
+        meter: UsageMeter,
+        spend: SpendBook | None = None,
+    ) -> None:
         self.buckets = buckets
         self.shares = shares
         self.meter = meter
+        self.spend = spend if spend is not None else SpendBook()
 
-    async def admit(self, key: ApiKey, num_tokens: int) -> Admission:
-        """Take one request and `num_tokens` from the key's buckets, or nothing."""
-        admission = await self.buckets.admit(key, self.shares.share_of(key.id), num_tokens)
+    async def admit(self, key: ApiKey, model: str, num_tokens: int) -> Admission:
+        """Take one request and `num_tokens` from the key's budget, its buckets and its
+        buckets on `model` (if it has limits there), or nothing."""
+        share = self.shares.share_of(key.id)  # before anything is taken: not ready is a 503
+        exhausted = self.spend.reserve(key, num_tokens)
+        if exhausted is not None:
+            return _over_budget(key, model, num_tokens, exhausted)
+        admission = await self._take(key, share, num_tokens)
+        on_model = key.model_limits.get(model)
+        if admission.is_allowed and on_model is not None:
+            by_model = await self._take(on_model, self.shares.share_of(on_model.id), num_tokens)
+            if by_model.is_allowed:
+                admission = replace(admission, on_model=by_model)
+            else:
+                await self.buckets.refund(key, share, admission)
+                admission = replace(by_model, refused_on_model=True)
+        if not admission.is_allowed:
+            self.spend.release(key, num_tokens)
+        return replace(admission, model=model)
+
+    async def _take(self, key: ApiKey, share: float, num_tokens: int) -> Admission:
+        admission = await self.buckets.admit(key, share, num_tokens)
         self.meter.count(key.id, num_tokens, admission)
         return admission
 
     async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
         """Give back what a finished request did not use (negative: charge the excess), to the
-        buckets that `admission` was taken from."""
+        buckets that `admission` was taken from, and count what it used as the key's spend."""
+        await self._give_back(key, admission, num_unused_tokens)
+        on_model = key.model_limits.get(admission.model)
+        if admission.on_model is not None and on_model is not None:
+            await self._give_back(on_model, admission.on_model, num_unused_tokens)
+        num_used = admission.num_tokens - num_unused_tokens
+        self.spend.settle(key, admission.model, admission.num_tokens, num_used)
+
+    async def _give_back(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
         share = self.shares.share_of(key.id)
         await self.buckets.settle(key, share, admission, num_unused_tokens)
         self.meter.touch(key.id)
 
     async def close(self) -> None:
         await self.buckets.close()
+
+
+def _over_budget(key: ApiKey, model: str, num_tokens: int, exhausted: Exhausted) -> Admission:
+    return Admission(
+        is_allowed=False,
+        limited_by="budget",
+        is_too_large=False,
+        rpm=key.rpm,
+        tpm=key.tpm,
+        request_level=0.0,
+        token_level=0.0,
+        retry_after_s=max(0.0, exhausted.resets_at - time.time()),
+        num_tokens=num_tokens,
+        model=model,
+    )

@@ -14,6 +14,9 @@ debt). A stream therefore never needs to be cut off for its budget: it was paid 
 started. A refusal's Retry-After is when the request would fit at the key's whole rate (the
 soonest it can, as shares follow demand).
 
+A key with limits on a model (`ApiKey.model_limits`) has buckets for them too, as a key of its
+own (`key#model`): a request for the model takes from both or from neither.
+
 Two backends keep the buckets (`Buckets`): `LocalBuckets` (one process) here, and `RedisBuckets`
 (every gateway process of a PoP, `gateway/redis_limits.py`). An admission says which backend
 took it, so that it is settled where it was paid for.
@@ -30,7 +33,7 @@ from gateway.keys import ApiKey
 from wire.limit_shares import KeyLevels
 
 SECONDS_PER_MINUTE = 60.0
-LimitKind = Literal["requests", "tokens"]
+LimitKind = Literal["requests", "tokens", "budget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +48,18 @@ class Admission:
     retry_after_s: float  # when this request would fit (0 if allowed)
     share: float = 1.0  # this PoP's share of the key: its buckets hold `share × rpm`, `× tpm`
     is_shared: bool = False  # taken from the PoP's shared buckets (Redis), not this process's
+    num_tokens: int = 0  # the reservation asked for
+    # Set by `PopLimiter.admit`: the model the request resolved to, and the admission from the
+    # key's limits on it (None: it has none).
+    model: str = ""
+    on_model: Admission | None = None
+    refused_on_model: bool = False  # refused by the key's limits on `model`, not its own
 
     def headers(self) -> dict[str, str]:
         """OpenAI's `x-ratelimit-*` headers (and `retry-after` when refused): the key's limits,
-        and what remains of them at this PoP."""
+        and what remains of them at this PoP (a budget's refusal: when it resets, alone)."""
+        if self.limited_by == "budget":
+            return self._retry_headers()
         headers = {
             "x-ratelimit-limit-requests": str(self.rpm),
             "x-ratelimit-remaining-requests": str(max(0, math.floor(self.request_level))),
@@ -62,9 +73,14 @@ class Admission:
             ),
         }
         if not self.is_allowed:
-            headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
-            headers["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
+            headers.update(self._retry_headers())
         return headers
+
+    def _retry_headers(self) -> dict[str, str]:
+        return {
+            "retry-after": str(max(1, math.ceil(self.retry_after_s))),
+            "retry-after-ms": str(max(1, math.ceil(self.retry_after_s * 1000))),
+        }
 
 
 class Buckets(Protocol):
@@ -80,6 +96,10 @@ class Buckets(Protocol):
     async def settle(
         self, key: ApiKey, share: float, admission: Admission, num_unused_tokens: int
     ) -> None: ...
+
+    async def refund(self, key: ApiKey, share: float, admission: Admission) -> None:
+        """Give back all of an admission: its request and its reservation."""
+        ...
 
     def levels_of(self, key_id: str) -> KeyLevels | None:
         """The key's latest levels here, as last seen (None: never touched)."""
@@ -139,6 +159,7 @@ def decide(
         token_level=token_level,
         retry_after_s=retry_after_s,
         share=share,
+        num_tokens=num_tokens,
     )
     return admission, request_level, token_level
 
@@ -202,9 +223,12 @@ class LocalBuckets:
         )
         return admission
 
-    def settle_now(self, key: ApiKey, share: float, num_unused_tokens: int) -> None:
+    def settle_now(
+        self, key: ApiKey, share: float, num_unused_tokens: int, num_unused_requests: int = 0
+    ) -> None:
         buckets = self._buckets_of(key, share, time.monotonic())
         buckets.token_level = min(key.tpm * share, buckets.token_level + num_unused_tokens)
+        buckets.request_level = min(key.rpm * share, buckets.request_level + num_unused_requests)
 
     def levels_of(self, key_id: str) -> KeyLevels | None:
         buckets = self._buckets.get(key_id)
@@ -230,6 +254,9 @@ class LocalBuckets:
         self, key: ApiKey, share: float, admission: Admission, num_unused_tokens: int
     ) -> None:
         self.settle_now(key, share, num_unused_tokens)
+
+    async def refund(self, key: ApiKey, share: float, admission: Admission) -> None:
+        self.settle_now(key, share, admission.num_tokens, 1)
 
     async def seed(self, levels: list[KeyLevels]) -> None:
         now_s = time.monotonic()

@@ -93,15 +93,23 @@ class RedisBuckets:
     async def settle(
         self, key: ApiKey, share: float, admission: Admission, num_unused_tokens: int
     ) -> None:
-        if num_unused_tokens == 0:
+        await self._give_back(key, share, num_unused_tokens, 0)
+
+    async def refund(self, key: ApiKey, share: float, admission: Admission) -> None:
+        await self._give_back(key, share, admission.num_tokens, 1)
+
+    async def _give_back(
+        self, key: ApiKey, share: float, num_tokens: int, num_requests: int
+    ) -> None:
+        if num_tokens == 0 and num_requests == 0:
             return
         if key.id in self._fallback:  # on it now, or not yet written back
-            self._fallback.settle_now(key, share, num_unused_tokens)
+            self._fallback.settle_now(key, share, num_tokens, num_requests)
             return
-        if await self._run(self._settle, key, share, num_unused_tokens) is None:
+        if await self._run(self._settle, key, share, num_tokens, num_requests) is None:
             # Redis is away: settled in the buckets that start from the levels last seen,
             # which hold this admission's reservation already.
-            self._fallback_for(key, share).settle_now(key, share, num_unused_tokens)
+            self._fallback_for(key, share).settle_now(key, share, num_tokens, num_requests)
 
     def levels_of(self, key_id: str) -> KeyLevels | None:
         own = self._fallback.levels_of(key_id)
@@ -161,7 +169,7 @@ class RedisBuckets:
         logger.info("wrote %d keys' levels taken while redis was away back to it", len(taken))
 
     async def _run(
-        self, script: AsyncScript, key: ApiKey, share: float, num_tokens: int
+        self, script: AsyncScript, key: ApiKey, share: float, num_tokens: int, num_requests: int = 0
     ) -> Any | None:
         """The script's answer, or None if Redis failed, is cooling down after a failure, or has
         lost its data."""
@@ -170,7 +178,7 @@ class RedisBuckets:
             return None
         self._breaker.on_attempt(now_s)
         bucket: list[str | int] = [key.rpm, key.tpm, repr(share), num_tokens]
-        args = [*bucket, EXPIRY_MARGIN_MS, MAX_KEEP_MS]
+        args = [*bucket, EXPIRY_MARGIN_MS, MAX_KEEP_MS, num_requests]
         try:
             answer = await script(keys=[KEY_PREFIX + key.id, SEEDED_KEY], args=args)
         except (RedisError, OSError) as exc:

@@ -78,10 +78,12 @@ end
     + "return {allowed, tostring(r), tostring(t)}\n"
 )
 
-# As ADMIT_SCRIPT, ARGV[4] the tokens to give back (negative: charge). Returns {1, r, t} or {-1}.
+# As ADMIT_SCRIPT, ARGV[4] the tokens to give back (negative: charge), ARGV[7] the requests (an
+# admission undone: 1). Returns {1, r, t} or {-1}.
 SETTLE_SCRIPT: Final = (
     _FUNCTIONS
     + "t = math.min(tpm * share, t + tonumber(ARGV[4]))\n"
+    + "r = math.min(rpm * share, r + tonumber(ARGV[7]))\n"
     + _STORE
     + "return {1, tostring(r), tostring(t)}\n"
 )

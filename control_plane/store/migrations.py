@@ -138,6 +138,24 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             created_at DOUBLE PRECISION NOT NULL
         )""",
     ),
+    (
+        # Per-key model access and budgets (control_plane/keys.py): the models a key may use and
+        # its limits per model (JSON; NULL: every model, no per-model limit), its token budget
+        # per period; the tokens each key spent per model and period (control_plane/spend.py);
+        # and the last spend batch applied per PoP (a report sent again counts once).
+        "ALTER TABLE api_keys ADD COLUMN models TEXT",
+        "ALTER TABLE api_keys ADD COLUMN model_limits TEXT",
+        "ALTER TABLE api_keys ADD COLUMN max_budget_tokens BIGINT",
+        "ALTER TABLE api_keys ADD COLUMN budget_period_s BIGINT",
+        "ALTER TABLE limit_pops ADD COLUMN spend_batch TEXT",
+        """CREATE TABLE key_spend (
+            key_id TEXT NOT NULL,
+            model TEXT NOT NULL,
+            period_start BIGINT NOT NULL,
+            tokens BIGINT NOT NULL,
+            PRIMARY KEY (key_id, period_start, model)
+        )""",
+    ),
 )
 
 

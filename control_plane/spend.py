@@ -1,0 +1,125 @@
+"""What each key spent, per model and period (table `key_spend`): recorded from the gateways'
+usage reports, answered to them per key with a budget, and read back for operators
+(`GET /v1/keys/{id}/spend`, `meridian status`).
+
+A key's period is its budget's (`budget_period_s`), or a UTC day for a key without a budget;
+tokens count in the period holding the moment the control plane hears of them. Changing a key's
+period starts counting anew: spend recorded under the old period's starts counts only where
+such a start falls inside the new current period.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from control_plane.key_schemas import KeySpend
+from control_plane.store.base import Connection
+from wire.key_snapshot import DEFAULT_SPEND_PERIOD_S, period_start
+from wire.limit_shares import KeySpent, UsageReport
+
+
+def _period_of(budget_period_s: int | None) -> int:
+    return budget_period_s or DEFAULT_SPEND_PERIOD_S
+
+
+def record_spend(conn: Connection, report: UsageReport, now: float) -> None:
+    """Add the report's spend, unless its batch is the last one applied for its PoP (a report
+    sent again after its answer was lost). Unknown and revoked keys are skipped; the PoP's row
+    in `limit_pops` must exist."""
+    if not report.spend or report.spend_batch is None:
+        return
+    row = conn.execute("SELECT spend_batch FROM limit_pops WHERE pop = ?", (report.pop,)).fetchone()
+    if row is not None and row["spend_batch"] == report.spend_batch:
+        return
+    conn.execute(
+        "UPDATE limit_pops SET spend_batch = ? WHERE pop = ?", (report.spend_batch, report.pop)
+    )
+    totals: dict[tuple[str, str], int] = defaultdict(int)
+    for spend in report.spend:
+        totals[spend.key_id, spend.model] += spend.num_tokens
+    periods = _periods_of(conn, {key_id for key_id, _ in totals})
+    conn.executemany(
+        "INSERT INTO key_spend (key_id, model, period_start, tokens) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (key_id, period_start, model) DO UPDATE "
+        "SET tokens = key_spend.tokens + excluded.tokens",
+        [
+            (key_id, model, period_start(now, periods[key_id]), tokens)
+            for (key_id, model), tokens in totals.items()
+            if key_id in periods and tokens > 0
+        ],
+    )
+
+
+def _periods_of(conn: Connection, key_ids: Iterable[str]) -> dict[str, int]:
+    """The spend period of each active key among `key_ids`."""
+    ids = list(key_ids)
+    if not ids:
+        return {}
+    marks = ", ".join("?" for _ in ids)
+    return {
+        row["id"]: _period_of(row["budget_period_s"])
+        for row in conn.execute(
+            "SELECT id, budget_period_s FROM api_keys "
+            f"WHERE revoked_at IS NULL AND id IN ({marks})",
+            ids,
+        )
+    }
+
+
+def budgets_spent(conn: Connection, now: float) -> list[KeySpent]:
+    """What each active key with a budget spent in its current period (those that spent)."""
+    starts = {
+        row["id"]: period_start(now, row["budget_period_s"])
+        for row in conn.execute(
+            "SELECT id, budget_period_s FROM api_keys "
+            "WHERE revoked_at IS NULL AND max_budget_tokens IS NOT NULL"
+        )
+    }
+    if not starts:
+        return []
+    spent: dict[str, int] = defaultdict(int)
+    for row in conn.execute(
+        "SELECT key_id, period_start, SUM(tokens) AS tokens FROM key_spend "
+        "WHERE period_start >= ? GROUP BY key_id, period_start",
+        (min(starts.values()),),
+    ):
+        start = starts.get(row["key_id"])
+        if start is not None and row["period_start"] >= start:
+            spent[row["key_id"]] += int(row["tokens"])
+    return [
+        KeySpent(key_id=key_id, period_start=starts[key_id], spent_tokens=tokens)
+        for key_id, tokens in sorted(spent.items())
+    ]
+
+
+def spend_of(
+    conn: Connection,
+    key_id: str,
+    max_budget_tokens: int | None,
+    budget_period_s: int | None,
+    now: float,
+) -> KeySpend:
+    """One key's spend in its current period, per model."""
+    period_s = _period_of(budget_period_s)
+    start = period_start(now, period_s)
+    models = {
+        row["model"]: int(row["tokens"])
+        for row in conn.execute(
+            "SELECT model, SUM(tokens) AS tokens FROM key_spend WHERE key_id = ? "
+            "AND period_start >= ? AND period_start < ? GROUP BY model ORDER BY model",
+            (key_id, start, start + period_s),
+        )
+    }
+    spent = sum(models.values())
+    remaining = None if max_budget_tokens is None else max(0, max_budget_tokens - spent)
+    return KeySpend(
+        key=key_id,
+        period_start=start,
+        period_end=start + period_s,
+        budget_period=period_s,
+        max_budget_tokens=max_budget_tokens,
+        spent_tokens=spent,
+        remaining_tokens=remaining,
+        models=models,
+    )
