@@ -79,6 +79,11 @@ class SpendBook:
         self._held[key.id] += num_tokens
         return None
 
+    def spent_of(self, key_id: str) -> int:
+        """What the control plane's latest answer says the key spent in its period (0: none)."""
+        answered = self._spent.get(key_id)
+        return 0 if answered is None else answered.spent_tokens
+
     def release(self, key: ApiKey, num_tokens: int) -> None:
         """A reservation given back unused (the request was refused)."""
         if key.budget is not None:

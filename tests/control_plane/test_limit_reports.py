@@ -13,7 +13,7 @@ from control_plane.limit_reports import LimitLedger
 from control_plane.limit_shares import LimitSharesConfig
 from control_plane.store import open_store
 from control_plane.store.base import Connection
-from wire.limit_shares import KeyUse, ShareAnswer, UsageReport
+from wire.limit_shares import KeyUse, ShareAnswer, UsageReport, model_entry
 
 CONFIG = LimitSharesConfig(floor=0.06, demand_half_life_s=2.0, pop_ttl_s=15.0)
 KEY = "key_a"
@@ -152,6 +152,28 @@ def test_an_idle_key_is_forgotten_and_a_revoked_one_at_once(ledger: Ledger) -> N
 def test_unknown_keys_in_a_report_are_skipped(ledger: Ledger) -> None:
     answer = ledger.report("new-york", use(key_id="key_nobody"))
     assert answer.shares == [] and ledger.rows() == 0
+
+
+def test_a_keys_limit_on_a_model_is_shared_as_an_entry_of_its_own(ledger: Ledger) -> None:
+    entry = model_entry(KEY, "m-1")
+    ledger.store.write_sync(
+        lambda conn: conn.execute(
+            "UPDATE api_keys SET model_limits = ? WHERE id = ?",
+            ('{"m-1": {"rpm": 6, "tpm": 600}}', KEY),
+        )
+    )
+    for pop in ("new-york", "london"):
+        ledger.report(pop)
+    for _ in range(3):  # the model's whole rate (its own 600 TPM) asked at new-york
+        ledger.report("new-york", use(key_id=entry, num_tokens=600))
+        ledger.report("london")
+        ledger.now += 1
+    shares = {s.key_id: s.share for s in ledger.report("new-york").shares}
+    assert shares[entry] == pytest.approx(0.97) and KEY not in shares  # the key: unasked
+    ledger.store.write_sync(
+        lambda conn: conn.execute("UPDATE api_keys SET model_limits = NULL WHERE id = ?", (KEY,))
+    )
+    assert ledger.report("new-york", use(key_id=entry)).shares == [] and ledger.rows() == 0
 
 
 @pytest.mark.asyncio

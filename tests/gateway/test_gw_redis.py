@@ -62,6 +62,24 @@ def test_concurrent_admissions_never_overspend(redis_url: str) -> None:
 
 
 @pytest.mark.slow
+def test_a_refund_gives_the_request_and_its_reservation_back_in_redis(redis_url: str) -> None:
+    key = ApiKey("key_u", rpm=2, tpm=600)
+
+    async def run() -> None:
+        limiter = await seeded(redis_url)
+        try:
+            first = await limiter.admit(key, 1.0, 500)
+            await limiter.refund(key, 1.0, first)  # another limit refused the request
+            again = await limiter.admit(key, 1.0, 500)
+            assert again.is_allowed and 99 <= again.token_level <= 101
+            assert (await limiter.admit(key, 1.0, 1)).is_allowed  # the second of 2 RPM
+        finally:
+            await limiter.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
 def test_tokens_are_reserved_and_settled_in_redis(redis_url: str) -> None:
     key = ApiKey("key_t", rpm=1000, tpm=600)
 
