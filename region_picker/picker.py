@@ -15,7 +15,7 @@ from region_picker.node_book import NodeBook
 from region_picker.prompt_hashes import PromptHasher
 from region_picker.routed_prefixes import RoutedPrefixes
 from region_picker.scoring import CacheView, Decision, pick
-from wire.cache_salt import CACHE_SALT_HEADER
+from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
 from wire.model_catalog import MODEL_HEADER
 
 # OpenAI's name for the system role in newer models; the node agent maps it the same way.
@@ -93,7 +93,9 @@ class Picker:
         if not candidates:
             self._metrics.fallback("no_candidate")
             return None
-        hashes = self._hashes(prompt, headers.get(CACHE_SALT_HEADER), candidates[0].block_size)
+        # Salted as the node salts it (a body `cache_salt` is not read: such prompts score cold).
+        salt = engine_cache_salt(headers.get(CACHE_SALT_HEADER), None)
+        hashes = self._hashes(prompt, salt, candidates[0].block_size)
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None
         chosen = decision.chosen.candidate.node_id
