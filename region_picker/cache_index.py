@@ -5,7 +5,8 @@ A node is known from its snapshot on; each batch after it must carry the next se
 A batch out of turn means one went missing: the node becomes unknown (it holds nothing, as far
 as scoring goes) until its next snapshot, which the stream's receiver then asks for
 (region_picker/cache_receiver.py). Both directions are kept: node -> hashes for scoring a
-prompt on a node, hash -> nodes for which nodes hold a prefix at all.
+prompt on a node, hash -> nodes for which nodes hold a prefix at all. `ExactOrGuessed` is the
+view the picker scores with: this index for the nodes that stream, a guess for the others.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from region_picker.scoring import CacheView
 from wire.cache_events import CacheDelta, CacheSnapshot
 
 
@@ -114,3 +116,17 @@ class CacheIndex:
                 holders.discard(node_id)
                 if not holders:
                     del self._holders[block_hash]
+
+
+class ExactOrGuessed:
+    """The index's exact answer for a node it knows; `guess`'s (the approximate view) for a
+    node that does not stream, or whose snapshot is awaited."""
+
+    def __init__(self, index: CacheIndex, guess: CacheView) -> None:
+        self._index = index
+        self._guess = guess
+
+    def cached_prefix_blocks(self, node_id: str, block_hashes: Sequence[bytes]) -> int:
+        if self._index.is_known(node_id):
+            return self._index.cached_prefix_blocks(node_id, block_hashes)
+        return self._guess.cached_prefix_blocks(node_id, block_hashes)

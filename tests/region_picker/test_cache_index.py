@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from region_picker.cache_index import CacheIndex
+from region_picker.cache_index import CacheIndex, ExactOrGuessed
+from region_picker.routed_prefixes import RoutedPrefixes
 from wire.cache_events import CacheDelta, CacheSnapshot, parse_node_message, stream_url
 
 
@@ -102,3 +103,15 @@ def test_the_stream_url_comes_from_the_pickers_address() -> None:
     assert stream_url("ws://p:1/v1/cache-events") == "ws://p:1/v1/cache-events"
     with pytest.raises(ValueError, match="picker URL"):
         stream_url("picker:9100")
+
+
+def test_the_pickers_view_is_exact_where_a_node_streams_and_guessed_elsewhere() -> None:
+    index, routed = CacheIndex(), RoutedPrefixes()
+    routed.record("a", [h(1), h(2)])  # sent there, but its stream says it evicted 2
+    routed.record("b", [h(1), h(2)])
+    index.apply_snapshot(snapshot("a", 0, 1))
+    view = ExactOrGuessed(index, routed)
+    assert view.cached_prefix_blocks("a", [h(1), h(2)]) == 1
+    assert view.cached_prefix_blocks("b", [h(1), h(2)]) == 2  # no stream: the guess
+    index.apply_delta(delta("a", 2))  # a gap: "a" is unknown until its snapshot
+    assert view.cached_prefix_blocks("a", [h(1), h(2)]) == 2
