@@ -4,6 +4,7 @@ audited, carried in the gateways' snapshot; spend recorded from usage reports an
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ from conftest import ControlPlaneClient, settings_on_each_db
 
 from control_plane.limit_reports import LimitLedger
 from control_plane.limit_shares import LimitSharesConfig
+from stack.status import key_spends
 from wire.key_snapshot import KeySnapshot, period_start
 from wire.limit_shares import ModelSpend, ShareAnswer, UsageReport
 
@@ -191,3 +193,23 @@ async def test_spend_is_recorded_per_model_once_per_batch_and_read_back(
     await ledger.report(report("london", "b2", (b, LARGE, 600)))  # over its budget
     over = (await cp.http.get(f"/v1/keys/{b}/spend", headers=cp.admin)).json()
     assert (over["spent_tokens"], over["remaining_tokens"]) == (1250, 0)
+
+
+@pytest.mark.asyncio
+async def test_meridian_status_shows_each_keys_spend_per_model(live_cp: ControlPlaneClient) -> None:
+    budgeted = await create_key(live_cp, name="team-b", max_budget_tokens=300, budget_period="1d")
+    plain = await create_key(live_cp, name="team-p")
+    revoked = await create_key(live_cp, name="gone")
+    await live_cp.http.delete(f"/v1/keys/{revoked['id']}", headers=live_cp.admin)
+    ledger = LimitLedger(live_cp.services.store, LimitSharesConfig())
+    b = budgeted["id"]
+    await ledger.report(report("new-york", "b1", (b, SMALL, 250), (b, LARGE, 50)))
+
+    # Blocking HTTP calls, as `meridian status` makes them: off the event loop.
+    lines = await asyncio.to_thread(key_spends, live_cp.base_url, live_cp.admin)
+    text = "\n".join(lines)
+    assert revoked["id"] not in text and plain["id"] in text
+    (total,) = [line.split() for line in lines if b in line]
+    assert total[1:7] == ["team-b", "(all)", "300", "300", "(SPENT)", "1d"]
+    by_model = {line.split()[0]: line.split()[1] for line in lines if line.startswith("    ")}
+    assert by_model == {SMALL: "250", LARGE: "50"}

@@ -118,3 +118,23 @@ def test_a_budget_spent_at_one_pop_is_refused_at_the_other_until_raised(
     index = keys.index
     wait_until(lambda: keys.index > index, 5.0, "the raised budget")
     assert there.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_key_created_with_models_may_use_those_alone(
+    fleet: Fleet, client_ssl: ssl.SSLContext, clients: dict[str, httpx.Client]
+) -> None:
+    fleet.add_region("us-east")
+    gateway = fleet.start_gateway()
+    fleet.wait_for_gateway(gateway)
+    body = {"name": "k", "rpm": 100, "tpm": 100_000, "models": ["another-model"]}
+    created = fleet.admin_call("POST", "/v1/keys", json=body)
+    wait_until(lambda: len(gateway.handlers.keys) > 0, what="the key")
+    http = client_of(clients, gateway, created["secret"], client_ssl)
+    refused = http.post("/v1/chat/completions", json=CHAT)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
+    fleet.admin_call("PATCH", f"/v1/keys/{created['id']}", json={"models": [FAKE_MODEL]})
+    wait_until(
+        lambda: http.post("/v1/chat/completions", json=CHAT).status_code == 200,
+        5.0,
+        "the key's new models",
+    )
