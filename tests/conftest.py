@@ -18,6 +18,7 @@ from unit_guard import (
 )
 
 from engine.loader import Checkpoint, load_checkpoint
+from engine.model import dense_matmul
 from engine.model_store import DEFAULT_MODEL, pull
 
 if TYPE_CHECKING:
@@ -63,6 +64,15 @@ def hf_smollm2_tokenizer(smollm2_gguf: Path) -> PreTrainedTokenizerBase:
         ]
     )
     return tokenizer
+
+
+@pytest.fixture
+def few_probe_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 kernel's range is measured once per weight shape over copies of the weight
+    cycled through 64 MB, so that each call reads it from memory as a step does; a test's weight
+    of a few bytes would be copied a million times (seconds a shape, in every worker). Over 1 MB
+    the probes still run and may find any range, which the tests using this must hold for."""
+    monkeypatch.setattr(dense_matmul, "_COLD_BYTES", 2**20)
 
 
 @pytest.fixture(scope="session")

@@ -124,6 +124,7 @@ def test_a_watcher_of_the_engine_holds_exactly_its_prefix_cache(tiny_model: Path
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # starts the engine core's process
 def test_events_cross_the_core_process_and_a_new_watch_starts_with_the_truth(
     tiny_model: Path,
 ) -> None:

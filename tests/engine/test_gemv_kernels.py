@@ -97,6 +97,7 @@ def test_linear_gives_the_same_result_with_kernels_on_and_off(
     )
 
 
+@pytest.mark.usefixtures("few_probe_copies")
 def test_linear_takes_the_kernel_for_few_bf16_tokens_only(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
 

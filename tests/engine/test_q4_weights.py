@@ -87,6 +87,7 @@ def _close(ours: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> No
     torch.testing.assert_close(ours.float(), expected, atol=1e-4 * scale, rtol=rtol)
 
 
+@pytest.mark.usefixtures("few_probe_copies")
 @pytest.mark.parametrize("kernels_on", [True, False])
 @pytest.mark.parametrize(("n", "k", "num_tokens"), CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
