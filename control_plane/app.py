@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from control_plane import keys as key_store
-from control_plane.api import keys, limit_reports, nodes, regions, routing, status
+from control_plane.api import keys, limit_reports, nodes, region_nodes, regions, routing, status
 from control_plane.api import xds as xds_api
 from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from control_plane.api.refused import install_refusal_handler
@@ -100,7 +100,14 @@ def build(
     )
     envoy_credentials = EnvoyCredentials(store)
     gate = StreamGate(envoy_credentials, refusals)
-    xds = XdsServer(fleet, summary_feed, settings.sweep_interval_s, gate, lambda: publisher.listed)
+    xds = XdsServer(
+        fleet,
+        summary_feed,
+        settings.sweep_interval_s,
+        gate,
+        lambda: publisher.listed,
+        settings.pickers,
+    )
     peer_envoys = PeerReports()
     has_consul = settings.consul_addr is not None
     times = DrainTimes.of(settings)
@@ -255,6 +262,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     for router in (
         regions.router,
+        region_nodes.router,
         nodes.router,
         keys.router,
         limit_reports.router,

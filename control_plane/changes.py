@@ -34,6 +34,10 @@ class ChangeFeed:
     def index(self) -> int:
         return self._index
 
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
     def advance(self) -> int:
         """Move the index forward by one and wake every waiter."""
         self._index += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -122,7 +123,23 @@ class Settings(BaseSettings):
     max_refusals_audited: int = Field(default=100, ge=0, le=100_000)
     # Upper bound on a blocking query's `wait` (Consul caps at 10 minutes).
     max_wait_s: float = Field(default=300.0, gt=0.0, le=600.0)
+    # Regions with an endpoint picker (region_picker/), and where it listens ("IP:PORT"): their
+    # ingress Envoys ask it which node takes each request (control_plane/xds/picker.py).
+    region_pickers: dict[str, str] = Field(default_factory=dict)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("region_pickers")
+    @classmethod
+    def _valid_pickers(cls, pickers: dict[str, str]) -> dict[str, str]:
+        for region, address in pickers.items():
+            if picker_address(address) is None:
+                raise ValueError(f"the picker of {region!r} is IP:PORT, not {address!r}")
+        return pickers
+
+    @property
+    def pickers(self) -> dict[str, tuple[str, int]]:
+        """`region_pickers` as the xDS plan takes them."""
+        return {region: picker_address(a) or ("", 0) for region, a in self.region_pickers.items()}
 
     @field_validator("consul_addr")
     @classmethod
@@ -192,3 +209,14 @@ class Settings(BaseSettings):
         if self.db_path == MEMORY_DB or is_postgres_url(self.db_path):
             return Path("meridian-control-plane.tokens")
         return Path(self.db_path + ".tokens")
+
+
+def picker_address(text: str) -> tuple[str, int] | None:
+    """(IP, port) of "IP:PORT" ("[v6]:PORT" for IPv6), or None."""
+    host, _, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return (host, int(port)) if port.isdigit() and 0 < int(port) < 65536 else None

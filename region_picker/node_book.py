@@ -1,5 +1,6 @@
 """The region's routable nodes as the control plane last reported them, and the requests the
-picker sent each since (its report cannot count those yet)."""
+picker sent each whose response has not started yet: they wait or prefill there, and a report
+that is up to a sweep old cannot count them."""
 
 from __future__ import annotations
 
@@ -24,18 +25,12 @@ def envoy_address(url: str) -> str | None:
 class NodeBook:
     index: int = 0
     _loads: dict[str, NodeLoad] = field(default_factory=dict)
-    _sent: dict[str, int] = field(default_factory=dict)
+    _pending: dict[str, int] = field(default_factory=dict)
 
     def adopt(self, document: RegionNodes) -> set[str]:
         """The control plane's new document; returns the node ids that left."""
         loads = {n.node_id: n for n in document.nodes if envoy_address(n.url) is not None}
         gone = set(self._loads) - set(loads)
-        # A node whose report changed has counted what was sent to it before.
-        self._sent = {
-            node_id: count
-            for node_id, count in self._sent.items()
-            if node_id in loads and loads[node_id] == self._loads.get(node_id)
-        }
         self._loads = loads
         self.index = document.index
         return gone
@@ -52,11 +47,19 @@ class NodeBook:
                 num_running=load.num_running,
                 num_waiting=load.num_waiting,
                 num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
-                num_sent=self._sent.get(load.node_id, 0),
+                num_pending=self._pending.get(load.node_id, 0),
             )
             for load in self._loads.values()
             if model is None or load.model == model
         ]
 
     def note_sent(self, node_id: str) -> None:
-        self._sent[node_id] = self._sent.get(node_id, 0) + 1
+        self._pending[node_id] = self._pending.get(node_id, 0) + 1
+
+    def note_started(self, node_id: str) -> None:
+        """A request sent to `node_id` has its response started, or ended without one."""
+        count = self._pending.get(node_id, 0) - 1
+        if count > 0:
+            self._pending[node_id] = count
+        else:
+            self._pending.pop(node_id, None)

@@ -104,6 +104,10 @@ class Picker:
         self._metrics.decided(decision, len(hashes))
         return decision
 
+    def started(self, node_id: str) -> None:
+        """The response of a request sent to `node_id` has started (or the request ended)."""
+        self._nodes.note_started(node_id)
+
     def _hashes(self, prompt: Prompt, salt: str | None, block_size: int) -> list[bytes]:
         hasher = self._hashers.get(prompt.model or "")
         if hasher is None or hasher.block_size != block_size:

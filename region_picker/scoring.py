@@ -3,8 +3,9 @@
 Each candidate's cost is the work ahead of the request there, in prompt tokens:
 - the prompt tokens it would prefill (those past its cached prefix of the prompt's blocks),
 - the prefill tokens already waiting on it,
-- a request's worth of tokens for each request waiting, or sent by the picker since the node
-  last reported (the report cannot count those yet), and a smaller share for each running one,
+- a request's worth of tokens for each request waiting, or sent there by the picker and not yet
+  answered (the node's report, up to a sweep old, may not count those yet), and a smaller share
+  for each running one,
 all scaled up by how full its KV cache is (a node short of blocks evicts the very prefixes that
 make it cheap, and preempts). The cheapest wins; among the near ties (within `NEAR_TIE`) two are
 drawn at random and the less busy of the two wins, so that one hot prefix spreads over the nodes
@@ -47,11 +48,11 @@ class Candidate:
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = 0
-    num_sent: int = 0  # requests the picker sent it since its last report
+    num_pending: int = 0  # requests the picker sent it whose response has not started
 
     @property
     def num_busy(self) -> int:
-        return self.num_running + self.num_waiting + self.num_sent
+        return self.num_running + self.num_waiting + self.num_pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ def score(candidate: Candidate, num_blocks: int, cached_blocks: int) -> float:
     """The candidate's cost for a prompt of `num_blocks` full blocks, `cached_blocks` of them
     cached there (the partial last block is prefilled everywhere and left out)."""
     uncached = (num_blocks - cached_blocks) * candidate.block_size
-    queued = candidate.num_waiting + candidate.num_sent
+    queued = candidate.num_waiting + candidate.num_pending
     work = (
         uncached
         + candidate.num_waiting_prefill_tokens

@@ -71,6 +71,8 @@ class EnvoyPlan:
     # Routable nodes whose URL cannot be an EDS endpoint (https, or a host name), for the logs.
     skipped_node_ids: tuple[str, ...] = ()
     models: tuple[ModelCluster, ...] = ()  # by model name (ingress only)
+    # The region's endpoint picker (ingress only, where one is configured): its IP and port.
+    picker: tuple[str, int] | None = None
 
     @property
     def is_locality_weighted(self) -> bool:
@@ -86,6 +88,7 @@ class EnvoyPlan:
 
 _Endpoints = tuple[tuple[Endpoint, ...], tuple[str, ...]]  # endpoints, and node ids left out
 NodesByRegion = Mapping[str, list[Node]]
+Pickers = Mapping[str, tuple[str, int]]  # region -> its endpoint picker's IP and port
 
 
 def nodes_by_region(fleet: Fleet) -> dict[str, list[Node]]:
@@ -189,11 +192,15 @@ def model_clusters(
 
 
 def plan_ingress(
-    group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None = None, listed: Listed = None
+    group: EnvoyGroup,
+    fleet: Fleet,
+    by_region: NodesByRegion | None = None,
+    listed: Listed = None,
+    pickers: Pickers | None = None,
 ) -> EnvoyPlan:
     """A region's node agents, one locality, and a cluster per routable model (`listed`: the
-    models the catalog lets be routed to, None for all). Nodes of an unregistered region get no
-    traffic."""
+    models the catalog lets be routed to, None for all), and its picker if `pickers` names
+    one. Nodes of an unregistered region get no traffic."""
     assert group.region is not None
     name = ingress_cluster_name(group.region)
     if group.region not in fleet.regions:
@@ -203,7 +210,8 @@ def plan_ingress(
     endpoints, skipped = node_endpoints(nodes)
     localities = (Locality(group.region, 1, endpoints),) if endpoints else ()
     models = model_clusters(group.region, nodes, listed, localities)
-    return EnvoyPlan(group, name, localities, skipped, models)
+    picker = (pickers or {}).get(group.region)
+    return EnvoyPlan(group, name, localities, skipped, models, picker)
 
 
 def _region_endpoints(region: Region, nodes: list[Node]) -> _Endpoints:
@@ -237,9 +245,13 @@ def plan_edge(group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None =
 
 
 def plan_for(
-    group: EnvoyGroup, fleet: Fleet, by_region: NodesByRegion | None = None, listed: Listed = None
+    group: EnvoyGroup,
+    fleet: Fleet,
+    by_region: NodesByRegion | None = None,
+    listed: Listed = None,
+    pickers: Pickers | None = None,
 ) -> EnvoyPlan:
     """The plan for `group`; pass `nodes_by_region(fleet)` when planning many groups."""
     if group.role is Role.EDGE:
         return plan_edge(group, fleet, by_region)
-    return plan_ingress(group, fleet, by_region, listed)
+    return plan_ingress(group, fleet, by_region, listed, pickers)

@@ -27,7 +27,13 @@ from __future__ import annotations
 from typing import Final
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, protocol_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    extension_pb2,
+    protocol_pb2,
+)
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
@@ -124,16 +130,24 @@ def route_name(plan: EnvoyPlan) -> str:
     return f"meridian_{plan.group.role}_routes"
 
 
-def listener(plan: EnvoyPlan) -> listener_pb2.Listener:
+def listener(
+    plan: EnvoyPlan,
+    filters: tuple[hcm_pb2.HttpFilter, ...] = (),
+    early_mutations: tuple[extension_pb2.TypedExtensionConfig, ...] = (),
+) -> listener_pb2.Listener:
+    """The plan's listener; `filters` run before the router, `early_mutations` on a request's
+    headers before anything else (before a route is chosen)."""
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix=listener_name(plan),
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=ads_source(), route_config_name=route_name(plan)),
         http_filters=[
+            *filters,
             hcm_pb2.HttpFilter(
                 name="envoy.filters.http.router", typed_config=pack(router_pb2.Router())
-            )
+            ),
         ],
+        early_header_mutation_extensions=early_mutations,
         request_timeout=_seconds(0),  # 0 disables: streams may last as long as they need
         stream_idle_timeout=_seconds(STREAM_IDLE_TIMEOUT_S),
         request_headers_timeout=_seconds(REQUEST_HEADERS_TIMEOUT_S),
@@ -174,7 +188,7 @@ def _retry_policy() -> route_components_pb2.RetryPolicy:
     )
 
 
-def _route(name: str, match: route_components_pb2.RouteMatch, cluster: str) -> Route:
+def route(name: str, match: route_components_pb2.RouteMatch, cluster: str) -> Route:
     action = route_components_pb2.RouteAction(
         cluster=cluster, timeout=_seconds(0), retry_policy=_retry_policy()
     )
@@ -206,19 +220,17 @@ def _model_unavailable() -> Route:
 
 
 def route_configuration(plan: EnvoyPlan) -> route_pb2.RouteConfiguration:
-    routes = [
-        _route(f"model {m.model}", _model_match(m.model), m.cluster_name) for m in plan.models
-    ]
+    routes = [route(f"model {m.model}", _model_match(m.model), m.cluster_name) for m in plan.models]
     if plan.is_ingress:
         routes.append(_model_unavailable())
-    routes.append(_route("all", route_components_pb2.RouteMatch(prefix="/"), plan.cluster_name))
+    routes.append(route("all", route_components_pb2.RouteMatch(prefix="/"), plan.cluster_name))
     host = route_components_pb2.VirtualHost(
         name="meridian", domains=["*"], routes=routes, include_request_attempt_count=True
     )
     return route_pb2.RouteConfiguration(name=route_name(plan), virtual_hosts=[host])
 
 
-def _circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:
+def circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:
     Thresholds = circuit_breaker_pb2.CircuitBreakers.Thresholds
     return circuit_breaker_pb2.CircuitBreakers(
         thresholds=[
@@ -234,7 +246,7 @@ def _circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:
     )
 
 
-def _http1_upstream() -> http_protocol_options_pb2.HttpProtocolOptions:
+def http1_upstream() -> http_protocol_options_pb2.HttpProtocolOptions:
     Options = http_protocol_options_pb2.HttpProtocolOptions
     return Options(
         common_http_protocol_options=protocol_pb2.HttpProtocolOptions(
@@ -258,7 +270,7 @@ def cluster(name: str, is_locality_weighted: bool) -> cluster_pb2.Cluster:
         ),
         connect_timeout=_seconds(CONNECT_TIMEOUT_S),
         lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
-        circuit_breakers=_circuit_breakers(),
+        circuit_breakers=circuit_breakers(),
         outlier_detection=outlier_detection_pb2.OutlierDetection(
             consecutive_5xx=_u32(5),
             interval=_seconds(5),
@@ -266,7 +278,7 @@ def cluster(name: str, is_locality_weighted: bool) -> cluster_pb2.Cluster:
             max_ejection_percent=_u32(50),
         ),
         common_lb_config=lb_config,
-        typed_extension_protocol_options={HTTP_OPTIONS_KEY: pack(_http1_upstream())},
+        typed_extension_protocol_options={HTTP_OPTIONS_KEY: pack(http1_upstream())},
     )
 
 

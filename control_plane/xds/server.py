@@ -36,6 +36,7 @@ from control_plane.xds.groups import EnvoyGroup, EnvoyNodeError, group_of
 from control_plane.xds.plan import (
     EnvoyPlan,
     NodesByRegion,
+    Pickers,
     nodes_by_region,
     plan_for,
 )
@@ -107,9 +108,11 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         refresh_interval_s: float,
         gate: StreamGate,
         read_listed: Callable[[], Listed],
+        pickers: Pickers | None = None,
     ) -> None:
         """`read_listed`: the models the catalog lets be routed to now (None: all), as the
-        current region summaries have them (the feed moves when they change)."""
+        current region summaries have them (the feed moves when they change). `pickers`: the
+        regions with an endpoint picker, and where it listens (control_plane/xds/picker.py)."""
         self.cache = SnapshotCache()
         self.counters = XdsCounters()
         self.port: int | None = None
@@ -118,6 +121,7 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self._refresh_interval_s = refresh_interval_s
         self._gate = gate
         self._read_listed = read_listed
+        self._pickers = pickers or {}
         self._plans: dict[EnvoyGroup, EnvoyPlan] = {}
         self._connections: dict[int, EnvoyConnection] = {}
         self._stream_ids = itertools.count(1)
@@ -171,7 +175,7 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         return sum(self._rebuild(group, by_region) for group in self.cache.watched_groups())
 
     def _rebuild(self, group: EnvoyGroup, by_region: NodesByRegion | None = None) -> bool:
-        plan = plan_for(group, self._fleet, by_region, self._read_listed())
+        plan = plan_for(group, self._fleet, by_region, self._read_listed(), self._pickers)
         old = self._plans.get(group)
         if plan == old and self.cache.get(group) is not None:
             return False

@@ -18,6 +18,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
+from control_plane.xds.picker import add_picker
 from control_plane.xds.plan import EnvoyPlan
 from control_plane.xds.resources import pack, resource_name, resources_of
 from control_plane.xds.validation import snapshot_violations
@@ -102,6 +103,7 @@ class Snapshot:
 def build_snapshot(plan: EnvoyPlan) -> Snapshot:
     """Resources for `plan`, checked; InvalidSnapshotError lists what Envoy would reject."""
     resources = resources_of(plan)
+    add_picker(plan, resources)
     problems = snapshot_violations(resources)
     if problems:
         raise InvalidSnapshotError(problems)

@@ -38,7 +38,7 @@ def test_cost_is_the_work_ahead_in_tokens_scaled_by_kv_use() -> None:
     idle = node("a")
     assert score(idle, num_blocks=100, cached_blocks=0) == 1600
     assert score(idle, num_blocks=100, cached_blocks=90) == 160
-    busy = node("b", num_waiting=2, num_running=3, num_waiting_prefill_tokens=500, num_sent=1)
+    busy = node("b", num_waiting=2, num_running=3, num_waiting_prefill_tokens=500, num_pending=1)
     expected = 160 + 500 + 3 * WAITING_REQUEST_TOKENS + 3 * RUNNING_REQUEST_TOKENS
     assert score(busy, 100, 90) == expected
     half_full = node("c", kv_blocks_free=500)

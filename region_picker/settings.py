@@ -1,0 +1,36 @@
+"""The picker's settings: flags, else MERIDIAN_PICKER_* environment variables, else defaults."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from wire.heartbeat import NAME_PATTERN
+
+DEFAULT_PORT = 9100  # gRPC, for Envoy's ext_proc filter
+DEFAULT_METRICS_PORT = 9101
+
+
+class PickerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MERIDIAN_PICKER_", validate_by_name=True, extra="forbid", frozen=True
+    )
+
+    region: str = Field(pattern=NAME_PATTERN, max_length=63)
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
+    control_plane: str
+    # The gateways' read-only token: the picker watches what gateways watch, per node.
+    gateway_token: SecretStr = Field(
+        validation_alias=AliasChoices("MERIDIAN_GATEWAY_TOKEN", "gateway_token"), min_length=1
+    )
+    # Served model name → its checkpoint (a model store name or a path), for the tokenizer.
+    # A model not listed is picked for by load alone.
+    models: dict[str, str] = Field(default_factory=dict)
+    # (node, block) pairs the approximate cache view remembers.
+    routed_blocks: int = Field(default=1_000_000, ge=1)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

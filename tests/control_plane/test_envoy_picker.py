@@ -1,0 +1,128 @@
+"""A region's endpoint picker in the live path of a real Envoy configured by our xDS: two
+stand-in nodes, the picker (region_picker, in this event loop) sends a repeated prompt prefix
+to the same node; with the picker gone, requests still succeed through least request."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import eventually, free_port, make_settings
+from pydantic import SecretStr
+from test_envoy_xds import LiveControlPlane
+from test_envoy_xds import cp as cp  # the fixtures
+from test_envoy_xds import start_envoy as start_envoy
+from test_envoy_xds import upstreams as upstreams
+
+from control_plane.settings import Settings
+from control_plane.tokens import TokenSet
+from region_picker.service import RunningPicker, start
+from region_picker.settings import PickerSettings
+from wire.cache_salt import CACHE_SALT_HEADER
+from wire.model_catalog import MODEL_HEADER
+
+pytestmark = [pytest.mark.slow]
+
+MODEL = "smollm2-135m-instruct"
+SYSTEM = "You answer questions about Meridian's regions, briefly and precisely. " * 50
+
+
+@pytest.fixture
+def picker_port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, tokens: TokenSet, picker_port: int) -> Settings:
+    return make_settings(
+        tmp_path / "cp.db", tokens, region_pickers={"us-east": f"127.0.0.1:{picker_port}"}
+    )
+
+
+async def start_picker(
+    cp: LiveControlPlane, tokens: TokenSet, port: int, checkpoint: Path
+) -> RunningPicker:
+    settings = PickerSettings(
+        region="us-east",
+        port=port,
+        metrics_port=0,
+        control_plane=str(cp.api.base_url),
+        gateway_token=SecretStr(tokens.gateway),
+        models={MODEL: str(checkpoint)},
+    )
+    return await start(settings)
+
+
+async def chat(url: str, tenant: str, num_requests: int) -> Counter[str]:
+    """Who answered each of `num_requests` chats sharing the tenant's system prompt."""
+    answers: Counter[str] = Counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for i in range(num_requests):
+            body = {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": f"{tenant}: {SYSTEM}"},
+                    {"role": "user", "content": f"question {i}"},
+                ],
+            }
+            headers = {CACHE_SALT_HEADER: tenant, "content-type": "application/json"}
+            async with session.post(
+                url + "/v1/chat/completions", data=json.dumps(body), headers=headers
+            ) as response:
+                text = await response.text()
+                answers[text if response.status == 200 else f"status {response.status}"] += 1
+    return answers
+
+
+@pytest.mark.asyncio
+async def test_the_picker_keeps_a_prefix_on_one_node_and_envoy_goes_on_without_it(
+    cp: LiveControlPlane,
+    tokens: TokenSet,
+    upstreams: Any,
+    start_envoy: Any,
+    picker_port: int,
+    smollm2_gguf: Path,
+) -> None:
+    # Started first: loading the tokenizer holds the event loop's heartbeats up for a while.
+    picker = await start_picker(cp, tokens, picker_port, smollm2_gguf)
+    a, b = await upstreams("a", "b")
+    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+    for node in (a, b):
+        await cp.beat(node.name, url=node.url, kv_blocks_free=800, num_running=0, num_waiting=0)
+    try:
+        envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
+        for tenant in ("tenant-1", "tenant-2", "tenant-3"):
+            answers = await chat(envoy.url, tenant, 6)
+            assert len(answers) == 1 and set(answers) <= {"a", "b"}, answers
+        decisions = picker.metrics.decisions
+        assert sum(decisions.labels(n)._value.get() for n in ("a", "b")) == 18
+        assert picker.metrics.cache_hits._value.get() == 15  # all but each tenant's first
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{picker.metrics_port}/metrics"
+            async with session.get(url) as response:
+                assert "meridian_picker_decisions_total" in await response.text()
+
+        # A client cannot name an upstream itself: its header is stripped before the picker.
+        async with aiohttp.ClientSession() as session:
+            forged = {"x-gateway-destination-endpoint": "127.0.0.1:1", MODEL_HEADER: MODEL}
+            async with session.get(envoy.url + "/v1/models", headers=forged) as response:
+                text = await response.text()
+                assert response.status == 200 and text in {"a", "b"}, text
+    finally:
+        await picker.stop()
+
+    # The picker is gone: Envoy goes on by least request, and no request fails.
+    answers = await chat(envoy.url, "tenant-1", 20)
+    assert set(answers) == {"a", "b"}, answers
+
+    async def envoy_says_it_went_on() -> bool:
+        url = f"http://127.0.0.1:{envoy.admin_port}/stats"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            stats = await response.text()
+        return "failure_mode_allowed: 0" not in stats and "failure_mode_allowed" in stats
+
+    await eventually(envoy_says_it_went_on)
