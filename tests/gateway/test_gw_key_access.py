@@ -12,19 +12,12 @@ from typing import Any
 import httpx
 import pytest
 from gw_fleet import FAKE_MODEL, Fleet, GatewayThread, wait_until
-
-from gateway.limit_shares import PopLimiter
+from gw_shares import limiter_of, wait_for_even_shares
 
 pytestmark = pytest.mark.slow  # starts a control plane, gateways and fake regions
 POPS = ("new-york", "london")
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 USED = 10  # the fake node's usage per request: 7 prompt tokens and 3 completion tokens
-
-
-def limiter_of(gateway: GatewayThread) -> PopLimiter:
-    limiter = gateway.handlers.limiter
-    assert isinstance(limiter, PopLimiter)
-    return limiter
 
 
 def two_pops(fleet: Fleet, access: dict[str, Any]) -> tuple[str, list[GatewayThread], str]:
@@ -33,12 +26,7 @@ def two_pops(fleet: Fleet, access: dict[str, Any]) -> tuple[str, list[GatewayThr
     body = {"name": "k", "rpm": 10_000, "tpm": 10_000_000} | access
     created = fleet.admin_call("POST", "/v1/keys", json=body)
     gateways = [fleet.start_gateway(pop=pop) for pop in POPS]
-    for gateway in gateways:
-        fleet.wait_for_gateway(gateway)
-        wait_until(lambda g=gateway: len(g.handlers.keys) > 0, what="the key")
-    for gateway in gateways:
-        shares = limiter_of(gateway).shares
-        wait_until(lambda s=shares: s.default_share == pytest.approx(1 / 2), 10.0, "shares")
+    wait_for_even_shares(fleet, gateways)
     return created["id"], gateways, created["secret"]
 
 

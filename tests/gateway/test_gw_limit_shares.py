@@ -17,10 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gw_fleet import Fleet, GatewayThread, free_port, wait_until
+from gw_fleet import Fleet, free_port, wait_until
 from gw_redis import REDIS_SERVER, redis_server
-
-from gateway.limit_shares import PopLimiter
+from gw_shares import limiter_of, wait_for_even_shares
 
 pytestmark = [
     pytest.mark.slow,  # starts processes
@@ -33,12 +32,6 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], 
 TPM = 200
 BIG = {**CHAT, "max_tokens": 60}
 REPORT_INTERVAL_S = 1.0  # the gateway's default
-
-
-def limiter_of(gateway: GatewayThread) -> PopLimiter:
-    limiter = gateway.handlers.limiter
-    assert isinstance(limiter, PopLimiter)
-    return limiter
 
 
 class RedisPerPop:
@@ -86,13 +79,7 @@ def test_a_key_spread_over_three_pops_stays_within_its_budget(
     fleet.add_region("us-east")
     gateways = [fleet.start_gateway(pop=pop, redis=redises.start(pop)) for pop in POPS]
     _, secret = fleet.create_key(rpm=100_000, tpm=tpm)
-    for gateway in gateways:
-        fleet.wait_for_gateway(gateway)
-        wait_until(lambda g=gateway: len(g.handlers.keys) > 0, what="the key")
-    # The PoPs joined one after another: wait until each holds a third of every key.
-    for gateway in gateways:
-        shares = limiter_of(gateway).shares
-        wait_until(lambda s=shares: s.default_share == pytest.approx(1 / 3), 10.0, "shares")
+    wait_for_even_shares(fleet, gateways)
     headers = {"Authorization": f"Bearer {secret}"}
     clients = [
         httpx.Client(base_url=g.base_url, verify=client_ssl, headers=headers) for g in gateways
