@@ -1,0 +1,38 @@
+"""`python -m region_picker`: flags to settings, and one line on stderr for a bad start."""
+
+from __future__ import annotations
+
+import pytest
+
+from region_picker.__main__ import load_settings, main, parse_args
+
+
+def test_flags_become_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", "gateway-secret")
+    args = parse_args(
+        [
+            *("--region", "us-east", "--port", "9200", "--control-plane", "http://127.0.0.1:8080"),
+            *("--model", "smollm2-135m-instruct", "--model", "big=/models/big.gguf"),
+        ]
+    )
+    settings = load_settings(args)
+    assert (settings.region, settings.port, settings.metrics_port) == ("us-east", 9200, 9101)
+    assert settings.models == {
+        "smollm2-135m-instruct": "smollm2-135m-instruct",
+        "big": "/models/big.gguf",
+    }
+    assert settings.gateway_token.get_secret_value() == "gateway-secret"
+
+
+def test_a_bad_configuration_exits_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("MERIDIAN_GATEWAY_TOKEN", raising=False)
+    assert main(["--region", "us-east", "--control-plane", "http://127.0.0.1:8080"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert (
+        line.startswith("region_picker: error: bad configuration:")
+        and "MERIDIAN_GATEWAY_TOKEN" in line
+    )
+    monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", "gateway-secret")
+    assert main(["--region", "Not A Region", "--control-plane", "http://127.0.0.1:8080"]) == 2
