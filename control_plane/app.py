@@ -13,10 +13,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from control_plane import keys as key_store
-from control_plane.api import keys, limit_reports, nodes, region_nodes, regions, routing, status
+from control_plane.api import (
+    keys,
+    limit_reports,
+    models,
+    nodes,
+    region_nodes,
+    regions,
+    routing,
+    status,
+)
 from control_plane.api import xds as xds_api
 from control_plane.api.fast_heartbeat import HeartbeatFastPath
 from control_plane.api.refused import install_refusal_handler
+from control_plane.catalog.registry import CatalogRegistry, load_catalog
 from control_plane.changes import ChangeFeed
 from control_plane.consul_sync import ConsulSync, follow_consul
 from control_plane.dns.server import DnsServer
@@ -54,7 +64,7 @@ API_VERSION = "1"
 RETRY_AFTER_BUSY_S = 1
 
 # What the lifespan reads from the store at start.
-Loaded = tuple[Fleet, RoutingPolicy, int, list[DrainSequence], list[NodeCredential]]
+Loaded = tuple[Fleet, RoutingPolicy, ModelCatalog, int, list[DrainSequence], list[NodeCredential]]
 
 
 def load(conn: Connection, settings: Settings) -> Loaded:
@@ -69,8 +79,8 @@ def load(conn: Connection, settings: Settings) -> Loaded:
             num_restored,
             settings.restart_grace_s,
         )
-    policy, keys_index = load_policy(conn), key_store.read_index(conn)
-    return fleet, policy, keys_index, load_drains(conn), load_credentials(conn)
+    policy, catalog, keys_index = load_policy(conn), load_catalog(conn), key_store.read_index(conn)
+    return fleet, policy, catalog, keys_index, load_drains(conn), load_credentials(conn)
 
 
 def build(
@@ -84,7 +94,7 @@ def build(
     """The control plane's parts wired together (servers not started); `clock` is the drain
     sequence's (tests pass a fake one); `leadership` is the replicas' lease (None: this control
     plane always leads)."""
-    fleet, policy, keys_index, drains, credentials = loaded
+    fleet, policy, catalog, keys_index, drains, credentials = loaded
     # Summary indexes start from the wall clock in milliseconds, so they keep growing across
     # restarts (changes come far slower than 1,000 a second) and gateways see no index go back.
     summary_feed = ChangeFeed(int(time.time() * 1000))
@@ -92,8 +102,12 @@ def build(
     def publish_now() -> None:
         publisher.refresh()
 
+    # The policy and the catalog travel in the summary document: a change is published at once.
     policies = PolicyRegistry(store, policy, on_change=publish_now)
-    publisher = SummaryPublisher(fleet, lambda: policies.policy, ModelCatalog, summary_feed)
+    catalogs = CatalogRegistry(store, catalog, on_change=publish_now)
+    publisher = SummaryPublisher(
+        fleet, lambda: policies.policy, lambda: catalogs.catalog, summary_feed
+    )
     refusals = RefusalAudit(
         store,
         RefusalLimits(settings.max_refusals_audited_per_address, settings.max_refusals_audited),
@@ -139,6 +153,7 @@ def build(
         consul=consul,
         keys=KeyRegistry(store, ChangeFeed(keys_index)),
         routing=policies,
+        catalog=catalogs,
         summaries=publisher,
         refusals=refusals,
         envoy_credentials=envoy_credentials,
@@ -267,6 +282,7 @@ def create_app(settings: Settings) -> FastAPI:
         keys.router,
         limit_reports.router,
         routing.router,
+        models.router,
         status.router,
         xds_api.router,
     ):

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from control_plane.catalog.registry import CatalogRegistry
 from control_plane.consul_sync import ConsulSync
 from control_plane.dns.server import DnsServer
 from control_plane.drain.book import DrainBook
@@ -42,6 +43,7 @@ class ControlPlane:
     consul: ConsulSync | None  # with --consul, run by the lifespan
     keys: KeyRegistry
     routing: PolicyRegistry
+    catalog: CatalogRegistry  # the model catalog
     summaries: SummaryPublisher
     refusals: RefusalAudit  # refused calls, in the log and the audit log (rate-limited)
     envoy_credentials: EnvoyCredentials  # who may open an xDS stream, for which snapshot

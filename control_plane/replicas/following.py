@@ -1,21 +1,20 @@
 """Replicas on one PostgreSQL database hear of each other's changes (LISTEN/NOTIFY).
 
 Every write names the kinds of state it changed, and on PostgreSQL each kind is announced on the
-channel `meridian_changes` when the write commits (`control_plane.store.postgres`), signed with
-the writer's replica id. `follow_changes` listens on a connection of its own; the kinds announced
-by other replicas are gathered for `COALESCE_S` and then read back from the store, each kind
-alone: fleet state (regions, nodes, drains, the beats other replicas received) by the registry,
-keys, the routing policy and node credentials by their owners, the replicas' reports on
+channel `meridian_changes` when the write commits (`control_plane.store.postgres`), signed with the
+writer's replica id. `follow_changes` listens on a connection of its own; the kinds announced by
+other replicas are gathered for `COALESCE_S` and then read back from the store, each kind alone:
+fleet state (regions, nodes, drains, the beats other replicas received) by the registry, keys, the
+routing policy, the model catalog and node credentials by their owners, the replicas' reports on
 their Envoys (`control_plane.drain.envoy_reports`) by the drain book, and a change of Envoys' xDS
-credentials by the xDS server (it closes the streams whose credential was replaced or deleted).
-Each replica then publishes its summaries and xDS as for a change of its own. A health save
-announces `beats=<t>`, `t` the oldest beat it wrote, so that only the rows from `t` on are read
-back (the beats are an incremental feed: a save commits hundreds of them ten times a second); a
-mint or a registration
-announces `credentials=<node id>,...`, so that only those credentials are read back (registering
-1,000 nodes one by one would otherwise read the whole table 1,000 times). Once listening (at start,
-and after the connection was lost and is back) everything is read again: a notification sent
-before was missed.
+credentials by the xDS server (it closes the streams whose credential was replaced or deleted). Each
+replica then publishes its summaries and xDS as for a change of its own. A health save announces
+`beats=<t>`, `t` the oldest beat it wrote, so that only the rows from `t` on are read back (the
+beats are an incremental feed: a save commits hundreds of them ten times a second); a mint or a
+registration announces `credentials=<node id>,...`, so that only those credentials are read back
+(registering 1,000 nodes one by one would otherwise read the whole table 1,000 times). Once
+listening (at start, and after the connection was lost and is back) everything is read again: a
+notification sent before was missed.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Final
 import psycopg
 
 from control_plane import keys as key_store
+from control_plane.catalog import registry as catalog_registry
 from control_plane.drain import envoy_reports
 from control_plane.services import ControlPlane
 from control_plane.store.postgres import CHANNEL
@@ -44,6 +44,7 @@ FLEET_KINDS: Final = frozenset({"regions", "nodes", "drains", "beats"})
 ALL_KINDS: Final = FLEET_KINDS | {
     "keys",
     "routing",
+    catalog_registry.KIND,
     "credentials",
     envoy_reports.KIND,
     xds_credentials.KIND,
@@ -96,6 +97,8 @@ async def apply_changes(services: ControlPlane, notices: Notices) -> None:
         services.keys.follow(await services.store.read(key_store.read_index))
     if "routing" in kinds:
         await services.routing.follow()
+    if catalog_registry.KIND in kinds:
+        await services.catalog.follow()
     if "credentials" in kinds:
         await services.credentials.follow(notices.credential_ids)
     if envoy_reports.KIND in kinds:
