@@ -1,6 +1,6 @@
 """What `meridian up` writes into the control plane through its admin API, once the control
 plane is ready: the regions (with their ingress URLs), each node agent's and each region Envoy's
-own credential, and the stack's API key."""
+own credential, the model catalog (models, fallbacks, aliases), and the stack's API key."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from stack.config import ApiKeyConfig
 from stack.errors import StackError
 from stack.layout import StackLayout
 from stack.supervisor import Say
+from wire.model_catalog import CatalogAlias, ModelCatalog
 
 
 @dataclass(slots=True)
@@ -50,6 +51,45 @@ def register_regions(client: AdminClient, layout: StackLayout, say: Say) -> Cred
     except AdminCliError as exc:
         raise StackError(f"registering regions: {exc}") from exc
     return credentials
+
+
+def register_models(client: AdminClient, catalog: ModelCatalog, say: Say) -> None:
+    """The config's catalog into the control plane's (a fresh one, empty): the models, then each
+    alias after the alias it points to, then the fallbacks, which may name either."""
+    calls: list[tuple[str, str, dict[str, object]]] = [
+        ("POST", "/v1/models", {"name": model.name, "owned_by": model.owned_by})
+        for model in catalog.models
+    ]
+    calls += [
+        ("POST", "/v1/models", {"name": alias.name, "target": alias.target})
+        for alias in _targets_first(catalog.aliases)
+    ]
+    calls += [
+        ("PATCH", f"/v1/models/{model.name}", {"fallbacks": list(model.fallbacks)})
+        for model in catalog.models
+        if model.fallbacks
+    ]
+    for method, path, body in calls:
+        try:
+            response = client.call(method, path, body)
+        except AdminCliError as exc:
+            raise StackError(f"registering the models: {exc}") from exc
+        if response.status_code not in (200, 201):
+            raise StackError(
+                f"registering the models: {method} {path}: {response.status_code} "
+                f"{response.text[:200]}"
+            )
+    aliases = "".join(f", alias {alias.name} → {alias.target}" for alias in catalog.aliases)
+    say(f"  models registered: {', '.join(model.name for model in catalog.models)}{aliases}")
+
+
+def _targets_first(aliases: tuple[CatalogAlias, ...]) -> list[CatalogAlias]:
+    targets = {alias.name: alias.target for alias in aliases}
+
+    def hops(name: str) -> int:  # the catalog is checked: every chain ends at a model
+        return 1 + hops(targets[name]) if name in targets else 0
+
+    return sorted(aliases, key=lambda alias: hops(alias.name))
 
 
 def create_api_key(client: AdminClient, key: ApiKeyConfig) -> str:

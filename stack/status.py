@@ -54,8 +54,11 @@ def _get_json(url: str, **kwargs: Any) -> dict[str, Any] | str:
     return body
 
 
-def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[str]:
-    """Regions and nodes from the control plane's `GET /v1/status` (and the gateway's view)."""
+def fleet_lines(
+    status: dict[str, Any], gateway: dict[str, Any] | None, models: dict[str, Any] | str
+) -> list[str]:
+    """Regions and nodes from the control plane's `GET /v1/status` (and the gateway's view),
+    and the models from its `GET /v1/models` (or why they could not be had)."""
     seen = (gateway or {}).get("regions", {})
     rows = [["REGION", "STATE", "HEALTHY", "KV FREE", "WAITING", "QUEUE S", "RTT MS", "BREAKER"]]
     for region in status["regions"]:
@@ -72,7 +75,7 @@ def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[
                 str(view.get("breaker", "-")),
             ]
         )
-    lines = [*_table(rows), "", *model_lines(status)]
+    lines = [*_table(rows), "", *model_lines(models)]
     rows = [["NODE", "REGION", "MODEL", "HEALTH", "RUNNING", "WAITING", "KV FREE", "TOK/S"]]
     for node in status["nodes"]:
         beat = node.get("last_heartbeat") or {}
@@ -95,33 +98,33 @@ def fleet_lines(status: dict[str, Any], gateway: dict[str, Any] | None) -> list[
     return [*lines, "", *_table(rows)]
 
 
-def model_lines(status: dict[str, Any]) -> list[str]:
-    """Each routable model per region, with its healthy nodes and load (the control plane's
-    summaries), and the models nodes serve that the catalog does not list."""
-    rows = [["MODEL", "REGION", "HEALTHY", "KV FREE", "WAITING", "QUEUE S"]]
-    by_model = sorted(
-        (load["name"], region["name"], load)
-        for region in status["regions"]
-        for load in region.get("models", [])
-    )
-    for name, region, load in by_model:
+def model_lines(listing: dict[str, Any] | str) -> list[str]:
+    """The catalog's models (`GET /v1/models`), each with the regions serving it and their
+    healthy nodes (none: no capacity anywhere), its fallbacks and aliases; then the models nodes
+    serve that the catalog does not list (routed only while the catalog is empty)."""
+    if isinstance(listing, str) or "data" not in listing:
+        return [f"  models: {listing if isinstance(listing, str) else 'unexpected answer'}"]
+    rows = [["MODEL", "HEALTHY", "REGIONS (HEALTHY NODES)", "FALLBACKS", "ALIASES"]]
+    for model in listing["data"]:
         rows.append(
             [
-                name,
-                region,
-                str(load["healthy_nodes"]),
-                f"{load['kv_blocks_free']}/{load['kv_blocks_total']}",
-                str(load["queue"]["num_waiting"]),
-                f"{load['queue']['expected_queue_delay_s']:.2f}",
+                model["id"],
+                str(model["healthy_nodes"]),
+                _serving(model["regions"]),
+                ", ".join(model["fallbacks"]) or "-",
+                ", ".join(model["aliases"]) or "-",
             ]
         )
-    lines = (
-        _table(rows) if len(rows) > 1 else ["  (no model is served: no region summary lists one)"]
-    )
-    unlisted = status.get("unlisted_models") or []
-    if unlisted:
-        lines.append(f"  unlisted (served, not in the catalog: no route): {', '.join(unlisted)}")
-    return lines
+    for model in listing.get("unlisted", []):
+        routed = "routed: the catalog is empty" if model["is_routed"] else "no route"
+        healthy = sum(region["healthy_nodes"] for region in model["regions"])
+        name = f"{model['name']} (unlisted; {routed})"
+        rows.append([name, str(healthy), _serving(model["regions"]), "-", "-"])
+    return _table(rows) if len(rows) > 1 else ["  (no model: the catalog is empty, no node)"]
+
+
+def _serving(regions: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{region['name']} {region['healthy_nodes']}" for region in regions) or "none"
 
 
 def spend_lines(keys: list[dict[str, Any]], spends: dict[str, dict[str, Any] | str]) -> list[str]:
@@ -264,6 +267,7 @@ def status(state_root: Path, say: Say) -> int:
         (answer for answer in answers.values() if isinstance(answer[1], dict)),
         (state.control_plane_url, next(iter(answers.values()))[1]),
     )
+    models = _get_json(f"{fleet_url}/v1/models", headers={"Authorization": f"Bearer {token}"})
     gateway: dict[str, Any] | str | None = None
     if state.ca_cert and Path(state.ca_cert).exists():
         context = ssl.create_default_context(cafile=state.ca_cert)
@@ -277,7 +281,7 @@ def status(state_root: Path, say: Say) -> int:
             f"Fleet: {count(len(fleet['regions']), 'region')}, {fleet['num_healthy_nodes']}/"
             f"{fleet['num_nodes']} nodes healthy, {fleet['num_draining_nodes']} draining"
         )
-        for line in fleet_lines(fleet, gateway if isinstance(gateway, dict) else None):
+        for line in fleet_lines(fleet, gateway if isinstance(gateway, dict) else None, models):
             say(line)
         say("")
         say("Spend (each key's current period):")

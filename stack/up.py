@@ -5,7 +5,8 @@
    progress);
 2. the control plane (a fresh SQLite database: the YAML is the fleet's source of truth), or with
    `control_plane: {replicas: N, db: postgres}` a fresh PostgreSQL in the state directory and N
-   replicas on it; then the regions registered through its admin API with their ingress URLs;
+   replicas on it; then the regions registered through its admin API with their ingress URLs,
+   and the models, their fallbacks and aliases in its catalog;
 3. the node agents (and edge node agents beside PoPs), the region Envoys (bootstrapped by
    `envoy-bootstrap`), the RTT proxy (a route per PoP and region), the redis-server of shared
    limits, a gateway per PoP (HTTPS on its own loopback address, with its certificate from the
@@ -48,7 +49,7 @@ from stack.preflight import (
     locked,
 )
 from stack.probes import HttpProbes, port_is_open, postgres_accepts
-from stack.registration import Credentials, create_api_key, register_regions
+from stack.registration import Credentials, create_api_key, register_models, register_regions
 from stack.state import ProcessRecord, StackState, StateDir, process_start_time
 from stack.summary import limits_mode, render_summary
 from stack.supervisor import ReadyCheck, Say, Supervisor
@@ -187,9 +188,11 @@ class StackStarter:
         return AdminClient(self.layout.control_plane_urls, self.tokens[commands.ADMIN_TOKEN])
 
     def register_regions(self) -> None:
+        """The regions and the credentials of their parts, and the model catalog."""
         client = self._admin_client()
         try:
             self.credentials = register_regions(client, self.layout, self.say)
+            register_models(client, self.config.catalog(), self.say)
         finally:
             client.close()
 
