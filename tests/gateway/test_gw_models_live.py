@@ -3,29 +3,29 @@ serve one model each (and refuse others, as node agents do): each model is answe
 is served, unknown names are 404 and names a key may not use 403 before any rate limit is
 spent, a model without capacity is answered by its fallback (named in `x-meridian-model`), a
 stream resumes only where the same weights serve its model, and a model taken out of the
-catalog mid-stream lets the stream finish. The catalog and keys' model lists reach the gateway
-through gw_catalog.py."""
+catalog mid-stream lets the stream finish. The catalog and keys' model lists are written
+through the control plane's admin API."""
 
 from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from gw_catalog import CatalogForwarder
 from gw_fleet import Fleet, GatewayThread, wait_until
 
 from gateway.errors import GatewayError
 from gateway.keys import ApiKey
-from wire.model_catalog import MODEL_HEADER, CatalogAlias, CatalogModel, ModelCatalog
+from wire.model_catalog import MODEL_HEADER
 
 CHAT_PATH = "/v1/chat/completions"
 A_WEIGHTS, B_WEIGHTS = "a" * 32, "b" * 32
-CATALOG = ModelCatalog(
-    models=(CatalogModel(name="large", fallbacks=("small",)), CatalogModel(name="small")),
-    aliases=(CatalogAlias(name="chat-default", target="large"),),
+# The catalog, as the operator writes it: `large` falls back to `small`.
+CATALOG = (
+    {"name": "small"},
+    {"name": "large", "fallbacks": ["small"]},
+    {"name": "chat-default", "target": "large"},
 )
 
 
@@ -80,10 +80,13 @@ def wait_for_key(
     wait_until(has_models, 5.0, f"the key's model list {models}")
 
 
-def new_key(fleet: Fleet, gateway: GatewayThread, rpm: int = 10_000) -> str:
-    """A new key's secret, once `gateway` holds it."""
-    secret = fleet.create_key(rpm=rpm)[1]
-    wait_for_key(gateway, secret)
+def new_key(
+    fleet: Fleet, gateway: GatewayThread, rpm: int = 10_000, models: tuple[str, ...] | None = None
+) -> str:
+    """A new key's secret, once `gateway` holds it (`models`: the names it may use)."""
+    body = {"name": "k", "rpm": rpm, "tpm": 10_000_000, "models": models}
+    secret: str = fleet.admin_call("POST", "/v1/keys", json=body)["secret"]
+    wait_for_key(gateway, secret, models)
     return secret
 
 
@@ -110,18 +113,12 @@ def served_gateway(two_models: Fleet) -> GatewayThread:
 
 
 @pytest.fixture
-def forwarder(two_models: Fleet) -> Iterator[CatalogForwarder]:
-    forwarder = CatalogForwarder(two_models.cp_url, CATALOG)
-    two_models.loop.run(forwarder.start())
-    yield forwarder
-    two_models.loop.run(forwarder.stop())
-
-
-@pytest.fixture
-def catalog_gateway(two_models: Fleet, forwarder: CatalogForwarder) -> GatewayThread:
-    # Short long-polls: a change the forwarder makes reaches the gateway within one.
-    gateway = two_models.start_gateway(control_plane=forwarder.url, watch_wait_s=0.5)
-    wait_for_models(gateway, "large", "small")
+def catalog_gateway(two_models: Fleet) -> GatewayThread:
+    """A gateway once the operator has listed `CATALOG`."""
+    for entry in CATALOG:
+        two_models.admin_call("POST", "/v1/models", json=entry)
+    gateway = two_models.start_gateway()
+    wait_for_models(gateway, "large", "small", "chat-default")
     return gateway
 
 
@@ -165,7 +162,6 @@ def test_an_unknown_model_is_a_404_that_spends_no_rate_limit(
 
 def test_an_alias_is_answered_as_its_model_flips_and_a_limited_key_gets_403(
     two_models: Fleet,
-    forwarder: CatalogForwarder,
     catalog_gateway: GatewayThread,
     client_ssl: ssl.SSLContext,
 ) -> None:
@@ -175,9 +171,7 @@ def test_an_alias_is_answered_as_its_model_flips_and_a_limited_key_gets_403(
         assert_answered_by(aliased, "eu-west", "large")
         assert aliased.json()["model"] == "large"
     assert two_models.regions["eu-west"].upstream.seen[-1].body["model"] == "large"
-    key_id, secret = two_models.create_key(rpm=2)
-    forwarder.set_key_models(key_id, ("small",))
-    wait_for_key(catalog_gateway, secret, ("small",))
+    secret = new_key(two_models, catalog_gateway, rpm=2, models=("small",))
     with client(catalog_gateway, client_ssl, secret) as http:
         for name in ("large", "chat-default", "large"):
             refused = http.post(CHAT_PATH, json=chat(name))
@@ -189,8 +183,7 @@ def test_an_alias_is_answered_as_its_model_flips_and_a_limited_key_gets_403(
         assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "us-east", "small")
         assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "us-east", "small")
     # A rollout flips the alias: the next document moves its traffic.
-    flipped = (CatalogAlias(name="chat-default", target="small"),)
-    forwarder.set_catalog(CATALOG.model_copy(update={"aliases": flipped}))
+    two_models.admin_call("PATCH", "/v1/models/chat-default", json={"target": "small"})
     routes = catalog_gateway.handlers.router
     wait_until(lambda: routes.models.model_of["chat-default"] == "small", 5.0, "the flip")
     with client(catalog_gateway, client_ssl, first_secret) as http:
@@ -199,7 +192,6 @@ def test_an_alias_is_answered_as_its_model_flips_and_a_limited_key_gets_403(
 
 def test_a_model_without_capacity_is_answered_by_its_fallback(
     two_models: Fleet,
-    forwarder: CatalogForwarder,
     catalog_gateway: GatewayThread,
     client_ssl: ssl.SSLContext,
 ) -> None:
@@ -222,9 +214,7 @@ def test_a_model_without_capacity_is_answered_by_its_fallback(
         assert_answered_by(drained, "us-east", "small")
         assert drained.json()["model"] == "small" and len(far.seen) == num_seen
     # A key that may not use the fallback gets the model's own answer: no capacity.
-    key_id, limited = two_models.create_key()
-    forwarder.set_key_models(key_id, ("large",))
-    wait_for_key(catalog_gateway, limited, ("large",))
+    limited = new_key(two_models, catalog_gateway, models=("large",))
     with client(catalog_gateway, client_ssl, limited) as http:
         none = http.post(CHAT_PATH, json=chat("large"))
     assert none.status_code == 503 and none.json()["error"]["code"] == "no_capacity"
@@ -267,7 +257,6 @@ def test_a_stream_resumes_only_where_the_same_weights_serve_its_model(
 
 def test_a_model_taken_out_of_the_catalog_mid_stream_finishes(
     two_models: Fleet,
-    forwarder: CatalogForwarder,
     catalog_gateway: GatewayThread,
     client_ssl: ssl.SSLContext,
 ) -> None:
@@ -282,7 +271,8 @@ def test_a_model_taken_out_of_the_catalog_mid_stream_finishes(
         assert stream.status_code == 200
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        forwarder.set_catalog(ModelCatalog(models=(CatalogModel(name="large"),)))
+        two_models.admin_call("PATCH", "/v1/models/large", json={"fallbacks": []})
+        two_models.admin_call("DELETE", "/v1/models/small")
         wait_until(lambda: "small" not in routes.models.model_of, 10.0, "the catalog")
         rest = "\n\n".join(lines)
     assert "t99 " in rest and "error" not in rest and rest.rstrip().endswith("[DONE]")
