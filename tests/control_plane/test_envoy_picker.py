@@ -4,16 +4,20 @@ to the same node; with the picker gone, requests still succeed through least req
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import pytest_asyncio
 from conftest import eventually, free_port, make_settings
 from pydantic import SecretStr
-from test_envoy_xds import LiveControlPlane
+from test_envoy_xds import Envoy, LiveControlPlane, Upstream
 from test_envoy_xds import cp as cp  # the fixtures
 from test_envoy_xds import start_envoy as start_envoy
 from test_envoy_xds import upstreams as upstreams
@@ -38,8 +42,12 @@ def picker_port() -> int:
 
 @pytest.fixture
 def settings(tmp_path: Path, tokens: TokenSet, picker_port: int) -> Settings:
+    # Nodes beat every 0.1 s; silence for 3 s makes one unhealthy (not a loaded machine's hiccup).
     return make_settings(
-        tmp_path / "cp.db", tokens, region_pickers={"us-east": f"127.0.0.1:{picker_port}"}
+        tmp_path / "cp.db",
+        tokens,
+        heartbeat_interval_s=1.0,
+        region_pickers={"us-east": f"127.0.0.1:{picker_port}"},
     )
 
 
@@ -78,44 +86,69 @@ async def chat(url: str, tenant: str, num_requests: int) -> Counter[str]:
     return answers
 
 
-@pytest.mark.asyncio
-async def test_the_picker_keeps_a_prefix_on_one_node_and_envoy_goes_on_without_it(
+@dataclass
+class Region:
+    picker: RunningPicker
+    envoy: Envoy
+    nodes: list[Upstream]
+
+
+@pytest_asyncio.fixture
+async def region(
     cp: LiveControlPlane,
     tokens: TokenSet,
     upstreams: Any,
     start_envoy: Any,
     picker_port: int,
     smollm2_gguf: Path,
-) -> None:
+) -> AsyncIterator[Region]:
+    """us-east with two stand-in nodes, its picker and its ingress Envoy."""
     # Started first: loading the tokenizer holds the event loop's heartbeats up for a while.
     picker = await start_picker(cp, tokens, picker_port, smollm2_gguf)
-    a, b = await upstreams("a", "b")
-    await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
-    for node in (a, b):
-        await cp.beat(node.name, url=node.url, kv_blocks_free=800, num_running=0, num_waiting=0)
     try:
+        nodes = await upstreams("a", "b")
+        await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
+        for node in nodes:
+            await cp.beat(node.name, url=node.url, kv_blocks_free=800, num_running=0, num_waiting=0)
         envoy = await start_envoy(cp.xds_address, "--region", "us-east", token=await cp.xds_token())
-        for tenant in ("tenant-1", "tenant-2", "tenant-3"):
-            answers = await chat(envoy.url, tenant, 6)
-            assert len(answers) == 1 and set(answers) <= {"a", "b"}, answers
-        decisions = picker.metrics.decisions
-        assert sum(decisions.labels(n)._value.get() for n in ("a", "b")) == 18
-        assert picker.metrics.cache_hits._value.get() == 15  # all but each tenant's first
-        async with aiohttp.ClientSession() as session:
-            url = f"http://127.0.0.1:{picker.metrics_port}/metrics"
-            async with session.get(url) as response:
-                assert "meridian_picker_decisions_total" in await response.text()
-
-        # A client cannot name an upstream itself: its header is stripped before the picker.
-        async with aiohttp.ClientSession() as session:
-            forged = {"x-gateway-destination-endpoint": "127.0.0.1:1", MODEL_HEADER: MODEL}
-            async with session.get(envoy.url + "/v1/models", headers=forged) as response:
-                text = await response.text()
-                assert response.status == 200 and text in {"a", "b"}, text
+        yield Region(picker, envoy, nodes)
     finally:
-        await picker.stop()
+        await picker.stop()  # again, if the test stopped it: a no-op
 
-    # The picker is gone: Envoy goes on by least request, and no request fails.
+
+@pytest.mark.asyncio
+async def test_the_picker_keeps_a_prefix_on_one_node_and_envoy_goes_on_without_it(
+    region: Region,
+) -> None:
+    picker, envoy = region.picker, region.envoy
+    for tenant in ("tenant-1", "tenant-2", "tenant-3"):
+        answers = await chat(envoy.url, tenant, 6)
+        assert len(answers) == 1 and set(answers) <= {"a", "b"}, answers
+    decisions = picker.metrics.decisions
+    assert sum(decisions.labels(n)._value.get() for n in ("a", "b")) == 18
+    assert picker.metrics.cache_hits._value.get() == 15  # all but each tenant's first
+    async with aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{picker.metrics_port}/metrics"
+        async with session.get(url) as response:
+            assert "meridian_picker_decisions_total" in await response.text()
+
+    # A client cannot name an upstream itself: its header is stripped before the picker.
+    async with aiohttp.ClientSession() as session:
+        forged = {"x-gateway-destination-endpoint": "127.0.0.1:1", MODEL_HEADER: MODEL}
+        async with session.get(envoy.url + "/v1/models", headers=forged) as response:
+            text = await response.text()
+            assert response.status == 200 and text in {"a", "b"}, text
+
+    # The picker stops mid-run: no request fails; without it Envoy goes on by least request.
+    running = asyncio.create_task(chat(envoy.url, "tenant-2", 30))
+
+    async def some_were_picked() -> bool:
+        return decisions.labels("a")._value.get() + decisions.labels("b")._value.get() > 20
+
+    await eventually(some_were_picked)
+    await picker.stop()
+    answers = await running
+    assert sum(answers.values()) == 30 and set(answers) <= {"a", "b"}, answers
     answers = await chat(envoy.url, "tenant-1", 20)
     assert set(answers) == {"a", "b"}, answers
 
@@ -126,3 +159,20 @@ async def test_the_picker_keeps_a_prefix_on_one_node_and_envoy_goes_on_without_i
         return "failure_mode_allowed: 0" not in stats and "failure_mode_allowed" in stats
 
     await eventually(envoy_says_it_went_on)
+
+
+@pytest.mark.asyncio
+async def test_a_node_gone_silent_leaves_the_pickers_choices(
+    cp: LiveControlPlane, region: Region
+) -> None:
+    (tenant_node,) = await chat(region.envoy.url, "tenant-1", 3)
+    gone = next(node for node in region.nodes if node.name == tenant_node)
+    del cp.beats[gone.name]  # it stops beating, and answering
+    await gone.stop()
+
+    async def all_go_to_the_other() -> bool:
+        answers = await chat(region.envoy.url, "tenant-1", 3)
+        return len(answers) == 1 and tenant_node not in answers and "status" not in str(answers)
+
+    await eventually(all_go_to_the_other, timeout_s=15.0)
+    assert region.picker.metrics.fallbacks.labels("no_candidate")._value.get() == 0
