@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import json
 import ssl
+from collections.abc import Iterator
 
 import httpx
 import pytest
+from gw_catalog import CatalogForwarder
 from gw_fleet import Fleet, GatewayThread, wait_until
 
 from gateway.errors import GatewayError
 from gateway.keys import ApiKey
-from wire.model_catalog import MODEL_HEADER
+from wire.model_catalog import MODEL_HEADER, CatalogAlias, CatalogModel, ModelCatalog
 
 CHAT_PATH = "/v1/chat/completions"
 A_WEIGHTS, B_WEIGHTS = "a" * 32, "b" * 32
-# The catalog, as the operator writes it: `large` falls back to `small`.
-CATALOG = (
-    {"name": "small"},
-    {"name": "large", "fallbacks": ["small"]},
-    {"name": "chat-default", "target": "large"},
+CATALOG = ModelCatalog(
+    models=(CatalogModel(name="large", fallbacks=("small",)), CatalogModel(name="small")),
+    aliases=(CatalogAlias(name="chat-default", target="large"),),
 )
 
 
@@ -113,10 +113,32 @@ def served_gateway(two_models: Fleet) -> GatewayThread:
 
 
 @pytest.fixture
+def forwarder(two_models: Fleet) -> Iterator[CatalogForwarder]:
+    """`CATALOG` put into the control plane's documents on their way to a gateway started on
+    `forwarder.url` (gw_catalog.py): the edge and model-list tests set catalogs through it."""
+    forwarder = CatalogForwarder(two_models.cp_url, CATALOG)
+    two_models.loop.run(forwarder.start())
+    yield forwarder
+    two_models.loop.run(forwarder.stop())
+
+
+def write_catalog(fleet: Fleet, catalog: ModelCatalog) -> None:
+    """`catalog` through the admin API: the models, their aliases, then their fallbacks (a
+    fallback must name a model or alias that exists)."""
+    for model in catalog.models:
+        fleet.admin_call("POST", "/v1/models", json={"name": model.name})
+    for alias in catalog.aliases:
+        fleet.admin_call("POST", "/v1/models", json={"name": alias.name, "target": alias.target})
+    for model in catalog.models:
+        if model.fallbacks:
+            body = {"fallbacks": list(model.fallbacks)}
+            fleet.admin_call("PATCH", f"/v1/models/{model.name}", json=body)
+
+
+@pytest.fixture
 def catalog_gateway(two_models: Fleet) -> GatewayThread:
     """A gateway once the operator has listed `CATALOG`."""
-    for entry in CATALOG:
-        two_models.admin_call("POST", "/v1/models", json=entry)
+    write_catalog(two_models, CATALOG)
     gateway = two_models.start_gateway()
     wait_for_models(gateway, "large", "small", "chat-default")
     return gateway
