@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
+from tiny_checkpoints import write_tiny_tokenizer
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import Checkpoint
@@ -44,10 +46,15 @@ def engine_hashes(
     blocks hashed by the KV cache manager itself."""
     chat = [m | {"role": "system"} if m["role"] == "developer" else m for m in chat]
     ids = tokenizer.encode(tokenizer.render_chat(chat, add_generation_prompt=True))
+    return engine_block_hashes(ids, 16, salt)
+
+
+def engine_block_hashes(ids: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    """The KV cache manager's own hashes of the prompt's full blocks."""
     # One token more, as once the first output is sampled: every prompt block is full then.
     seq = Sequence("r", ids + [0], SamplingParams(max_tokens=1), 1, cache_salt=salt)
-    KVCacheManager(num_blocks=1024, block_size=16).get_computed_blocks(seq)
-    assert len(seq.block_hashes) == len(ids) // 16
+    KVCacheManager(num_blocks=1024, block_size=block_size).get_computed_blocks(seq)
+    assert len(seq.block_hashes) == len(ids) // block_size
     return seq.block_hashes
 
 
@@ -99,3 +106,21 @@ def test_the_model_comes_from_the_header_first() -> None:
 
 def _json(value: object) -> bytes:
     return json.dumps(value).encode()
+
+
+@pytest.mark.parametrize("bos_by_post_processor", [False, True])
+def test_hashes_equal_the_engines_for_a_tokenizer_that_adds_bos(
+    tmp_path: Path, bos_by_post_processor: bool
+) -> None:
+    write_tiny_tokenizer(tmp_path, bos_by_post_processor=bos_by_post_processor)
+    tokenizer = Tokenizer.from_hf_folder(tmp_path)
+    assert (tokenizer.encode("") != []) == bos_by_post_processor
+    hasher = PromptHasher(tokenizer, block_size=4)
+    system = {"role": "system", "content": "shared-prefix-" * 8}
+    for _ in range(2):
+        for question in ("a?", "bb?", "</s>ccc?"):
+            chat = [system, {"role": "user", "content": question}]
+            text = tokenizer.render_chat(chat, add_generation_prompt=True)
+            expected = engine_block_hashes(tokenizer.encode(text), 4, "salt")
+            assert hasher.chat_hashes(chat, "salt") == expected
+    assert hasher.num_memo_hits >= 3
