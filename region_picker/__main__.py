@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     service_cli.add_listen_flags(parser, default_port=DEFAULT_PORT)
     parser.add_argument("--metrics-host", help="address of /metrics (default 127.0.0.1)")
     parser.add_argument("--metrics-port", type=int, help="port of /metrics (default 9101)")
+    parser.add_argument(
+        "--cache-events-port", type=int, help="port of the nodes' cache event streams (9102)"
+    )
     parser.add_argument("--control-plane", help="control plane URL, e.g. http://127.0.0.1:8080")
     parser.add_argument(
         "--model",

@@ -14,9 +14,12 @@ from wsgiref.simple_server import WSGIServer
 import aiohttp
 import grpc
 from prometheus_client import start_http_server
+from websockets.asyncio.server import Server
 
 from engine.loader import load_checkpoint
 from engine.model_store import resolve_model
+from region_picker.cache_index import CacheIndex, ExactOrGuessed
+from region_picker.cache_receiver import CacheEventReceiver
 from region_picker.ext_proc import ExternalProcessor, serve
 from region_picker.metrics import PickerMetrics
 from region_picker.node_book import NodeBook
@@ -46,6 +49,12 @@ class RunningPicker:
     session: aiohttp.ClientSession
     watcher: asyncio.Task[None]
     metrics: PickerMetrics
+    cache_events: Server  # the nodes' streams into `cache_index`
+    cache_index: CacheIndex
+
+    @property
+    def cache_events_port(self) -> int:
+        return int(self.cache_events.sockets[0].getsockname()[1])
 
     @property
     def metrics_port(self) -> int:
@@ -56,6 +65,8 @@ class RunningPicker:
         if self.watcher.done():
             return
         await self.server.stop(1.0)
+        self.cache_events.close()
+        await self.cache_events.wait_closed()
         self.watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.watcher
@@ -77,17 +88,27 @@ async def start(settings: PickerSettings) -> RunningPicker:
     sizes = {candidate.block_size for candidate in book.candidates(None)}
     block_size = min(sizes) if sizes else DEFAULT_BLOCK_SIZE
     hashers = await asyncio.to_thread(load_hashers, settings.models, block_size)
-    picker = Picker(book, hashers, routed, routed, metrics, random.Random())
+    cache_index = CacheIndex()
+    cache_events = await CacheEventReceiver(cache_index).serve(
+        settings.host, settings.cache_events_port
+    )
+    # Exact for the nodes that stream their caches' events, guessed from its own sends elsewhere.
+    cache = ExactOrGuessed(cache_index, routed)
+    picker = Picker(book, hashers, cache, routed, metrics, random.Random())
     server, port = await serve(ExternalProcessor(picker, metrics), settings.host, settings.port)
     metrics_server, _ = start_http_server(
         settings.metrics_port, settings.metrics_host, metrics.registry
     )
-    running = RunningPicker(server, port, metrics_server, session, watcher, metrics)
+    running = RunningPicker(
+        server, port, metrics_server, session, watcher, metrics, cache_events, cache_index
+    )
     logger.info(
-        "picker for %s: ext_proc on %s:%d, metrics on http://%s:%d/metrics, models %s",
+        "picker for %s: ext_proc on %s:%d, cache events on %d, metrics on http://%s:%d/metrics, "
+        "models %s",
         settings.region,
         settings.host,
         port,
+        running.cache_events_port,
         settings.metrics_host,
         running.metrics_port,
         ", ".join(hashers) or "none (load only)",

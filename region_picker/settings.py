@@ -11,6 +11,7 @@ from wire.heartbeat import NAME_PATTERN
 
 DEFAULT_PORT = 9100  # gRPC, for Envoy's ext_proc filter
 DEFAULT_METRICS_PORT = 9101
+DEFAULT_CACHE_EVENTS_PORT = 9102  # the nodes' cache event streams (websocket)
 
 
 class PickerSettings(BaseSettings):
@@ -23,6 +24,8 @@ class PickerSettings(BaseSettings):
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
+    # Where the nodes stream their prefix caches' events (on `host`; their --picker-url).
+    cache_events_port: int = Field(default=DEFAULT_CACHE_EVENTS_PORT, ge=0, le=65535)
     control_plane: str
     # The gateways' read-only token: the picker watches what gateways watch, per node.
     gateway_token: SecretStr = Field(

@@ -58,6 +58,7 @@ async def start_picker(
         region="us-east",
         port=port,
         metrics_port=0,
+        cache_events_port=0,
         control_plane=str(cp.api.base_url),
         gateway_token=SecretStr(tokens.gateway),
         models={MODEL: str(checkpoint)},

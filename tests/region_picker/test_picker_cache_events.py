@@ -1,0 +1,133 @@
+"""The picker with the nodes' cache event streams: its decision follows what a node's stream
+says it holds (over what the picker guessed from its own sends), with the tenant's salt as the
+node derives it; the running service listens for the streams and feeds its index."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from pydantic import SecretStr
+from websockets.asyncio.client import connect
+
+from engine.loader import Checkpoint
+from region_picker.cache_index import CacheIndex, ExactOrGuessed
+from region_picker.metrics import PickerMetrics
+from region_picker.node_book import NodeBook
+from region_picker.picker import Picker
+from region_picker.prompt_hashes import PromptHasher
+from region_picker.routed_prefixes import RoutedPrefixes
+from region_picker.service import start
+from region_picker.settings import PickerSettings
+from wire.cache_events import CACHE_EVENTS_PATH, CacheSnapshot
+from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
+from wire.region_nodes import NodeLoad, RegionNodes
+
+MODEL = "smollm2-135m-instruct"
+SYSTEM = "You answer questions about the fleet's regions, briefly and precisely. " * 20
+NODES = RegionNodes(
+    index=1,
+    region="us-east",
+    nodes=tuple(
+        NodeLoad(
+            node_id=name,
+            url=f"http://127.0.0.1:{port}",
+            model=MODEL,
+            block_size=16,
+            kv_blocks_total=1000,
+            kv_blocks_free=1000,
+        )
+        for name, port in (("node-a", 9001), ("node-b", 9002))
+    ),
+)
+
+
+def snapshot(node_id: str, hashes: list[bytes]) -> CacheSnapshot:
+    return CacheSnapshot(node_id=node_id, block_size=16, seq=0, hashes=[h.hex() for h in hashes])
+
+
+def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
+    smollm2_checkpoint: Checkpoint,
+) -> None:
+    hasher = PromptHasher(smollm2_checkpoint.tokenizer, 16)
+    system = [{"role": "system", "content": SYSTEM}]
+    # The tenant's system prompt as the node cached it: salted as the node salts the header.
+    held = hasher.chat_hashes(system, engine_cache_salt("tenant-1", None))
+    book, index, routed = NodeBook(), CacheIndex(), RoutedPrefixes()
+    book.adopt(NODES)
+    index.apply_snapshot(snapshot("node-a", []))  # a's stream: it evicted them
+    index.apply_snapshot(snapshot("node-b", held))
+    routed.record("node-a", held)  # where the picker last sent the tenant
+    picker = Picker(
+        book,
+        {MODEL: hasher},
+        ExactOrGuessed(index, routed),
+        routed,
+        PickerMetrics(),
+        random.Random(0),
+    )
+    body = {"model": MODEL, "messages": [*system, {"role": "user", "content": "Which region?"}]}
+    decision = picker.decide({CACHE_SALT_HEADER: "tenant-1"}, json.dumps(body).encode())
+    assert decision is not None
+    assert decision.chosen.candidate.node_id == "node-b"
+    assert (
+        decision.chosen.cached_blocks >= len(held) - 1 > 0
+    )  # the template's last block may differ
+    other = picker.decide({CACHE_SALT_HEADER: "tenant-2"}, json.dumps(body).encode())
+    assert other is not None and other.chosen.cached_blocks == 0  # another tenant's chain
+
+
+@pytest_asyncio.fixture
+async def control_plane() -> AsyncIterator[str]:
+    """A stand-in for the control plane's region nodes query: the document, then no change."""
+
+    closing = asyncio.Event()
+
+    async def nodes(request: web.Request) -> web.Response:
+        if request.query.get("index") != "0":
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing.wait(), 30)
+        return web.Response(text=NODES.model_dump_json(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/regions/us-east/nodes", nodes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}"
+    closing.set()
+    await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_the_running_picker_takes_the_nodes_streams_into_its_index(
+    control_plane: str,
+) -> None:
+    settings = PickerSettings(
+        region="us-east",
+        port=0,
+        metrics_port=0,
+        cache_events_port=0,
+        control_plane=control_plane,
+        gateway_token=SecretStr("gateway-token-for-tests"),
+    )
+    running = await start(settings)
+    try:
+        url = f"ws://127.0.0.1:{running.cache_events_port}{CACHE_EVENTS_PATH}"
+        async with connect(url) as stream:
+            await stream.send(snapshot("node-b", [bytes(16)]).model_dump_json())
+            for _ in range(500):
+                if running.cache_index.is_known("node-b"):
+                    break
+                await asyncio.sleep(0.01)
+            assert running.cache_index.hashes_of("node-b") == {bytes(16)}
+    finally:
+        await running.stop()
