@@ -7,6 +7,7 @@
         --node NODE_ID[=URL] [--node ...]
     python -m control_plane.admin_cli xds credential NAME (--region REGION | --edge) \\
         --token-file FILE
+    python -m control_plane.admin_cli model list|add|alias|fallbacks|remove ...
 
 The control plane's URL comes from `MERIDIAN_CONTROL_PLANE_URL` (or `--control-plane`), the
 operator token from `MERIDIAN_ADMIN_TOKEN` only, so that the token never appears in a command line,
@@ -23,6 +24,7 @@ the URL if given, else the URL of its first beat) and writes it to `DIR/NODE_ID.
 0600), never to the output; minting again replaces a node's token. `xds credential` mints an
 Envoy's xDS token (for the ingress of REGION, or for the edge) and writes it to FILE (mode 0600),
 for `envoy-bootstrap --token-file FILE`; minting again replaces it.
+`model ...` edits the model catalog (`control_plane.admin_models` has its actions).
 
 Exit status: 0 done, 1 the control plane refused or could not be reached, 2 bad usage. Errors are
 one line on stderr; the token is never printed.
@@ -39,25 +41,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from wire.control_plane_urls import ControlPlaneUrls, is_retryable_status
+from control_plane import admin_models
+from control_plane.admin_client import TOKEN_ENV, AdminClient, AdminCliError, expect
+from wire.control_plane_urls import ControlPlaneUrls
 from wire.heartbeat import NAME_PATTERN
 
 PROG = "admin_cli"
 URL_ENV = "MERIDIAN_CONTROL_PLANE_URL"
-TOKEN_ENV = "MERIDIAN_ADMIN_TOKEN"
-TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.5
 _HTTP_URL = re.compile(r"^https?://[^\s/?#@]+/?$")
-
-
-class AdminCliError(Exception):
-    """A failure to report as one line; `status` is the exit status."""
-
-    def __init__(self, message: str, status: int = 1) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     credentials.add_argument(
         "--token-dir", type=Path, required=True, help="where NODE_ID.token files go (mode 0600)"
     )
+    admin_models.add_parser(resources)
     xds = resources.add_parser("xds", help="Envoys' xDS credentials")
     xds_actions = xds.add_subparsers(dest="action", required=True)
     xds_credential = xds_actions.add_parser(
@@ -153,68 +146,11 @@ def node_spec(value: str) -> tuple[str, str | None]:
     return node_id, (url if sep else None)
 
 
-def _error_message(response: httpx.Response) -> str:
-    """The control plane's own error message (OpenAI error shape), else the raw status."""
-    try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.reason_phrase or "error"
-    return f"{response.status_code} {message}"
-
-
-class AdminClient:
-    """The few admin-API calls this CLI makes, each failing with a one-line `AdminCliError`."""
-
-    def __init__(self, base_url: str, token: str) -> None:
-        """`base_url`: one URL, or the replicas' URLs comma-separated (each tried in turn)."""
-        self._urls = ControlPlaneUrls.parse(base_url)
-        self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S)
-
-    @property
-    def base_url(self) -> str:
-        return self._urls.current
-
-    def close(self) -> None:
-        self._http.close()
-
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        response = self._first_answer(method, path, body)
-        if response.status_code in (401, 403):
-            raise AdminCliError(
-                f"the control plane at {self.base_url} refused the admin token "
-                f"({_error_message(response)}); check {TOKEN_ENV} (Terraform: admin_token)"
-            )
-        return response
-
-    def _first_answer(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
-        """The answer of the first replica that gives one (a 5xx counts only from the last)."""
-        failure = ""
-        for url in self._urls.in_turn():
-            try:
-                response = self._http.request(method, url + path, json=body)
-            except httpx.HTTPError as exc:
-                failure = f"{url}: {exc}"
-                continue
-            if is_retryable_status(response.status_code) and url != self._urls.urls[-1]:
-                failure = f"{url}: HTTP {response.status_code}"
-                continue
-            self._urls.settle(url)
-            return response
-        tried = f" (every one of {len(self._urls)} replicas failed)" if len(self._urls) > 1 else ""
-        raise AdminCliError(f"cannot reach the control plane at {failure}{tried}")
-
-
-def _expect(response: httpx.Response, what: str, *ok: int) -> httpx.Response:
-    if response.status_code not in ok:
-        raise AdminCliError(f"{what}: {_error_message(response)}")
-    return response
-
-
 def put_region(client: AdminClient, spec: RegionSpec) -> str:
     """Create or update the region; returns what happened: created, updated or unchanged."""
     path = f"/v1/regions/{spec.name}"
     what = f"region put {spec.name}"
-    current = _expect(client.call("GET", path), what, 200, 404)
+    current = expect(client.call("GET", path), what, 200, 404)
     if current.status_code == 200:
         view = current.json()
         if view.get("is_deleting"):
@@ -228,8 +164,8 @@ def put_region(client: AdminClient, spec: RegionSpec) -> str:
         created = client.call("POST", "/v1/regions", {"name": spec.name, **spec.fields()})
         if created.status_code == 201:
             return "created"
-        _expect(created, what, 409)  # registered meanwhile by someone else: update it
-    _expect(client.call("PATCH", path, spec.fields()), what, 200)
+        expect(created, what, 409)  # registered meanwhile by someone else: update it
+    expect(client.call("PATCH", path, spec.fields()), what, 200)
     return "updated"
 
 
@@ -238,7 +174,7 @@ def delete_region(client: AdminClient, name: str, wait_s: float) -> str:
     and it was not gone within `wait_s`, which is then an error unless `wait_s` is 0)."""
     path = f"/v1/regions/{name}"
     what = f"region delete {name}"
-    response = _expect(client.call("DELETE", path), what, 202, 204, 404)
+    response = expect(client.call("DELETE", path), what, 202, 204, 404)
     if response.status_code != 202:
         return "deleted" if response.status_code == 204 else "already absent"
     if wait_s <= 0:
@@ -246,7 +182,7 @@ def delete_region(client: AdminClient, name: str, wait_s: float) -> str:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         time.sleep(POLL_INTERVAL_S)
-        if _expect(client.call("GET", path), what, 200, 404).status_code == 404:
+        if expect(client.call("GET", path), what, 200, 404).status_code == 404:
             return "deleted (after its nodes drained)"
     raise AdminCliError(
         f"{what}: still deleting after {wait_s:g} s while its nodes drain; "
@@ -258,7 +194,7 @@ def mint_node_credential(client: AdminClient, node_id: str, region: str, url: st
     """A new heartbeat token for `node_id`, bound to `region` (and `url`); returns the token."""
     body: dict[str, Any] = {"region": region} | ({"url": url} if url is not None else {})
     response = client.call("POST", f"/v1/nodes/{node_id}/credential", body)
-    token: str = _expect(response, f"node credential {node_id}", 201).json()["token"]
+    token: str = expect(response, f"node credential {node_id}", 201).json()["token"]
     return token
 
 
@@ -266,7 +202,7 @@ def mint_xds_credential(client: AdminClient, name: str, region: str | None) -> s
     """A new xDS token named `name`, for the ingress of `region` (None: the edge); returns it."""
     body: dict[str, Any] = {"role": "ingress", "region": region} if region else {"role": "edge"}
     response = client.call("POST", f"/v1/xds/credentials/{name}", body)
-    token: str = _expect(response, f"xds credential {name}", 201).json()["token"]
+    token: str = expect(response, f"xds credential {name}", 201).json()["token"]
     return token
 
 
@@ -302,6 +238,8 @@ def run(args: argparse.Namespace) -> str:
     url, token = _connection(args)
     client = AdminClient(url, token)
     try:
+        if args.resource == "model":
+            return admin_models.run_model(client, args)
         if args.resource == "xds":
             token = mint_xds_credential(client, args.name, args.region)
             write_private(args.token_file, token + "\n")

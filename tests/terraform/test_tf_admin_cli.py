@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from tf_helpers import REPO_ROOT, ControlPlane
 
-from control_plane import admin_cli
+from control_plane import admin_client
 from control_plane.admin_cli import main
 
 pytestmark = pytest.mark.slow  # starts a control plane
@@ -192,7 +192,7 @@ def test_rejected_values_are_reported_with_the_control_planes_reason(
 def test_unreachable_control_plane(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(admin_cli, "TIMEOUT_S", 2.0)
+    monkeypatch.setattr(admin_client, "TIMEOUT_S", 2.0)
     monkeypatch.setenv("MERIDIAN_CONTROL_PLANE_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("MERIDIAN_ADMIN_TOKEN", "t" * 20)
     status, _, err = run_cli(capsys, "region", "delete", "cli-f")
@@ -203,7 +203,7 @@ def test_unreachable_control_plane(
 def test_a_replica_that_cannot_be_reached_is_skipped_for_the_next(
     cp: ControlPlane, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(admin_cli, "TIMEOUT_S", 2.0)
+    monkeypatch.setattr(admin_client, "TIMEOUT_S", 2.0)
     monkeypatch.setenv("MERIDIAN_CONTROL_PLANE_URL", f"http://127.0.0.1:9,{cp.base_url}")
     put = ("region", "put", "cli-r", "--lat=1", "--lon=2")
     assert run_cli(capsys, *put) == (0, "region cli-r: created", "")
