@@ -232,3 +232,41 @@ def test_repository_holds_no_terraform_working_data() -> None:
     assert leftovers == []
     ignored = (tree / ".gitignore").read_text().splitlines()
     assert {".terraform/", "*.tfstate", "*.tfstate.*"} <= set(ignored)
+
+
+def test_a_region_of_the_local_example_may_serve_several_models(
+    tf_tree: Path, terraform: TerraformFactory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """eu-west as stack/default.yaml places it: the default model and its fp32 twin (plan only:
+    nothing is registered, no control plane needed)."""
+    monkeypatch.setenv("TF_VAR_control_plane_url", "http://127.0.0.1:8080")
+    monkeypatch.setenv("TF_VAR_admin_token", "adm-" + "t" * 24)
+    regions: dict[str, dict[str, object]] = {
+        name: {"lat": REGIONS[name].lat, "lon": REGIONS[name].lon, "base_port": 9001 + 100 * i}
+        for i, name in enumerate(LOCAL_REGIONS)
+    }
+    fp32 = "smollm2-135m-instruct-fp32"
+    regions["eu-west"]["models"] = {"smollm2-135m-instruct": 1, fp32: 1}
+    monkeypatch.setenv("TF_VAR_regions", json.dumps(regions))
+    tf = terraform(tf_tree / "examples" / "local")
+    tf.init()
+    plan_file = tmp_path / "plan.tfplan"
+    assert_ok(tf.plan(out=str(plan_file)))
+    nodes = tf.show_plan(plan_file)["planned_values"]["outputs"]["nodes"]["value"]
+    assert [(n["node_id"], n["port"], n["model"], n["served_model_name"]) for n in nodes] == [
+        ("ap-southeast-00", 9201, "smollm2-135m-instruct", None),
+        ("eu-west-00", 9101, "smollm2-135m-instruct", "smollm2-135m-instruct"),
+        ("eu-west-01", 9102, "smollm2-135m-instruct", fp32),
+        ("us-east-00", 9001, "smollm2-135m-instruct", None),
+    ]
+    assert nodes[2]["args"][:8] == [
+        "--model",
+        "smollm2-135m-instruct",
+        "--dtype",
+        "fp32",
+        "--quantization",
+        "none",
+        "--served-model-name",
+        fp32,
+    ]
+    assert nodes[1]["args"][:3] == ["--model", "smollm2-135m-instruct", "--host"]

@@ -5,7 +5,10 @@
 #   terraform init && terraform apply
 #
 # Locations match wire/geo.py's REGIONS table. Each region gets one CPU node agent with its own
-# port (all on 127.0.0.1), so that the rendered commands can run side by side on one machine.
+# port (all on 127.0.0.1), so that the rendered commands can run side by side on one machine; a
+# region's optional `models` (model name => agents) places several models there instead, as
+# stack/default.yaml does, e.g. eu-west's:
+#   models = { "smollm2-135m-instruct" = 1, "smollm2-135m-instruct-fp32" = 1 }
 
 terraform {
   required_version = ">= 1.9"
@@ -29,17 +32,31 @@ variable "admin_cli" {
 }
 
 variable "regions" {
-  description = "The regions to provision (the default: the three local ones, located as in wire/geo.py). Each gets one CPU node agent on 127.0.0.1, from base_port."
+  description = "The regions to provision (the default: the three local ones, located as in wire/geo.py). Each gets one CPU node agent of smollm2-135m-instruct on 127.0.0.1, from base_port, or with `models` that many agents of each model (by name, loaded as model_settings says)."
   type = map(object({
     lat       = number
     lon       = number
     base_port = number
     weight    = optional(number, 1)
+    models    = optional(map(number))
   }))
   default = {
     "us-east"      = { lat = 39.04, lon = -77.49, base_port = 9001 } # Ashburn, Virginia
     "eu-west"      = { lat = 53.35, lon = -6.26, base_port = 9101 }  # Dublin
     "ap-southeast" = { lat = 1.35, lon = 103.82, base_port = 9201 }  # Singapore
+  }
+}
+
+variable "model_settings" {
+  description = "How each model a region's `models` names is loaded (the region module's model_settings; default: stack/default.yaml's fp32 model)."
+  type = map(object({
+    source       = optional(string)
+    dtype        = optional(string)
+    quantization = optional(string)
+    served_name  = optional(string)
+  }))
+  default = {
+    "smollm2-135m-instruct-fp32" = { source = "smollm2-135m-instruct", dtype = "fp32", quantization = "none" }
   }
 }
 
@@ -49,7 +66,9 @@ module "region" {
 
   name                 = each.key
   location             = { lat = each.value.lat, lon = each.value.lon }
-  node_count           = 1
+  node_count           = each.value.models == null ? 1 : null
+  models               = each.value.models
+  model_settings       = var.model_settings
   gpus_per_node        = 1
   tensor_parallel_size = 1
   model                = "smollm2-135m-instruct"
