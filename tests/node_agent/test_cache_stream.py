@@ -27,12 +27,15 @@ from pydantic import ValidationError
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import Server, ServerConnection, serve
 
+from engine.async_engine import AsyncEngine
 from engine.cache_events import CacheEvents
 from engine.kv_cache_manager import chain_root, hash_block
+from engine.tokenizer import Tokenizer
 from node_agent.cache_buffer import CacheEventBuffer, Delta, Snapshot
 from node_agent.settings import NodeAgentSettings
 from region_picker.cache_index import CacheIndex
 from region_picker.cache_receiver import CacheEventReceiver
+from region_picker.prompt_hashes import PromptHasher
 from wire.cache_events import CACHE_EVENTS_PATH
 from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
 
@@ -250,3 +253,37 @@ def test_an_overflowing_buffer_drops_its_batches_for_one_snapshot() -> None:
 def test_a_picker_url_that_is_not_one_is_refused_at_start() -> None:
     with pytest.raises(ValidationError, match="picker URL"):
         NodeAgentSettings(picker_url="picker:9100")
+
+
+@pytest.mark.slow
+def test_a_real_engines_cache_reaches_the_index_as_the_picker_hashes_its_prompts(
+    server_loop: BackgroundLoop, picker: Picker, shared_llm: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    """The real model in its core process: the chat's blocks, hashed by the picker's own hasher
+    with the tenant's salt, are what the node's stream says it holds."""
+    port = picker.start()
+    node = start_node(server_loop, shared_llm, picker_url=f"http://127.0.0.1:{port}")
+    messages = [
+        {"role": "system", "content": "You are tenant seven's assistant; be brief. " * 8},
+        {"role": "user", "content": "Which region is closest to Lisbon?"},
+    ]
+    try:
+        with node.client() as client:
+            response = client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL_NAME, "messages": messages, "max_tokens": 2},
+                headers={CACHE_SALT_HEADER: "tenant-7"},
+            )
+            assert response.status_code == 200, response.text
+        salt = engine_cache_salt("tenant-7", None)
+        hashes = PromptHasher(tokenizer, shared_llm.stats().block_size).chat_hashes(messages, salt)
+        node_id = node.runtime.node_id
+        assert len(hashes) >= 4
+        wait_for(
+            lambda: (
+                server_loop.call(lambda: picker.index.cached_prefix_blocks(node_id, hashes))
+                == len(hashes)
+            )
+        )
+    finally:
+        node.stop()
