@@ -19,6 +19,7 @@ from websockets.asyncio.server import Server
 from engine.loader import load_checkpoint
 from engine.model_store import resolve_model
 from region_picker.cache_index import CacheIndex, ExactOrGuessed
+from region_picker.cache_metrics import CacheStreamCollector
 from region_picker.cache_receiver import CacheEventReceiver
 from region_picker.ext_proc import ExternalProcessor, serve
 from region_picker.metrics import PickerMetrics
@@ -89,9 +90,9 @@ async def start(settings: PickerSettings) -> RunningPicker:
     block_size = min(sizes) if sizes else DEFAULT_BLOCK_SIZE
     hashers = await asyncio.to_thread(load_hashers, settings.models, block_size)
     cache_index = CacheIndex()
-    cache_events = await CacheEventReceiver(cache_index).serve(
-        settings.host, settings.cache_events_port
-    )
+    receiver = CacheEventReceiver(cache_index)
+    cache_events = await receiver.serve(settings.host, settings.cache_events_port)
+    metrics.registry.register(CacheStreamCollector(receiver.stats, cache_index))
     # Exact for the nodes that stream their caches' events, guessed from its own sends elsewhere.
     cache = ExactOrGuessed(cache_index, routed)
     picker = Picker(book, hashers, cache, routed, metrics, random.Random())

@@ -1,6 +1,7 @@
 """The picker with the nodes' cache event streams: its decision follows what a node's stream
 says it holds (over what the picker guessed from its own sends), with the tenant's salt as the
-node derives it; the running service listens for the streams and feeds its index."""
+node derives it; the running service listens for the streams, feeds its index and exports
+what it knows as metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import random
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -129,5 +131,14 @@ async def test_the_running_picker_takes_the_nodes_streams_into_its_index(
                     break
                 await asyncio.sleep(0.01)
             assert running.cache_index.hashes_of("node-b") == {bytes(16)}
+            metrics_url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+            async with aiohttp.ClientSession() as session, session.get(metrics_url) as reply:
+                exposed = set((await reply.text()).splitlines())
+            assert {
+                "meridian_picker_cache_nodes_known 1.0",
+                'meridian_picker_cache_blocks{node="node-b"} 1.0',
+                "meridian_picker_cache_stream_snapshots_total 1.0",
+                "meridian_picker_cache_stream_gaps_total 0.0",
+            } <= exposed
     finally:
         await running.stop()
