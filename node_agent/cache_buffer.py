@@ -51,10 +51,6 @@ class CacheEventBuffer:
         self._ready = asyncio.Event()
         self.stats = BufferStats()
 
-    @property
-    def held(self) -> frozenset[bytes]:
-        return frozenset(self._held)
-
     def apply(self, events: CacheEvents) -> None:
         """The engine's listener: follow its cache, queue the batch (never blocks)."""
         if events.is_snapshot:
