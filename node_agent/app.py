@@ -98,7 +98,12 @@ async def _stream_cache_events(runtime: NodeRuntime, loader: asyncio.Task[None] 
     if runtime.llm is None or settings.picker_url is None:
         return  # the load failed: the node is stopping
     await stream_cache_events(
-        runtime.llm, settings.picker_url, runtime.node_id, settings.cache_events_max_pending
+        runtime.llm,
+        settings.picker_url,
+        runtime.node_id,
+        settings.cache_events_max_pending,
+        runtime.model_name,
+        runtime.metrics.registry,
     )
 
 

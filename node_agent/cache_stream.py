@@ -14,14 +14,19 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pydantic
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from engine.async_engine import AsyncEngine
 from node_agent.cache_buffer import CacheEventBuffer, Delta, Snapshot
+from node_agent.metrics import PREFIX
 from wire.cache_events import (
     MAX_FRAME_BYTES,
     CacheDelta,
@@ -129,11 +134,61 @@ def _delta_frame(node_id: str, delta: Delta) -> str:
     ).model_dump_json()
 
 
+class StreamCollector(Collector):
+    """The stream in the node's metrics, read when scraped."""
+
+    def __init__(self, model_name: str, stream: CacheEventStream, buffer: CacheEventBuffer):
+        self._labels = [model_name]
+        self._stream = stream
+        self._buffer = buffer
+
+    def collect(self) -> Iterator[Metric]:
+        connected = GaugeMetricFamily(
+            PREFIX + "cache_events_connected",
+            "Whether the prefix-cache event stream to the region's picker is connected (0 or 1).",
+            labels=["model_name"],
+        )
+        connected.add_metric(self._labels, float(self._stream.is_connected))
+        yield connected
+        stats = self._buffer.stats
+        for name, text, value in (
+            ("connections", "Connections made to the picker", self._stream.num_connections),
+            ("batches", "Batches of prefix-cache changes from the engine", stats.num_batches),
+            (
+                "snapshots",
+                "Snapshots sent (each connection, resync or overflow)",
+                stats.num_snapshots,
+            ),
+            (
+                "overflows",
+                "Times a slow picker made the queue drop for a snapshot",
+                stats.num_overflows,
+            ),
+        ):
+            family = CounterMetricFamily(
+                f"{PREFIX}cache_events_{name}", text, labels=["model_name"]
+            )
+            family.add_metric(self._labels, value)
+            yield family
+
+
 async def stream_cache_events(
-    llm: AsyncEngine, picker_url: str, node_id: str, max_pending_batches: int
+    llm: AsyncEngine,
+    picker_url: str,
+    node_id: str,
+    max_pending_batches: int,
+    model_name: str,
+    registry: CollectorRegistry,
 ) -> None:
-    """Watch `llm`'s prefix cache and stream it to the picker at `picker_url`, until cancelled."""
+    """Watch `llm`'s prefix cache and stream it to the picker at `picker_url`, until cancelled;
+    the stream's counts go to the node's metrics `registry`."""
     buffer = CacheEventBuffer(max_pending_batches)
     llm.watch_cache(buffer.apply)
     target = StreamTarget(stream_url(picker_url), node_id, llm.stats().block_size)
-    await CacheEventStream(target, buffer).run()
+    stream = CacheEventStream(target, buffer)
+    collector = StreamCollector(model_name, stream, buffer)
+    registry.register(collector)
+    try:
+        await stream.run()
+    finally:
+        registry.unregister(collector)

@@ -124,6 +124,14 @@ def test_the_index_follows_a_nodes_cache_exactly_as_it_fills_and_evicts(
             wait_for(lambda: follows(picker, small_engine, node, server_loop))
         stats = picker.receiver.stats
         assert stats.num_snapshots == 1 and stats.num_gaps == 0 and stats.num_deltas > 1
+        with node.client() as client:
+            exposed = set(client.get("/metrics").text.splitlines())
+        label = f'{{model_name="{MODEL_NAME}"}}'
+        assert {
+            f"meridian:cache_events_connected{label} 1.0",
+            f"meridian:cache_events_snapshots_total{label} 1.0",
+            f"meridian:cache_events_overflows_total{label} 0.0",
+        } <= exposed
         # Every hash's holders are this node, both directions agree.
         node_id = node.runtime.node_id
         held = picker.holds(node_id)
