@@ -11,7 +11,6 @@ engine or holds up serving: the engine's events go into a bounded buffer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Iterator
@@ -61,6 +60,7 @@ class CacheEventStream:
         """Connect, stream, reconnect: until cancelled."""
         target = self._target
         delay_s = target.min_backoff_s
+        num_failures = 0  # in a row: the first is a warning, the retries are not news
         while True:
             try:
                 async with connect(
@@ -69,11 +69,13 @@ class CacheEventStream:
                     self._buffer.request_snapshot()
                     self.num_connections += 1
                     self.is_connected = True
-                    delay_s = target.min_backoff_s
+                    delay_s, num_failures = target.min_backoff_s, 0
                     logger.info("streaming cache events to %s", target.url)
                     await self._exchange(socket)
             except (OSError, TimeoutError, WebSocketException) as exc:
-                logger.warning("cache event stream to %s: %s", target.url, exc)
+                num_failures += 1
+                level = logging.WARNING if num_failures == 1 else logging.DEBUG
+                logger.log(level, "cache event stream to %s: %s; retrying", target.url, exc)
             finally:
                 self.is_connected = False
             await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
@@ -90,10 +92,10 @@ class CacheEventStream:
         finally:
             for task in tasks:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await asyncio.gather(*tasks, return_exceptions=True)
         for task in done:
-            task.result()  # raises what ended it
+            if not task.cancelled():
+                task.result()  # raises what ended it
 
     async def _send(self, socket: ClientConnection) -> None:
         while True:
