@@ -126,7 +126,8 @@ class _Load:
 
 def summarize_region(region: Region, nodes: list[Node], listed: Listed = None) -> RegionSummary:
     """One region's summary from its nodes' latest beats, with a load per model (`listed`: the
-    models to list, None for all). It runs for every region on every tick: each beat is summed
+    models to list, None for all: then also a model whose nodes are all unhealthy or draining,
+    with 0 healthy nodes). It runs for every region on every tick: each beat is summed
     once, into its model's load, and the region's totals are the sum of those."""
     by_model: dict[str, list[Heartbeat | None]] = {}
     unhealthy: list[str] = []
@@ -134,6 +135,10 @@ def summarize_region(region: Region, nodes: list[Node], listed: Listed = None) -
         if not node.is_in_summaries:
             if not node.is_healthy:
                 unhealthy.append(node.node_id)
+            if listed is None:
+                # An empty catalog: the model stays known, with no capacity (a 503 and its
+                # fallbacks, not a 404), while any registered node serves it.
+                by_model.setdefault(node.identity.model, [])
             continue
         beats = by_model.get(node.identity.model)
         if beats is None:

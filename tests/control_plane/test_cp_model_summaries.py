@@ -115,6 +115,22 @@ def test_once_the_catalog_lists_models_only_they_are_summarized() -> None:
     assert listed_models(ModelCatalog()) is None and listed_models(None) is None
 
 
+def test_with_an_empty_catalog_a_model_without_healthy_nodes_stays_listed_with_none() -> None:
+    """So that a gateway answers 503 (no capacity now), not 404, while every node of the model
+    is unhealthy or draining; a catalog that lists models decides alone."""
+    fleet = Fleet(unhealthy_after_s=3.0, regions={"us-east": REGION})
+    add_node(fleet, "a1", "small", Q4)
+    add_node(fleet, "b1", "large", drain=True)
+    add_node(fleet, "c1", "other")
+    fleet.nodes["c1"].is_beating = False  # unhealthy
+    summary = summarize_region(REGION, list(fleet.nodes.values()))
+    loads = {m.name: m.healthy_nodes for m in summary.models}
+    assert loads == {"small": 1, "large": 0, "other": 0}
+    assert summary.healthy_nodes == 1 and summary.unhealthy_nodes == ("c1",)
+    listed = summarize_region(REGION, list(fleet.nodes.values()), frozenset({"small", "large"}))
+    assert [m.name for m in listed.models] == ["small"]
+
+
 @pytest.mark.asyncio
 async def test_beats_with_model_identities_reach_the_summaries_and_status(
     live_cp: ControlPlaneClient,
