@@ -70,6 +70,7 @@ class ModelExecutor:
                 f"{config.num_layers} layers"
             )
         self.in_flight: deque[_InFlight] = deque()
+        self.eos_token_ids = checkpoint.tokenizer.stop_token_ids  # held back by min_tokens
         self._tags = itertools.count()
         # The largest stage sets the per-rank bytes of a block; every rank has as many blocks.
         self.max_stage_layers = max(len(stage_layers(config, pp_size, s)) for s in range(pp_size))
@@ -150,8 +151,11 @@ class ModelExecutor:
                 logits = self.stage.receive_logits(done.work)
         if not done.seqs:
             return done.batch, StepOutput([], SamplerOutput([], []))
-        requests = [SamplingRequest(s.params, s.num_output_tokens) for s in done.seqs]
-        return done.batch, StepOutput(done.seqs, sample(logits, requests))
+        requests = [
+            SamplingRequest(s.params, s.num_output_tokens, s.token_ids, s.grammar)
+            for s in done.seqs
+        ]
+        return done.batch, StepOutput(done.seqs, sample(logits, requests, self.eos_token_ids))
 
     @contextmanager
     def _failing_loudly(self) -> Iterator[None]:

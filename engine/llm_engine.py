@@ -6,6 +6,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from engine.cache_events import CacheEvents
 from engine.config import EngineConfig, WeightsFormat
 from engine.errors import InvalidRequestError
 from engine.executor import ModelExecutor
+from engine.grammar import CompiledGrammar, GrammarCompiler
 from engine.kernels import cpu_kernels
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_profile import LargestStep, kv_budget_bytes, peak_step_bytes
@@ -31,6 +33,10 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from wire.capacity import DECODE_RATE_WINDOW_S
+
+# How long a step with nothing to run but grammars compiling waits for one before it returns
+# (the loop then reads its inbox again).
+_COMPILE_WAIT_S = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +103,9 @@ class LLMEngine:
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, kv_cache)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        # Constrained requests whose grammar is compiling: followed, not yet scheduled.
+        self._compiling: dict[str, tuple[Sequence, Future[CompiledGrammar]]] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
@@ -184,7 +193,25 @@ class LLMEngine:
             token_ids=token_ids + resumed,
         )
         self.output_processor.add(seq, prompt_text)
-        self.scheduler.add(seq)
+        if params.grammar is None:
+            self.scheduler.add(seq)
+        else:
+            self._compiling[request_id] = (seq, self.grammars.compile(params.grammar))
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is compiled; end those whose grammar failed."""
+        failed: list[str] = []
+        for request_id, (seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            self.scheduler.add(seq)
+            try:
+                seq.grammar = self.grammars.matcher(future.result(), seq.output_token_ids)
+            except Exception:  # a grammar's failure ends its request only
+                logger.warning("%s: its grammar failed", request_id, exc_info=True)
+                failed.append(request_id)
+        return self.abort_request(failed) if failed else []
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -193,6 +220,11 @@ class LLMEngine:
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Stop these requests now and free their blocks; unknown ids are ignored."""
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            compiling = self._compiling.pop(request_id, None)
+            if compiling is not None:  # the scheduler retires it as any waiting request
+                self.scheduler.add(compiling[0])
         return self.output_processor.abort(request_ids, time.monotonic())
 
     def has_unfinished_requests(self) -> bool:
@@ -202,15 +234,21 @@ class LLMEngine:
         """Schedule a batch and start it if the pipeline has room; collect the oldest batch in
         flight once that is due; turn its sampled tokens into outputs. With one pipeline stage
         each step starts and collects one batch; with M stages up to M batches of disjoint
-        sequences are in flight, so a step may only start one and return []."""
+        sequences are in flight, so a step may only start one and return [].
+        Requests whose grammar is compiling join once it is compiled; a step with nothing
+        else to do waits a little for one."""
+        admitted = self._admit_compiled() if self._compiling else []
         started = self._schedule()
         if not self._is_collect_due(started):
-            return []
+            if not started and not self.executor.in_flight and self._compiling:
+                futures = [future for _, future in self._compiling.values()]
+                wait(futures, _COMPILE_WAIT_S, FIRST_COMPLETED)
+            return admitted
         batch, result = self.executor.collect()
         self.scheduler.update_after_step(batch)
         now = time.monotonic()
         self._count_tokens(now, batch.num_tokens - len(result.seqs), len(result.seqs))
-        return self.output_processor.process(result, now)
+        return admitted + self.output_processor.process(result, now)
 
     def _schedule(self) -> bool:
         """Start the next batch if the pipeline has room; whether one started."""
@@ -242,6 +280,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the parallel workers, if any; the engine cannot step afterwards."""
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     def _count_tokens(self, now: float, num_prompt_tokens: int, num_generated: int) -> None:

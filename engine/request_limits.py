@@ -53,6 +53,10 @@ class RequestLimits:
             )
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise RequestRejected("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
+        if any(t >= vocab_size for t in params.logit_bias):
+            raise RequestRejected("logit_bias", f"logit_bias ids must be in [0, {vocab_size})")
+        if params.grammar is not None:
+            params.grammar.check()
 
     def check_fits(
         self, num_prompt_tokens: int, max_tokens: int | None, is_at_least: bool = False

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import RequestOutputKind
 from engine.sequence import Sequence, TokenLogprobs
@@ -15,7 +16,7 @@ from engine.tokenizer import Tokenizer
 @dataclass(frozen=True, slots=True)
 class Finish:
     """Why a request stopped: `reason` is "stop", "length" or "abort"; `stop_reason` is the stop
-    string or stop token id that matched, if one did."""
+    string or stop token id that matched, if one did (or why a grammar failed, on "abort")."""
 
     reason: str
     stop_reason: str | int | None = None
@@ -69,6 +70,11 @@ class RequestState:
             seq.output_logprobs.append(logprobs)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
+        if seq.grammar is not None:
+            try:
+                seq.grammar.accept(token_id)
+            except GrammarError as exc:  # this sequence ends; the batch goes on
+                return Finish("abort", str(exc))
         if not params.ignore_eos and token_id in self.eos_token_ids:
             self.text += self.detokenizer.finish()
             return Finish("stop")
@@ -81,6 +87,9 @@ class RequestState:
             stop = self._cut_at_stop(len(delta))
             if stop is not None:
                 return Finish("stop", stop)
+        if seq.grammar is not None and seq.grammar.is_finished:
+            self.text += self.detokenizer.finish()
+            return Finish("stop")
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.text += self.detokenizer.finish()
             return Finish("length")

@@ -4,6 +4,10 @@ Random choices use the exponential-race form of sampling (argmax of p / E, E ~ E
 same distribution as torch.multinomial, but the noise can come from a per-request generator
 seeded by (seed, position), so a seeded request draws the same tokens whatever it is batched
 with and after a preemption.
+
+Before choosing, `process_logits` applies the requests' logit controls, each as one batched op
+over the rows that ask for it (the other rows are not touched): penalties, logit_bias,
+min_tokens, then the grammars' masks.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import GrammarMatcher
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 
@@ -25,6 +30,9 @@ class SamplingRequest:
 
     params: SamplingParams
     output_index: int  # index of the token being sampled among the request's outputs
+    # The sequence's tokens so far (prompt, then output: read for penalties, not copied).
+    token_ids: list[int] | None = None
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(slots=True)
@@ -33,8 +41,14 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def sample(logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
-    """logits (N, vocab) fp32, one row per request -> one token (and logprobs) per request."""
+def sample(
+    logits: torch.Tensor,
+    requests: list[SamplingRequest],
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> SamplerOutput:
+    """logits (N, vocab) fp32, one row per request -> one token (and logprobs) per request.
+    `eos_token_ids`: what min_tokens holds back besides the request's stop_token_ids."""
+    logits = process_logits(logits, requests, eos_token_ids)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
     if random_rows:
@@ -42,6 +56,76 @@ def sample(logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutp
         token_ids[rows] = _sample_random(logits[rows], [requests[i] for i in random_rows])
     chosen = token_ids.tolist()
     return SamplerOutput(chosen, _logprobs(logits, requests, chosen))
+
+
+@torch.inference_mode()  # the model's logits are inference tensors: rows are changed in place
+def process_logits(
+    logits: torch.Tensor, requests: list[SamplingRequest], eos_token_ids: frozenset[int]
+) -> torch.Tensor:
+    """The logits with each row's penalties, bias, min_tokens and grammar applied (in place)."""
+    penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+    if penalized:
+        logits[penalized] = _apply_penalties(logits[penalized], [requests[i] for i in penalized])
+    cells: list[tuple[int, int, float]] = []  # (row, token id, added to the logit)
+    for i, r in enumerate(requests):
+        params = r.params
+        cells += [(i, t, bias) for t, bias in params.logit_bias.items()]
+        if r.output_index < params.min_tokens:
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+            cells += [(i, t, float("-inf")) for t in held]
+    if cells:
+        rows, cols, values = zip(*cells, strict=True)
+        index = (_index(rows, logits), _index(cols, logits))
+        logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if constrained:
+        bitmask = torch.empty((len(constrained), -(-logits.shape[1] // 32)), dtype=torch.int32)
+        for j, i in enumerate(constrained):
+            grammar = requests[i].grammar
+            assert grammar is not None
+            grammar.fill_bitmask(bitmask, j)
+        rows_index = _index(constrained, logits)
+        logits[rows_index] = _apply_bitmask(logits[rows_index], bitmask.to(logits.device))
+    return logits
+
+
+def _index(values: tuple[int, ...] | list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt and output, presence and frequency over the
+    output only."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    all_counts = torch.zeros((num_rows, vocab_size), device=device)
+    output_counts = torch.zeros((num_rows, vocab_size), device=device)
+    for row, r in enumerate(requests):
+        token_ids = r.token_ids or []
+        num_prompt = len(token_ids) - r.output_index
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        ones = torch.ones(len(token_ids), device=device)
+        all_counts[row].index_add_(0, ids, ones)
+        output_counts[row].index_add_(0, ids[num_prompt:], ones[num_prompt:])
+    params = [r.params for r in requests]
+    repetition = _column([p.repetition_penalty for p in params], logits)
+    seen = all_counts > 0
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, scaled, logits)
+    logits = logits - _column([p.frequency_penalty for p in params], logits) * output_counts
+    return logits - _column([p.presence_penalty for p in params], logits) * (output_counts > 0)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, device=like.device, dtype=like.dtype).unsqueeze(1)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a row's bit is 0; bit i of int32 word w stands for token 32 w + i."""
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1
+    allowed = allowed.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def _sample_random(logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:

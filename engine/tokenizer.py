@@ -144,6 +144,11 @@ class Tokenizer:
     def stop_token_ids(self) -> frozenset[int]:
         return self._special.stop_ids
 
+    def to_json(self) -> str:
+        """The Rust tokenizer's own JSON form (what a grammar library builds its vocabulary
+        from)."""
+        return str(self._backend.to_str())
+
     @property
     def vocab_size(self) -> int:
         return int(self._backend.get_vocab_size(with_added_tokens=True))

@@ -1,0 +1,140 @@
+"""Structured outputs and logit controls on the real model: constrained outputs always parse
+and validate, free rows of a mixed batch are the same as alone, penalties and bias act."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+from real_model import KV_CACHE_GIB
+
+from engine import LLM, SamplingParams
+from engine.chat_template import ChatMessage
+from engine.grammar_spec import GrammarSpec
+
+pytestmark = pytest.mark.slow
+
+
+class City(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    country: str
+    population: int
+    is_capital: bool
+    size: Literal["small", "medium", "large"]
+
+
+SCHEMA = GrammarSpec("json_schema", json.dumps(City.model_json_schema()))
+PROMPTS = [
+    "Describe Paris as JSON.",
+    "Give me a JSON object about Tokyo.",
+    "Tell me about a small town in Norway, in JSON.",
+    "What is the largest city in Brazil? Answer in JSON.",
+]
+
+
+def chat(text: str) -> list[ChatMessage]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf: Path) -> LLM:
+    return LLM(str(smollm2_gguf), max_model_len=512, cpu_kv_cache_gib=KV_CACHE_GIB)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_schema_constrained_outputs_parse_and_validate(llm: LLM, temperature: float) -> None:
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=200, grammar=SCHEMA)
+        for i in range(len(PROMPTS))
+    ]
+    outs = llm.chat([chat(p) for p in PROMPTS], params)
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        City.model_validate_json(completion.text)
+
+
+def test_json_object_regex_and_choice(llm: LLM) -> None:
+    greedy = {"temperature": 0.0, "max_tokens": 100}
+    specs = [
+        GrammarSpec("json_object"),
+        GrammarSpec("regex", r"[0-9]{3}-[a-z]{2}"),
+        GrammarSpec("choice", json.dumps(["yes", "no", "maybe"])),
+    ]
+    prompt = chat("Is the sky blue?")
+    outs = llm.chat([prompt] * 3, [SamplingParams(**greedy, grammar=s) for s in specs])  # type: ignore[arg-type]
+    texts = [o.outputs[0].text for o in outs]
+    assert isinstance(json.loads(texts[0]), dict)
+    assert len(texts[1]) == 6 and texts[1][:3].isdigit() and texts[1][3] == "-"
+    assert texts[2] in ("yes", "no", "maybe")
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_a_cut_off_constrained_output_finishes_with_length(llm: LLM) -> None:
+    [out] = llm.chat(chat(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=5, grammar=SCHEMA))
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text.startswith("{")
+
+
+def test_free_rows_of_a_mixed_batch_equal_the_same_requests_alone(llm: LLM) -> None:
+    free = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(seed=7, max_tokens=24)]
+    constrained = SamplingParams(temperature=0, max_tokens=60, grammar=SCHEMA)
+    prompts = [chat(p) for p in PROMPTS[:2]]
+    alone = [o.outputs[0].token_ids for o in llm.chat(prompts, free)]
+    mixed = llm.chat(
+        [prompts[0], chat(PROMPTS[2]), prompts[1], chat(PROMPTS[3])],
+        [free[0], constrained, free[1], constrained],
+    )
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    City.model_validate_json(mixed[1].outputs[0].text)
+
+
+def test_frequency_penalty_changes_a_repeating_greedy_output(llm: LLM) -> None:
+    prompt = chat("Repeat the word 'apple' fifty times.")
+    [plain] = llm.chat(prompt, SamplingParams(temperature=0, max_tokens=40))
+    [penalized] = llm.chat(
+        prompt, SamplingParams(temperature=0, max_tokens=40, frequency_penalty=1.5)
+    )
+    assert plain.outputs[0].text.count("apple") > penalized.outputs[0].text.count("apple")
+
+
+def test_logit_bias_forces_and_forbids_a_token(llm: LLM) -> None:
+    prompt = chat("Say hello.")
+    [plain] = llm.chat(prompt, SamplingParams(temperature=0, max_tokens=4))
+    first = plain.outputs[0].token_ids[0]
+    [forbidden] = llm.chat(
+        prompt, SamplingParams(temperature=0, max_tokens=4, logit_bias={first: -100.0})
+    )
+    assert first not in forbidden.outputs[0].token_ids
+    forced_id = llm.get_tokenizer().encode(" banana")[0]
+    [forced] = llm.chat(
+        prompt, SamplingParams(temperature=0, max_tokens=3, logit_bias={forced_id: 100.0})
+    )
+    assert forced.outputs[0].token_ids == [forced_id] * 3
+
+
+def test_logprobs_still_come_with_controls_and_grammar(llm: LLM) -> None:
+    params = SamplingParams(
+        temperature=0, max_tokens=20, logprobs=2, presence_penalty=0.5, grammar=SCHEMA
+    )
+    [out] = llm.chat(chat(PROMPTS[0]), params)
+    completion = out.outputs[0]
+    assert completion.logprobs is not None
+    assert len(completion.logprobs) == len(completion.token_ids)
+    assert all(len(lp.top) == 2 for lp in completion.logprobs)
+
+
+def test_an_abort_while_the_grammar_compiles_and_the_engine_goes_on(llm: LLM) -> None:
+    engine = llm.engine
+    schema = {"type": "object", "properties": {"fresh": {"type": "integer"}}}
+    params = SamplingParams(max_tokens=8, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    engine.add_request("compiling", "Hi", params)
+    [aborted] = engine.abort_request(["compiling"])
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    [ok] = llm.chat(chat("Hi"), SamplingParams(temperature=0, max_tokens=4, min_tokens=4))
+    assert len(ok.outputs[0].token_ids) == 4
