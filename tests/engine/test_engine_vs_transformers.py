@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from real_model import KV_CACHE_GIB
 from tiny_checkpoints import save_tiny_transformers_model
 
 from engine import LLM, SamplingParams
@@ -66,6 +67,7 @@ def llm(smollm2_gguf: Path) -> LLM:
     return LLM(
         str(smollm2_gguf),
         dtype="float32",
+        cpu_kv_cache_gib=KV_CACHE_GIB,
         max_num_batched_tokens=48,
         max_num_prefill_only_tokens=None,
     )
@@ -174,7 +176,12 @@ def test_prefix_cache_hits_change_no_output(llm: LLM, smollm2_gguf: Path) -> Non
     assert all(o.num_cached_tokens >= 64 for o in cached[1:])
     burst = llm.generate(burst_prompts, params)
     assert burst[0].num_cached_tokens == 0 and all(o.num_cached_tokens >= 64 for o in burst[1:])
-    uncached_llm = LLM(str(smollm2_gguf), dtype="float32", enable_prefix_caching=False)
+    uncached_llm = LLM(
+        str(smollm2_gguf),
+        dtype="float32",
+        cpu_kv_cache_gib=KV_CACHE_GIB,
+        enable_prefix_caching=False,
+    )
     uncached = uncached_llm.generate(prompts + burst_prompts, params)
     assert uncached_llm.engine.stats().prefix_cache_hit_tokens == 0
     for a, b in zip(cached + burst, uncached, strict=True):

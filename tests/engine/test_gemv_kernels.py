@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from real_model import KV_CACHE_GIB
 
 from engine import LLM, SamplingParams
 from engine.chat_template import ChatMessage
@@ -128,7 +129,13 @@ def test_the_real_model_decodes_the_same_with_the_kernel_and_with_f_linear(
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
 
     def answer(dtype: str) -> CompletionOutput:
-        llm = LLM(str(smollm2_gguf), dtype=dtype, max_model_len=256, enable_prefix_caching=False)
+        llm = LLM(
+            str(smollm2_gguf),
+            dtype=dtype,
+            max_model_len=256,
+            cpu_kv_cache_gib=KV_CACHE_GIB,
+            enable_prefix_caching=False,
+        )
         [output] = llm.chat(question, params)
         return output.outputs[0]
 

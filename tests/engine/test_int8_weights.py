@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from real_model import KV_CACHE_GIB
 from test_engine_vs_transformers import prompt_logits
 
 from engine import LLM, SamplingParams
@@ -76,8 +77,11 @@ def test_quantization_setting_is_checked_and_resolved(monkeypatch: pytest.Monkey
 def test_the_real_model_on_int8_weights_stays_close_to_full_precision(
     smollm2_gguf: Path,
 ) -> None:
-    full = LLM(str(smollm2_gguf), dtype="float32", quantization="none", max_model_len=512)
-    int8 = LLM(str(smollm2_gguf), dtype="float32", quantization="int8", max_model_len=512)
+    full, int8 = (
+        LLM(str(smollm2_gguf), dtype="float32", quantization=quantization, max_model_len=512,
+            cpu_kv_cache_gib=KV_CACHE_GIB)
+        for quantization in ("none", "int8")
+    )  # fmt: skip
     model = int8.engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
     assert layers and all(m.quantized is not None and m.weight.numel() == 0 for m in layers)

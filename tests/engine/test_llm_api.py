@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from real_model import KV_CACHE_GIB
 
 from engine import LLM, SamplingParams, TokensPrompt
 from engine.async_llm import AsyncLLM
@@ -19,7 +20,7 @@ CHAT = [{"role": "user", "content": "Tell me a short story about a robot."}]
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf: Path) -> LLM:
-    return LLM(str(smollm2_gguf), max_model_len=256)  # the default dtype for this machine
+    return LLM(str(smollm2_gguf), max_model_len=256, cpu_kv_cache_gib=KV_CACHE_GIB)  # default dtype
 
 
 def test_one_output_per_prompt_in_order_with_consistent_text(llm: LLM) -> None:

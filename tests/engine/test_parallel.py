@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from real_model import KV_CACHE_GIB
 from tiny_checkpoints import save_tiny_transformers_model
 
 from engine import LLM, SamplingParams
@@ -80,7 +81,7 @@ def real_prompts(smollm2_checkpoint: Checkpoint) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def one_process_tokens(smollm2_gguf: Path, real_prompts: list[list[int]]) -> list[list[int]]:
     """The real model's greedy tokens in one process: what TP and PP must equal."""
-    single = LLM(str(smollm2_gguf), dtype="float32")
+    single = LLM(str(smollm2_gguf), dtype="float32", cpu_kv_cache_gib=KV_CACHE_GIB)
     try:
         return greedy_tokens(single, real_prompts)
     finally:
@@ -90,7 +91,9 @@ def one_process_tokens(smollm2_gguf: Path, real_prompts: list[list[int]]) -> lis
 def test_tp3_on_the_real_model_equals_one_process(
     smollm2_gguf: Path, real_prompts: list[list[int]], one_process_tokens: list[list[int]]
 ) -> None:
-    parallel = LLM(str(smollm2_gguf), dtype="float32", tensor_parallel_size=3)
+    parallel = LLM(
+        str(smollm2_gguf), dtype="float32", tensor_parallel_size=3, cpu_kv_cache_gib=KV_CACHE_GIB
+    )
     try:
         assert greedy_tokens(parallel, real_prompts) == one_process_tokens
     finally:
@@ -131,7 +134,9 @@ def test_pp_greedy_equals_one_process(
 def test_pp2_on_the_real_model_equals_one_process(
     smollm2_gguf: Path, real_prompts: list[list[int]], one_process_tokens: list[list[int]]
 ) -> None:
-    parallel = LLM(str(smollm2_gguf), dtype="float32", pipeline_parallel_size=2)
+    parallel = LLM(
+        str(smollm2_gguf), dtype="float32", pipeline_parallel_size=2, cpu_kv_cache_gib=KV_CACHE_GIB
+    )
     try:
         runner = parallel.engine.executor.runner
         assert len(runner.model.layers) == 19  # the first stage: no LM head, more layers

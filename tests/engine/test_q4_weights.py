@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from real_model import KV_CACHE_GIB
 
 from engine import LLM, SamplingParams
 from engine import config as config_module
@@ -421,7 +422,7 @@ def test_the_real_model_on_q4_1_weights_decodes_as_the_dequantized_model(
     rounded to bf16 first): the same greedy tokens, log-probabilities close."""
     dequantized, q4_1 = (
         LLM(str(smollm2_gguf), dtype=dtype, quantization=quantization, max_model_len=256,
-            enable_prefix_caching=False)
+            cpu_kv_cache_gib=KV_CACHE_GIB, enable_prefix_caching=False)
         for quantization in ("none", "q4_1")
     )  # fmt: skip
     model = q4_1.engine.executor.runner.model
@@ -455,12 +456,20 @@ def test_tensor_parallel_q4_1_on_the_real_model_equals_one_process(smollm2_gguf:
     """TP 3 (SmolLM2's 9 heads): the ranks keep Q4_1 blocks in row-parallel shards of 192 and
     512 input columns (whole blocks), and their greedy tokens equal one process's."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    single = LLM(str(smollm2_gguf), dtype="float32", quantization="q4_1")
+    single = LLM(
+        str(smollm2_gguf), dtype="float32", quantization="q4_1", cpu_kv_cache_gib=KV_CACHE_GIB
+    )
     tokenizer = single.get_tokenizer()
     prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "Hi there!"}]))
     [expected] = single.generate([{"prompt_token_ids": prompt}], params)
     single.shutdown()
-    parallel = LLM(str(smollm2_gguf), dtype="float32", quantization="q4_1", tensor_parallel_size=3)
+    parallel = LLM(
+        str(smollm2_gguf),
+        dtype="float32",
+        quantization="q4_1",
+        tensor_parallel_size=3,
+        cpu_kv_cache_gib=KV_CACHE_GIB,
+    )
     try:
         model = parallel.engine.executor.runner.model
         [down] = [m for m in model.modules() if isinstance(m, RowParallelLinear)][1:2]
