@@ -14,8 +14,7 @@ from aiohttp import web
 
 from gateway.errors import BodyTooLargeError, RateLimitError
 from gateway.keys import ApiKey
-from gateway.limit_shares import PopLimiter
-from gateway.limits import Admission
+from gateway.limit_shares import PopLimiter, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ParsedRequest
 from wire.key_snapshot import period_text
@@ -27,7 +26,7 @@ class Admitted:
 
     key: ApiKey
     parsed: ParsedRequest
-    admission: Admission
+    admission: Ticket
 
 
 async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
@@ -47,17 +46,19 @@ async def admit(
 ) -> Admitted:
     """`parsed`'s reservation for `key` on `model` (what its name resolved to), or
     RateLimitError."""
-    admission = await limiter.admit(key, model, parsed.reserved_tokens)
-    if not admission.is_allowed:
-        metrics.count_rate_limited(key.id, admission.limited_by or "tokens")
-        if admission.limited_by == "budget":
-            raise budget_error(key, admission)
-        raise rate_limit_error(admission, parsed.reserved_tokens)
-    return Admitted(key, parsed, admission)
+    ticket = await limiter.admit(key, model, parsed.reserved_tokens)
+    if not ticket.is_allowed:
+        limited_by = ticket.admission.limited_by
+        metrics.count_rate_limited(key.id, limited_by or "tokens")
+        if limited_by == "budget":
+            raise budget_error(key, ticket)
+        raise rate_limit_error(ticket, parsed.reserved_tokens)
+    return Admitted(key, parsed, ticket)
 
 
-def rate_limit_error(admission: Admission, num_tokens: int) -> RateLimitError:
-    on = f" on model {admission.model}" if admission.refused_on_model else ""
+def rate_limit_error(ticket: Ticket, num_tokens: int) -> RateLimitError:
+    admission = ticket.admission
+    on = f" on model {ticket.model}" if ticket.refused_on_model else ""
     if admission.is_too_large:
         message = (
             f"Request too large for tokens per min (TPM){on}: Limit {admission.tpm}, Requested "
@@ -77,8 +78,8 @@ def rate_limit_error(admission: Admission, num_tokens: int) -> RateLimitError:
     return RateLimitError(message, "rate_limit_exceeded", headers=admission.headers())
 
 
-def budget_error(key: ApiKey, admission: Admission) -> RateLimitError:
-    budget = key.budget
+def budget_error(key: ApiKey, ticket: Ticket) -> RateLimitError:
+    budget, admission = key.budget, ticket.admission
     assert budget is not None, "only a key with a budget is refused for it"
     resets_at = datetime.fromtimestamp(time.time() + admission.retry_after_s, UTC)
     message = (

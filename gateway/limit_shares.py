@@ -14,7 +14,7 @@ finished request used is counted per key and model.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gateway.errors import NotReadyError
 from gateway.keys import ApiKey
@@ -95,6 +95,23 @@ class UsageMeter:
             self._asked.setdefault(key_id, Asked()).add(asked)
 
 
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A request's admission on its key and model: what the handlers hold and settle."""
+
+    admission: Admission  # the key's own (refused: the limit's that refused)
+    model: str  # what the request resolved to
+    on_model: Admission | None = None  # taken from the key's limits on `model` (None: none)
+    refused_on_model: bool = False  # refused by the key's limits on `model`, not its own
+
+    @property
+    def is_allowed(self) -> bool:
+        return self.admission.is_allowed
+
+    def headers(self) -> dict[str, str]:
+        return self.admission.headers()
+
+
 class PopLimiter:
     """What the handlers admit from and settle to: this PoP's buckets at its current shares,
     and the keys' budgets."""
@@ -111,40 +128,45 @@ class PopLimiter:
         self.meter = meter
         self.spend = spend if spend is not None else SpendBook()
 
-    async def admit(self, key: ApiKey, model: str, num_tokens: int) -> Admission:
+    async def admit(self, key: ApiKey, model: str, num_tokens: int) -> Ticket:
         """Take one request and `num_tokens` from the key's budget, its buckets and its
         buckets on `model` (if it has limits there), or nothing."""
         share = self.shares.share_of(key.id)  # before anything is taken: not ready is a 503
         exhausted = self.spend.reserve(key, num_tokens)
         if exhausted is not None:
-            return _over_budget(key, model, num_tokens, exhausted)
+            return Ticket(_over_budget(key, num_tokens, exhausted), model)
         admission = await self._take(key, share, num_tokens)
         on_model = key.model_limits.get(model)
-        if admission.is_allowed and on_model is not None:
-            by_model = await self._take(on_model, self.shares.share_of(on_model.id), num_tokens)
-            if by_model.is_allowed:
-                admission = replace(admission, on_model=by_model)
-            else:
-                await self.buckets.refund(key, share, admission)
-                admission = replace(by_model, refused_on_model=True)
-        if not admission.is_allowed:
-            self.spend.release(key, num_tokens)
-        return replace(admission, model=model)
+        if not admission.is_allowed or on_model is None:
+            if not admission.is_allowed:
+                self.spend.release(key, num_tokens)
+            return Ticket(admission, model)
+        by_model = await self._take(on_model, self.shares.share_of(on_model.id), num_tokens)
+        if by_model.is_allowed:
+            return Ticket(admission, model, by_model)
+        await self.buckets.refund(key, share, admission)
+        self.spend.release(key, num_tokens)
+        return Ticket(by_model, model, refused_on_model=True)
 
     async def _take(self, key: ApiKey, share: float, num_tokens: int) -> Admission:
         admission = await self.buckets.admit(key, share, num_tokens)
         self.meter.count(key.id, num_tokens, admission)
         return admission
 
-    async def settle(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
+    async def settle(
+        self, key: ApiKey, ticket: Ticket, num_unused_tokens: int, answered: str | None = None
+    ) -> None:
         """Give back what a finished request did not use (negative: charge the excess), to the
-        buckets that `admission` was taken from, and count what it used as the key's spend."""
+        buckets that `ticket` was taken from, and count what it used as the key's spend on
+        `answered`, the model that answered (a fallback's; None: the one it resolved to)."""
+        admission = ticket.admission
         await self._give_back(key, admission, num_unused_tokens)
-        on_model = key.model_limits.get(admission.model)
-        if admission.on_model is not None and on_model is not None:
-            await self._give_back(on_model, admission.on_model, num_unused_tokens)
+        on_model = key.model_limits.get(ticket.model)
+        if ticket.on_model is not None and on_model is not None:
+            await self._give_back(on_model, ticket.on_model, num_unused_tokens)
         num_used = admission.num_tokens - num_unused_tokens
-        self.spend.settle(key, admission.model, admission.num_tokens, num_used)
+        spent_on = ticket.model if answered is None else answered
+        self.spend.settle(key, spent_on, admission.num_tokens, num_used)
 
     async def _give_back(self, key: ApiKey, admission: Admission, num_unused_tokens: int) -> None:
         share = self.shares.share_of(key.id)
@@ -155,7 +177,7 @@ class PopLimiter:
         await self.buckets.close()
 
 
-def _over_budget(key: ApiKey, model: str, num_tokens: int, exhausted: Exhausted) -> Admission:
+def _over_budget(key: ApiKey, num_tokens: int, exhausted: Exhausted) -> Admission:
     return Admission(
         is_allowed=False,
         limited_by="budget",
@@ -166,5 +188,4 @@ def _over_budget(key: ApiKey, model: str, num_tokens: int, exhausted: Exhausted)
         token_level=0.0,
         retry_after_s=max(0.0, exhausted.resets_at - time.time()),
         num_tokens=num_tokens,
-        model=model,
     )

@@ -49,11 +49,6 @@ class Admission:
     share: float = 1.0  # this PoP's share of the key: its buckets hold `share × rpm`, `× tpm`
     is_shared: bool = False  # taken from the PoP's shared buckets (Redis), not this process's
     num_tokens: int = 0  # the reservation asked for
-    # Set by `PopLimiter.admit`: the model the request resolved to, and the admission from the
-    # key's limits on it (None: it has none).
-    model: str = ""
-    on_model: Admission | None = None
-    refused_on_model: bool = False  # refused by the key's limits on `model`, not its own
 
     def headers(self) -> dict[str, str]:
         """OpenAI's `x-ratelimit-*` headers (and `retry-after` when refused): the key's limits,

@@ -39,9 +39,14 @@ class SpendBatch:
     tokens: dict[tuple[str, str], int]  # (key id, model) -> tokens
 
     def spend(self) -> list[ModelSpend]:
+        """The batch as reported: a name that is no model name (a model-blind request's) as
+        `UNKNOWN_MODEL`."""
+        totals: dict[tuple[str, str], int] = defaultdict(int)
+        for (key_id, model), num_tokens in self.tokens.items():
+            totals[key_id, model if _MODEL_NAME.match(model) else UNKNOWN_MODEL] += num_tokens
         return [
             ModelSpend(key_id=key_id, model=model, num_tokens=num_tokens)
-            for (key_id, model), num_tokens in self.tokens.items()
+            for (key_id, model), num_tokens in totals.items()
         ]
 
 
@@ -95,8 +100,7 @@ class SpendBook:
             self._held[key.id] -= num_reserved
             self._unanswered[key.id] += num_used
         if num_used > 0:
-            name = model if _MODEL_NAME.match(model) else UNKNOWN_MODEL
-            self._fresh[key.id, name] += num_used
+            self._fresh[key.id, model] += num_used
 
     def take(self) -> SpendBatch | None:
         """The batch for the next report: the unanswered one again, or a new one."""

@@ -108,7 +108,7 @@ def test_a_model_limit_refuses_on_its_own_and_gives_the_keys_request_back() -> N
             assert admitted.is_allowed and admitted.on_model is not None
         refused = await limiter.admit(key, MODEL, 100)
         assert not refused.is_allowed and refused.refused_on_model
-        assert refused.limited_by == "requests" and refused.rpm == 2
+        assert refused.admission.limited_by == "requests" and refused.admission.rpm == 2
         error = rate_limit_error(refused, 100)
         assert error.code == "rate_limit_exceeded"
         assert f"requests per min (RPM) on model {MODEL}: Limit 2" in error.message
@@ -119,7 +119,8 @@ def test_a_model_limit_refuses_on_its_own_and_gives_the_keys_request_back() -> N
         assert (await limiter.admit(key, "other-model", 100)).is_allowed  # no limit there
         too_large = await limiter.admit(key, MODEL, 5000)
         assert (
-            too_large.is_too_large and "(TPM) on model" in rate_limit_error(too_large, 5000).message
+            too_large.admission.is_too_large
+            and "(TPM) on model" in rate_limit_error(too_large, 5000).message
         )
 
     asyncio.run(run())
@@ -151,7 +152,7 @@ def test_an_exhausted_budget_is_a_429_that_says_when_it_resets() -> None:
         admission = await limiter.admit(key, MODEL, 60)
         await limiter.settle(key, admission, 0)  # used all 60
         refused = await limiter.admit(key, MODEL, 10)
-        assert not refused.is_allowed and refused.limited_by == "budget"
+        assert not refused.is_allowed and refused.admission.limited_by == "budget"
         error = budget_error(key, refused)
         assert error.code == "budget_exceeded" and error.status_code == 429
         assert "budget of 50 tokens per 1d is spent" in error.message
