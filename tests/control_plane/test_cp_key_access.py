@@ -213,3 +213,24 @@ async def test_meridian_status_shows_each_keys_spend_per_model(live_cp: ControlP
     assert total[1:7] == ["team-b", "(all)", "300", "300", "(SPENT)", "1d"]
     by_model = {line.split()[0]: line.split()[1] for line in lines if line.startswith("    ")}
     assert by_model == {SMALL: "250", LARGE: "50"}
+
+
+@pytest.mark.asyncio
+async def test_a_key_stored_before_access_existed_reads_as_unlimited(
+    cp: ControlPlaneClient,
+) -> None:
+    def insert(conn: Any) -> None:  # the columns of the schema before migration 10
+        conn.execute(
+            "INSERT INTO api_keys (id, name, tenant, secret_sha256, rpm, tpm, created_at) "
+            "VALUES ('key_old', 'old', NULL, ?, 5, 500, 1)",
+            ("0" * 64,),
+        )
+
+    cp.services.store.write_sync(insert)
+    cp.services.keys.follow(cp.services.keys.feed.index + 1)  # as after another writer
+    (listed,) = (await cp.http.get("/v1/keys", headers=cp.admin)).json()["keys"]
+    assert (listed["models"], listed["model_limits"], listed["budget_period"]) == (None, {}, None)
+    (grant,) = (await snapshot(cp)).keys
+    assert (grant.models, grant.model_limits, grant.max_budget_tokens) == (None, {}, None)
+    spend = (await cp.http.get("/v1/keys/key_old/spend", headers=cp.admin)).json()
+    assert (spend["spent_tokens"], spend["budget_period"], spend["models"]) == (0, "1d", {})
