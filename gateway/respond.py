@@ -84,7 +84,7 @@ class Respond:
             strip_usage=parsed.is_stream and not parsed.wants_usage,
             strip_token_ids=not parsed.wants_token_ids,
         )
-        on_end = partial(self._end_stream, limiter, call, admitted)
+        on_end = partial(self._end_stream, limiter, call, admitted, routed.model)
         resumer = None
         if self.settings.max_resumes:
             targets = ResumeTargets.of(self.router, parsed.affinity_key, routed)
@@ -144,13 +144,20 @@ class Respond:
         )
 
     async def _end_stream(
-        self, limiter: PopLimiter, call: Call, admitted: Admitted, relay: StreamRelay
+        self,
+        limiter: PopLimiter,
+        call: Call,
+        admitted: Admitted,
+        answered: str,
+        relay: StreamRelay,
     ) -> None:
+        """`answered`: the model that answered (a fallback's, when one did): the spend is its."""
         parsed = admitted.parsed
         candidate = relay.opened.candidate
         self._observe_latencies(parsed, relay)
         num_tokens = num_used(parsed, relay.reader)
-        await limiter.settle(admitted.key, admitted.admission, parsed.reserved_tokens - num_tokens)
+        unused = parsed.reserved_tokens - num_tokens
+        await limiter.settle(admitted.key, admitted.admission, unused, answered)
         if relay.error is not None:
             self.metrics.count_stream_error(candidate.region)
             state = self.router.state_of(candidate.region)

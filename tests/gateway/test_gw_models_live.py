@@ -1,10 +1,10 @@
 """Routing per model through a real gateway, a real control plane and fake regions whose nodes
 serve one model each (and refuse others, as node agents do): each model is answered where it
 is served, unknown names are 404 and names a key may not use 403 before any rate limit is
-spent, a model without capacity is answered by its fallback (named in `x-meridian-model`), a
-stream resumes only where the same weights serve its model, and a model taken out of the
-catalog mid-stream lets the stream finish. The catalog and keys' model lists are written
-through the control plane's admin API."""
+spent, a model without capacity is answered by its fallback (named in `x-meridian-model`, and
+the spend is its), a stream resumes only where the same weights serve its model, and a model
+taken out of the catalog mid-stream lets the stream finish. The catalog and keys' model lists
+are written through the control plane's admin API."""
 
 from __future__ import annotations
 
@@ -235,6 +235,15 @@ def test_a_model_without_capacity_is_answered_by_its_fallback(
         drained = http.post(CHAT_PATH, json=chat("chat-default"))
         assert_answered_by(drained, "us-east", "small")
         assert drained.json()["model"] == "small" and len(far.seen) == num_seen
+    # The key's spend is on the model that answered.
+    key_id = catalog_gateway.handlers.keys.authenticate(f"Bearer {secret}").id
+
+    def spent() -> dict[str, int]:
+        models: dict[str, int] = two_models.admin_call("GET", f"/v1/keys/{key_id}/spend")["models"]
+        return models
+
+    wait_until(spent, 10.0, "the spend reported")
+    assert spent().keys() == {"small"}
     # A key that may not use the fallback gets the model's own answer: no capacity.
     limited = new_key(two_models, catalog_gateway, models=("large",))
     with client(catalog_gateway, client_ssl, limited) as http:
