@@ -10,6 +10,7 @@ differs from the index it was given.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 
 from fastapi import APIRouter, Response
@@ -17,10 +18,11 @@ from fastapi import APIRouter, Response
 from control_plane.api.auth import GatewayAuth
 from control_plane.api.blocking import INDEX_HEADER_DOC, Index, Wait, indexed_json
 from control_plane.changes import parse_wait_s
-from control_plane.errors import ERROR_RESPONSES
+from control_plane.errors import ERROR_RESPONSES, NotFoundError
 from control_plane.model import Listed, Node, is_listed
 from control_plane.safe_text import SafePathName
 from control_plane.services import ControlPlane, ServicesDep
+from wire.heartbeat import NAME_PATTERN
 from wire.region_nodes import NodeLoad, RegionNodes
 
 router = APIRouter(prefix="/v1/regions", tags=["regions"], responses=ERROR_RESPONSES)
@@ -69,7 +71,10 @@ async def watch_region_nodes(
     wait: Wait = "0s",
 ) -> Response:
     """Blocking query: answers at once if the document's index differs from `index`, else
-    waits for it to change or for `wait` to pass (then with the same index)."""
+    waits for it to change or for `wait` to pass (then with the same index). A name no region
+    can have is 404; a region not registered (yet) has no nodes."""
+    if re.fullmatch(NAME_PATTERN, name) is None:
+        raise NotFoundError(f"no region can be named {name!r}", "region_not_found")
     feed = services.summaries.feed
     deadline = time.monotonic() + parse_wait_s(wait, services.settings.max_wait_s)
     document = region_nodes(services, name)

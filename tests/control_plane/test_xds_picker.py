@@ -118,3 +118,7 @@ async def test_region_nodes_lists_each_routable_nodes_load_and_blocks(
     assert [(n.node_id, n.num_running) for n in moved.nodes] == [("a", 5)]
     unknown = await cp.http.get("/v1/regions/nowhere/nodes", headers=cp.gateway)
     assert RegionNodes.model_validate_json(unknown.content).nodes == ()
+    # A name no region can have (the fuzzer's 'æ:' answered 500) is not found.
+    impossible = await cp.http.get("/v1/regions/%C3%A6%3A/nodes", headers=cp.gateway)
+    assert impossible.status_code == 404, impossible.text
+    assert impossible.json()["error"]["code"] == "region_not_found"
