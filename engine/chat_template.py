@@ -4,6 +4,8 @@ Templates come with downloaded checkpoints, so they are untrusted code: they run
 immutable sandbox. The environment mirrors transformers' `apply_chat_template` (trim_blocks,
 lstrip_blocks, loop controls, `raise_exception`, a `tojson` that does not escape HTML,
 `strftime_now`) so that a prompt renders byte-identical to what the model was trained on.
+A template that reads `tools` renders the tools, tool calls and tool results itself; for one
+that does not, the conversation is rewritten into plain messages first (engine/tool_prompt.py).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import cast
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.runtime
@@ -21,6 +25,7 @@ import jinja2.sandbox
 import jinja2.utils
 
 from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.tool_prompt import with_tools
 
 # A JSON-like value a template may read: messages, tools and extra variables are made of these.
 TemplateValue = (
@@ -34,10 +39,13 @@ class ChatTemplate:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = environment.from_string(source)
+            variables = jinja2.meta.find_undeclared_variables(environment.parse(source))
         except jinja2.TemplateError as exc:
             raise UnsupportedModelError(f"the chat template does not compile: {exc}") from exc
+        self.has_tools_section = "tools" in variables
 
     def __reduce__(self) -> tuple[type[ChatTemplate], tuple[str]]:
         # A compiled template does not pickle; its source does (the tokenizer crosses to the
@@ -59,8 +67,16 @@ class ChatTemplate:
             name: _plain(value, "variables") for name, value in (variables or {}).items()
         }
         # transformers drops keys whose value is None, so templates test `'x' in message` alike.
-        context["messages"] = [_plain_message(message) for message in messages]
-        context["tools"] = _plain(list(tools), "tools") if tools is not None else None
+        plain = [_plain_message(message) for message in messages]
+        plain_tools = _plain(list(tools), "tools") if tools is not None else None
+        if not self.has_tools_section:
+            plain = [
+                dict(m)
+                for m in with_tools(plain, cast(list[Mapping[str, object]] | None, plain_tools))
+            ]
+            plain_tools = None
+        context["messages"] = plain
+        context["tools"] = plain_tools
         context["documents"] = None
         context["add_generation_prompt"] = add_generation_prompt
         try:

@@ -56,12 +56,13 @@ class ParsedRequest:
     prompt_tokens: int  # likely, for routing
     max_prompt_tokens: int  # an upper bound, for the reservation
     max_tokens: int  # the client's, or the gateway's default cap
+    num_choices: int  # `n`: each choice may generate max_tokens
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
     upstream_body: UpstreamBody  # to the node: a stream, usage and ids, the reserved max_tokens
 
     @property
     def reserved_tokens(self) -> int:
-        return self.max_prompt_tokens + self.max_tokens
+        return self.max_prompt_tokens + self.max_tokens * self.num_choices
 
 
 def _invalid(message: str, param: str | None = None) -> InvalidRequestError:
@@ -191,6 +192,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         prompt_tokens=estimate.likely_tokens,
         max_prompt_tokens=estimate.max_tokens,
         max_tokens=max_tokens,
+        num_choices=_int_field(body, "n") or 1,
         affinity_key=affinity_key,
         upstream_body=UpstreamBody.of(body, max_tokens),
     )

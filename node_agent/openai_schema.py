@@ -1,8 +1,9 @@
 """OpenAI request bodies at the HTTP boundary (chat and completions), validated before the engine.
 
 Unknown fields are tolerated, as OpenAI's own servers tolerate them. Fields OpenAI defines that
-this node cannot honour (n > 1, tools, penalties, logit_bias, echo, suffix, best_of > 1, a
+this node cannot honour (legacy `functions`, penalties, logit_bias, echo, suffix, best_of > 1, a
 non-text response_format, non-text message parts) are rejected with 400 rather than ignored.
+`n` choices are checked against the node's limit in `serving.py`; tools in `tool_schema.py`.
 `ignore_eos` and `top_k` are accepted as vLLM accepts them, for benchmarks.
 `max_tokens: null` means absent, as at OpenAI: 16 on /v1/completions, and on chat as many as the
 context leaves.
@@ -30,6 +31,13 @@ from pydantic import (
 
 from engine.sampling_params import MAX_TOP_LOGPROBS
 from node_agent.cache_salt import MAX_CACHE_SALT_LEN
+from node_agent.tool_schema import (
+    ToolCallIn,
+    ToolChoice,
+    ToolDefinition,
+    check_tool_choice,
+    check_tools,
+)
 from wire.output_limit import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_output_limit,
@@ -64,6 +72,16 @@ class ChatMessageIn(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessageIn:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message of role 'tool' needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     @property
     def text(self) -> str:
@@ -147,7 +165,7 @@ class SamplingRequest(_Lenient):
     )
     stop: Stop | None = None
     seed: int | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1)] = 1
     user: str | None = None
     ignore_eos: bool = False
     frequency_penalty: float | None = None
@@ -178,13 +196,6 @@ class SamplingRequest(_Lenient):
                 f"the text{at} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
                 "which is not valid Unicode"
             )
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
         return value
 
     @field_validator("frequency_penalty", "presence_penalty")
@@ -226,15 +237,27 @@ class ChatCompletionRequest(SamplingRequest):
     )
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[dict[str, object]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # after `tools`: its check reads them
+    parallel_tool_calls: bool = True
     functions: list[dict[str, object]] | None = None
     response_format: dict[str, object] | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
+    def _unique_tools(cls, value: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        return check_tools(value)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        return check_tool_choice(value, info.data.get("tools"), "tools" in info.data)
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, value: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
         if value:
-            raise ValueError("tool calling is not supported by this server")
+            raise ValueError("the legacy `functions` field is not supported: send `tools`")
         return value
 
     @field_validator("response_format")

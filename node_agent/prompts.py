@@ -17,10 +17,10 @@ them in.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.chat_template import ChatMessage
+from engine.chat_template import ChatMessage, TemplateValue
 from engine.errors import InvalidRequestError, RequestRejected, UnsupportedModelError
 from engine.request_limits import RequestLimits
 from engine.tokenizer import Tokenizer
@@ -42,27 +42,40 @@ class PromptEncoder:
     limits: RequestLimits
 
     async def encode_chat(
-        self, messages: Sequence[ChatMessage], num_resumed: int, max_tokens: int | None
+        self,
+        messages: Sequence[ChatMessage],
+        num_resumed: int,
+        max_tokens: int | None,
+        tools: Sequence[Mapping[str, TemplateValue]] | None = None,
+        output_prefix: str = "",
     ) -> list[int]:
-        """The chat's prompt ids (template rendered, generation prompt added), or a 400."""
-        return await asyncio.to_thread(self._encode_chat, messages, num_resumed, max_tokens)
+        """The chat's prompt ids (template rendered with `tools`, generation prompt added, then
+        `output_prefix`: the reply's start, which the model continues), or a 400."""
+        return await asyncio.to_thread(
+            self._encode_chat, messages, num_resumed, max_tokens, tools, output_prefix
+        )
 
     async def encode_text(self, text: str, num_resumed: int, max_tokens: int | None) -> list[int]:
         """The prompt text's ids, or a 400."""
         return await asyncio.to_thread(self._encode, text, num_resumed, max_tokens, "prompt")
 
     def _encode_chat(
-        self, messages: Sequence[ChatMessage], num_resumed: int, max_tokens: int | None
+        self,
+        messages: Sequence[ChatMessage],
+        num_resumed: int,
+        max_tokens: int | None,
+        tools: Sequence[Mapping[str, TemplateValue]] | None,
+        output_prefix: str,
     ) -> list[int]:
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
         except UnsupportedModelError as exc:
             raise BadRequestError(str(exc), param="messages") from exc
         except InvalidRequestError as exc:
             raise BadRequestError(
                 f"the chat template refused the messages: {exc}", param="messages"
             ) from exc
-        return self._encode(text, num_resumed, max_tokens, "messages")
+        return self._encode(text + output_prefix, num_resumed, max_tokens, "messages")
 
     def _encode(self, text: str, num_resumed: int, max_tokens: int | None, param: str) -> list[int]:
         num_bytes = len(text.encode())

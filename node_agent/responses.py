@@ -1,9 +1,12 @@
 """OpenAI response bodies and SSE chunks, built as plain dicts (cheap enough for every token).
 
 Chat streams follow OpenAI's chunk sequence: a first chunk with `{"role": "assistant",
-"content": ""}`, content chunks, a chunk with an empty delta and the `finish_reason`, then (with
+"content": ""}`, content (or `tool_calls`) chunks, a chunk with an empty delta and the
+`finish_reason`, then (with
 `stream_options.include_usage`) a chunk with no choices and the usage; every other chunk then
 carries `"usage": null`. Completion streams have the same shape with `text` instead of `delta`.
+With `n` choices, each chunk carries one choice, its `index` telling which, and every choice
+has its own first and last chunks; the usage counts the prompt once.
 """
 
 from __future__ import annotations
@@ -159,25 +162,29 @@ class ResponseHeader:
             "object": self.kind.chunk_object,
         }
 
-    def body(
+    def choice(
         self,
+        index: int,
         content: JSON,
         finish_reason: str | None,
         logprobs: JSON | None,
-        usage: Usage,
         token_ids: list[int],
     ) -> JSON:
-        """A whole (not streamed) response of one choice; the choice's `finish_reason` and
-        ids come last in it, as in OpenAI's."""
-        choice: JSON = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        """One choice of a whole body; its `finish_reason` and ids come last, as in OpenAI's."""
+        choice: JSON = {"index": index, **content, "logprobs": logprobs}
+        choice["finish_reason"] = finish_reason
         self._add_token_ids(choice, token_ids)
+        return choice
+
+    def body(self, choices: list[JSON], usage: Usage) -> JSON:
+        """A whole (not streamed) response."""
         return {
             "id": self.response_id,
             "object": self.kind.body_object,
             "created": self.created,
             "model": self.model,
             **self._prompt_ids(),
-            "choices": [choice],
+            "choices": choices,
             "usage": usage.to_json(),
         }
 
@@ -187,8 +194,10 @@ class ResponseHeader:
         finish_reason: str | None = None,
         logprobs: JSON | None = None,
         token_ids: list[int] | None = None,
+        index: int = 0,
     ) -> bytes:
-        choice: JSON = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: JSON = {"index": index, **content, "logprobs": logprobs}
+        choice["finish_reason"] = finish_reason
         if token_ids is not None:
             self._add_token_ids(choice, token_ids)
         payload: JSON = {**self._chunk_base}

@@ -93,7 +93,7 @@ class NodeRuntime:
     def attach(self, llm: AsyncEngine, weights_id: str | None) -> None:
         """Serve with `llm`, loaded from weights of `weights_id` (None: not known)."""
         self.llm = llm
-        self.serving = Serving(llm, self.model_name)
+        self.serving = Serving(llm, self.model_name, self.settings.max_num_choices)
         if weights_id is not None:
             self.model_identity = model_identity(weights_id, llm)
         stats = llm.stats()

@@ -2,10 +2,18 @@
 
 Everything that can make a request fail with 400 happens in `prepare_*`, before any response
 starts, so a stream never begins for a request the engine would refuse.
+
+`n` choices run as n engine requests (engine/parallel_sampling.py), at most `max_num_choices`.
+Tools: with `tool_choice` none the tools are not shown to the model; otherwise the template
+renders them (engine/tool_prompt.py when it has no tools section) and the output is parsed for
+calls (node_agent/chat_choices.py). `required` and a named function end the prompt with the
+start of a call (`<tool_call>{"name": "` or the whole head up to the arguments), which the
+model continues; `parallel_tool_calls: false` stops the output at the first call's end.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -13,16 +21,22 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
-from engine.chat_template import ChatMessage
+from engine.chat_template import ChatMessage, TemplateValue
 from engine.errors import InvalidRequestError, RequestRejected
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import generate_choices
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from node_agent.admission import Ticket
+from node_agent.chat_choices import ToolParsing
 from node_agent.errors import BadRequestError
 from node_agent.metrics import RequestTimer
 from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from node_agent.prompts import PromptEncoder, client_error
 from node_agent.responses import CHAT, COMPLETION, ResponseHeader, ResponseKind, TokenTexts
+from node_agent.tool_schema import NamedToolChoice
+
+DEFAULT_MAX_NUM_CHOICES = 8
 
 # OpenAI's name for the system role in newer models; chat templates know only "system".
 _ROLE_ALIASES = {"developer": "system"}
@@ -39,6 +53,8 @@ class PreparedRequest:
     # An earlier attempt's output that this one continues (wire/resume.py); empty if none.
     resumed_token_ids: list[int] = field(default_factory=list)
     return_token_ids: bool = False
+    num_choices: int = 1
+    tools: ToolParsing | None = None  # None: the output is text only
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -49,9 +65,12 @@ class PreparedRequest:
 class Serving:
     """Serves one loaded model."""
 
-    def __init__(self, llm: AsyncEngine, model_name: str):
+    def __init__(
+        self, llm: AsyncEngine, model_name: str, max_num_choices: int = DEFAULT_MAX_NUM_CHOICES
+    ):
         self.llm = llm
         self.model_name = model_name
+        self.max_num_choices = max_num_choices
         self.texts = TokenTexts(llm.tokenizer)
         self.prompts = PromptEncoder(llm.tokenizer, llm.limits)
 
@@ -60,19 +79,35 @@ class Serving:
     ) -> PreparedRequest:
         messages: list[ChatMessage] = []
         for message in body.messages:
-            entry: dict[str, str] = {
+            entry: dict[str, TemplateValue] = {
                 "role": _ROLE_ALIASES.get(message.role, message.role),
                 "content": message.text,
             }
             if message.name:
                 entry["name"] = message.name
+            if message.tool_calls:
+                entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
             messages.append(entry)
+        tools = _tool_parsing(body)
+        shown = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
         num_resumed = len(body.resume_token_ids or ())
-        token_ids = await self.prompts.encode_chat(messages, num_resumed, body.max_output_tokens)
+        token_ids = await self.prompts.encode_chat(
+            messages,
+            num_resumed,
+            body.max_output_tokens,
+            shown if tools is not None else None,
+            tools.forced_prefix if tools is not None else "",
+        )
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
-        return self._prepared(
+        if tools is not None and tools.max_calls == 1:
+            params.stop = [*params.stop, TOOL_CALL_CLOSE]
+        prepared = self._prepared(
             CHAT, "messages", token_ids, params, body, body.engine_logprobs, cache_salt
         )
+        prepared.tools = tools
+        return prepared
 
     async def prepare_completion(
         self, body: CompletionRequest, cache_salt: str | None
@@ -94,10 +129,12 @@ class Serving:
         self, prepared: PreparedRequest, ticket: Ticket, timer: RequestTimer
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs; closing this iterator early aborts the request."""
-        stream = self.llm.generate(
+        stream = generate_choices(
+            self.llm,
             prepared.prompt_token_ids,
             prepared.params,
             prepared.request_id,
+            prepared.num_choices,
             prepared.cache_salt,
             prepared.resumed_token_ids or None,
         )
@@ -105,7 +142,8 @@ class Serving:
             async for output in outputs:
                 if output.outputs[0].token_ids:
                     ticket.mark_started()
-                timer.on_output(output)
+                if output.outputs[0].index == 0:  # latencies as one stream's: the first's
+                    timer.on_output(output)
                 yield output
 
     def _params(
@@ -137,6 +175,13 @@ class Serving:
         cache_salt: str | None,
     ) -> PreparedRequest:
         resumed = list(body.resume_token_ids or ())
+        if body.n > self.max_num_choices:
+            raise BadRequestError(
+                f"n is {body.n}: this node makes at most {self.max_num_choices} choices a request",
+                param="n",
+            )
+        if body.n > 1 and resumed:
+            raise BadRequestError("a resumed request has one choice", param="n")
         try:
             # OpenAI's rule: the prompt and max_tokens together must fit in the context.
             self.llm.limits.check(token_ids, params, resumed, cache_salt, clamp_max_tokens=False)
@@ -161,4 +206,19 @@ class Serving:
             cache_salt,
             resumed,
             body.return_token_ids,
+            body.n,
         )
+
+
+def _tool_parsing(body: ChatCompletionRequest) -> ToolParsing | None:
+    """How the output is read for calls; None: no tools in play (none given, or choice none)."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    max_calls = None if body.parallel_tool_calls else 1
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        name = json.dumps(choice.function.name)
+        return ToolParsing(max_calls, f'{TOOL_CALL_OPEN}{{"name": {name}, "arguments": ')
+    if choice == "required":
+        return ToolParsing(max_calls, f'{TOOL_CALL_OPEN}{{"name": "')
+    return ToolParsing(max_calls)

@@ -65,6 +65,8 @@ class NodeAgentSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
+    # The most choices (OpenAI's `n`) one request may ask for; each is a sequence of the batch.
+    max_num_choices: int = Field(default=8, ge=1, le=128)
     max_num_prefill_only_tokens: int | None = Field(default=2048, ge=1)
     # The engine core (scheduler and model stepping) in a process of its own, so that HTTP and
     # the event loop do not take cores from its threads; False: on a thread of this process.

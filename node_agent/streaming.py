@@ -18,6 +18,7 @@ from engine.errors import EngineError
 from engine.outputs import RequestOutput
 from engine.sequence import TokenLogprobs
 from node_agent.admission import Ticket
+from node_agent.chat_choices import ChatChoice, ToolParsing
 from node_agent.errors import NodeAgentError, UnavailableError, from_engine
 from node_agent.metrics import RequestTimer
 from node_agent.responses import (
@@ -43,19 +44,31 @@ class RequestRun:
     timer: RequestTimer
     client_request_id: str
     usage: Usage = field(init=False)
-    finish_reason: str | None = None
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> reason
     last_output: RequestOutput | None = None
     is_closed: bool = False
 
     def __post_init__(self) -> None:
         self.usage = Usage(self.prepared.num_prompt_tokens)
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The request's: the first choice's (every choice's once all have finished)."""
+        if len(self.finish_reasons) < self.prepared.num_choices:
+            return None
+        return self.finish_reasons[0]
+
+    @property
+    def is_aborted(self) -> bool:
+        return self.finish_reason is None or "abort" in self.finish_reasons.values()
+
     def record(self, output: RequestOutput) -> None:
         completion = output.outputs[0]
         self.usage.completion_tokens += len(completion.token_ids)
-        self.usage.cached_tokens = output.num_cached_tokens
+        if completion.index == 0:  # the prompt counts once: as its first choice found it
+            self.usage.cached_tokens = output.num_cached_tokens
         if output.finished:
-            self.finish_reason = completion.finish_reason
+            self.finish_reasons[completion.index] = completion.finish_reason or "abort"
             self.last_output = output
 
     def close(self) -> None:
@@ -63,14 +76,15 @@ class RequestRun:
         if self.is_closed:
             return
         self.is_closed = True
-        reason = self.finish_reason or "abort"
+        reason = "abort" if self.is_aborted else self.finish_reason or "abort"
         elapsed_s = self.timer.finish(self.last_output, reason)
         self.ticket.release()
         logger.info(
-            "%s x-request-id=%s finish=%s prompt=%d completion=%d cached=%d e2e=%.3fs",
+            "%s x-request-id=%s finish=%s n=%d prompt=%d completion=%d cached=%d e2e=%.3fs",
             self.prepared.request_id,
             self.client_request_id,
             reason,
+            self.prepared.num_choices,
             self.usage.prompt_tokens,
             self.usage.completion_tokens,
             self.usage.cached_tokens,
@@ -86,24 +100,31 @@ async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> A
     header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
     with_ids = run.prepared.return_token_ids
+    choices = [ChatChoice(i, run.prepared.tools) for i in range(run.prepared.num_choices)]
     async with aclosing(_guarded(run, outputs)) as stream:
-        yield header.chunk({"delta": {"role": "assistant", "content": ""}})
+        for choice in choices:
+            yield header.chunk({"delta": {"role": "assistant", "content": ""}}, index=choice.index)
         async for item in stream:
             if isinstance(item, bytes):
                 yield item
                 return
             completion = item.outputs[0]
+            choice = choices[completion.index]
+            delta = choice.feed(completion.text)
+            if item.finished:
+                delta |= choice.finish(completion.finish_reason)
             logprobs = _chat_logprobs(texts, completion.logprobs, num_top)
             # With ids asked for, every output that has ids is a chunk: the ids a client holds
             # then always match the text it holds (what a resume continues from).
-            if completion.text or logprobs is not None or (with_ids and completion.token_ids):
+            if delta or logprobs is not None or (with_ids and completion.token_ids):
                 yield header.chunk(
-                    {"delta": {"content": completion.text}},
+                    {"delta": delta or {"content": ""}},
                     logprobs=logprobs,
                     token_ids=completion.token_ids,
+                    index=choice.index,
                 )
             if item.finished:
-                yield header.chunk({"delta": {}}, finish_reason=completion.finish_reason)
+                yield header.chunk({"delta": {}}, choice.finish_reason, index=choice.index)
     if header.include_usage:
         yield header.usage_chunk(run.usage)
     yield DONE
@@ -115,19 +136,31 @@ async def completion_events(
     header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
     with_ids = run.prepared.return_token_ids
-    logprobs = CompletionLogprobs(texts, num_top) if num_top is not None else None
+    logprobs = [
+        CompletionLogprobs(texts, num_top) if num_top is not None else None
+        for _ in range(run.prepared.num_choices)
+    ]
     async with aclosing(_guarded(run, outputs)) as stream:
         async for item in stream:
             if isinstance(item, bytes):
                 yield item
                 return
             completion = item.outputs[0]
-            lp = logprobs.next(completion.logprobs) if logprobs and completion.logprobs else None
+            choice_logprobs = logprobs[completion.index]
+            lp = (
+                choice_logprobs.next(completion.logprobs)
+                if choice_logprobs and completion.logprobs
+                else None
+            )
             finish_reason = completion.finish_reason if item.finished else None
             has_ids = with_ids and bool(completion.token_ids)
             if completion.text or lp is not None or finish_reason is not None or has_ids:
                 yield header.chunk(
-                    {"text": completion.text}, finish_reason, lp, completion.token_ids
+                    {"text": completion.text},
+                    finish_reason,
+                    lp,
+                    completion.token_ids,
+                    completion.index,
                 )
     if header.include_usage:
         yield header.usage_chunk(run.usage)
@@ -143,7 +176,7 @@ async def _guarded(
         async with aclosing(outputs) as stream:
             async for output in stream:
                 run.record(output)
-                if output.finished and run.finish_reason == "abort":
+                if output.finished and output.outputs[0].finish_reason == "abort":
                     raise _aborted()
                 yield output
     except (EngineError, NodeAgentError) as exc:
@@ -153,37 +186,50 @@ async def _guarded(
 
 
 async def collect_chat(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:
-    text, logprobs, token_ids = await _collect(run, outputs)
+    header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
-    message = {"role": "assistant", "content": text}
-    lp = _chat_logprobs(texts, logprobs, num_top)
-    return run.prepared.header.body(
-        {"message": message}, run.finish_reason, lp, run.usage, token_ids
-    )
+    choices = await _collect(run, outputs, run.prepared.tools)
+    bodies = [
+        header.choice(
+            c.index,
+            {"message": c.message()},
+            c.finish_reason,
+            _chat_logprobs(texts, c.logprobs, num_top),
+            c.token_ids,
+        )
+        for c in choices
+    ]
+    return header.body(bodies, run.usage)
 
 
 async def collect_completion(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> JSON:
-    text, logprobs, token_ids = await _collect(run, outputs)
+    header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
-    lp = CompletionLogprobs(texts, num_top).next(logprobs) if num_top is not None else None
-    return run.prepared.header.body({"text": text}, run.finish_reason, lp, run.usage, token_ids)
+    bodies = []
+    for c in await _collect(run, outputs, None):
+        lp = CompletionLogprobs(texts, num_top).next(c.logprobs) if num_top is not None else None
+        text: JSON = {"text": "".join(c.parts)}
+        bodies.append(header.choice(c.index, text, c.finish_reason, lp, c.token_ids))
+    return header.body(bodies, run.usage)
 
 
-async def _collect(run: RequestRun, outputs: Outputs) -> tuple[str, list[TokenLogprobs], list[int]]:
-    parts: list[str] = []
-    logprobs: list[TokenLogprobs] = []
-    token_ids: list[int] = []
+async def _collect(
+    run: RequestRun, outputs: Outputs, tools: ToolParsing | None
+) -> list[ChatChoice]:
+    choices = [ChatChoice(i, tools) for i in range(run.prepared.num_choices)]
     async with aclosing(outputs) as stream:
         async for output in stream:
             run.record(output)
             completion = output.outputs[0]
-            parts.append(completion.text)
-            token_ids.extend(completion.token_ids)
-            if completion.logprobs:
-                logprobs.extend(completion.logprobs)
-    if run.finish_reason in (None, "abort"):
+            choice = choices[completion.index]
+            choice.feed(completion.text)
+            choice.token_ids.extend(completion.token_ids)
+            choice.logprobs.extend(completion.logprobs or ())
+            if output.finished:
+                choice.finish(completion.finish_reason)
+    if run.is_aborted:
         raise _aborted()
-    return "".join(parts), logprobs, token_ids
+    return choices
 
 
 def _chat_logprobs(

@@ -39,6 +39,14 @@ def test_a_client_may_not_send_the_gateways_resume_field(
     assert caught.value.status_code == 400 and caught.value.param == "resume_token_ids"
 
 
+def test_the_reservation_counts_every_choice_of_n() -> None:
+    parsed = parse_request(chat(max_tokens=50, n=4), "chat", 256)
+    assert parsed.reserved_tokens == parsed.max_prompt_tokens + 4 * 50
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request(chat(n=0), "chat", 256)
+    assert caught.value.param == "n"
+
+
 def test_the_reservation_counts_non_ascii_text_by_its_bytes() -> None:
     emoji = "\U0001f600" * 400
     parsed = parse_request(chat(messages=[{"role": "user", "content": emoji}]), "chat", 5)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from fake_engine import FakeEngine
 from node_helpers import (
@@ -94,3 +95,12 @@ def fake_nodes(server_loop: BackgroundLoop) -> Iterator[FakeNodes]:
         if not node.done.done():
             node.stop()
         server_loop.run(llm.shutdown())
+
+
+@pytest.fixture
+def openai_client(real_node: NodeHandle) -> Iterator[openai.OpenAI]:
+    """The official client, unmodified, against the real model's node agent."""
+    with openai.OpenAI(
+        base_url=real_node.base_url + "/v1", api_key="unused", max_retries=0
+    ) as client:
+        yield client

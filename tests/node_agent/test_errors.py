@@ -80,9 +80,10 @@ def test_unknown_model_is_404(http: httpx.Client) -> None:
     assert error["code"] == "model_not_found"
 
 
-def test_n_other_than_one_is_400(http: httpx.Client) -> None:
-    response = http.post(CHAT, json={"model": MODEL_NAME, "messages": MESSAGES, "n": 2})
-    assert_openai_error(response, 400, "n")
+def test_n_above_the_nodes_limit_or_below_one_is_400(http: httpx.Client) -> None:
+    for n in (9, 0):
+        response = http.post(CHAT, json={"model": MODEL_NAME, "messages": MESSAGES, "n": n})
+        assert_openai_error(response, 400, "n")
 
 
 def test_prompt_longer_than_the_context_is_400_context_length_exceeded(
@@ -104,7 +105,7 @@ def test_prompt_longer_than_the_context_is_400_context_length_exceeded(
 
 def test_unsupported_features_are_refused_not_ignored(http: httpx.Client) -> None:
     extras: list[tuple[dict[str, Any], str]] = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ]
@@ -158,7 +159,7 @@ def test_openai_client_raises_typed_errors(node: NodeHandle) -> None:
             client.chat.completions.create(model="nope", messages=MESSAGES)
         assert not_found.value.code == "model_not_found"
         with pytest.raises(openai.BadRequestError) as bad:
-            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2)
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=9)
         assert bad.value.param == "n"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -19,11 +19,8 @@ ANSWER = "The capital of France is Paris."
 
 
 @pytest.fixture
-def client(real_node: NodeHandle) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=real_node.base_url + "/v1", api_key="unused", max_retries=0
-    ) as client:
-        yield client
+def client(openai_client: openai.OpenAI) -> openai.OpenAI:
+    return openai_client
 
 
 @pytest_asyncio.fixture

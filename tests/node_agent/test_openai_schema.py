@@ -45,7 +45,7 @@ def test_text_parts_are_joined_and_unknown_fields_kept() -> None:
 @pytest.mark.parametrize(
     "extra",
     [
-        {"n": 2},
+        {"n": 0},
         {"temperature": 2.5},
         {"top_p": 0},
         {"max_tokens": 0},

@@ -1,0 +1,117 @@
+"""Tools in a conversation, for a chat template that has no tools section of its own (SmolLM2's).
+
+Such a template only knows messages with text, so the conversation is rewritten into those:
+
+- the tools go at the end of the system message (one is added first when there is none), as
+  instructions followed by one JSON object per tool, one a line, between `<tools>` and
+  `</tools>`, and the call syntax: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+- an assistant message's tool calls are appended to its text in that syntax, one a line;
+- tool results (role `tool`) become a user message, one `<tool_response>` element per result,
+  consecutive results in one message, each a JSON object of the call id, the function's name
+  (from the call it answers) and the result's text.
+
+node_agent/tool_calls.py parses the same syntax out of the model's output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+# A message or a tool as JSON-like data (engine/chat_template.py's Message is one).
+Message = Mapping[str, object]
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_INSTRUCTIONS = (
+    "You can call functions to help answer. The functions you can call are listed below, one "
+    "JSON object a line, between <tools> and </tools>:\n<tools>\n{tools}\n</tools>\n\n"
+    "To call a function, write a JSON object with its name and its arguments between "
+    "<tool_call> and </tool_call>, like this:\n"
+    '<tool_call>{{"name": "function_name", "arguments": {{"argument": "value"}}}}</tool_call>\n'
+    "To call several, write one <tool_call> a line. The results come back in "
+    "<tool_response> elements."
+)
+
+
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call in the syntax the model is taught; `arguments` is JSON text, kept as written."""
+    return (
+        f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": {arguments}}}{TOOL_CALL_CLOSE}'
+    )
+
+
+def tools_instructions(tools: Sequence[Mapping[str, object]]) -> str:
+    lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return _INSTRUCTIONS.format(tools=lines)
+
+
+def with_tools(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, object]] | None,
+) -> list[Message]:
+    """`messages` as plain text messages, the tools (if any) in the system message."""
+    names = _call_names(messages)
+    rewritten: list[Message] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            response = _tool_response(message, names)
+            last = rewritten[-1] if rewritten else None
+            if last is not None and last.get("role") == "user" and _is_responses(last):
+                rewritten[-1] = {**last, "content": f"{last['content']}\n{response}"}
+            else:
+                rewritten.append({"role": "user", "content": response})
+        elif role == "assistant" and message.get("tool_calls"):
+            rewritten.append(_with_calls(message))
+        else:
+            rewritten.append(message)
+    if tools:
+        instructions = tools_instructions(tools)
+        if rewritten and rewritten[0].get("role") == "system":
+            text = str(rewritten[0].get("content") or "")
+            joined = f"{text}\n\n{instructions}" if text else instructions
+            rewritten[0] = {**rewritten[0], "content": joined}
+        else:
+            rewritten.insert(0, {"role": "system", "content": instructions})
+    return rewritten
+
+
+def _call_names(messages: Sequence[Message]) -> dict[str, str]:
+    """Call id -> function name, over the assistant messages' tool calls."""
+    names: dict[str, str] = {}
+    for message in messages:
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, Sequence) else ():
+            if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
+                function = call["function"]
+                assert isinstance(function, Mapping)
+                names[str(call.get("id"))] = str(function.get("name"))
+    return names
+
+
+def _with_calls(message: Message) -> Message:
+    calls = message.get("tool_calls")
+    assert isinstance(calls, Sequence)
+    lines = [str(message.get("content") or "")] if message.get("content") else []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping):
+            lines.append(tool_call_text(str(function.get("name")), str(function.get("arguments"))))
+    plain = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**plain, "content": "\n".join(lines)}
+
+
+def _tool_response(message: Message, names: dict[str, str]) -> str:
+    call_id = str(message.get("tool_call_id"))
+    result = {
+        "tool_call_id": call_id,
+        "name": names.get(call_id),
+        "content": message.get("content"),
+    }
+    return f"<tool_response>{json.dumps(result, ensure_ascii=False)}</tool_response>"
+
+
+def _is_responses(message: Message) -> bool:
+    return str(message.get("content", "")).startswith("<tool_response>")
