@@ -1,10 +1,11 @@
 """Routing per model through a real gateway, a real control plane and fake regions whose nodes
-serve one model each (and refuse others, as node agents do): each model is answered where it
-is served, unknown names are 404 and names a key may not use 403 before any rate limit is
-spent, a model without capacity is answered by its fallback (named in `x-meridian-model`, and
-the spend is its), a stream resumes only where the same weights serve its model, and a model
-taken out of the catalog mid-stream lets the stream finish. The catalog and keys' model lists
-are written through the control plane's admin API."""
+serve one model each (and refuse others, as node agents do): each model is answered where it is
+served, unknown names are 404 and names a key may not use 403 before any rate limit is spent
+(with an empty catalog, a model whose nodes are all down is a 503, not unknown), a model without
+capacity is answered by its fallback (named in `x-meridian-model`, and the spend is its), a
+stream resumes only where the same weights serve its model, and a model taken out of the catalog
+mid-stream lets the stream finish. The catalog and keys' model lists are written through the
+control plane's admin API."""
 
 from __future__ import annotations
 
@@ -160,6 +161,23 @@ def test_each_model_is_answered_by_the_region_that_serves_it(
     assert [seen.body["model"] for seen in far] == ["large"]
     assert far[0].headers[MODEL_HEADER] == "large"  # what the region's Envoy routes on
     assert [seen.body["model"] for seen in two_models.regions["us-east"].upstream.seen] == ["small"]
+
+
+def test_with_an_empty_catalog_a_model_whose_nodes_are_down_is_a_503_not_a_404(
+    two_models: Fleet, served_gateway: GatewayThread, client_ssl: ssl.SSLContext
+) -> None:
+    secret = new_key(two_models, served_gateway)
+    two_models.kill_region("eu-west")  # the one node serving `large`
+    router = served_gateway.handlers.router
+
+    def large_has_no_nodes() -> bool:
+        load = router.regions["eu-west"].models.get("large")
+        return load is not None and load.healthy_nodes == 0
+
+    wait_until(large_has_no_nodes, 10.0, "eu-west's node of large to be unhealthy")
+    with client(served_gateway, client_ssl, secret) as http:
+        none = http.post(CHAT_PATH, json=chat("large"))
+    assert none.status_code == 503 and none.json()["error"]["code"] == "no_capacity"
 
 
 def test_an_unknown_model_is_a_404_that_spends_no_rate_limit(
