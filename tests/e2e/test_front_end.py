@@ -25,12 +25,10 @@ import httpx
 import openai
 import pytest
 from bounded_wait import wait_until
-from port_blocks import random_block_base
+from port_blocks import free_stack_config
 from tf_helpers import REPO_ROOT
 
-from stack.config import parse_config
-from stack.errors import StackError
-from stack.layout import StackLayout, check_ports_free, plan_layout
+from stack.layout import StackLayout
 from stack.servers import redis_server_path
 from stack.state import StateDir
 from stack.summary import limits_mode
@@ -40,35 +38,24 @@ NUM_CONCURRENT = 16
 HAS_REDIS = redis_server_path() is not None
 
 
-def _config(tmp_path: Path) -> tuple[Path, StackLayout]:
-    for _ in range(50):
-        base = random_block_base(span=100, step=100)
-        text = (
-            "regions: [{name: us-east}]\n"
-            "pops: [new-york, london, sydney]\nclients: [sydney, paris, chicago]\n"
-            "edge: {pops: [sydney], max_tokens: 32}\nenvoy: off\n"
-            "node: {kv_cache_gib: 0.25, max_num_seqs: 16}\n"
-            # The key `up` makes: room for the failover below at whichever PoP's share.
-            "api_key: {rpm: 100000, tpm: 100000000}\n"
-            f"ports: {{control_plane: {base}, xds: {base + 1}, dns: {base + 2}, "
-            f"gateway: {base + 3}, anycast_admin: {base + 4}, anycast_base: {base + 5}, "
-            f"redis: {base + 60}, node_base: {base + 10}, edge_base: {base + 20}, "
-            f"envoy_base: {base + 30}, envoy_admin_base: {base + 40}, "
-            f"rtt_proxy_base: {base + 50}, "
-            # Not the default 9464: another stack test may run beside this one (xdist).
-            f"gateway_metrics: {base + 70}}}\n"
-        )
-        # RTT routes: base+50 + 100*p for PoP p, redis base+60 + p; the next range starts far
-        # enough away.
-        layout = plan_layout(parse_config(text), use_envoy=False, has_redis=HAS_REDIS)
-        try:
-            check_ports_free(layout)
-        except StackError:
-            continue
-        path = tmp_path / "stack.yaml"
-        path.write_text(text)
-        return path, layout
-    raise AssertionError("no free port range found")
+def _config_text(base: int) -> str:
+    # RTT routes: base+50 + 100*p for PoP p, redis base+60 + p; the next range starts far enough
+    # away.
+    return (
+        "regions: [{name: us-east}]\n"
+        "pops: [new-york, london, sydney]\nclients: [sydney, paris, chicago]\n"
+        "edge: {pops: [sydney], max_tokens: 32}\nenvoy: off\n"
+        "node: {kv_cache_gib: 0.25, max_num_seqs: 16}\n"
+        # The key `up` makes: room for the failover below at whichever PoP's share.
+        "api_key: {rpm: 100000, tpm: 100000000}\n"
+        f"ports: {{control_plane: {base}, xds: {base + 1}, dns: {base + 2}, "
+        f"gateway: {base + 3}, anycast_admin: {base + 4}, anycast_base: {base + 5}, "
+        f"redis: {base + 60}, node_base: {base + 10}, edge_base: {base + 20}, "
+        f"envoy_base: {base + 30}, envoy_admin_base: {base + 40}, "
+        f"rtt_proxy_base: {base + 50}, "
+        # Not the default 9464: another stack test may run beside this one (xdist).
+        f"gateway_metrics: {base + 70}}}\n"
+    )
 
 
 def meridian(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
@@ -110,7 +97,9 @@ class Front:
 
 @pytest.fixture
 def front(tmp_path: Path) -> Iterator[Front]:
-    config, layout = _config(tmp_path)
+    config, layout = free_stack_config(
+        tmp_path, _config_text, span=100, step=100, has_redis=HAS_REDIS
+    )
     state_root = tmp_path / "state"
     try:
         up = meridian(
