@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import llguidance
 
 from engine.errors import RequestRejected
+
+if TYPE_CHECKING:  # a TypedDict of the stubs only
+    from llguidance._lib import JsonCompileOptions
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "choice"]
 
@@ -23,8 +26,14 @@ _PARAMS: dict[str, str] = {
     "regex": "guided_regex",
     "choice": "guided_choice",
 }
-# OpenAI's json_object: any JSON object; whitespace as llguidance's default for schemas.
-_ANY_OBJECT = '{"type": "object"}'
+_ANY_OBJECT = '{"type": "object"}'  # OpenAI's json_object
+# One line, spaced as Python's json.dumps: with free whitespace, a sampled output can spend its
+# tokens on blank lines between keys and never close.
+_JSON_LAYOUT: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +52,9 @@ class GrammarSpec:
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form) of this spec."""
         if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
+            return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, _JSON_LAYOUT)
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.value)
+            return llguidance.LLMatcher.grammar_from_json_schema(self.value, _JSON_LAYOUT)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         choices = json.loads(self.value)
@@ -59,6 +68,9 @@ class GrammarSpec:
             choices = json.loads(self.value)
             if not choices or not all(isinstance(c, str) and c for c in choices):
                 raise RequestRejected(self.param, "guided_choice must be non-empty strings")
-        error = llguidance.LLMatcher.validate_grammar(self.grammar())
+        try:
+            error = llguidance.LLMatcher.validate_grammar(self.grammar())
+        except ValueError as exc:  # a schema that is not JSON
+            error = str(exc)
         if error:
             raise RequestRejected(self.param, f"invalid {self.kind.replace('_', ' ')}: {error}")

@@ -29,8 +29,10 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling_params import MAX_TOP_LOGPROBS
+from engine.grammar_spec import GrammarSpec
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 from node_agent.cache_salt import MAX_CACHE_SALT_LEN
+from node_agent.structured_output import GuidedChoice, ResponseFormat, grammar_of
 from node_agent.tool_schema import (
     ToolCallIn,
     ToolChoice,
@@ -170,7 +172,16 @@ class SamplingRequest(_Lenient):
     ignore_eos: bool = False
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id (as a string) -> a bias in [-100, 100] on its logit."
+    )
+    # vLLM's extras: sampling controls, and a grammar the output must follow
+    # (structured_output.py).
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    guided_regex: str | None = None
+    guided_choice: GuidedChoice | None = None
     # vLLM's: prefix-cache hits only among requests of the same salt (see cache_salt.py).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
     # Resuming a generation elsewhere (wire/resume.py): ids out, and ids to continue after.
@@ -200,16 +211,21 @@ class SamplingRequest(_Lenient):
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("penalties are not supported by this server (use 0)")
+    def _penalty_in_range(cls, value: float | None) -> float | None:
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ValueError(f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
         return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _token_ids_and_bounded_biases(
+        cls, value: dict[str, float] | None
+    ) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
 
     @model_validator(mode="after")
@@ -217,6 +233,20 @@ class SamplingRequest(_Lenient):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingRequest:
+        self.grammar  # noqa: B018 - raises if several fields ask for a grammar
+        return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must follow, if any field asks for one."""
+        return grammar_of(None, self.guided_regex, self.guided_choice)
+
+    @property
+    def engine_logit_bias(self) -> dict[int, float]:
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -241,7 +271,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoice | None = None  # after `tools`: its check reads them
     parallel_tool_calls: bool = True
     functions: list[dict[str, object]] | None = None
-    response_format: dict[str, object] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("tools")
     @classmethod
@@ -260,18 +290,15 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("the legacy `functions` field is not supported: send `tools`")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, object] | None) -> dict[str, object] | None:
-        if value and value.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
-        return value
-
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        return grammar_of(self.response_format, self.guided_regex, self.guided_choice)
 
     @property
     def max_output_tokens(self) -> int | None:

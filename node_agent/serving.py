@@ -160,9 +160,17 @@ class Serving:
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
                 output_kind=RequestOutputKind.DELTA,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                logit_bias=body.engine_logit_bias,
+                min_tokens=body.min_tokens,
+                stop_token_ids=body.stop_token_ids or [],
+                grammar=body.grammar,
             )
         except InvalidRequestError as exc:
-            raise BadRequestError(str(exc)) from exc
+            param = exc.param if isinstance(exc, RequestRejected) else None
+            raise BadRequestError(str(exc), param=param) from exc
 
     def _prepared(
         self,

@@ -104,10 +104,12 @@ def test_prompt_longer_than_the_context_is_400_context_length_exceeded(
 
 
 def test_unsupported_features_are_refused_not_ignored(http: httpx.Client) -> None:
-    extras: list[tuple[dict[str, Any], str]] = [
+    extras: list[tuple[dict[str, Any], str | None]] = [
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, None),
     ]
     for extra, param in extras:
         body = {"model": MODEL_NAME, "messages": MESSAGES, **extra}

@@ -1,0 +1,139 @@
+"""Structured outputs and sampling controls through the official `openai` client against a node
+agent serving the real SmolLM2 (its engine core in a process of its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import openai
+import pytest
+from node_helpers import MODEL_NAME, NodeHandle
+from pydantic import BaseModel
+
+pytestmark = pytest.mark.slow
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    city: str
+
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+    confidence: float
+
+
+PROMPTS = [
+    "Invent a person who lives in Lisbon.",
+    "Who wrote Hamlet? Give their name, age at death and city.",
+    "Describe a retired teacher.",
+    "Make up a character for a novel set in Oslo.",
+    "Tell me about a young programmer.",
+]
+
+
+@pytest.fixture
+def client(real_node: NodeHandle) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=real_node.base_url + "/v1", api_key="unused", max_retries=0
+    ) as client:
+        yield client
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_parse_returns_a_parsed_object_for_every_prompt(
+    client: openai.OpenAI, temperature: float
+) -> None:
+    for seed, prompt in enumerate(PROMPTS):
+        reply = client.chat.completions.parse(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=Person,
+            temperature=temperature,
+            seed=seed,
+            max_tokens=200,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person), choice.message.content
+
+
+def test_stream_json_object_and_choice(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Is water wet? Answer in JSON."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=100,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text.startswith("{") and text.endswith("}")
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Is water wet?"}],
+        max_tokens=10,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert reply.choices[0].message.content in ("yes", "no")
+    parsed = client.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Is the sun a star?"}],
+        response_format=Verdict,
+        max_tokens=60,
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Verdict)
+
+
+def test_frequency_penalty_changes_a_repeating_greedy_output(client: openai.OpenAI) -> None:
+    messages: list[dict[str, str]] = [
+        {"role": "user", "content": "Repeat the word 'apple' fifty times."}
+    ]
+    texts = [
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=40,
+            frequency_penalty=penalty,
+        )
+        .choices[0]
+        .message.content
+        or ""
+        for penalty in (0.0, 1.5)
+    ]
+    assert texts[0].count("apple") > texts[1].count("apple")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 250}}, "logit_bias"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ],
+)
+def test_bad_inputs_are_400_naming_the_param(
+    client: openai.OpenAI, extra: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            **extra,  # type: ignore[arg-type]
+        )
+    assert bad.value.param == param
