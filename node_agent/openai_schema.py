@@ -1,8 +1,9 @@
 """OpenAI request bodies at the HTTP boundary (chat and completions), validated before the engine.
 
 Unknown fields are tolerated, as OpenAI's own servers tolerate them. Fields OpenAI defines that
-this node cannot honour (legacy `functions`, penalties, logit_bias, echo, suffix, best_of > 1, a
-non-text response_format, non-text message parts) are rejected with 400 rather than ignored.
+this node cannot honour (legacy `functions`, echo, suffix, best_of > 1, non-text message parts)
+are rejected with 400 rather than ignored. A response_format, guided_regex or guided_choice
+constrains the output (structured_output.py).
 `n` choices are checked against the node's limit in `serving.py`; tools in `tool_schema.py`.
 `ignore_eos` and `top_k` are accepted as vLLM accepts them, for benchmarks.
 `max_tokens: null` means absent, as at OpenAI: 16 on /v1/completions, and on chat as many as the
