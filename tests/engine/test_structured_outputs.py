@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import torch
 from pydantic import BaseModel, ConfigDict
 from real_model import KV_CACHE_GIB
 
 from engine import LLM, SamplingParams
 from engine.chat_template import ChatMessage
+from engine.grammar import GrammarError, GrammarMatcher
 from engine.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.slow
@@ -138,3 +140,38 @@ def test_an_abort_while_the_grammar_compiles_and_the_engine_goes_on(llm: LLM) ->
     assert not engine.has_unfinished_requests()
     [ok] = llm.chat(chat("Hi"), SamplingParams(temperature=0, max_tokens=4, min_tokens=4))
     assert len(ok.outputs[0].token_ids) == 4
+
+
+class FailingMatcher(GrammarMatcher):
+    """A matcher that fails on the next token, as a grammar error mid-sequence would."""
+
+    def __init__(self, inner: GrammarMatcher):
+        self.inner = inner
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.inner.fill_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        raise GrammarError("grammar error: injected")
+
+
+def test_a_grammar_error_ends_its_sequence_and_the_batch_goes_on(llm: LLM) -> None:
+    engine = llm.engine
+    free = SamplingParams(temperature=0, max_tokens=16)
+    [alone] = llm.chat(chat(PROMPTS[1]), free)
+    prompt = engine.tokenizer.render_chat(chat(PROMPTS[0]), add_generation_prompt=True)
+    free_prompt = engine.tokenizer.render_chat(chat(PROMPTS[1]), add_generation_prompt=True)
+    engine.add_request("failing", prompt, SamplingParams(max_tokens=40, grammar=SCHEMA))
+    engine.add_request("free", free_prompt, free)
+    finished = {}
+    while engine.has_unfinished_requests():
+        state = engine.requests.get("failing")
+        if state is not None and state.seq.num_output_tokens == 2:
+            assert state.seq.grammar is not None
+            state.seq.grammar = FailingMatcher(state.seq.grammar)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0]
+    failed = finished["failing"]
+    assert failed.finish_reason == "abort" and "injected" in str(failed.stop_reason)
+    assert finished["free"].token_ids == alone.outputs[0].token_ids
