@@ -6,14 +6,12 @@ starts, so a stream never begins for a request the engine would refuse.
 `n` choices run as n engine requests (engine/parallel_sampling.py), at most `max_num_choices`.
 Tools: with `tool_choice` none the tools are not shown to the model; otherwise the template
 renders them (engine/tool_prompt.py when it has no tools section) and the output is parsed for
-calls (node_agent/chat_choices.py). `required` and a named function end the prompt with the
-start of a call (`<tool_call>{"name": "` or the whole head up to the arguments), which the
-model continues; `parallel_tool_calls: false` stops the output at the first call's end.
+calls (node_agent/chat_choices.py); `required` and a named function are constrained by the
+functions' schemas (node_agent/tool_plan.py).
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -26,7 +24,7 @@ from engine.errors import InvalidRequestError, RequestRejected
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import generate_choices
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from engine.tool_prompt import TOOL_CALL_CLOSE
 from node_agent.admission import Ticket
 from node_agent.chat_choices import ToolParsing
 from node_agent.errors import BadRequestError
@@ -34,7 +32,7 @@ from node_agent.metrics import RequestTimer
 from node_agent.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from node_agent.prompts import PromptEncoder, client_error
 from node_agent.responses import CHAT, COMPLETION, ResponseHeader, ResponseKind, TokenTexts
-from node_agent.tool_schema import NamedToolChoice
+from node_agent.tool_plan import tool_plan
 
 DEFAULT_MAX_NUM_CHOICES = 8
 
@@ -90,7 +88,8 @@ class Serving:
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
             messages.append(entry)
-        tools = _tool_parsing(body)
+        plan = tool_plan(body)
+        tools = plan.parsing if plan is not None else None
         shown = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
         num_resumed = len(body.resume_token_ids or ())
         token_ids = await self.prompts.encode_chat(
@@ -103,6 +102,14 @@ class Serving:
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
         if tools is not None and tools.max_calls == 1:
             params.stop = [*params.stop, TOOL_CALL_CLOSE]
+        if plan is not None and plan.grammar is not None:
+            if params.grammar is not None:
+                raise BadRequestError(
+                    "a required or named tool_choice constrains the output itself: it does not "
+                    "combine with response_format, guided_regex or guided_choice",
+                    param="tool_choice",
+                )
+            params.grammar = plan.grammar
         prepared = self._prepared(
             CHAT, "messages", token_ids, params, body, body.engine_logprobs, cache_salt
         )
@@ -216,17 +223,3 @@ class Serving:
             body.return_token_ids,
             body.n,
         )
-
-
-def _tool_parsing(body: ChatCompletionRequest) -> ToolParsing | None:
-    """How the output is read for calls; None: no tools in play (none given, or choice none)."""
-    if not body.tools or body.tool_choice == "none":
-        return None
-    max_calls = None if body.parallel_tool_calls else 1
-    choice = body.tool_choice
-    if isinstance(choice, NamedToolChoice):
-        name = json.dumps(choice.function.name)
-        return ToolParsing(max_calls, f'{TOOL_CALL_OPEN}{{"name": {name}, "arguments": ')
-    if choice == "required":
-        return ToolParsing(max_calls, f'{TOOL_CALL_OPEN}{{"name": "')
-    return ToolParsing(max_calls)

@@ -3,12 +3,17 @@ SmolLM2, whose template has no tools section (engine/tool_prompt.py renders them
 
 from __future__ import annotations
 
-import json
+from typing import Literal
 
 import openai
 import pytest
 from node_helpers import MODEL_NAME
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from openai.types.chat import (
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageParam,
+    ChatCompletionToolParam,
+)
+from pydantic import BaseModel, ConfigDict
 
 pytestmark = pytest.mark.slow
 
@@ -21,32 +26,111 @@ WEATHER: ChatCompletionToolParam = {
             "type": "object",
             "properties": {"city": {"type": "string"}},
             "required": ["city"],
+            "additionalProperties": False,
         },
     },
 }
+CLOCK: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class WeatherArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: str
+
+
+class ClockArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    zone: Literal["UTC", "CET"]
+
+
+ARGUMENTS: dict[str, type[BaseModel]] = {"get_weather": WeatherArgs, "get_time": ClockArgs}
 ASK: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the weather in Paris?"}
 ]
 
 
-def test_a_named_function_is_called(openai_client: openai.OpenAI) -> None:
-    reply = openai_client.chat.completions.create(
+def test_a_named_function_is_called_with_arguments_that_validate(
+    openai_client: openai.OpenAI,
+) -> None:
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        reply = openai_client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=ASK,
+            tools=[WEATHER, CLOCK],
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            temperature=temperature,
+            seed=seed,
+            max_tokens=40,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls is not None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_time"
+        assert call.id.startswith("call_")
+        ClockArgs.model_validate_json(call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_a_tool_whose_schema_the_arguments_follow(
+    openai_client: openai.OpenAI, stream: bool
+) -> None:
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)):
+        reply = openai_client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=ASK,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            temperature=temperature,
+            seed=seed,
+            max_tokens=40,
+        )
+        assert reply.choices[0].message.tool_calls is not None
+        (call,) = reply.choices[0].message.tool_calls
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+        if stream:
+            calls = streamed_calls(openai_client, temperature, seed)
+            assert calls == [(call.function.name, call.function.arguments)]
+        assert reply.choices[0].finish_reason == "tool_calls"
+        ARGUMENTS[call.function.name].model_validate_json(call.function.arguments)
+
+
+def streamed_calls(
+    client: openai.OpenAI, temperature: float, seed: int | None
+) -> list[tuple[str, str]]:
+    """The calls of a streamed required request, as a client joins its fragments."""
+    stream = client.chat.completions.create(
         model=MODEL_NAME,
         messages=ASK,
-        tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        parallel_tool_calls=False,
-        temperature=0,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        temperature=temperature,
+        seed=seed,
         max_tokens=40,
+        stream=True,
     )
-    choice = reply.choices[0]
-    assert choice.message.tool_calls is not None
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather"
-    assert call.id.startswith("call_")
-    assert choice.finish_reason in ("tool_calls", "length")
-    if choice.finish_reason == "tool_calls":
-        assert isinstance(json.loads(call.function.arguments), dict)
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for item in choice.delta.tool_calls or ():
+                assert item.function is not None
+                parts = calls.setdefault(item.index, [item.function.name or "", ""])
+                parts[1] += item.function.arguments or ""
+    assert finish == "tool_calls"
+    return [(name, arguments) for name, arguments in calls.values()]
 
 
 def test_a_streamed_call_arrives_as_openai_streams_it(openai_client: openai.OpenAI) -> None:
@@ -124,6 +208,18 @@ def test_tool_choice_none_hides_the_tools(openai_client: openai.OpenAI) -> None:
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "no-such-type"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
     ],
 )
