@@ -210,6 +210,14 @@ def test_tool_choice_none_hides_the_tools(openai_client: openai.OpenAI) -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+        (
+            {
                 "tools": [
                     {
                         "type": "function",
