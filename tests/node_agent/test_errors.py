@@ -74,6 +74,33 @@ def test_malformed_bodies_get_400_and_never_reach_the_engine(
     assert (node.stats().prompt_tokens_total, node.stats().prefix_cache_queried_tokens) == before
 
 
+_TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 9}, "n"),  # over the node's max_num_choices (8)
+        ({"tools": [_TOOL, _TOOL]}, "tools"),
+        ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "result"}]}, "messages"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages"),
+    ],
+)  # fmt: skip
+def test_bad_choices_and_tools_are_400_before_any_work(
+    node: NodeHandle, http: httpx.Client, extra: dict[str, Any], param: str
+) -> None:
+    before = node.stats().prompt_tokens_total, node.stats().prefix_cache_queried_tokens
+    response = http.post(CHAT, json={"model": MODEL_NAME, "messages": MESSAGES} | extra)
+    assert_openai_error(response, 400, param)
+    assert (node.stats().prompt_tokens_total, node.stats().prefix_cache_queried_tokens) == before
+
+
 def test_unknown_model_is_404(http: httpx.Client) -> None:
     response = http.post(CHAT, json={"model": "gpt-17", "messages": MESSAGES})
     error = assert_openai_error(response, 404, "model")
