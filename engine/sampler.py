@@ -122,10 +122,12 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """-inf where a row's bit is 0; bit i of int32 word w stands for token 32 w + i."""
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1
-    allowed = allowed.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    # Read as little-endian bytes, bit i of byte b is token 8 b + i: one AND over bytes, where
+    # shifting the int32 words by 0..31 costs four times the memory traffic.
+    bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
+    forbidden = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).eq(0)
+    forbidden = forbidden.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]]
+    return logits.masked_fill_(forbidden, float("-inf"))
 
 
 def _sample_random(logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
