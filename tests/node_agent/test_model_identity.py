@@ -50,7 +50,11 @@ def test_a_single_file_is_hashed_whole_across_reads(tmp_path: Path) -> None:
         weights_id(weights_files(tmp_path / "empty-folder-as-checkpoint"))
 
 
-@pytest.mark.parametrize(("quantization", "engine_process"), [("int8", False), ("auto", True)])
+@pytest.mark.parametrize(
+    ("quantization", "engine_process"),
+    # The engine core's own process is a process start: not for `make test-fast`.
+    [("int8", False), pytest.param("auto", True, marks=pytest.mark.slow)],
+)
 def test_a_loaded_node_reports_the_identity_the_engine_resolved(
     tiny_folder: Path,
     server_loop: BackgroundLoop,
