@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import cast
 
 import jinja2
 import jinja2.ext
@@ -68,13 +67,9 @@ class ChatTemplate:
         }
         # transformers drops keys whose value is None, so templates test `'x' in message` alike.
         plain = [_plain_message(message) for message in messages]
-        plain_tools = _plain(list(tools), "tools") if tools is not None else None
+        plain_tools = [_plain_message(tool) for tool in tools] if tools is not None else None
         if not self.has_tools_section:
-            plain = [
-                dict(m)
-                for m in with_tools(plain, cast(list[Mapping[str, object]] | None, plain_tools))
-            ]
-            plain_tools = None
+            plain, plain_tools = [dict(m) for m in with_tools(plain, plain_tools)], None
         context["messages"] = plain
         context["tools"] = plain_tools
         context["documents"] = None

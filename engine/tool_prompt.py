@@ -52,21 +52,23 @@ def with_tools(
     tools: Sequence[Mapping[str, object]] | None,
 ) -> list[Message]:
     """`messages` as plain text messages, the tools (if any) in the system message."""
-    names = _call_names(messages)
+    names = {call_id: name for m in messages for call_id, name, _ in _calls(m)}
     rewritten: list[Message] = []
+    follows_result = False
     for message in messages:
-        role = message.get("role")
-        if role == "tool":
+        is_result = message.get("role") == "tool"
+        if is_result:
             response = _tool_response(message, names)
-            last = rewritten[-1] if rewritten else None
-            if last is not None and last.get("role") == "user" and _is_responses(last):
+            if follows_result:  # consecutive results: one user turn
+                last = rewritten[-1]
                 rewritten[-1] = {**last, "content": f"{last['content']}\n{response}"}
             else:
                 rewritten.append({"role": "user", "content": response})
-        elif role == "assistant" and message.get("tool_calls"):
+        elif message.get("role") == "assistant" and message.get("tool_calls"):
             rewritten.append(_with_calls(message))
         else:
             rewritten.append(message)
+        follows_result = is_result
     if tools:
         instructions = tools_instructions(tools)
         if rewritten and rewritten[0].get("role") == "system":
@@ -78,27 +80,22 @@ def with_tools(
     return rewritten
 
 
-def _call_names(messages: Sequence[Message]) -> dict[str, str]:
-    """Call id -> function name, over the assistant messages' tool calls."""
-    names: dict[str, str] = {}
-    for message in messages:
-        calls = message.get("tool_calls")
-        for call in calls if isinstance(calls, Sequence) else ():
-            if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
-                function = call["function"]
-                assert isinstance(function, Mapping)
-                names[str(call.get("id"))] = str(function.get("name"))
-    return names
+def _calls(message: Message) -> list[tuple[str, str, str]]:
+    """An assistant message's tool calls: (id, function name, arguments' JSON text)."""
+    calls = message.get("tool_calls")
+    found: list[tuple[str, str, str]] = []
+    for call in calls if isinstance(calls, Sequence) else ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(call, Mapping) and isinstance(function, Mapping):
+            found.append(
+                (str(call.get("id")), str(function.get("name")), str(function.get("arguments")))
+            )
+    return found
 
 
 def _with_calls(message: Message) -> Message:
-    calls = message.get("tool_calls")
-    assert isinstance(calls, Sequence)
-    lines = [str(message.get("content") or "")] if message.get("content") else []
-    for call in calls:
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if isinstance(function, Mapping):
-            lines.append(tool_call_text(str(function.get("name")), str(function.get("arguments"))))
+    lines = [str(message["content"])] if message.get("content") else []
+    lines += [tool_call_text(name, arguments) for _, name, arguments in _calls(message)]
     plain = {k: v for k, v in message.items() if k != "tool_calls"}
     return {**plain, "content": "\n".join(lines)}
 
@@ -111,7 +108,3 @@ def _tool_response(message: Message, names: dict[str, str]) -> str:
         "content": message.get("content"),
     }
     return f"<tool_response>{json.dumps(result, ensure_ascii=False)}</tool_response>"
-
-
-def _is_responses(message: Message) -> bool:
-    return str(message.get("content", "")).startswith("<tool_response>")
