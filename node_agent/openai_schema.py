@@ -168,7 +168,9 @@ class SamplingRequest(_Lenient):
     )
     stop: Stop | None = None
     seed: int | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="Choices to make of the prompt: at most the node's max_num_choices."
+    )
     user: str | None = None
     ignore_eos: bool = False
     frequency_penalty: float | None = None
