@@ -27,7 +27,7 @@ from engine.model_store import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request_limits import RequestLimits
-from engine.request_state import RequestState
+from engine.request_state import Finish, RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -199,8 +199,9 @@ class LLMEngine:
             self._compiling[request_id] = (seq, self.grammars.compile(params.grammar))
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Schedule the requests whose grammar is compiled; end those whose grammar failed."""
-        failed: list[str] = []
+        """Schedule the requests whose grammar is compiled; end those whose grammar failed
+        (finish "error", what failed in `stop_reason`)."""
+        outputs: list[RequestOutput] = []
         for request_id, (seq, future) in list(self._compiling.items()):
             if not future.done():
                 continue
@@ -208,10 +209,11 @@ class LLMEngine:
             self.scheduler.add(seq)
             try:
                 seq.grammar = self.grammars.matcher(future.result(), seq.output_token_ids)
-            except Exception:  # a grammar's failure ends its request only
-                logger.warning("%s: its grammar failed", request_id, exc_info=True)
-                failed.append(request_id)
-        return self.abort_request(failed) if failed else []
+            except Exception as exc:  # a grammar's failure ends its request only
+                logger.warning("%s: its grammar failed: %s", request_id, exc)
+                finish = Finish("error", f"grammar error: {exc}")
+                outputs += self.output_processor.abort([request_id], time.monotonic(), finish)
+        return outputs
 
     @property
     def requests(self) -> dict[str, RequestState]:

@@ -51,14 +51,17 @@ class OutputProcessor:
                 outputs.append(output)
         return outputs
 
-    def abort(self, request_ids: Iterable[str], now: float) -> list[RequestOutput]:
-        """Finish these requests now, as aborted; unknown ids are ignored."""
+    def abort(
+        self, request_ids: Iterable[str], now: float, finish: Finish = _ABORTED
+    ) -> list[RequestOutput]:
+        """Finish these requests now, as aborted (or as `finish` says); unknown ids are
+        ignored."""
         outputs = []
         for request_id in request_ids:
             state = self.requests.get(request_id)
             if state is None:
                 continue
-            self._finish(state, _ABORTED, now)
+            self._finish(state, finish, now)
             output = state.output(finished=True)
             if output is not None:
                 outputs.append(output)

@@ -15,8 +15,9 @@ from engine.tokenizer import Tokenizer
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    """Why a request stopped: `reason` is "stop", "length" or "abort"; `stop_reason` is the stop
-    string or stop token id that matched, if one did (or why a grammar failed, on "abort")."""
+    """Why a request stopped: `reason` is "stop", "length", "abort" or "error" (its grammar
+    failed); `stop_reason` is the stop string or stop token id that matched, if one did, or on
+    "error" what failed."""
 
     reason: str
     stop_reason: str | int | None = None
@@ -74,7 +75,7 @@ class RequestState:
             try:
                 seq.grammar.accept(token_id)
             except GrammarError as exc:  # this sequence ends; the batch goes on
-                return Finish("abort", str(exc))
+                return Finish("error", str(exc))
         if not params.ignore_eos and token_id in self.eos_token_ids:
             self.text += self.detokenizer.finish()
             return Finish("stop")

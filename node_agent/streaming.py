@@ -19,7 +19,7 @@ from engine.outputs import RequestOutput
 from engine.sequence import TokenLogprobs
 from node_agent.admission import Ticket
 from node_agent.chat_choices import ChatChoice, ToolParsing
-from node_agent.errors import NodeAgentError, UnavailableError, from_engine
+from node_agent.errors import BadRequestError, NodeAgentError, UnavailableError, from_engine
 from node_agent.metrics import RequestTimer
 from node_agent.responses import (
     DONE,
@@ -47,6 +47,8 @@ class RequestRun:
     finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> reason
     last_output: RequestOutput | None = None
     is_closed: bool = False
+    # What failed, where the engine ended a choice with "error" (its grammar could not go on).
+    error: str | None = None
 
     def __post_init__(self) -> None:
         self.usage = Usage(self.prepared.num_prompt_tokens)
@@ -70,6 +72,8 @@ class RequestRun:
         if output.finished:
             self.finish_reasons[completion.index] = completion.finish_reason or "abort"
             self.last_output = output
+        if completion.finish_reason == "error":
+            self.error = str(completion.stop_reason)
 
     def close(self) -> None:
         """The request is over (idempotent): free its place, record and log it."""
@@ -94,6 +98,13 @@ class RequestRun:
 
 def _aborted() -> UnavailableError:
     return UnavailableError("the request was aborted: the node is shutting down", code="aborted")
+
+
+def _grammar_failed(error: str) -> BadRequestError:
+    # The request's own grammar could not go on (a choice or regex the vocabulary cannot
+    # spell, say): the client's to change.
+    message = f"the output cannot follow the requested format: {error}"
+    return BadRequestError(message, code="grammar_error")
 
 
 async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> AsyncIterator[bytes]:
@@ -176,6 +187,8 @@ async def _guarded(
         async with aclosing(outputs) as stream:
             async for output in stream:
                 run.record(output)
+                if run.error is not None:
+                    raise _grammar_failed(run.error)
                 if output.finished and output.outputs[0].finish_reason == "abort":
                     raise _aborted()
                 yield output
@@ -227,6 +240,8 @@ async def _collect(
             choice.logprobs.extend(completion.logprobs or ())
             if output.finished:
                 choice.finish(completion.finish_reason)
+    if run.error is not None:
+        raise _grammar_failed(run.error)
     if run.is_aborted:
         raise _aborted()
     return choices
