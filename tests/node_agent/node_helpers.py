@@ -9,8 +9,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 import httpx
 from fake_engine import FakeEngine
 from fastapi import FastAPI
+from tiny_checkpoints import save_tiny_transformers_model
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -73,6 +75,24 @@ def start_engine(loop: BackgroundLoop, gguf: Path, **overrides: Any) -> AsyncEng
     llm = load_engine(EngineConfig(model=str(gguf), **(values | overrides)), separate_process=True)
     loop.call(llm.start)
     return llm
+
+
+TINY_SERVED_NAME = "tiny-llama"
+
+
+@contextmanager
+def tiny_node(loop: BackgroundLoop, folder: Path, **overrides: Any) -> Iterator[NodeHandle]:
+    """A node agent over a real engine core process of a tiny random llama (written into
+    `folder`: tests/tiny_checkpoints.py, a 97-token vocabulary, 128 positions), served as
+    TINY_SERVED_NAME."""
+    save_tiny_transformers_model(folder, "llama")
+    llm = start_engine(loop, folder, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    node = start_node(loop, llm, model=str(folder), served_model_name=TINY_SERVED_NAME, **overrides)
+    try:
+        yield node
+    finally:
+        node.stop()
+        loop.run(llm.shutdown())
 
 
 def start_fake_engine(loop: BackgroundLoop, **overrides: Any) -> FakeEngine:

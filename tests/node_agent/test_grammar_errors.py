@@ -9,31 +9,25 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from node_helpers import BackgroundLoop, NodeHandle, start_engine, start_node
-from tiny_checkpoints import save_tiny_transformers_model
+from node_helpers import TINY_SERVED_NAME, BackgroundLoop, NodeHandle, tiny_node
 
 pytestmark = pytest.mark.slow
 
-SERVED_NAME = "tiny-llama"
+SERVED_NAME = TINY_SERVED_NAME
 UNSPELLABLE = {"guided_choice": ["\u00b0", "\u00e9t\u00e9"]}  # no token holds these bytes
 
 
 @pytest.fixture(scope="module")
-def tiny_node(
+def node(
     tmp_path_factory: pytest.TempPathFactory, server_loop: BackgroundLoop
 ) -> Iterator[NodeHandle]:
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_transformers_model(folder, "llama")
-    llm = start_engine(server_loop, folder, dtype="float32", num_kv_blocks=64, max_model_len=128)
-    node = start_node(server_loop, llm, model=str(folder), served_model_name=SERVED_NAME)
-    yield node
-    node.stop()
-    server_loop.run(llm.shutdown())
+    with tiny_node(server_loop, tmp_path_factory.mktemp("tiny") / "model") as handle:
+        yield handle
 
 
 @pytest.fixture
-def http(tiny_node: NodeHandle) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=tiny_node.base_url, timeout=60) as client:
+def http(node: NodeHandle) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=node.base_url, timeout=60) as client:
         yield client
 
 

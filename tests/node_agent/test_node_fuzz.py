@@ -12,14 +12,13 @@ from collections.abc import Iterator
 import pytest
 import requests
 import schemathesis
-from node_helpers import BackgroundLoop, NodeHandle, start_engine, start_node
+from node_helpers import TINY_SERVED_NAME, BackgroundLoop, NodeHandle, tiny_node
 from schema_fuzz import fuzz_operations, num_fuzz_cases
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from tiny_checkpoints import save_tiny_transformers_model
 
 NUM_CASES = num_fuzz_cases(300)
-SERVED_NAME = "tiny-llama"
+SERVED_NAME = TINY_SERVED_NAME
 SERVING_TOKEN = "serving-" + "s" * 24
 # A drawn model name is almost never the served one, and stops at 404 before the prompt is read:
 # all but one in this many schema-valid bodies name the served model instead.
@@ -28,23 +27,13 @@ SERVED_MODEL_EVERY = 4
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tiny_node(
+@pytest.fixture(scope="module", name="tiny_node")
+def tiny_node_fixture(
     tmp_path_factory: pytest.TempPathFactory, server_loop: BackgroundLoop
 ) -> Iterator[NodeHandle]:
     folder = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_transformers_model(folder, "llama")
-    llm = start_engine(server_loop, folder, dtype="float32", num_kv_blocks=64, max_model_len=128)
-    node = start_node(
-        server_loop,
-        llm,
-        model=str(folder),
-        served_model_name=SERVED_NAME,
-        serving_token=SERVING_TOKEN,
-    )
-    yield node
-    node.stop()
-    server_loop.run(llm.shutdown())
+    with tiny_node(server_loop, folder, serving_token=SERVING_TOKEN) as node:
+        yield node
 
 
 def assert_openai_error(response: schemathesis.Response) -> None:
