@@ -9,6 +9,7 @@ from typing import Literal
 import openai
 import pytest
 from node_helpers import MODEL_NAME, NodeHandle
+from openai.types.chat import ChatCompletionMessageParam
 from pydantic import BaseModel
 
 pytestmark = pytest.mark.slow
@@ -88,13 +89,13 @@ def test_stream_json_object_and_choice(client: openai.OpenAI) -> None:
 
 
 def test_frequency_penalty_changes_a_repeating_greedy_output(client: openai.OpenAI) -> None:
-    messages: list[dict[str, str]] = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Repeat the word 'apple' fifty times."}
     ]
     texts = [
         client.chat.completions.create(
             model=MODEL_NAME,
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,
             temperature=0,
             max_tokens=40,
             frequency_penalty=penalty,
@@ -134,6 +135,49 @@ def test_bad_inputs_are_400_naming_the_param(
             model=MODEL_NAME,
             messages=[{"role": "user", "content": "Hi"}],
             max_tokens=5,
-            **extra,  # type: ignore[arg-type]
+            **extra,  # type: ignore[call-overload]
         )
     assert bad.value.param == param
+
+
+def test_min_tokens_logit_bias_and_stop_token_ids_reach_the_engine(
+    client: openai.OpenAI,
+) -> None:
+    hi: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the capital of France?"}
+    ]
+    short = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=hi,
+        temperature=0,
+        max_tokens=40,
+    )
+    assert short.usage is not None and short.usage.completion_tokens == 8  # ends at <|im_end|>
+    held = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=hi,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"min_tokens": 12},
+    )
+    assert held.usage is not None and held.usage.completion_tokens >= 12
+    forced = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=hi,
+        temperature=0,
+        max_tokens=3,
+        logit_bias={"28": 100},
+        extra_body={"return_token_ids": True},
+    )
+    assert forced.choices[0].model_extra is not None
+    assert forced.choices[0].model_extra["token_ids"] == [28, 28, 28]
+    stopped = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=hi,
+        temperature=0,
+        max_tokens=10,
+        logit_bias={"28": 100},
+        extra_body={"stop_token_ids": [28]},
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
