@@ -175,3 +175,18 @@ def test_a_grammar_error_ends_its_sequence_and_the_batch_goes_on(llm: LLM) -> No
     failed = finished["failing"]
     assert failed.finish_reason == "error" and "injected" in str(failed.stop_reason)
     assert finished["free"].token_ids == alone.outputs[0].token_ids
+
+
+def test_a_resumed_constrained_generation_goes_on_under_the_same_grammar(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=60, grammar=SCHEMA)
+    [whole] = llm.chat(chat(PROMPTS[0]), params)
+    ids = whole.outputs[0].token_ids
+    prompt = engine.tokenizer.render_chat(chat(PROMPTS[0]), add_generation_prompt=True)
+    engine.add_request("resumed", prompt, params, resumed_token_ids=ids[:6])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    [resumed] = outputs
+    assert ids[:6] + resumed.outputs[0].token_ids[6:] == ids
+    City.model_validate_json(resumed.outputs[0].text)
