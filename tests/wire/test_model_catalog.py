@@ -1,4 +1,4 @@
-"""The model catalog's rules: unique names, aliases that end at a model, fallbacks to known names."""
+"""The model catalog's rules: unique names, aliases ending at a model, fallbacks to known names."""
 
 from __future__ import annotations
 
