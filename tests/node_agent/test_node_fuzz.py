@@ -65,5 +65,6 @@ def test_fuzzed_requests_get_no_5xx_and_errors_in_openai_shape(tiny_node: NodeHa
 
     print(f"node agent fuzz: {num_called} cases, statuses {dict(statuses)}")
     assert num_called >= NUM_CASES, statuses
-    # The cases reach the engine, not only the checks in front of it.
-    assert statuses[200] >= NUM_CASES // 20, statuses
+    # The cases reach the engine, not only the checks in front of it (1 in 40 at least: random
+    # bodies now also meet the checks of tools, response_format and n; a run saw 13 of 300).
+    assert statuses[200] >= NUM_CASES // 40, statuses

@@ -3,6 +3,7 @@ agent serving the real SmolLM2 (its engine core in a process of its own)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Literal
 
@@ -70,8 +71,13 @@ def test_stream_json_object_and_choice(client: openai.OpenAI) -> None:
         max_tokens=100,
         stream=True,
     )
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text.startswith("{") and text.endswith("}")
+    chunks = [c.choices[0] for c in stream if c.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    finish = [c.finish_reason for c in chunks if c.finish_reason]
+    # A small model may nest until max_tokens: then the object is cut off, as OpenAI's is.
+    assert text.startswith("{") and finish in (["stop"], ["length"]), (text, finish)
+    if finish == ["stop"]:
+        assert isinstance(json.loads(text), dict), text
     reply = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Is water wet?"}],
