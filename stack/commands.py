@@ -17,7 +17,7 @@ from pathlib import Path
 
 from stack.certs import GatewayTls
 from stack.config import StackConfig
-from stack.layout import HOST, PopLayout, RegionLayout, StackLayout, default_num_threads
+from stack.layout import HOST, PopLayout, RegionLayout, StackLayout
 from stack.model_config import served_model
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,8 @@ KEPT_MERIDIAN_VARS = frozenset({"MERIDIAN_HOME"})  # where the model store is
 @dataclass(frozen=True, slots=True)
 class Command:
     name: str  # shown in progress and `status`; also the log file's name
-    kind: str  # postgres, control-plane, node, envoy, rtt-proxy, gateway, anycast-front, redis
+    # postgres, control-plane, node, envoy, picker, rtt-proxy, gateway, anycast-front, redis
+    kind: str
     argv: tuple[str, ...]
     env: Mapping[str, str]
     url: str | None = None
@@ -55,6 +56,11 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
     return (sys.executable, "-m", module, *args)
 
 
+def default_num_threads(num_nodes: int) -> int:
+    """Torch threads per node agent: this machine's cores shared among them."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_nodes))
+
+
 def dns_config(layout: StackLayout, ca_cert: Path) -> dict[str, object]:
     """The control plane's DNS settings: the API name answered with the nearest healthy PoP
     (each checked on its `/health`, over TLS verified with the stack CA)."""
@@ -73,6 +79,9 @@ def control_planes(
     db = layout.postgres_url or str(db_path)
     env = base_env() | {name: tokens[name] for name in (ADMIN_TOKEN, GATEWAY_TOKEN)}
     env["MERIDIAN_CP_DNS"] = json.dumps(dns_config(layout, ca_cert))
+    pickers = {r.name: r.picker.address for r in layout.regions if r.picker is not None}
+    if pickers:
+        env["MERIDIAN_CP_REGION_PICKERS"] = json.dumps(pickers)
     commands = []
     for replica in layout.control_planes:
         argv = _python(
@@ -114,6 +123,7 @@ def node_agents(
                 *("--control-plane", layout.control_plane_urls),
                 *("--kv-cache-gib", f"{config.node.kv_cache_gib:g}"),
                 *("--max-num-seqs", str(config.node.max_num_seqs)),
+                *(("--picker-url", region.picker.cache_events_url) if region.picker else ()),
             )
             node_env = env | {NODE_TOKEN: node_tokens[node.node_id]}
             commands.append(Command(f"node {node.node_id}", "node", argv, node_env, node.url))
@@ -173,6 +183,25 @@ def envoy(envoy_path: str, region: RegionLayout, bootstrap: Path) -> Command:
     )
     url = f"http://{HOST}:{region.envoy_port}"
     return Command(f"envoy {region.name}", "envoy", argv, base_env(), url)
+
+
+def picker(
+    config: StackConfig, layout: StackLayout, region: RegionLayout, tokens: Mapping[str, str]
+) -> Command:
+    """The region's endpoint picker, tokenizing prompts for each model its nodes serve; it
+    follows the region's nodes at the first control-plane replica."""
+    assert region.picker is not None
+    models = {model.served: model.weights for model in config.fleet_models}
+    argv = _python(
+        "region_picker",
+        *("--region", region.name, "--host", HOST, "--port", str(region.picker.port)),
+        *("--metrics-host", HOST, "--metrics-port", str(region.picker.metrics_port)),
+        *("--cache-events-port", str(region.picker.cache_events_port)),
+        *("--control-plane", layout.control_plane_url),
+        *(arg for name in region.models for arg in ("--model", f"{name}={models[name]}")),
+    )
+    env = base_env() | {GATEWAY_TOKEN: tokens[GATEWAY_TOKEN]}
+    return Command(f"picker {region.name}", "picker", argv, env, region.picker.metrics_url)
 
 
 def rtt_proxy(layout: StackLayout) -> Command:

@@ -51,6 +51,8 @@ class RegionConfig(_Section):
     # The delay the RTT proxy adds between the gateway and this region; default: the RTT the
     # gateway itself expects from the shared location table (wire/geo.py `rtt_ms`).
     rtt_ms: float | None = Field(default=None, ge=0.0, le=2000.0)
+    # Its endpoint picker (region_picker/) beside its Envoy: on, off; default: the stack's `picker`.
+    picker: bool | None = None
 
     @model_validator(mode="after")
     def _located(self) -> RegionConfig:
@@ -169,6 +171,11 @@ class PortsConfig(_Section):
     envoy_base: Port = 10001
     envoy_admin_base: Port = 10101
     rtt_proxy_base: Port = 10201
+    # Region i's endpoint picker: ext_proc (gRPC, for its Envoy) on `picker_base + i`, /metrics
+    # on `picker_metrics_base + i`, its nodes' cache event streams on `picker_events_base + i`.
+    picker_base: Port = 10701
+    picker_metrics_base: Port = 10801
+    picker_events_base: Port = 10901
 
 
 class StackConfig(_Section):
@@ -202,6 +209,10 @@ class StackConfig(_Section):
     # Put a delaying TCP proxy in front of each region's ingress, so RTTs are felt, not only
     # computed (stack/rtt_proxy.py).
     simulate_rtt: bool = True
+    # An endpoint picker per region beside its Envoy (which it needs), choosing each request's
+    # node by the prompt's cached prefix against load (docs/region_picker.md); off: Envoy
+    # balances by least request. Each region's `picker` overrides it.
+    picker: bool = False
 
     @field_validator("envoy", mode="before")
     @classmethod
@@ -280,6 +291,9 @@ class StackConfig(_Section):
     def placement(self, region: RegionConfig) -> dict[str, int]:
         """The region's node agents per model name."""
         return region.placement(self.default_model.name)
+
+    def has_picker(self, region: RegionConfig) -> bool:
+        return self.picker if region.picker is None else region.picker
 
     def catalog(self) -> ModelCatalog:
         """The models and aliases as `up` registers them with the control plane."""

@@ -2,9 +2,10 @@
 
 A pure function of the config (and of whether Envoy is used), so it can be checked before anything
 starts: each region's path from a PoP is gateway → RTT proxy (if `simulate_rtt`; one route per
-PoP and region, delayed by the RTT between them) → ingress Envoy (if used) → node agents. The
-region's `ingress_url`, registered with the control plane, is the first hop of that path from the
-first PoP; every gateway is told its own paths (`--region-ingress`).
+PoP and region, delayed by the RTT between them) → ingress Envoy (if used; asking the region's
+endpoint picker when it has one, stack/picker_layout.py) → node agents. The region's
+`ingress_url`, registered with the control plane, is the first hop of that path from the first
+PoP; every gateway is told its own paths (`--region-ingress`).
 
 In front of the PoPs: the Anycast front (one port per client city, to the nearest announced PoP)
 and the control plane's DNS (the API name → the nearest healthy PoP's address). A DNS answer is
@@ -14,12 +15,12 @@ an address without a port, so each PoP listens on its own loopback address (127.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 
 from stack.config import StackConfig
 from stack.errors import StackError
+from stack.picker_layout import PickerLayout, plan_picker
 from stack.postgres import SUPERUSER
 from wire.geo import Location, locate, rtt_ms
 
@@ -68,6 +69,7 @@ class RegionLayout:
     envoy_admin_port: int | None
     rtt_proxy_port: int | None  # the first PoP's RTT proxy route; None: no RTT proxy
     paths: tuple[RegionPath, ...] = ()  # one per PoP, in PoP order (the first is the above)
+    picker: PickerLayout | None = None  # its endpoint picker (only beside its Envoy)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -236,6 +238,8 @@ class StackLayout:
             if region.envoy_port is not None and region.envoy_admin_port is not None:
                 ports.append((region.envoy_port, f"Envoy {region.name}"))
                 ports.append((region.envoy_admin_port, f"Envoy {region.name} admin"))
+            if region.picker is not None:
+                ports += region.picker.tcp_ports(region.name)
             for path in region.paths:
                 if path.rtt_proxy_port is not None:
                     owner = f"RTT proxy {path.pop} → {region.name}"
@@ -285,6 +289,7 @@ def _region_layout(config: StackConfig, i: int, use_envoy: bool) -> RegionLayout
         envoy_admin_port=ports.envoy_admin_base + i if use_envoy else None,
         rtt_proxy_port=paths[0].rtt_proxy_port,
         paths=tuple(paths),
+        picker=plan_picker(config, i, HOST, use_envoy),
     )
 
 
@@ -391,8 +396,3 @@ def check_ports_free(layout: StackLayout) -> None:
             f"port {port} ({owner}) is already in use on {host}{more}: stop what holds it, "
             "or change `ports` in the stack config"
         )
-
-
-def default_num_threads(num_nodes: int) -> int:
-    """Torch threads per node agent: this machine's cores shared among them."""
-    return max(1, (os.cpu_count() or 1) // max(1, num_nodes))

@@ -27,6 +27,7 @@ STOP_ORDER: Final = (
     "rtt-proxy",
     "node",
     "envoy",
+    "picker",  # after its Envoy, which goes on without it anyway
     "control-plane",
     "postgres",  # after every replica has closed its connections
 )

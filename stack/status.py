@@ -13,6 +13,7 @@ import httpx
 
 from stack.commands import ADMIN_TOKEN
 from stack.front_cli import anycast_lines
+from stack.picker_status import picker_rows
 from stack.state import StackState, StateDir
 from stack.summary import count, dns_endpoints
 from stack.supervisor import Say
@@ -293,5 +294,10 @@ def status(state_root: Path, say: Say) -> int:
         say(f"gateway {state.gateway_url}: {gateway.get('status', '?')}")
     for line in front_lines(state):
         say(line)
+    pickers = picker_rows(state.processes)
+    if pickers:
+        say("")
+        for line in _table(pickers):
+            say(line)
     is_all_up = all(record.is_running() for record in state.processes)
     return 0 if is_all_up else 1

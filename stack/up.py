@@ -8,11 +8,12 @@
    replicas on it; then the regions registered through its admin API with their ingress URLs,
    and the models, their fallbacks and aliases in its catalog;
 3. the node agents (and edge node agents beside PoPs), the region Envoys (bootstrapped by
-   `envoy-bootstrap`), the RTT proxy (a route per PoP and region), the redis-server of shared
-   limits, a gateway per PoP (HTTPS on its own loopback address, with its certificate from the
-   stack CA) and the Anycast front, all at once; each is ready when its health says so (`/ready`,
-   a heartbeat seen by the control plane, a request through Envoy and the RTT proxy, each
-   gateway's `/health` with every region healthy, the front's admin);
+   `envoy-bootstrap`) and endpoint pickers (`picker: on`), the RTT proxy (a route per PoP and
+   region), the redis-server of shared limits, a gateway per PoP (HTTPS on its own loopback
+   address, with its certificate from the stack CA) and the Anycast front, all at once; each is
+   ready when its health says so (`/ready`, a heartbeat seen by the control plane, a request
+   through Envoy and the RTT proxy, a picker's /metrics, each gateway's `/health` with every
+   region healthy, the front's admin);
 4. a fresh API key, checked through every PoP; then the URLs, key, CA path and examples.
 
 Then it stays in the foreground, saying when a process exits, until Ctrl-C or SIGTERM (which
@@ -222,6 +223,13 @@ class StackStarter:
                 child = supervisor.start(command)
                 probe = self.probes.ok(f"{command.url}/ready")
                 label = f"envoy {region.name} (ingress → its nodes)"
+                checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
+        for region in self.layout.regions:
+            if region.picker is not None:
+                command = commands.picker(self.config, self.layout, region, self.tokens)
+                child = supervisor.start(command)
+                probe = self.probes.ok(region.picker.metrics_url)
+                label = f"{command.name} (its tokenizers loaded)"
                 checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
         if self.layout.has_rtt_proxy:
             child = supervisor.start(commands.rtt_proxy(self.layout))
