@@ -48,6 +48,17 @@ class MetaDocument(Generic[D]):
     def load(self, conn: Connection) -> D:
         return load_document(conn, self._key, type(self._current))
 
+    def _hold(self, conn: Connection) -> None:
+        """Lock the document's row until the transaction ends (writing it first if it was never
+        written): on PostgreSQL another replica's replacement waits for this one's commit and
+        then reads what it wrote, so that an edit made meanwhile is never lost (SQLite has one
+        writer at a time anyway)."""
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = meta.value",
+            (self._key, type(self._current)().model_dump_json()),
+        )
+
     async def follow(self) -> None:
         """Another replica replaced the document: read it, unless a replacement made here is
         under way (it holds the lock from its write to memory: a read taken before its commit
@@ -64,6 +75,7 @@ class MetaDocument(Generic[D]):
         announced to `on_change`."""
 
         def write(conn: Connection) -> tuple[D, R]:
+            self._hold(conn)
             document, result = change(conn, self.load(conn))
             set_meta(conn, self._key, document.model_dump_json())
             return document, result

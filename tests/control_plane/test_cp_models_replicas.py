@@ -4,6 +4,7 @@ not a replica's memory, decides conflicts."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -74,3 +75,23 @@ def test_an_edit_through_one_replica_reaches_the_others_listing_and_summaries(
         ),
         "the delete at b to reach a",
     )
+
+
+def test_edits_made_at_once_through_both_replicas_are_all_kept(
+    start_replica: Any, tokens: TokenSet
+) -> None:
+    """Each edit reads, changes and writes the stored catalog in one transaction that holds the
+    document's row: an edit committed meanwhile by the other replica is never overwritten."""
+    a, b = start_replica("a"), start_replica("b")
+    names = [f"m{i:02d}" for i in range(24)]
+
+    def add(i: int) -> int:
+        return call((a, b)[i % 2], tokens, "POST", "/v1/models", {"name": names[i]}).status_code
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert list(pool.map(add, range(len(names)))) == [201] * len(names)
+
+    def listed(cp: ControlPlaneProcess) -> list[str]:
+        return sorted(m["id"] for m in call(cp, tokens, "GET", "/v1/models").json()["data"])
+
+    wait_for(lambda: listed(a) == listed(b) == names, "every model at both replicas")
