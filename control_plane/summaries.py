@@ -54,6 +54,9 @@ class _Load:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     decode_tokens_per_s: float = 0.0
+    # The prefill rates the nodes reported: their sum, and how many reported one.
+    prefill_tokens_per_s: float = 0.0
+    num_rated_nodes: int = 0
     serving_keys: set[str] = field(default_factory=set)
     context_length: int | None = None  # the least reported
 
@@ -62,7 +65,8 @@ class _Load:
         """One model's nodes by their latest beats (None: known only from Consul, or restored:
         healthy, but no capacity reported)."""
         waiting = waiting_prefill = running_prefill = kv_free = kv_total = 0
-        decode_tokens_per_s = 0.0
+        decode_tokens_per_s = prefill_tokens_per_s = 0.0
+        num_rated = 0
         serving_keys: set[str] = set()
         contexts: list[int] = []
         for beat in beats:  # in locals: this loop is most of a tick's work
@@ -74,6 +78,9 @@ class _Load:
             decode_tokens_per_s += beat.decode_tokens_per_s
             kv_free += beat.kv_blocks_free
             kv_total += beat.kv_blocks_total
+            if beat.prefill_tokens_per_s is not None:
+                prefill_tokens_per_s += beat.prefill_tokens_per_s
+                num_rated += 1
             identity = beat.model_identity
             if identity is not None:
                 serving_keys.add(identity.serving_key)
@@ -86,6 +93,8 @@ class _Load:
             kv_free,
             kv_total,
             decode_tokens_per_s,
+            prefill_tokens_per_s,
+            num_rated,
             serving_keys,
             min(contexts, default=None),
         )
@@ -97,6 +106,8 @@ class _Load:
         self.num_waiting_prefill_tokens += other.num_waiting_prefill_tokens
         self.num_running_prefill_tokens += other.num_running_prefill_tokens
         self.decode_tokens_per_s += other.decode_tokens_per_s
+        self.prefill_tokens_per_s += other.prefill_tokens_per_s
+        self.num_rated_nodes += other.num_rated_nodes
         self.kv_blocks_free += other.kv_blocks_free
         self.kv_blocks_total += other.kv_blocks_total
 
@@ -109,6 +120,11 @@ class _Load:
             decode_tokens_per_s=decode_tokens_per_s,
             expected_queue_delay_s=expected_queue_delay_s(
                 self.num_waiting_prefill_tokens, decode_tokens_per_s
+            ),
+            prefill_tokens_per_s=(
+                round(self.prefill_tokens_per_s / self.num_rated_nodes, 1)
+                if self.num_rated_nodes
+                else None
             ),
         )
 

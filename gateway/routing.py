@@ -5,7 +5,9 @@ A region's cost is its expected time to first token from this PoP, in seconds:
     cost = rtt_weight * rtt_ms / 1000                  network round trip (wire/geo.py)
          + queue_weight * (queue_delay_s               prompt tokens ahead / the region's prefill
                            + kv_pressure_s)            a fuller KV cache: slower steps
-         + prompt_tokens / prefill_tokens_per_s        this request's own prefill
+         + prompt_tokens / prefill_tokens_per_s        this request's own prefill, at the rate
+                                                       the region's nodes report (else the
+                                                       gateway's fleet-wide setting)
          + ttft_correction_s                           EWMA of (observed - predicted) TTFT here
 
 never less than the RTT term. The queue delay counts every prompt token the region's nodes
@@ -205,12 +207,12 @@ class Router:
         return load
 
     def predict(self, state: RegionState, prompt_tokens: int, now_s: float) -> Candidate:
-        prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
-        return self._candidate(state, self.load_of(state), prefill_s, now_s)
+        return self._candidate(state, self.load_of(state), prompt_tokens, now_s)
 
     def _candidate(
-        self, state: RegionState, load: SummaryLoad, prefill_s: float, now_s: float
+        self, state: RegionState, load: SummaryLoad, prompt_tokens: int, now_s: float
     ) -> Candidate:
+        prefill_s = prompt_tokens / load.prefill_tokens_per_s
         policy = self.policy
         rtt_s = state.rtt_ms / 1000.0
         weighted_rtt_s = policy.rtt_weight * rtt_s
@@ -238,7 +240,6 @@ class Router:
         now_s = time.monotonic() if now_s is None else now_s
         preferred: list[Candidate] = []
         others: list[Candidate] = []
-        prefill_s = prompt_tokens / self.config.prefill_tokens_per_s
         for name, state in self.regions.items():
             if name in exclude:
                 continue
@@ -249,7 +250,7 @@ class Router:
                 load = self.model_load_of(state, model)
             if load is None or not load.is_eligible:
                 continue
-            candidate = self._candidate(state, load, prefill_s, now_s)
+            candidate = self._candidate(state, load, prompt_tokens, now_s)
             is_preferred = not load.is_saturated and state.breaker.is_available(now_s)
             (preferred if is_preferred else others).append(candidate)
         preferred.sort(key=_cost_s)
@@ -321,7 +322,8 @@ class Router:
         if state is None:
             return
         now_s = time.monotonic() if now_s is None else now_s
-        sample_s = ttft_s - (predicted_s - cached_tokens / self.config.prefill_tokens_per_s)
+        rate = self.load_of(state).prefill_tokens_per_s  # the region's, as predicted
+        sample_s = ttft_s - (predicted_s - cached_tokens / rate)
         alpha = self.config.ttft_ewma_alpha
         if self.num_ttft_samples == 0:
             self.ttft_residual_s = sample_s

@@ -49,15 +49,24 @@ class SummaryLoad:
     queue_s: float
     load_s: float  # the queue and KV pressure terms, before `queue_weight`
     url: str
+    prefill_tokens_per_s: float  # per node: the rate its nodes report, else the gateway's
+
+
+def prefill_rate_of(nodes: NodeLoad, default_tokens_per_s: float) -> float:
+    """Prompt tokens per second one of these nodes prefills: the mean rate they report (node
+    types differ from region to region), else the gateway's fleet-wide setting."""
+    reported = nodes.queue.prefill_tokens_per_s
+    return default_tokens_per_s if reported is None else reported
 
 
 def queue_delay_s(nodes: NodeLoad, prefill_tokens_per_s: float) -> float:
     """Seconds before a new request's own prefill starts: the prompt tokens ahead of it in the
-    region (waiting, and admitted but not yet prefilled), spread over its nodes, or the
-    summary's own estimate of the wait for a free slot, whichever is longer."""
+    region (waiting, and admitted but not yet prefilled), spread over its nodes at the rate
+    they report (else `prefill_tokens_per_s`), or the summary's own estimate of the wait for a
+    free slot, whichever is longer."""
     queue = nodes.queue
     backlog_tokens = queue.num_waiting_prefill_tokens + queue.num_running_prefill_tokens
-    rate = prefill_tokens_per_s * max(1, nodes.healthy_nodes)
+    rate = prefill_rate_of(nodes, prefill_tokens_per_s) * max(1, nodes.healthy_nodes)
     return max(queue.expected_queue_delay_s, backlog_tokens / rate)
 
 
@@ -94,6 +103,7 @@ def summary_load(
         queue_s=queue_s,
         load_s=queue_s + kv_pressure_s(nodes, policy),
         url=(summary.ingress_url or "").rstrip("/"),
+        prefill_tokens_per_s=prefill_rate_of(nodes, prefill_tokens_per_s),
     )
 
 

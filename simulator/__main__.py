@@ -37,6 +37,7 @@ from simulator.edge import (
     default_edge_thresholds,
 )
 from simulator.gateway_timing import DEFAULT_MAX_RESUMES
+from simulator.hardware import GPU_CLASS_CALIBRATION
 from simulator.policies import POLICIES
 from simulator.report import table
 from simulator.run import WorldOptions
@@ -110,7 +111,11 @@ def parser() -> OneLineParser:
     run.add_argument("--requests", type=_positive, default=10_000)
     run.add_argument("--json", type=Path, help="write the results here")
     run.add_argument("--plots", type=Path, help="write PNG plots into this folder")
-    run.add_argument("--calibration", type=Path, help="a calibration file (see `calibrate`)")
+    run.add_argument(
+        "--calibration",
+        type=Path,
+        help=f"a calibration file (see `calibrate`), or {GPU_CLASS!r} (from published figures)",
+    )
     run.add_argument("--policies", type=_policies, default=list(POLICIES), help="a,b,...")
     run.add_argument(
         "--routing",
@@ -159,9 +164,14 @@ def parser() -> OneLineParser:
     return top
 
 
+GPU_CLASS = "gpu-class"  # --calibration's name for `GPU_CLASS_CALIBRATION`
+
+
 def _load_calibration(path: Path | None) -> ServiceCalibration:
     if path is None:
         return ServiceCalibration()
+    if str(path) == GPU_CLASS:
+        return GPU_CLASS_CALIBRATION
     try:
         return ServiceCalibration.from_json(path.read_text())
     except OSError as exc:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -54,6 +54,17 @@ class ServiceCalibration:
             least = 0.0 if f.name == "step_per_seq_s" else 1e-12  # a flat step time is allowed
             if not is_number or value < least:
                 raise CalibrationError(f"calibration {f.name} must be a positive number: {value!r}")
+
+    def scaled(self, prefill: float, step: float, kv: float) -> ServiceCalibration:
+        """This node's calibration on hardware `prefill` times as fast at prefill, with steps
+        `step` times as long and `kv` times the KV blocks."""
+        return replace(
+            self,
+            prefill_tokens_per_s=self.prefill_tokens_per_s * prefill,
+            step_base_s=self.step_base_s * step,
+            step_per_seq_s=self.step_per_seq_s * step,
+            kv_blocks=max(1, round(self.kv_blocks * kv)),
+        )
 
     def step_s(self, batch_size: int) -> float:
         """One decode step with `batch_size` sequences in it (no prefill)."""

@@ -139,6 +139,7 @@ class SimControlPlane:
             num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
             num_running_prefill_tokens=load.num_running_prefill_tokens,
             decode_tokens_per_s=(load.generated_tokens - samples[0][1]) / DECODE_RATE_WINDOW_S,
+            prefill_tokens_per_s=calibration.prefill_tokens_per_s,  # its node type's
             num_in_flight=load.num_in_flight,
             timestamp=UNIX_AT_ZERO_S + now_s,
         )

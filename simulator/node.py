@@ -295,7 +295,28 @@ class Node:
             cached = prefix_tokens // calibration.block_size * calibration.block_size
         own_tokens = max(1, prompt_tokens - cached)
         wait_s = ahead_tokens / rate + num_ahead * step_s + own_tokens / rate + step_s
-        is_full = num_ahead + num_decoding >= calibration.max_num_seqs
-        if is_full and self.decoding and self.decode_rate > 0.0:
-            wait_s += (self.decoding[0][0] - self.v) / self.decode_rate
+        if self.decoding and self.decode_rate > 0.0:
+            wait_s += self._admission_wait_s(
+                num_ahead + num_decoding >= calibration.max_num_seqs,
+                self.blocks_for(prompt_tokens, 0) + self._waiting_blocks(incoming_tokens),
+            )
         return wait_s
+
+    def _waiting_blocks(self, incoming_tokens: int) -> int:
+        """KV blocks the requests not admitted yet (those on their way included, their prompts
+        only) will take before a newcomer is admitted."""
+        block_size = self.calibration.block_size
+        return sum(job.num_blocks for job in self.waiting) + incoming_tokens // block_size
+
+    def _admission_wait_s(self, is_full: bool, num_blocks_needed: int) -> float:
+        """Seconds until the decoding sequences free a slot (`is_full`) and enough KV blocks for
+        `num_blocks_needed` (admission takes both, first come first served)."""
+        steps = self.decoding[0][0] - self.v if is_full else 0.0
+        if num_blocks_needed > self.free_blocks:
+            freed = self.free_blocks
+            for finish_v, _, job in sorted(self.decoding):
+                freed += job.num_blocks
+                if freed >= num_blocks_needed:
+                    steps = max(steps, finish_v - self.v)
+                    break
+        return steps / self.decode_rate

@@ -38,7 +38,11 @@ from simulator.world import Geography
 from wire.geo import IPNetwork, client_subnet_of
 from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
 
-POLICIES: Final = ("meridian", "round_robin", "nearest", "least_loaded", "oracle")
+POLICIES: Final = (
+    "meridian", "round_robin", "nearest", "least_loaded", "oracle", "oracle_spread"
+)  # fmt: skip
+# The near-best band of `oracle_spread`, as wide as the gateway's default `p2c_tolerance`.
+ORACLE_SPREAD: Final = 0.2
 
 
 def default_router_config() -> RouterConfig:
@@ -296,9 +300,12 @@ class OracleChooser(Chooser):
 
     needs_control_plane = False  # it reads the nodes themselves
 
-    def __init__(self, sites: Mapping[str, Site], geography: Geography) -> None:
+    def __init__(
+        self, sites: Mapping[str, Site], geography: Geography, spread: float = 0.0
+    ) -> None:
         self.sites = sites
         self.geography = geography
+        self.spread = spread
         self._rtt_s: dict[tuple[str, str], float] = {}
         self._on_the_way: list[tuple[float, int, str, int]] = []  # heap: arrival, seq, node, tokens
         self._incoming: dict[str, tuple[int, int]] = {}  # node → (requests, prompt tokens)
@@ -344,6 +351,8 @@ class OracleChooser(Chooser):
             if best is not None:
                 picks.append(Pick(site.name, rtt_s + best[0], best[1]))
         picks.sort(key=lambda pick: pick.predicted_ttft_s)
+        if picks and self.spread > 0.0:
+            picks = self._spread(picks)
         if picks:  # the first is sent now: it reaches its node half an RTT from now
             first, target = picks[0], picks[0].node
             assert target is not None
@@ -353,3 +362,20 @@ class OracleChooser(Chooser):
             num, tokens = self._incoming.get(target.name, (0, 0))
             self._incoming[target.name] = (num + 1, tokens + request.prompt_tokens)
         return picks[:limit]
+
+    def _spread(self, picks: list[Pick]) -> list[Pick]:
+        """`picks` (by predicted TTFT) with the first chosen among the near-best (within
+        `spread` of the best) as the one whose node has the fewest requests not started yet,
+        those on their way to it included: a surge spread before queues show it."""
+        limit_s = picks[0].predicted_ttft_s * (1.0 + self.spread)
+        near = [pick for pick in picks if pick.predicted_ttft_s <= limit_s]
+        if len(near) == 1:
+            return picks
+
+        def waiting(pick: Pick) -> tuple[int, float]:
+            assert pick.node is not None
+            num_incoming = self._incoming.get(pick.node.name, (0, 0))[0]
+            return pick.node.num_not_started + num_incoming, pick.predicted_ttft_s
+
+        chosen = min(near, key=waiting)
+        return [chosen, *(pick for pick in picks if pick is not chosen)]

@@ -22,6 +22,7 @@ from simulator.flow import Traffic
 from simulator.gateway_timing import DEFAULT_MAX_RESUMES, GatewayTiming
 from simulator.node import Job, Node
 from simulator.policies import (
+    ORACLE_SPREAD,
     Chooser,
     LeastLoadedChooser,
     MeridianChooser,
@@ -108,6 +109,8 @@ def _chooser(
         return LeastLoadedChooser(watches)
     if policy == "oracle":
         return OracleChooser(sites, geography)
+    if policy == "oracle_spread":
+        return OracleChooser(sites, geography, ORACLE_SPREAD)
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -149,19 +152,22 @@ class World:
             options.access,
             self.edge,
         )
+        calibrations = spec.scenario.calibrations(spec.calibration)  # by node class
         for name, region in regions.items():
             place = geography.regions[name]
             nodes = [
                 Node(
                     f"{name}-{i}",
                     name,
-                    spec.calibration,
+                    calibration,
                     self.loop,
                     self.traffic.on_first_token,
                     self.traffic.on_finished,
                     model,
                 )
-                for i, model in enumerate(placement.nodes[name])
+                for i, (model, calibration) in enumerate(
+                    zip(placement.nodes[name], calibrations[name], strict=True)
+                )
             ]
             assert region.ingress_url is not None
             deflect_at = options.deflect_at_waiting

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from simulator.calibration import ServiceCalibration
+from simulator.hardware import NODE_CLASSES
 from simulator.models import DEFAULT_MODEL, PlacedModel, Placement
 from simulator.workload import Surge, WorkloadSpec
 
@@ -48,10 +49,23 @@ class Scenario:
     extra_beat_delay_s: float = 0.0
     workload: WorkloadSpec | None = None  # overrides of lengths and tenants (rate is derived)
     placed: PlacedModel | None = None  # a second model, in a few regions only
+    # Region → its default-model nodes' classes (`calibration.NODE_CLASSES`) and how many of
+    # each; a region not named here (and every placed model's node) is of the world's class.
+    node_classes: Mapping[str, tuple[tuple[str, int], ...]] | None = None
 
     @property
     def placement(self) -> Placement:
         return Placement.of(NODES_PER_REGION, self.placed)
+
+    def calibrations(self, base: ServiceCalibration) -> dict[str, list[ServiceCalibration]]:
+        """Each region's nodes' calibrations, in the order of `placement.nodes`: `base` scaled
+        by each node's class."""
+        result: dict[str, list[ServiceCalibration]] = {}
+        for region, models in self.placement.nodes.items():
+            classes = (self.node_classes or {}).get(region, ())
+            scaled = [NODE_CLASSES[name].of(base) for name, count in classes for _ in range(count)]
+            result[region] = scaled + [base] * (len(models) - len(scaled))
+        return result
 
 
 # The per-model scenarios' second model: the default model's weights in fp32, as the stack's
@@ -62,6 +76,18 @@ PLACED_SHARE: Final = 0.1
 # One region of the placed model's dies, then the other, the only one left, so that for 15% of
 # the run no region serves it; then they come back in the same order.
 PLACED_REGION_FAILURES: Final = (Outage("us-east", 0.3, 0.6), Outage("eu-west", 0.45, 0.75))
+
+# Regions of two or three node classes (the default model's nodes, as many as elsewhere): one
+# region of the fastest class alone, one of the slowest alone, the rest mixed.
+MIXED_NODE_CLASSES: Final[Mapping[str, tuple[tuple[str, int], ...]]] = {
+    "us-east": (("h100", 3), ("a100", 2)),
+    "us-west": (("l40s", 4),),
+    "eu-west": (("h100", 2), ("l40s", 2)),
+    "eu-central": (("a100", 2), ("l40s", 2)),
+    "ap-southeast": (("h100", 1), ("a100", 2), ("l40s", 1)),
+    "ap-northeast": (("h100", 5),),
+    "sa-east": (("a100", 1), ("l40s", 2)),
+}  # fmt: skip
 
 PREFIX_HEAVY = WorkloadSpec(
     num_requests=0,
@@ -106,6 +132,11 @@ SCENARIOS: Final[Mapping[str, Scenario]] = {
             "90% of tenants send a 1-3k token system prompt",
             workload=PREFIX_HEAVY,
         ),
+        Scenario(
+            "mixed_hardware",
+            "regions of two or three node classes (h100-, a100-, l40s-class speeds)",
+            node_classes=MIXED_NODE_CLASSES,
+        ),
         *(
             Scenario(
                 f"model_{variant}",
@@ -140,8 +171,12 @@ def workload_of(
 ) -> WorkloadSpec:
     base = scenario.workload or WorkloadSpec(num_requests=0, rate_req_s=0.0, day_s=0.0)
     placement = scenario.placement
-    num_nodes = placement.num_nodes
-    rate_req_s = scenario.utilisation * num_nodes * node_capacity_req_s(calibration, base)
+    capacity_req_s = sum(
+        node_capacity_req_s(node, base)
+        for nodes in scenario.calibrations(calibration).values()
+        for node in nodes
+    )
+    rate_req_s = scenario.utilisation * capacity_req_s
     duration_s = num_requests / rate_req_s
     start_s = WARMUP_S + scenario.extra_beat_delay_s
     surge = None

@@ -82,6 +82,9 @@ class Heartbeat(BaseModel):
     # behind others in the batch): work ahead of a new request that the waiting count misses.
     num_running_prefill_tokens: Count = 0
     decode_tokens_per_s: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)] = 0.0
+    # Prompt tokens per second the node prefills (its measured rate, or its hardware's
+    # calibration). Optional: gateways assume their own fleet-wide rate for a node without it.
+    prefill_tokens_per_s: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] | None = None
     draining: bool = False
     # False while the node's engine cannot serve (it died, or its core process does not answer:
     # stopped, or stuck in one step): the node is unhealthy, though it beats. Optional: an agent

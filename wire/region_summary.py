@@ -42,6 +42,10 @@ class QueueEstimate(BaseModel):
     # Seconds a new request can expect to wait before its prefill starts: the waiting prompt
     # tokens divided by the region's recent token throughput (see control_plane/summaries.py).
     expected_queue_delay_s: float = Field(ge=0.0)
+    # The mean prefill rate, in prompt tokens per second per node, of the nodes that report one
+    # (None: none does, or a control plane that predates it): what a gateway divides prompt
+    # tokens by here, in place of its fleet-wide setting, where nodes differ.
+    prefill_tokens_per_s: float | None = Field(default=None, gt=0.0)
 
 
 class ModelLoad(BaseModel):

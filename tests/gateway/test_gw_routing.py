@@ -33,6 +33,7 @@ def summary(name: str, **fields: Any) -> RegionSummary:
         num_running_prefill_tokens=fields.pop("running_tokens", 0),
         decode_tokens_per_s=1000.0,
         expected_queue_delay_s=fields.pop("queue_s", 0.0),
+        prefill_tokens_per_s=fields.pop("rate", None),
     )
     values: dict[str, Any] = {
         "name": name,
@@ -311,3 +312,25 @@ def test_breaker_opens_after_failures_then_lets_one_probe_through() -> None:
     breaker.on_attempt(11.5)
     breaker.on_success()
     assert breaker.state is BreakerState.CLOSED and breaker.num_failures == 0
+
+
+# The prefill rate a region's nodes report (issue 37): unlike node types, not one constant.
+
+
+def test_own_prefill_and_backlog_at_the_reported_rate() -> None:
+    r = router(summary("us-east", rate=16000.0, waiting_tokens=8000, healthy_nodes=2))
+    candidate = r.plan(1600).candidates[0]
+    # 8,000 tokens ahead over 2 nodes at 16,000 tokens/s, then 1,600 of its own at 16,000/s.
+    rtt_s = rtt_ms(locate("new-york"), LOCATIONS["us-east"]) / 1000
+    assert candidate.predicted_ttft_s == pytest.approx(rtt_s + 0.25 + 0.1)
+    unrated = router(summary("us-east", waiting_tokens=8000, healthy_nodes=2))
+    # Without a reported rate, the gateway's own (4,000 tokens/s).
+    assert unrated.plan(1600).candidates[0].predicted_ttft_s == pytest.approx(rtt_s + 1.0 + 0.4)
+
+
+def test_a_long_prompt_goes_to_the_farther_region_of_faster_nodes() -> None:
+    # us-east is ~8 ms from New York with slow nodes, eu-west ~75 ms with fast ones: 4,000
+    # prompt tokens take 2 s at 2,000 tokens/s and 0.2 s at 20,000.
+    r = router(summary("us-east", rate=2000.0), summary("eu-west", rate=20000.0))
+    assert order(r, prompt_tokens=4000) == ["eu-west", "us-east"]
+    assert order(r, prompt_tokens=10) == ["us-east", "eu-west"]

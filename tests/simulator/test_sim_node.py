@@ -140,3 +140,17 @@ def test_a_dying_node_reports_the_tokens_each_stream_had_produced() -> None:
     t.loop.run(until_s=0.6)
     streaming = {str(j.owner): j.num_generated for j in node.fail(0.6)}
     assert streaming == {"a": 7, "b": 6}
+
+
+def test_the_oracles_prediction_waits_for_kv_blocks_as_admission_does() -> None:
+    # a holds all 100 blocks (800 + 800 tokens): b is admitted only when a finishes (its
+    # prefill, then 799 steps of 50 ms), and prefills 100 tokens in 0.15 s.
+    t = Timeline()
+    node = t.node()
+    node.submit(job("a", 800, 800), 0.0)
+    t.loop.run(1.0)
+    predicted_s = node.predict_ttft_s(100, None, 0, 1.0)
+    node.submit(job("b", 100, 2), 1.0)
+    t.loop.run()
+    assert t.first["b"] > 40.0
+    assert 1.0 + predicted_s == pytest.approx(t.first["b"])
