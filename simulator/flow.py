@@ -75,7 +75,7 @@ class Traffic:
         max_resumes = timing.max_resumes if chooser.is_via_pop else 0
         self.limits = AttemptLimits(self.max_attempts, max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
-        self.delays = OneWayDelays(geography, edge)
+        self.delays = OneWayDelays(geography, edge, chooser.is_via_pop)
         self.hung = HungStreams(loop, sites, self.delays, timing, watches, self._broken)
         self._deadlines: deque[tuple[float, AttemptEvent]] = deque()
         self._is_deadline_armed = False

@@ -11,7 +11,7 @@ from simulator.compare import ScenarioResult
 
 COLUMNS = (
     "policy", "TTFT p50 s", "p95 s", "p99 s", "e2e p99 s", "goodput", "failed", "retried",
-    "resumed", "resume p99 s", "lost",
+    "resumed", "resume p99 s", "lost", "floor p99 s",
 )  # fmt: skip
 
 
@@ -33,7 +33,9 @@ def table(result: ScenarioResult) -> Table:
     placed = result.placed_model
     if placed is not None:
         title += f"; placed model: {placed}"
-    out = Table(title=title)
+    bound = result.bound
+    caption = None if bound is None else f"bound: p99 {bound[1]:.3f} s ({bound[0]})"
+    out = Table(title=title, caption=caption)
     columns = COLUMNS + (EDGE_COLUMNS if result.has_edge else ())
     columns += PLACED_COLUMNS if placed is not None else ()
     for i, column in enumerate(columns):
@@ -55,6 +57,7 @@ def table(result: ScenarioResult) -> Table:
             f"{stats.resumed:,}",
             _s(stats.resume_p99_s),
             f"{stats.lost:,}",
+            _s(stats.floor_p99_s),
             *extra,
         )
     return out

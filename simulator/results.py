@@ -12,7 +12,8 @@ share of all requests whose first token reached the client within `GOODPUT_TTFT_
 tier: `edge_share`, the share of all requests the edge answered, and `auto_ttft_p99_s`, the p99 TTFT
 of the requests sent as `auto`. Per model asked for (`models`): how many asked for it, the p99
 TTFT of those answered (by it or by a fallback), how many failed, and how many a fallback
-answered.
+answered. `floor_p99_s`: the p99, over the requests answered, of each one's TTFT floor
+(simulator/bound.py), which no policy can beat.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class PolicyStats:
     edge_share: float = 0.0
     auto_ttft_p99_s: float = float("nan")
     models: dict[str, ModelStats] = field(default_factory=dict)  # by the model asked for
+    # The p99 of the answered requests' floors (simulator/bound.py): at most `ttft_p99_s`.
+    floor_p99_s: float = float("nan")
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -91,6 +94,7 @@ class PolicyStats:
             "edge_share": round(self.edge_share, 4),
             "auto_ttft_p99_s": _rounded(self.auto_ttft_p99_s),
             "models": {name: stats.to_json() for name, stats in self.models.items()},
+            "floor_p99_s": _rounded(self.floor_p99_s),
         }
 
 
@@ -154,7 +158,8 @@ class Recorder:
     def ok_ttfts_s(self) -> npt.NDArray[np.float64]:
         return self.ttft_s[self.outcome == Outcome.OK]
 
-    def stats(self) -> PolicyStats:
+    def stats(self, floors_s: npt.NDArray[np.float64] | None = None) -> PolicyStats:
+        """`floors_s`: each request's TTFT floor (simulator/bound.py), if worked out."""
         ok = self.outcome == Outcome.OK
         ttft = self.ttft_s[ok]
         e2e = self.e2e_s[ok]
@@ -173,6 +178,7 @@ class Recorder:
             edge_share=float(np.count_nonzero(ok & (self.tier == TIER_EDGE))) / len(self.outcome),
             auto_ttft_p99_s=_pct(self.ttft_s[ok & (self.tier != TIER_NONE)], 99),
             models={model: self.model_stats(model) for model in self.models},
+            floor_p99_s=float("nan") if floors_s is None else _pct(floors_s[ok], 99),
         )
 
     def model_stats(self, model: str) -> ModelStats:

@@ -58,7 +58,11 @@ def test_a_run_prints_the_table_and_writes_the_json(
     assert set(result["policies"]["meridian"]) == {
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "e2e_p99_s", "goodput", "failed", "retried",
         "lost", "resumed", "resume_p99_s", "edge_share", "auto_ttft_p99_s", "models",
+        "floor_p99_s",
     }  # fmt: skip
+    assert result["bound"] == {"policy": "oracle", "ttft_p99_s": ANY}
+    meridian = result["policies"]["meridian"]
+    assert meridian["floor_p99_s"] <= meridian["ttft_p99_s"]
     assert result["policies"]["meridian"]["models"] == {
         DEFAULT_MODEL: {"requests": 100, "ttft_p99_s": ANY, "failed": 0, "by_fallback": 0}
     }

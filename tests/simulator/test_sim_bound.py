@@ -1,0 +1,48 @@
+"""The bound (issue 37): each request's TTFT floor, worked out offline, is never beaten by any
+policy, and the clairvoyant policies' best p99 is what the others are measured against."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulator.bound import floor_ttfts_s, prefill_floor_s
+from simulator.calibration import ServiceCalibration
+from simulator.compare import run_scenario, world_spec
+from simulator.policies import POLICIES
+from simulator.results import Outcome
+from simulator.run import World
+from simulator.scenarios import SCENARIOS
+
+pytestmark = pytest.mark.slow  # whole simulated runs
+
+CAL = ServiceCalibration()
+
+
+def test_an_idle_nodes_prefill_is_one_batch_one_step_per_chunk() -> None:
+    rate, step, budget = CAL.prefill_tokens_per_s, CAL.step_base_s, CAL.max_num_batched_tokens
+    assert prefill_floor_s(CAL, 100) == pytest.approx(100 / rate + step)
+    assert prefill_floor_s(CAL, 2 * budget) == pytest.approx(2 * budget / rate + 2 * step)
+
+
+@pytest.mark.parametrize("scenario", ["surge", "region_failure", "model_fallback"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_answered_request_beats_its_floor(scenario: str, policy: str) -> None:
+    spec = world_spec(SCENARIOS[scenario], 1, 400, CAL)
+    floors = floor_ttfts_s(spec)
+    recorder = World(spec, policy).run()
+    ok = recorder.outcome == Outcome.OK
+    assert np.all(recorder.ttft_s[ok] >= floors[ok] - 1e-9)
+
+
+def test_the_bound_is_the_best_clairvoyant_p99() -> None:
+    result = run_scenario(SCENARIOS["steady"], 0, 300, CAL, ["meridian", "oracle", "oracle_spread"])
+    bound = result.bound
+    assert bound is not None
+    policy, p99_s = bound
+    assert policy in ("oracle", "oracle_spread")
+    assert p99_s == min(result.stats[p].ttft_p99_s for p in ("oracle", "oracle_spread"))
+    assert result.to_json()["bound"] == {"policy": policy, "ttft_p99_s": p99_s}
+    for stats in result.stats.values():
+        assert stats.floor_p99_s <= stats.ttft_p99_s
+    assert run_scenario(SCENARIOS["steady"], 0, 50, CAL, ["meridian"]).bound is None
