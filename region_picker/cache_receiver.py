@@ -4,8 +4,9 @@ exact cache index (region_picker/cache_index.py).
 Each node streams over one connection at a time; a node that reconnects opens with a snapshot,
 which makes the new connection the node's stream (what the old one still says is ignored, and
 its end forgets nothing). A batch out of turn gets one `CacheResync` until the snapshot it asks
-for arrives. When a node's stream ends its cache is forgotten: it was never seen to empty, but
-nothing says what it holds any more.
+for arrives. When a node's stream ends its cache is forgotten (it was never seen to empty, but
+nothing says what it holds any more), and `streams` is told, which holds the node out of the
+picker's choices for a while: the likeliest reason is that it died.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from region_picker.cache_index import CacheIndex
+from region_picker.node_streams import NodeStreams
 from wire.cache_events import (
     CACHE_EVENTS_PATH,
     MAX_FRAME_BYTES,
@@ -45,8 +47,9 @@ class ReceiverStats:
 
 
 class CacheEventReceiver:
-    def __init__(self, index: CacheIndex) -> None:
+    def __init__(self, index: CacheIndex, streams: NodeStreams) -> None:
         self._index = index
+        self._node_streams = streams
         self._streams: dict[str, ServerConnection] = {}  # node id -> its current stream
         self.stats = ReceiverStats()
 
@@ -76,6 +79,7 @@ class CacheEventReceiver:
                 if isinstance(message, CacheSnapshot):
                     self._streams[node_id] = socket
                     self._index.apply_snapshot(message)
+                    self._node_streams.opened(node_id)
                     self.stats.num_snapshots += 1
                     awaiting_snapshot = False
                     continue
@@ -95,6 +99,7 @@ class CacheEventReceiver:
             if node_id is not None and self._streams.get(node_id) is socket:
                 del self._streams[node_id]
                 self._index.forget(node_id)
+                self._node_streams.lost(node_id)
 
 
 def _only_our_path(connection: ServerConnection, request: Request) -> Response | None:

@@ -1,12 +1,14 @@
-"""The region's routable nodes as the control plane last reported them, and the requests the
-picker sent each whose response has not started yet: they wait or prefill there, and a report
-that is up to a sweep old cannot count them."""
+"""The region's routable nodes as the control plane last reported them, less those whose cache
+stream just broke (region_picker/node_streams.py), and the requests the picker sent each whose
+response has not started yet: they wait or prefill there, and a report that is up to a sweep old
+cannot count them."""
 
 from __future__ import annotations
 
 import urllib.parse
 from dataclasses import dataclass, field
 
+from region_picker.node_streams import NodeStreams
 from region_picker.scoring import Candidate
 from wire.region_nodes import NodeLoad, RegionNodes
 
@@ -23,6 +25,7 @@ def envoy_address(url: str) -> str | None:
 
 @dataclass(slots=True)
 class NodeBook:
+    streams: NodeStreams = field(default_factory=NodeStreams)
     index: int = 0
     _loads: dict[str, NodeLoad] = field(default_factory=dict)
     _pending: dict[str, int] = field(default_factory=dict)
@@ -31,12 +34,14 @@ class NodeBook:
         """The control plane's new document; returns the node ids that left."""
         loads = {n.node_id: n for n in document.nodes if envoy_address(n.url) is not None}
         gone = set(self._loads) - set(loads)
+        for node_id in gone:
+            self.streams.forget(node_id)
         self._loads = loads
         self.index = document.index
         return gone
 
     def candidates(self, model: str | None) -> list[Candidate]:
-        """The nodes serving `model` (None: every node)."""
+        """The nodes serving `model` (None: every node) that are not held out."""
         return [
             Candidate(
                 node_id=load.node_id,
@@ -50,7 +55,7 @@ class NodeBook:
                 num_pending=self._pending.get(load.node_id, 0),
             )
             for load in self._loads.values()
-            if model is None or load.model == model
+            if (model is None or load.model == model) and not self.streams.is_held_out(load.node_id)
         ]
 
     def note_sent(self, node_id: str) -> None:

@@ -24,6 +24,7 @@ from region_picker.cache_receiver import CacheEventReceiver
 from region_picker.ext_proc import ExternalProcessor, serve
 from region_picker.metrics import PickerMetrics
 from region_picker.node_book import NodeBook
+from region_picker.node_streams import NodeStreams
 from region_picker.node_watch import NodeWatch
 from region_picker.picker import Picker
 from region_picker.prompt_hashes import PromptHasher
@@ -80,7 +81,8 @@ async def start(settings: PickerSettings) -> RunningPicker:
     """Follow the region's nodes (until the first answer), load the models' tokenizers, then
     serve ext_proc and metrics."""
     metrics = PickerMetrics()
-    book, routed = NodeBook(), RoutedPrefixes(settings.routed_blocks)
+    streams = NodeStreams()
+    book, routed = NodeBook(streams), RoutedPrefixes(settings.routed_blocks)
     session = aiohttp.ClientSession()
     token = settings.gateway_token.get_secret_value()
     watch = NodeWatch(session, settings.control_plane, settings.region, token, book, routed)
@@ -90,7 +92,7 @@ async def start(settings: PickerSettings) -> RunningPicker:
     block_size = min(sizes) if sizes else DEFAULT_BLOCK_SIZE
     hashers = await asyncio.to_thread(load_hashers, settings.models, block_size)
     cache_index = CacheIndex()
-    receiver = CacheEventReceiver(cache_index)
+    receiver = CacheEventReceiver(cache_index, streams)
     cache_events = await receiver.serve(settings.host, settings.cache_events_port)
     metrics.registry.register(CacheStreamCollector(receiver.stats, cache_index))
     # Exact for the nodes that stream their caches' events, guessed from its own sends elsewhere.

@@ -35,6 +35,7 @@ from node_agent.cache_buffer import CacheEventBuffer, Delta, Snapshot
 from node_agent.settings import NodeAgentSettings
 from region_picker.cache_index import CacheIndex
 from region_picker.cache_receiver import CacheEventReceiver
+from region_picker.node_streams import NodeStreams
 from region_picker.prompt_hashes import PromptHasher
 from wire.cache_events import CACHE_EVENTS_PATH
 from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
@@ -57,7 +58,7 @@ class Picker:
     server: Server | None = None
 
     def __post_init__(self) -> None:
-        self.receiver = CacheEventReceiver(self.index)
+        self.receiver = CacheEventReceiver(self.index, NodeStreams())
 
     def start(self, port: int = 0) -> int:
         self.server = self.loop.run(self.receiver.serve("127.0.0.1", port))

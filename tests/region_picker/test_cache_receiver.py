@@ -1,6 +1,7 @@
 """The picker's listener for cache event streams, spoken to by raw websocket clients on
 loopback: it feeds the index, answers a batch out of turn with one resync, lets a reconnected
-node's new stream take over, and refuses what is not the stream."""
+node's new stream take over, holds a node whose stream broke out of the picker's choices until it
+streams again, and refuses what is not the stream."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from region_picker.cache_index import CacheIndex
 from region_picker.cache_receiver import CacheEventReceiver
+from region_picker.node_book import NodeBook
+from region_picker.node_streams import NodeStreams
 from wire.cache_events import CACHE_EVENTS_PATH, CacheDelta, CacheResync, CacheSnapshot
+from wire.region_nodes import NodeLoad, RegionNodes
 
 Scenario = Callable[[CacheIndex, CacheEventReceiver, str], Awaitable[None]]
 
@@ -31,10 +35,10 @@ def delta(seq: int, *stored: int, node: str = "n1") -> str:
     return CacheDelta(node_id=node, seq=seq, stored=[h(x) for x in stored]).model_dump_json()
 
 
-def run(scenario: Scenario) -> None:
+def run(scenario: Scenario, streams: NodeStreams | None = None) -> None:
     async def main() -> None:
         index = CacheIndex()
-        receiver = CacheEventReceiver(index)
+        receiver = CacheEventReceiver(index, streams or NodeStreams())
         server = await receiver.serve("127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
@@ -91,6 +95,57 @@ def test_a_reconnected_node_takes_over_and_the_old_streams_end_forgets_nothing()
                 assert index.hashes_of("n1") == {bytes.fromhex(h(7)), bytes.fromhex(h(8))}
 
     run(scenario)
+
+
+def node_load(node_id: str) -> NodeLoad:
+    return NodeLoad(
+        node_id=node_id,
+        url="http://127.0.0.1:9001",
+        model="m",
+        block_size=16,
+        kv_blocks_total=8,
+        kv_blocks_free=8,
+    )
+
+
+def test_a_node_whose_stream_broke_is_held_out_until_it_streams_again() -> None:
+    streams = NodeStreams()
+    book = NodeBook(streams)
+    load = node_load("n1")
+    book.adopt(RegionNodes(index=1, region="r", nodes=(load,)))
+
+    def picked() -> list[str]:
+        return [candidate.node_id for candidate in book.candidates("m")]
+
+    async def scenario(index: CacheIndex, receiver: CacheEventReceiver, url: str) -> None:
+        async with connect(url + CACHE_EVENTS_PATH) as socket:
+            await socket.send(snapshot(0, 1))
+            await until(lambda: "n1" in index.node_ids)
+            assert picked() == ["n1"]
+        await until(lambda: picked() == [])  # the node's socket closed: likely dead
+        async with connect(url + CACHE_EVENTS_PATH) as socket:
+            await socket.send(snapshot(0))
+            await until(lambda: picked() == ["n1"])
+
+    run(scenario, streams)
+
+
+def test_a_held_out_node_comes_back_after_the_hold_or_when_the_control_plane_drops_it() -> None:
+    now = [100.0]
+    streams = NodeStreams(hold_out_s=10.0, clock=lambda: now[0])
+    streams.lost("n1")
+    now[0] += 9.9
+    assert streams.is_held_out("n1")
+    now[0] += 0.2
+    assert not streams.is_held_out("n1")  # alive but not streaming: picked, its cache guessed
+    streams.lost("n2")
+    book = NodeBook(streams)
+    book.adopt(RegionNodes(index=1, region="r", nodes=()))  # n2 was never listed: nothing to drop
+    assert streams.is_held_out("n2")
+    load = node_load("n2")
+    book.adopt(RegionNodes(index=2, region="r", nodes=(load,)))
+    book.adopt(RegionNodes(index=3, region="r", nodes=()))  # dropped: a later return starts clean
+    assert not streams.is_held_out("n2")
 
 
 @pytest.mark.parametrize(
