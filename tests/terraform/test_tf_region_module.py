@@ -13,6 +13,12 @@ import pytest
 import yaml
 from tf_helpers import Terraform, TerraformFactory, copy_terraform_tree, diagnostics
 
+from control_plane.settings import Settings as ControlPlaneSettings
+from node_agent.__main__ import load_settings as load_node_settings
+from node_agent.__main__ import parse_args as parse_node_args
+from region_picker.__main__ import load_settings as load_picker_settings
+from region_picker.__main__ import parse_args as parse_picker_args
+
 pytestmark = pytest.mark.slow  # starts processes
 
 TOKEN = "adm-" + "t" * 24
@@ -53,6 +59,15 @@ variable "ingress_url" { default = null }
 variable "weight" { default = 1 }
 variable "base_port" { default = 9001 }
 variable "envoy_token_file" { default = null }
+variable "picker" {
+  type = object({
+    host              = optional(string)
+    port              = optional(number)
+    metrics_port      = optional(number)
+    cache_events_port = optional(number)
+  })
+  default = null
+}
 
 module "region" {
   source               = "../terraform/modules/region"
@@ -70,11 +85,13 @@ module "region" {
   weight               = var.weight
   base_port            = var.base_port
   envoy_token_file     = var.envoy_token_file
+  picker               = var.picker
 }
 
 output "nodes" { value = module.region.nodes }
 output "nodes_by_machine" { value = module.region.nodes_by_machine }
 output "envoy_token_file" { value = module.region.envoy_token_file }
+output "picker" { value = module.region.picker }
 output "user_data" {
   value = [
     for machine in module.region.nodes_by_machine :
@@ -134,6 +151,9 @@ def test_module_validates_on_its_own(tf_tree: Path, terraform: TerraformFactory)
         ({"node_count": "-1", "models": '{"m" = -1}'}, "models must map model names"),
         ({"model_settings": '{"m" = {quantization = "q8"}}'}, "quantization one of auto"),
         ({"model_settings": '{"m" = {dtype = "fp8"}}'}, "dtype one of auto, fp32"),
+        ({"picker": '{host = "picker.internal"}'}, "picker: host must be an IP address"),
+        ({"picker": "{port = 70000}"}, "picker: host must be an IP address"),
+        ({"picker": "{port = 9101}"}, "picker: port, metrics_port and cache_events_port must"),
         (
             {"node_count": "-1", "models": '{"m" = 100}', "base_port": "65400"},
             "must stay within 65535",
@@ -282,3 +302,46 @@ def test_each_model_gets_its_machines_and_its_agents_load_it_as_set(
         "control_plane": "-",
         "tensor_parallel_size": 4,
     }
+
+
+def test_a_picker_is_laid_out_beside_the_region_and_every_agent_streams_to_it(
+    root: Terraform, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`picker`: its command line (read by the picker's own settings), each agent's
+    --picker-url (read by the agent's), and the control plane's entry (read by its settings)."""
+    fp32 = "smollm2-135m-instruct-fp32"
+    outputs = planned_outputs(
+        root,
+        tmp_path / "plan.tfplan",
+        node_count="-1",
+        gpus_per_node="1",
+        tensor_parallel_size="1",
+        models=f'{{"{fp32}" = 1, "smollm2-135m-instruct" = 2}}',
+        model_settings=f'{{"{fp32}" = {{source = "smollm2-135m-instruct", dtype = "fp32"}}}}',
+        picker='{host = "10.0.0.5", cache_events_port = 9200}',
+        control_plane_url="http://10.0.0.1:8080,http://10.0.0.2:8080",
+    )
+    picker = outputs["picker"]
+    assert picker["command"] == " ".join(["python", "-m", "region_picker", *picker["args"]])
+    monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", "gw-" + "g" * 20)
+    settings = load_picker_settings(parse_picker_args(picker["args"]))
+    assert (settings.region, settings.host, settings.port) == ("us-east", "10.0.0.5", 9100)
+    assert (settings.metrics_host, settings.metrics_port) == ("10.0.0.5", 9101)
+    assert (settings.cache_events_port, settings.control_plane) == (9200, "http://10.0.0.1:8080")
+    assert settings.models == {  # each served name with its tokenizer's checkpoint
+        "smollm2-135m-instruct": "smollm2-135m-instruct",
+        fp32: "smollm2-135m-instruct",
+    }
+    assert picker["metrics_url"] == "http://10.0.0.5:9101/metrics"
+    control_plane = ControlPlaneSettings(region_pickers=picker["control_plane_entry"])
+    assert control_plane.pickers == {"us-east": ("10.0.0.5", 9100)}
+
+    monkeypatch.setenv("MERIDIAN_NODE_TOKEN", "node-token-" + "n" * 16)
+    for node in outputs["nodes"]:
+        agent = load_node_settings(parse_node_args(node["args"]))
+        assert agent.picker_url == "ws://10.0.0.5:9200"
+        assert yaml.safe_load(node["config_yaml"])["picker_url"] == "ws://10.0.0.5:9200"
+
+    without = planned_outputs(root, tmp_path / "without.tfplan")
+    assert without["picker"] is None
+    assert not any("--picker-url" in node["args"] for node in without["nodes"])

@@ -49,6 +49,10 @@ locals {
     )
   ]
 
+  # The region's picker, where its node agents stream their caches' events.
+  picker_host = var.picker == null ? null : (strcontains(var.picker.host, ":") ? "[${var.picker.host}]" : var.picker.host)
+  picker_url  = var.picker == null ? null : "ws://${local.picker_host}:${var.picker.cache_events_port}"
+
   # The node agent's command line (ARCHITECTURE.md, "Entry points"), without the program.
   node_args = [
     for i, node in local.nodes : concat(
@@ -62,6 +66,7 @@ locals {
         "--control-plane", var.control_plane_url,
         "--tensor-parallel-size", tostring(node.tensor_parallel_size),
       ],
+      local.picker_url == null ? [] : ["--picker-url", local.picker_url],
     )
   ]
 
@@ -89,9 +94,28 @@ locals {
         node_id              = node.node_id
         control_plane        = var.control_plane_url
         tensor_parallel_size = node.tensor_parallel_size
-      }, local.model_settings[i]))
+      }, local.model_settings[i], local.picker_url == null ? {} : { picker_url = local.picker_url }))
     })
   ]
+
+  # The picker tokenizes prompts with each served model's tokenizer: served name => checkpoint
+  # (a node agent serves a .gguf path under its file stem, any other source under itself).
+  picker_models = {
+    for node in local.nodes :
+    coalesce(node.served_model_name, endswith(node.model, ".gguf") ? trimsuffix(basename(node.model), ".gguf") : node.model) => node.model...
+  }
+  picker_args = var.picker == null ? null : concat(
+    [
+      "--region", var.name,
+      "--host", var.picker.host,
+      "--port", tostring(var.picker.port),
+      "--metrics-host", var.picker.host,
+      "--metrics-port", tostring(var.picker.metrics_port),
+      "--cache-events-port", tostring(var.picker.cache_events_port),
+      "--control-plane", split(",", var.control_plane_url)[0],
+    ],
+    flatten([for name, sources in local.picker_models : ["--model", "${name}=${sources[0]}"]]),
+  )
 }
 
 output "region" {
@@ -124,4 +148,17 @@ output "nodes_by_machine" {
 output "envoy_token_file" {
   description = "The file holding the xDS token of the region's ingress Envoys (null without envoy_token_file): `python -m control_plane envoy-bootstrap --region <name> --token-file <it>`."
   value       = local.envoy_token_file
+}
+
+output "picker" {
+  description = "The region's endpoint picker (null without `picker`): how to start it beside the region's Envoy (`command`, or `args` after `python -m region_picker`; it needs MERIDIAN_GATEWAY_TOKEN, the gateways' read-only control-plane token, in its environment), its ext_proc `address` and `metrics_url`, and `control_plane_entry`: what the control plane's MERIDIAN_CP_REGION_PICKERS must hold for this region (JSON: region => address) so that xDS gives the region's Envoys the ext_proc filter."
+  value = var.picker == null ? null : {
+    region              = var.name
+    address             = "${local.picker_host}:${var.picker.port}"
+    metrics_url         = "http://${local.picker_host}:${var.picker.metrics_port}/metrics"
+    cache_events_url    = local.picker_url
+    args                = local.picker_args
+    command             = join(" ", concat(["python", "-m", "region_picker"], local.picker_args))
+    control_plane_entry = { (var.name) = "${local.picker_host}:${var.picker.port}" }
+  }
 }

@@ -222,3 +222,26 @@ variable "envoy_token_file" {
   type        = string
   default     = null
 }
+
+variable "picker" {
+  description = "The region's KV-cache-aware endpoint picker (python -m region_picker, docs/region_picker.md), run beside the region's Envoy, which asks it over ext_proc which node each request goes to. Null (the default): none, Envoy balances by least request. Given: its address (`host`, an IP that Envoy and the node agents reach; ext_proc on `port`, /metrics on `metrics_port`, the node agents' cache event streams on `cache_events_port`); every node agent of the region streams its prefix cache's events to it (--picker-url), and the `picker` output says how to start it and what the control plane must be told."
+  type = object({
+    host              = optional(string, "127.0.0.1")
+    port              = optional(number, 9100)
+    metrics_port      = optional(number, 9101)
+    cache_events_port = optional(number, 9102)
+  })
+  default = null
+
+  validation {
+    condition = var.picker == null || alltrue(concat(
+      [can(regex("^(([0-9]{1,3}[.]){3}[0-9]{1,3}|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*)$", try(var.picker.host, "")))],
+      [for port in [try(var.picker.port, 0), try(var.picker.metrics_port, 0), try(var.picker.cache_events_port, 0)] : port >= 1 && port <= 65535 && floor(port) == port],
+    ))
+    error_message = "picker: host must be an IP address (the control plane gives it to Envoy as IP:PORT), and port, metrics_port and cache_events_port whole numbers from 1 to 65535."
+  }
+  validation {
+    condition     = var.picker == null || length(distinct([try(var.picker.port, 0), try(var.picker.metrics_port, 0), try(var.picker.cache_events_port, 0)])) == 3
+    error_message = "picker: port, metrics_port and cache_events_port must differ (one process listens on all three)."
+  }
+}
