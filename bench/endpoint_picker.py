@@ -1,6 +1,6 @@
 """Benchmark: the region's KV-cache-aware endpoint picker against Envoy's least request (issue 34).
 
-    python -m bench.endpoint_picker [--requests-per-tenant 6] [--kv-cache-gib 0.14] [--json out]
+    python -m bench.endpoint_picker [--requests-per-tenant 6] [--kv-cache-gib 0.11] [--json out]
 
 One run brings up a real `meridian up` (stack/, config written here: one region of 3 node agents
 of the default model, its Envoy and picker, one gateway in front, no RTT delays) and, in it:
@@ -8,8 +8,9 @@ of the default model, its Envoy and picker, one gateway in front, no RTT delays)
 1. The picker killed mid-run: short chats at 4 at once through the gateway; the picker is
    killed (SIGKILL) after the first few. Counted: failed requests (Envoy goes on without it).
 2. Least request: the workload with the picker down (Envoy's fallback cluster).
-3. The picker started again: seconds until every node streams its cache to it again, and one
-   chat whose cached tokens it must predict exactly (a snapshot resynchronised the index).
+3. The picker started again: seconds until every node streams its cache to it again, then one
+   chat per tenant of phase 2, whose cached tokens it must predict exactly (each node's snapshot
+   resynchronised its index).
 4. Picker: the same workload, each tenant under a fresh API key (its own cache salt, so nothing
    cached in phase 2 is of use).
 5. A node killed (SIGKILL, with its engine) under short chats: seconds from the kill until the
@@ -19,18 +20,19 @@ The workload: `--tenants` tenants (each its own API key, so its own cache salt, 
 sets it), each with its own system prompt of about `--system-tokens` tokens, each sending
 `--requests-per-tenant` chats (its own questions, the same in both phases), streamed, greedy:
 one after another (`--arrival per-tenant`, the default), or taken by as many workers from one
-queue in rounds (`--arrival interleaved`: a tenant's next chat does not wait for its last, so
-least request cannot follow a tenant from node to node by accident). Reported per phase: prompt tokens served from cache
-(`usage.prompt_tokens_details.cached_tokens`) as a share of the ideal (every prompt's system part,
-in whole blocks, cached after the tenant's first request), TTFT p50 / p99, throughput; and the
-ratios picker / least request. CPU flags and load average beside them (bench/report.py).
+queue in rounds (`--arrival interleaved`: a tenant's next chat does not wait for its last; one
+after another, least request sends a tenant back to the node that just answered it, the one with
+the fewest requests in flight: an accidental affinity, docs/benchmarks.md). Reported per phase:
+prompt tokens served from cache (`usage.prompt_tokens_details.cached_tokens`) as a share of the
+ideal (every prompt's system part, in whole blocks, cached after the tenant's first request),
+TTFT p50 / p99, throughput; and the ratios picker / least request. CPU flags and load average
+beside them (bench/report.py).
 
 KV cache per node (`--kv-cache-gib`): the default 0.11 GiB holds 320 blocks of 16 tokens, 3.3 of
 the 8 tenants' ~1,500-token (96-block) prefixes: each node can keep the 2-3 tenants the picker
-gives it, the region (10 prefixes) every tenant once, but no node every tenant. Least request
-spreads each tenant over every node, whose LRU then holds about 3 of 8 (a roomier cache lets
-least request hit by accident: at 0.14 GiB, 4.3 prefixes, it reached 67% of ideal). Tenant t
-starts `t * --stagger-s` after the first (tenants arrive one by one, not in one cold burst).
+gives it, the region (10 prefixes) every tenant once, but no node every tenant, which least
+request, spreading tenants over nodes at random, would need. Tenant t starts `t * --stagger-s`
+after the first (tenants arrive one by one, not in one cold burst).
 """
 
 from __future__ import annotations
