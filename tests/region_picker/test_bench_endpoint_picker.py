@@ -1,6 +1,6 @@
 """bench.endpoint_picker's workload against a stand-in gateway on loopback (real HTTP, server-sent
-events with usage): each arrival order sends every tenant's chats once, and the cache share is counted against the ideal (every chat's prefix cached after
-its tenant's first)."""
+events with usage): each arrival order sends every tenant's chats once, and the cache share is
+counted against the ideal (every chat's prefix cached after its tenant's first)."""
 
 from __future__ import annotations
 
