@@ -11,7 +11,14 @@ choice; for a model, only the regions whose nodes serve the very weights the str
 same text for greedy decoding, and for seeded sampling where the engine's sampling is
 deterministic (docs/gateway.md). Every resume feeds the broken region's circuit breaker and the
 resume metrics; a resume that cannot happen (no region left, the deadline passed, the resume
-budget spent, the continuation refused) lets the stream end with its error event.
+budget spent, the continuation refused, a request of several choices, whose interleaved ids
+no one continuation could carry) lets the stream end with its error event.
+
+A continuation carries every field of the request as first sent, so a constrained one
+(`response_format`, `guided_*`, a required or named `tool_choice`) goes on under the same
+grammar: the node advances its matcher over the resumed ids before it samples, and, with tools,
+parses their text without sending it again (node_agent/chat_choices.py), so a tool call's
+argument deltas go on where they broke off.
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ def continuation_of(request: UpstreamRequest, token_ids: list[int]) -> UpstreamR
     # No ids: it broke before any output, and the continuation starts afresh.
     changes = {RESUME_TOKEN_IDS: token_ids} if token_ids else {}
     return replace(request, body=request.body.edited(changes, max_tokens=num_left))
+
+
+def _num_choices(request: UpstreamRequest) -> int:
+    n = request.body.fields.get("n") if request.body is not None else None
+    return n if isinstance(n, int) else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +100,9 @@ class Resumer:
     async def __call__(self, broken: Opened, reader: StreamReader, cause: str) -> Opened | None:
         attempts = broken.attempts
         if attempts is None:
+            return None
+        if _num_choices(self.request) > 1:
+            self.metrics.count_resume_refused("multiple_choices")
             return None
         prompt_tokens = self.prompt_tokens + len(reader.token_ids)  # the continuation's
         refusal = attempts.resume(time.monotonic(), partial(self.targets.candidates, prompt_tokens))

@@ -351,6 +351,21 @@ def test_with_resumes_off_a_broken_stream_ends_with_an_error_event(
     assert resumable.far.num_requests == 0
 
 
+def test_a_stream_of_several_choices_is_not_resumed(resumable: Resumable) -> None:
+    """Its choices' ids interleave: no one continuation could carry them (nodes refuse n > 1
+    with resumed ids), so it ends with the error event as a stream without a region left."""
+    gateway = resumable.gateway()
+    resumable.near.behavior.die_after_chunks = 2
+    response = resumable.post(gateway, {**CHAT, "n": 2})
+    events = events_of(response.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "stream_interrupted"
+    assert resumable.far.num_requests == 0
+    assert 'reason="multiple_choices"} 1.0' in metric(
+        gateway, "meridian_gateway_stream_resumes_refused_total"
+    )
+
+
 def test_resumes_stop_at_max_resumes(resumable: Resumable) -> None:
     resumable.fleet.add_region("us-west")
     for name in ("us-east", "eu-west", "us-west"):

@@ -122,3 +122,95 @@ def test_a_chat_stream_becomes_one_message_with_its_logprobs_content() -> None:
 def test_a_stream_without_a_readable_chunk_is_refused(events: bytes) -> None:
     with pytest.raises(ValueError):
         whole_body(events)
+
+
+CHAT_HEAD = {**HEAD, "id": "chatcmpl-7", "object": "chat.completion.chunk"}
+
+
+def chat_chunk(
+    index: int, delta: dict[str, object], finish: str | None = None
+) -> dict[str, object]:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {**CHAT_HEAD, "choices": [choice], "usage": None}
+
+
+def test_interleaved_choices_are_assembled_by_index_with_their_tool_calls() -> None:
+    call = {"index": 0, "id": "call_a", "type": "function"}
+    events = sse(
+        chat_chunk(0, {"role": "assistant", "content": ""}),
+        chat_chunk(1, {"role": "assistant", "content": ""}),
+        chat_chunk(1, {"content": "Hel"}),
+        chat_chunk(0, {"tool_calls": [{**call, "function": {"name": "f", "arguments": ""}}]}),
+        chat_chunk(0, {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]}),
+        chat_chunk(1, {"content": "lo"}),
+        chat_chunk(
+            0,
+            {
+                "tool_calls": [
+                    {"index": 0, "function": {"arguments": "1}"}},
+                    {"index": 1, "id": "call_b", "type": "function", "function": {"name": "g"}},
+                ]
+            },
+        ),
+        chat_chunk(1, {}, "stop"),
+        chat_chunk(0, {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}),
+        chat_chunk(0, {}, "tool_calls"),
+        {**CHAT_HEAD, "choices": [], "usage": USAGE},
+    )
+    body = json.loads(whole_body(events))
+    assert body["object"] == "chat.completion"
+    assert body["usage"] == USAGE
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_a",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"x": 1}'},
+                    },
+                    {
+                        "id": "call_b",
+                        "type": "function",
+                        "function": {"name": "g", "arguments": "{}"},
+                    },
+                ],
+            },
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        },
+        {
+            "index": 1,
+            "message": {"role": "assistant", "content": "Hello"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        },
+    ]
+
+
+def test_completions_choices_keep_their_own_text_ids_and_finish() -> None:
+    def chunk(index: int, text: str, ids: list[int], finish: str | None) -> dict[str, object]:
+        choice = {"index": index, "text": text, "finish_reason": finish, "token_ids": ids}
+        return {**HEAD, "choices": [choice], "usage": None}
+
+    events = sse(
+        chunk(1, "b", [2], None),
+        chunk(0, "a", [1], None),
+        chunk(0, "c", [3], "length"),
+        chunk(1, "", [], "stop"),
+        {**HEAD, "choices": [], "usage": USAGE},
+    )
+    body = json.loads(whole_body(events))
+    assert body["choices"] == [
+        {"index": 0, "text": "ac", "finish_reason": "length", "token_ids": [1, 3]},
+        {"index": 1, "text": "b", "finish_reason": "stop", "token_ids": [2]},
+    ]
+
+
+def test_a_tool_call_delta_without_an_index_is_refused() -> None:
+    events = sse(chat_chunk(0, {"tool_calls": [{"function": {"arguments": "{}"}}]}))
+    with pytest.raises(ValueError):
+        whole_body(events)
