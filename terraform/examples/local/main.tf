@@ -32,13 +32,20 @@ variable "admin_cli" {
 }
 
 variable "regions" {
-  description = "The regions to provision (the default: the three local ones, located as in wire/geo.py). Each gets one CPU node agent of smollm2-135m-instruct on 127.0.0.1, from base_port, or with `models` that many agents of each model (by name, loaded as model_settings says)."
+  description = "The regions to provision (the default: the three local ones, located as in wire/geo.py). Each gets one CPU node agent of smollm2-135m-instruct on 127.0.0.1, from base_port, or with `models` that many agents of each model (by name, loaded as model_settings says); with `picker`, an endpoint picker on 127.0.0.1 at those ports, which its agents stream to."
   type = map(object({
     lat       = number
     lon       = number
     base_port = number
     weight    = optional(number, 1)
     models    = optional(map(number))
+    # An endpoint picker beside the region's Envoy, on 127.0.0.1 (e.g. as `meridian up` lays
+    # region i's out: port 10701 + i, metrics_port 10801 + i, cache_events_port 10901 + i).
+    picker = optional(object({
+      port              = number
+      metrics_port      = number
+      cache_events_port = number
+    }))
   }))
   default = {
     "us-east"      = { lat = 39.04, lon = -77.49, base_port = 9001 } # Ashburn, Virginia
@@ -77,6 +84,7 @@ module "region" {
   control_plane_url    = var.control_plane_url
   admin_token          = var.admin_token
   admin_cli            = var.admin_cli
+  picker               = each.value.picker
 }
 
 output "regions" {
@@ -96,4 +104,14 @@ output "node_commands" {
       for node in module.region[name].nodes : "MERIDIAN_NODE_TOKEN=\"$(cat ${node.token_file})\" ${node.command}"
     ]
   ])
+}
+
+output "picker_commands" {
+  description = "Each region picker's command line (it needs MERIDIAN_GATEWAY_TOKEN), by region."
+  value       = { for name, region in module.region : name => region.picker.command if region.picker != null }
+}
+
+output "control_plane_pickers" {
+  description = "The control plane's MERIDIAN_CP_REGION_PICKERS (as JSON: region => IP:PORT): where each region's Envoy finds its picker."
+  value       = merge([for name, region in module.region : region.picker.control_plane_entry if region.picker != null]...)
 }
