@@ -5,6 +5,11 @@ that made calls ends with `finish_reason: tool_calls` (unless it was cut off: `l
 its message carries `tool_calls`, its content null when it wrote none. A prompt that ends with
 the start of a call (`tool_choice` required or a named function) is continued by the output:
 that start is parsed as if the model had written it, though it is not sent as content.
+
+A resumed request (wire/resume.py) continues an output an earlier attempt streamed: its text
+(`ToolParsing.resumed_text`) is parsed first and nothing of it is sent again, so the parser is
+where the broken stream's was and the continuation's deltas go on from there (a call's argument
+fragments under its index, without its id again). A whole answer's message holds the calls whole.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from node_agent.tool_calls import Delta, ToolCallParser
 class ToolParsing:
     max_calls: int | None  # None: parallel tool calls
     forced_prefix: str = ""  # what the prompt ends with, of the first call
+    # What an earlier attempt of this output streamed (a resume; None: none): parsed, not sent.
+    resumed_text: str | None = None
 
 
 @dataclass(slots=True)
@@ -37,6 +44,9 @@ class ChatChoice:
         if self.tools is not None:
             self._parser = ToolCallParser(self.tools.max_calls)
             self._prefix = self.tools.forced_prefix
+            if self.tools.resumed_text is not None:  # the prefix went with the first attempt
+                self._parser.feed(self._prefix + self.tools.resumed_text)
+                self._prefix = ""
 
     def feed(self, text: str) -> JSON:
         """The chunk delta for this much more output (empty: nothing to send yet)."""

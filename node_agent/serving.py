@@ -16,10 +16,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatMessage, TemplateValue
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, RequestRejected
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import generate_choices
@@ -102,6 +103,9 @@ class Serving:
         params = self._params(body, body.max_output_tokens, body.engine_logprobs)
         if tools is not None and tools.max_calls == 1:
             params.stop = [*params.stop, TOOL_CALL_CLOSE]
+        if tools is not None and body.resume_token_ids:
+            resumed_text = self._streamed_text(body.resume_token_ids, params)
+            tools = replace(tools, resumed_text=resumed_text)
         if plan is not None and plan.grammar is not None:
             if params.grammar is not None:
                 raise BadRequestError(
@@ -152,6 +156,19 @@ class Serving:
                 if output.outputs[0].index == 0:  # latencies as one stream's: the first's
                     timer.on_output(output)
                 yield output
+
+    def _streamed_text(self, resumed_token_ids: list[int], params: SamplingParams) -> str:
+        """The text an earlier attempt streamed for these output ids: what the engine takes
+        as sent when it resumes them (engine/request_state.py), the tail a stop string could
+        still be forming in held back."""
+        detokenizer = IncrementalDetokenizer(
+            self.llm.tokenizer, skip_special_tokens=params.skip_special_tokens
+        )
+        text = "".join(detokenizer.push(token_id) for token_id in resumed_token_ids)
+        max_stop_len = max((len(stop) for stop in params.stop), default=0)
+        if max_stop_len:
+            return text[: max(len(text) - max_stop_len + 1, 0)]
+        return text
 
     def _params(
         self, body: SamplingRequest, max_tokens: int | None, logprobs: int | None

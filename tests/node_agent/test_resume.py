@@ -217,3 +217,94 @@ def test_resumed_ids_count_as_prompt_in_the_context_check(gateway_node: NodeHand
     error = over.json()["error"]
     assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
     assert f"({num_prompt + len(resumed)} in the prompt" in error["message"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CONSTRAINED: dict[str, dict[str, object]] = {
+    "tool_required": {"tools": [WEATHER_TOOL], "tool_choice": "required"},
+    "tool_named": {
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+    },
+    "json_schema": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": WEATHER_TOOL["function"]["parameters"]},  # type: ignore[index]
+        }
+    },
+}
+
+
+def joined(chunks: list[dict[str, Any]]) -> tuple[str, dict[int, dict[str, Any]], list[object]]:
+    """The content, the tool calls by index (ids seen, name, arguments joined) and the finish
+    reasons of a chat stream's chunks, as a client joins them."""
+    content, calls, finishes = "", {}, []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            for item in choice["delta"].get("tool_calls") or ():
+                call = calls.setdefault(item["index"], {"ids": [], "name": "", "arguments": ""})
+                call["ids"] += [item["id"]] if "id" in item else []
+                call["name"] += item["function"].get("name") or ""
+                call["arguments"] += item["function"].get("arguments") or ""
+            if choice["finish_reason"] is not None:
+                finishes.append(choice["finish_reason"])
+    return content, calls, finishes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", CONSTRAINED)
+def test_a_constrained_or_tool_stream_resumes_under_its_grammar_without_repeating_deltas(
+    fp32_node: NodeHandle, kind: str
+) -> None:
+    body = {
+        **CHAT,
+        **CONSTRAINED[kind],
+        "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+        "temperature": 0,
+        "max_tokens": 30,
+        "ignore_eos": False,
+        "return_token_ids": True,
+    }
+    unbroken_chunks = stream(fp32_node, body)
+    whole = joined(unbroken_chunks)
+    ids = [t for c in unbroken_chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    if kind == "json_schema":
+        json.loads(whole[0])
+    else:
+        assert whole[2] == ["tool_calls"] and len(whole[1]) == 1
+        json.loads(whole[1][0]["arguments"])
+    # Broken after each of a few chunks: in the call's head, in its arguments, near the end.
+    with_ids = [
+        i
+        for i, c in enumerate(unbroken_chunks)
+        if c["choices"] and c["choices"][0].get("token_ids")
+    ]
+    for cut in sorted({with_ids[1], with_ids[len(with_ids) // 2], with_ids[-2]}):
+        sent = unbroken_chunks[: cut + 1]
+        num_sent = sum(len(ch.get("token_ids", [])) for c in sent for ch in c["choices"])
+        resumed = stream(
+            fp32_node,
+            {**body, "resume_token_ids": ids[:num_sent], "max_tokens": 30 - num_sent},
+        )
+        assert [t for c in resumed for ch in c["choices"] for t in ch.get("token_ids", [])] == (
+            ids[num_sent:]
+        )
+        content, calls, finishes = joined(sent + resumed[1:])  # the client has its role chunk
+        assert (content, finishes) == (whole[0], whole[2]), f"cut after chunk {cut}"
+        assert {i: (c["name"], c["arguments"]) for i, c in calls.items()} == {
+            i: (c["name"], c["arguments"]) for i, c in whole[1].items()
+        }
+        assert all(len(c["ids"]) == 1 for c in calls.values())  # each call's id sent once
