@@ -33,6 +33,7 @@ from pydantic import (
 from engine.grammar_spec import GrammarSpec
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 from node_agent.cache_salt import MAX_CACHE_SALT_LEN
+from node_agent.request_docs import describe
 from node_agent.structured_output import GuidedChoice, ResponseFormat, grammar_of
 from node_agent.tool_schema import (
     ToolCallIn,
@@ -59,7 +60,7 @@ PromptInput = str | Annotated[list[int], Field(min_length=1)] | list[str] | list
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=describe)
 
 
 class StreamOptions(_Lenient):

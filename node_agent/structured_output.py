@@ -15,12 +15,13 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.grammar_spec import GrammarSpec
+from node_agent.request_docs import describe
 
 MAX_GUIDED_CHOICES = 256
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra=describe)
 
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
@@ -31,7 +32,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=describe)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
