@@ -15,8 +15,10 @@ gateway/whole.py) that asks for usage and for its output token ids (`return_toke
 resume continues from; the relay removes them unless the client asked too.
 
 Prompt tokens are estimated twice (gateway/prompt_estimate.py): an upper bound from the UTF-8
-bytes sizes the rate-limit reservation, which the usage the node reports settles; a likely figure
-from the characters routes the request.
+bytes sizes the rate-limit reservation (the prompt once, then `max_tokens` for each of the `n`
+choices), which the usage the node reports settles; a likely figure from the characters routes
+the request. Both count what a chat template renders of tools: the tools section, an assistant's
+tool calls, a tool result's call id and function name.
 
 `resume_token_ids` is the gateway's own field for its continuations (wire/resume.py): from a
 client it is refused (even `null`), as it would prefill tokens that no estimate counts and start
@@ -32,7 +34,14 @@ from functools import partial
 from typing import Literal, TypeGuard
 
 from gateway.errors import InvalidRequestError
-from gateway.prompt_estimate import ChatTurn, PromptEstimate, of_chat, of_texts, of_token_ids
+from gateway.prompt_estimate import (
+    CHARS_PER_TOKEN,
+    ChatTurn,
+    PromptEstimate,
+    of_chat,
+    of_texts,
+    of_token_ids,
+)
 from gateway.upstream_request import UpstreamBody
 from wire.output_limit import (
     MAX_TOKENS,
@@ -44,6 +53,11 @@ from wire.resume import RESUME_TOKEN_IDS, RETURN_TOKEN_IDS
 
 Endpoint = Literal["chat", "completions"]
 MAX_INT_FIELD = 2**31
+# Tools in the prompt (engine/tool_prompt.py's generic section; a model's own is no longer):
+# 460 bytes of instructions, and a forced call's start with its function's name.
+MAX_TOOL_SECTION_BYTES = 640
+# `<tool_response>{"tool_call_id": ..., "name": ...}</tool_response>`, a name at most 64 bytes.
+MAX_TOOL_RESULT_OVERHEAD_BYTES = 144
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +112,30 @@ def _chat_turns(messages: object) -> list[ChatTurn]:
         name = message.get("name")
         turns.append(ChatTurn(message["role"], name if isinstance(name, str) else None, text))
     return turns
+
+
+def _tools_bytes(tools: object, messages: object) -> int:
+    """At least the bytes a chat template renders of tools beyond the messages' text: the tools
+    section (their JSON one a line, the instructions, a required or named call's start), an
+    assistant's calls (their JSON is longer than their rendering), a tool result's element
+    around its text with the call's id and function name."""
+    num_bytes = 0
+    if isinstance(tools, list) and tools:
+        lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        num_bytes += _utf8_len(lines) + MAX_TOOL_SECTION_BYTES
+    for message in messages if isinstance(messages, list) else ():
+        if not isinstance(message, dict):
+            continue
+        if message.get("tool_calls"):
+            num_bytes += _utf8_len(json.dumps(message["tool_calls"], ensure_ascii=False))
+        call_id = message.get("tool_call_id")
+        if isinstance(call_id, str):
+            num_bytes += _utf8_len(call_id) + MAX_TOOL_RESULT_OVERHEAD_BYTES
+    return num_bytes
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _system_prompt(turns: list[ChatTurn]) -> str | None:
@@ -164,6 +202,15 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
     if endpoint == "chat":
         turns = _chat_turns(body.get("messages"))
         estimate = of_chat(turns)
+        try:
+            num_tool_bytes = _tools_bytes(body.get("tools"), body["messages"])
+        except RecursionError:  # within json.loads's limit, deeper in the stack here
+            raise InvalidRequestError("request body is nested too deeply", "invalid_json") from None
+        if num_tool_bytes:  # a byte is at most a token; JSON is mostly ASCII
+            estimate = PromptEstimate(
+                estimate.likely_tokens + num_tool_bytes // CHARS_PER_TOKEN,
+                estimate.max_tokens + num_tool_bytes,
+            )
         system = _system_prompt(turns)
         if system:
             # surrogatepass: a lone surrogate is refused by `UpstreamBody.of` with a 400, not here.

@@ -3,12 +3,15 @@ below the tokens the node counts, and the likely figure keeps the edge tier's ch
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine.tokenizer import Tokenizer
+from gateway.openai_request import parse_request
 from gateway.prompt_estimate import ChatTurn, of_chat, of_texts, of_token_ids
 from gateway.settings import GatewaySettings
 from gateway.tiers import EdgeThresholds, is_light
@@ -94,3 +97,33 @@ def test_ordinary_english_stays_light_for_the_edge_and_heavy_text_does_not(
         heavy = [ChatTurn("user", None, TEXTS[name])]
         assert num_chat_tokens(tokenizer, heavy) > thresholds.max_prompt_tokens
         assert not is_light(of_chat(heavy).likely_tokens, 16, thresholds)
+
+
+def test_the_bound_counts_what_the_template_renders_of_tools(tokenizer: Tokenizer) -> None:
+    """Tools, an assistant's calls and a tool result, with a required call's start after the
+    generation prompt, as the node renders them (engine/tool_prompt.py): within the gateway's
+    bound (gateway/openai_request.py), which the messages' texts alone are not."""
+    name = "f" * 64
+    tool: dict[str, Any] = {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "\U0001f600" * 50,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    call = {"id": "c" * 40, "type": "function", "function": {"name": name, "arguments": "{}"}}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c" * 40, "content": "\u00e9" * 30},
+    ]
+    body = {"model": "m", "messages": messages, "tools": [tool], "tool_choice": "required"}
+    parsed = parse_request(json.dumps(body).encode(), "chat", 16)
+    rendered = tokenizer.render_chat(messages, add_generation_prompt=True, tools=[tool])
+    prefix = f'<tool_call>{{"name": "{name}", "arguments": '
+    num_real = len(tokenizer.encode(rendered + prefix))
+    texts_only = of_chat(
+        [ChatTurn(str(m["role"]), None, str(m["content"] or "")) for m in messages]
+    )
+    assert texts_only.max_tokens < num_real <= parsed.max_prompt_tokens
