@@ -161,6 +161,34 @@ def test_light_auto_goes_to_the_edge_heavy_to_a_region_explicit_as_before(
     assert 'meridian_gateway_edge_threshold{setting="max_tokens"} 32.0' in metrics
 
 
+CONSTRAINTS: dict[str, dict[str, object]] = {
+    "json_schema": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": {"type": "object"}, "strict": True},
+        }
+    },
+    "json_object": {"response_format": {"type": "json_object"}},
+    "guided_regex": {"guided_regex": "[a-z]+"},
+    "guided_choice": {"guided_choice": ["yes", "no"]},
+}
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS)
+def test_a_constrained_request_is_tiered_like_any_other_and_reaches_the_edge_whole(
+    client: httpx.Client, two_regions: Fleet, edge: FakeUpstream, constraint: str
+) -> None:
+    fields = CONSTRAINTS[constraint]
+    light = client.post("/v1/chat/completions", json=LIGHT | fields)
+    assert light.status_code == 200, light.text
+    assert _where(light)[2] == "edge"
+    assert {k: edge.seen[-1].body[k] for k in fields} == fields
+    heavy = client.post("/v1/chat/completions", json=HEAVY | fields)
+    _, region, tier = _where(heavy)
+    assert tier == "region"
+    assert {k: two_regions.regions[region].upstream.seen[-1].body[k] for k in fields} == fields
+
+
 def test_a_dead_edge_falls_back_to_a_region_within_the_request(
     client: httpx.Client, two_regions: Fleet, edge: FakeUpstream, edge_gateway: GatewayThread
 ) -> None:
