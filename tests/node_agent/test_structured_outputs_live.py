@@ -9,6 +9,7 @@ from typing import Literal
 
 import openai
 import pytest
+from agent_api_cases import PERSON_PROMPTS, Person, parse_people
 from node_helpers import MODEL_NAME, NodeHandle
 from openai.types.chat import ChatCompletionMessageParam
 from pydantic import BaseModel
@@ -16,24 +17,9 @@ from pydantic import BaseModel
 pytestmark = pytest.mark.slow
 
 
-class Person(BaseModel):
-    name: str
-    age: int
-    city: str
-
-
 class Verdict(BaseModel):
     answer: Literal["yes", "no"]
     confidence: float
-
-
-PROMPTS = [
-    "Invent a person who lives in Lisbon.",
-    "Who wrote Hamlet? Give their name, age at death and city.",
-    "Describe a retired teacher.",
-    "Make up a character for a novel set in Oslo.",
-    "Tell me about a young programmer.",
-]
 
 
 @pytest.fixture
@@ -48,18 +34,9 @@ def client(real_node: NodeHandle) -> Iterator[openai.OpenAI]:
 def test_parse_returns_a_parsed_object_for_every_prompt(
     client: openai.OpenAI, temperature: float
 ) -> None:
-    for seed, prompt in enumerate(PROMPTS):
-        reply = client.chat.completions.parse(
-            model=MODEL_NAME,
-            messages=[{"role": "user", "content": prompt}],
-            response_format=Person,
-            temperature=temperature,
-            seed=seed,
-            max_tokens=200,
-        )
-        choice = reply.choices[0]
-        assert choice.finish_reason == "stop"
-        assert isinstance(choice.message.parsed, Person), choice.message.content
+    replies = parse_people(client, MODEL_NAME, temperature)
+    assert len(replies) == len(PERSON_PROMPTS) == 20
+    assert [r for r in replies if not isinstance(r, Person)] == []
 
 
 def test_stream_json_object_and_choice(client: openai.OpenAI) -> None:

@@ -3,58 +3,17 @@ SmolLM2, whose template has no tools section (engine/tool_prompt.py renders them
 
 from __future__ import annotations
 
-from typing import Literal
-
 import openai
 import pytest
+from agent_api_cases import ARGUMENTS, CLOCK, WEATHER, ClockArgs
 from node_helpers import MODEL_NAME
 from openai.types.chat import (
     ChatCompletionMessageFunctionToolCall,
     ChatCompletionMessageParam,
-    ChatCompletionToolParam,
 )
-from pydantic import BaseModel, ConfigDict
 
 pytestmark = pytest.mark.slow
 
-WEATHER: ChatCompletionToolParam = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather now in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK: ChatCompletionToolParam = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-
-
-class WeatherArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    city: str
-
-
-class ClockArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    zone: Literal["UTC", "CET"]
-
-
-ARGUMENTS: dict[str, type[BaseModel]] = {"get_weather": WeatherArgs, "get_time": ClockArgs}
 ASK: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the weather in Paris?"}
 ]
