@@ -1,7 +1,7 @@
 """`python -m control_plane.admin_cli`: a small admin-API client for scripts and Terraform.
 
     python -m control_plane.admin_cli region put NAME --lat 39.04 --lon -77.49 \\
-        [--ingress-url URL] [--weight 1.0]
+        [--ingress-url URL] [--weight 1.0] [--picker IP:PORT]
     python -m control_plane.admin_cli region delete NAME [--wait-s 120]
     python -m control_plane.admin_cli node credentials REGION --token-dir DIR \\
         --node NODE_ID[=URL] [--node ...]
@@ -13,17 +13,17 @@ The control plane's URL comes from `MERIDIAN_CONTROL_PLANE_URL` (or `--control-p
 operator token from `MERIDIAN_ADMIN_TOKEN` only, so that the token never appears in a command line,
 a process listing or Terraform state of the command.
 
-`region put` makes the region's location, ingress URL and weight exactly what it is given (an
-ingress URL left out is cleared, a weight left out is 1.0): it creates the region, updates it in
-place, or does nothing if it already matches. Its state (active, draining, disabled) belongs to
-operators and is never touched; a region being deleted is refused. `region delete` succeeds if
-the region is already gone; a region with nodes is deleted only after they drain (the control
-plane answers 202), and `--wait-s` waits that long for it to be gone. `node credentials` mints
-each node's own heartbeat token (its MERIDIAN_NODE_TOKEN, bound to the node id, the region and
-the URL if given, else the URL of its first beat) and writes it to `DIR/NODE_ID.token` (mode
-0600), never to the output; minting again replaces a node's token. `xds credential` mints an
-Envoy's xDS token (for the ingress of REGION, or for the edge) and writes it to FILE (mode 0600),
-for `envoy-bootstrap --token-file FILE`; minting again replaces it.
+`region put` makes the region's location, ingress URL, weight and endpoint picker exactly what it
+is given (an ingress URL or picker left out is cleared, a weight left out is 1.0): it creates the
+region, updates it in place, or does nothing if it already matches. Its state (active, draining,
+disabled) belongs to operators and is never touched; a region being deleted is refused. `region
+delete` succeeds if the region is already gone; a region with nodes is deleted only after they
+drain (the control plane answers 202), and `--wait-s` waits that long for it to be gone. `node
+credentials` mints each node's own heartbeat token (its MERIDIAN_NODE_TOKEN, bound to the node id,
+the region and the URL if given, else the URL of its first beat) and writes it to
+`DIR/NODE_ID.token` (mode 0600), never to the output; minting again replaces a node's token. `xds
+credential` mints an Envoy's xDS token (for the ingress of REGION, or for the edge) and writes it
+to FILE (mode 0600), for `envoy-bootstrap --token-file FILE`; minting again replaces it.
 `model ...` edits the model catalog (`control_plane.admin_models` has its actions).
 
 Exit status: 0 done, 1 the control plane refused or could not be reached, 2 bad usage. Errors are
@@ -61,6 +61,7 @@ class RegionSpec:
     lon: float
     ingress_url: str | None
     weight: float
+    picker: str | None = None  # its endpoint picker, IP:PORT
 
     def fields(self) -> dict[str, Any]:
         """Every field but the name: what a PATCH sends (a POST adds the name)."""
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     put.add_argument("--lon", type=float, required=True, help="longitude, degrees")
     put.add_argument("--ingress-url", help="the region's ingress (cleared when left out)")
     put.add_argument("--weight", type=float, default=1.0, help="routing weight (default 1.0)")
+    put.add_argument(
+        "--picker", metavar="IP:PORT", help="its endpoint picker (cleared when left out)"
+    )
     delete = actions.add_parser("delete", help="deregister a region (no error if absent)")
     delete.add_argument("name", type=region_name)
     delete.add_argument(
@@ -253,7 +257,9 @@ def run(args: argparse.Namespace) -> str:
                 done.append(f"node {node_id}: credential written to {path}")
             return "\n".join(done)
         if args.action == "put":
-            spec = RegionSpec(args.name, args.lat, args.lon, args.ingress_url, args.weight)
+            spec = RegionSpec(
+                args.name, args.lat, args.lon, args.ingress_url, args.weight, args.picker
+            )
             return f"region {spec.name}: {put_region(client, spec)}"
         return f"region {args.name}: {delete_region(client, args.name, args.wait_s)}"
     finally:

@@ -79,6 +79,7 @@ class Region:
     created_at: float
     updated_at: float
     is_deleting: bool = False  # DELETE asked: its nodes drain, then the region goes
+    picker: str | None = None  # its endpoint picker's "IP:PORT" (control_plane/xds/picker.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from control_plane.model import ConsulStatus, NodeSource
+from control_plane.picker_address import PickerAddress
 from control_plane.safe_text import refuse_unsafe
 from control_plane.upstream_urls import UpstreamUrl
 from control_plane.xds.groups import Role
@@ -45,6 +46,8 @@ class RegionCreate(BaseModel):
     ingress_url: UpstreamUrl | None = None
     weight: Weight = 1.0
     state: RegionState = "active"
+    # Its endpoint picker beside its ingress Envoy: the Envoys ask it for each request's node.
+    picker: PickerAddress | None = None
 
     @field_validator("name")
     @classmethod
@@ -55,21 +58,23 @@ class RegionCreate(BaseModel):
 
 
 class RegionPatch(BaseModel):
-    """Fields to change; `ingress_url: null` clears it. At least one field."""
+    """Fields to change; `ingress_url: null` or `picker: null` clears it. At least one field."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
 
-    # `SkipJsonSchema[None]`: a field may be left out, but only ingress_url may be null.
+    # `SkipJsonSchema[None]`: a field may be left out, but only ingress_url and picker may be
+    # null.
     lat: Latitude | SkipJsonSchema[None] = None
     lon: Longitude | SkipJsonSchema[None] = None
     ingress_url: UpstreamUrl | None = None
     weight: Weight | SkipJsonSchema[None] = None
     state: RegionState | SkipJsonSchema[None] = None
+    picker: PickerAddress | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> RegionPatch:
         if not self.model_fields_set:
-            raise ValueError("give at least one of lat, lon, ingress_url, weight, state")
+            raise ValueError("give at least one of lat, lon, ingress_url, weight, state, picker")
         for name in ("lat", "lon", "weight", "state"):
             if name in self.model_fields_set and getattr(self, name) is None:
                 raise ValueError(f"{name} cannot be null")
@@ -86,6 +91,7 @@ class RegionView(BaseModel):
     created_at: float
     updated_at: float
     is_deleting: bool = False  # DELETE asked: its nodes are draining, then it goes
+    picker: str | None = None  # its endpoint picker, IP:PORT
 
 
 class RegionList(BaseModel):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -22,6 +21,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from control_plane.consul_sync import parse_consul_addr
 from control_plane.dns.config import DnsConfig
 from control_plane.limit_shares import LimitSharesConfig
+from control_plane.picker_address import picker_address
 from control_plane.store.base import is_postgres_url
 from control_plane.upstream_urls import UpstreamAllowlist
 from wire.addresses import is_loopback_host
@@ -209,14 +209,3 @@ class Settings(BaseSettings):
         if self.db_path == MEMORY_DB or is_postgres_url(self.db_path):
             return Path("meridian-control-plane.tokens")
         return Path(self.db_path + ".tokens")
-
-
-def picker_address(text: str) -> tuple[str, int] | None:
-    """(IP, port) of "IP:PORT" ("[v6]:PORT" for IPv6), or None."""
-    host, _, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    return (host, int(port)) if port.isdigit() and 0 < int(port) < 65536 else None

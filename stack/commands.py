@@ -79,9 +79,6 @@ def control_planes(
     db = layout.postgres_url or str(db_path)
     env = base_env() | {name: tokens[name] for name in (ADMIN_TOKEN, GATEWAY_TOKEN)}
     env["MERIDIAN_CP_DNS"] = json.dumps(dns_config(layout, ca_cert))
-    pickers = {r.name: r.picker.address for r in layout.regions if r.picker is not None}
-    if pickers:
-        env["MERIDIAN_CP_REGION_PICKERS"] = json.dumps(pickers)
     commands = []
     for replica in layout.control_planes:
         argv = _python(

@@ -1,9 +1,9 @@
 """Where a region's endpoint picker (region_picker/) listens, and how the others reach it.
 
-Region i's picker: ext_proc on `picker_base + i` (its Envoy asks it, told by the control plane's
-`region_pickers` over xDS), /metrics on `picker_metrics_base + i`, and the cache event streams of
-the region's node agents (their `--picker-url`) on `picker_events_base + i`. Only a region with
-an ingress Envoy can have one: Envoy is what asks it.
+Region i's picker: ext_proc on `picker_base + i` (its Envoy asks it, told over xDS by the control
+plane, where `up` registers it as the region's `picker` field), /metrics on `picker_metrics_base +
+i`, and the cache event streams of the region's node agents (their `--picker-url`) on
+`picker_events_base + i`. Only a region with an ingress Envoy can have one: Envoy is what asks it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class PickerLayout:
 
     @property
     def address(self) -> str:
-        """`IP:PORT`, as the control plane's `region_pickers` takes it."""
+        """`IP:PORT`, as the control plane's region field `picker` takes it."""
         return f"{self.host}:{self.port}"
 
     @property

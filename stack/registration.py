@@ -1,6 +1,6 @@
-"""What `meridian up` writes into the control plane through its admin API, once the control
-plane is ready: the regions (with their ingress URLs), each node agent's and each region Envoy's
-own credential, the model catalog (models, fallbacks, aliases), and the stack's API key."""
+"""What `meridian up` writes into the control plane through its admin API, once the control plane
+is ready: the regions (with their ingress URLs and pickers), each node agent's and each region
+Envoy's own credential, the model catalog (models, fallbacks, aliases), and the stack's API key."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def register_regions(client: AdminClient, layout: StackLayout, say: Say) -> Cred
     credentials = Credentials()
     try:
         for region in layout.regions:
-            spec = RegionSpec(region.name, region.lat, region.lon, region.ingress_url, 1.0)
+            picker = region.picker.address if region.picker is not None else None
+            spec = RegionSpec(region.name, region.lat, region.lon, region.ingress_url, 1.0, picker)
             put_region(client, spec)
             rtts = ", ".join(f"{path.pop} {path.rtt_ms:g}" for path in region.paths)
             say(

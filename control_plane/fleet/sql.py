@@ -145,7 +145,7 @@ def _update_region(conn: Connection, region: Region) -> audit.AuditDetail:
     old = _region_values(_stored_region(conn, region.name))
     cursor = conn.execute(
         "UPDATE regions SET lat = ?, lon = ?, ingress_url = ?, weight = ?, state = ?, "
-        "is_deleting = ?, updated_at = ? WHERE name = ?",
+        "is_deleting = ?, picker = ?, updated_at = ? WHERE name = ?",
         (
             region.lat,
             region.lon,
@@ -153,6 +153,7 @@ def _update_region(conn: Connection, region: Region) -> audit.AuditDetail:
             region.weight,
             region.state,
             int(region.is_deleting),
+            region.picker,
             region.updated_at,
             region.name,
         ),
@@ -208,8 +209,8 @@ class FleetStore:
         def change(conn: Connection) -> None:
             # ON CONFLICT, not a caught IntegrityError: a race between replicas is a 409 too.
             cursor = conn.execute(
-                "INSERT INTO regions (name, lat, lon, ingress_url, weight, state, "
-                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "INSERT INTO regions (name, lat, lon, ingress_url, weight, state, picker, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (name) DO NOTHING",
                 (
                     region.name,
@@ -218,6 +219,7 @@ class FleetStore:
                     region.ingress_url,
                     region.weight,
                     region.state,
+                    region.picker,
                     region.created_at,
                     region.updated_at,
                 ),

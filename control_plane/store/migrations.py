@@ -156,6 +156,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (key_id, period_start, model)
         )""",
     ),
+    (
+        # A region's endpoint picker (region_picker/), "IP:PORT", set through the admin API: xDS
+        # gives the region's ingress Envoys its ext_proc filter (control_plane/xds/picker.py).
+        "ALTER TABLE regions ADD COLUMN picker TEXT",
+    ),
 )
 
 

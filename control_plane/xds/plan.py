@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from control_plane.model import Fleet, Listed, Node, Region
+from control_plane.picker_address import picker_address
 from control_plane.xds.groups import EnvoyGroup, Role
 
 WEIGHT_SCALE = 100  # weights are shares in percent
@@ -89,6 +90,13 @@ class EnvoyPlan:
 _Endpoints = tuple[tuple[Endpoint, ...], tuple[str, ...]]  # endpoints, and node ids left out
 NodesByRegion = Mapping[str, list[Node]]
 Pickers = Mapping[str, tuple[str, int]]  # region -> its endpoint picker's IP and port
+
+
+def pickers_of(fleet: Fleet, configured: Pickers) -> Pickers:
+    """The regions' pickers: the `region_pickers` setting (`configured`), each region's own
+    `picker` field (set through the admin API) over it."""
+    fields = {name: picker_address(r.picker or "") for name, r in fleet.regions.items()}
+    return {**configured, **{name: address for name, address in fields.items() if address}}
 
 
 def nodes_by_region(fleet: Fleet) -> dict[str, list[Node]]:

@@ -38,6 +38,7 @@ from control_plane.xds.plan import (
     NodesByRegion,
     Pickers,
     nodes_by_region,
+    pickers_of,
     plan_for,
 )
 from control_plane.xds.resources import ENDPOINT_TYPE, SHORT_NAMES
@@ -175,7 +176,8 @@ class XdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         return sum(self._rebuild(group, by_region) for group in self.cache.watched_groups())
 
     def _rebuild(self, group: EnvoyGroup, by_region: NodesByRegion | None = None) -> bool:
-        plan = plan_for(group, self._fleet, by_region, self._read_listed(), self._pickers)
+        pickers = pickers_of(self._fleet, self._pickers)
+        plan = plan_for(group, self._fleet, by_region, self._read_listed(), pickers)
         old = self._plans.get(group)
         if plan == old and self.cache.get(group) is not None:
             return False

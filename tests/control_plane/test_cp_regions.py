@@ -85,6 +85,9 @@ async def test_unknown_region_is_404(cp: ControlPlaneClient, method: str) -> Non
         ({"name": "us-east", "lat": 0, "lon": 0, "ingress_url": "ftp://x"}, "ingress_url"),
         ({"name": "us-east", "lat": 0, "lon": 0, "colour": "red"}, "colour"),
         ({"name": "us-east", "lat": "north", "lon": 0}, "lat"),
+        ({"name": "us-east", "lat": 0, "lon": 0, "picker": "picker.local:9100"}, "picker"),
+        ({"name": "us-east", "lat": 0, "lon": 0, "picker": "127.0.0.1"}, "picker"),
+        ({"name": "us-east", "lat": 0, "lon": 0, "picker": "127.0.0.1:70000"}, "picker"),
     ],
 )
 async def test_bad_region_is_422_with_the_field_named(
@@ -111,7 +114,8 @@ async def test_bad_json_is_400(cp: ControlPlaneClient) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    "patch", [{}, {"lat": None}, {"state": None}, {"lat": 100}, {"name": "other"}]
+    "patch",
+    [{}, {"lat": None}, {"state": None}, {"lat": 100}, {"name": "other"}, {"picker": "x:1"}],
 )
 async def test_bad_patch_is_422_and_changes_nothing(
     cp: ControlPlaneClient, patch: dict[str, Any]
@@ -121,6 +125,21 @@ async def test_bad_patch_is_422_and_changes_nothing(
     assert response.status_code == 422, response.text
     after = (await cp.http.get("/v1/regions/us-east", headers=cp.admin)).json()
     assert after == before
+
+
+@pytest.mark.asyncio
+async def test_a_regions_picker_is_set_changed_and_cleared(cp: ControlPlaneClient) -> None:
+    created = await cp.add_region("us-east", picker="127.0.0.1:9100")
+    assert created["picker"] == "127.0.0.1:9100"
+    moved = await cp.http.patch(
+        "/v1/regions/us-east", json={"picker": "[::1]:9200"}, headers=cp.admin
+    )
+    assert moved.status_code == 200, moved.text
+    assert (moved.json()["picker"], moved.json()["weight"]) == ("[::1]:9200", 1.0)
+    cleared = await cp.http.patch("/v1/regions/us-east", json={"picker": None}, headers=cp.admin)
+    assert cleared.json()["picker"] is None
+    one = (await cp.http.get("/v1/regions/us-east", headers=cp.admin)).json()
+    assert one["picker"] is None
 
 
 @pytest.mark.asyncio

@@ -5,6 +5,7 @@ to the same node; with the picker gone, requests still succeed through least req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -97,18 +98,18 @@ class Region:
     nodes: list[Upstream]
 
 
-@pytest_asyncio.fixture
-async def region(
+@contextlib.asynccontextmanager
+async def us_east(
     cp: LiveControlPlane,
     tokens: TokenSet,
     upstreams: Any,
     start_envoy: Any,
     picker_port: int,
-    smollm2_gguf: Path,
+    checkpoint: Path,
 ) -> AsyncIterator[Region]:
-    """us-east with two stand-in nodes, its picker and its ingress Envoy."""
+    """us-east with two stand-in nodes, its picker (on `picker_port`) and its ingress Envoy."""
     # Started first: loading the tokenizer holds the event loop's heartbeats up for a while.
-    picker = await start_picker(cp, tokens, picker_port, smollm2_gguf)
+    picker = await start_picker(cp, tokens, picker_port, checkpoint)
     try:
         nodes = await upstreams("a", "b")
         await cp.admin("POST", "/v1/regions", json={"name": "us-east", "lat": 40.7, "lon": -74.0})
@@ -118,6 +119,20 @@ async def region(
         yield Region(picker, envoy, nodes)
     finally:
         await picker.stop()  # again, if the test stopped it: a no-op
+
+
+@pytest_asyncio.fixture
+async def region(
+    cp: LiveControlPlane,
+    tokens: TokenSet,
+    upstreams: Any,
+    start_envoy: Any,
+    picker_port: int,
+    smollm2_gguf: Path,
+) -> AsyncIterator[Region]:
+    """us-east, its picker where the `region_pickers` setting says."""
+    async with us_east(cp, tokens, upstreams, start_envoy, picker_port, smollm2_gguf) as region:
+        yield region
 
 
 @pytest.mark.asyncio

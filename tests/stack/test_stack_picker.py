@@ -1,7 +1,7 @@
 """`picker: on` in the stack config: each region's endpoint picker laid out beside its Envoy, the
-control plane told where it is (`region_pickers`), each node agent told where to stream its cache
-events (`--picker-url`), the picker's own command line read by its real settings, and its row in
-`meridian status` from its real /metrics."""
+control plane told where it is (the region's `picker` field, registered by `up`), each node
+agent told where to stream its cache events (`--picker-url`), the picker's own command line read
+by its real settings, and its row in `meridian status` from its real /metrics."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import start_http_server
+from tf_helpers import start_control_plane, stop_control_plane
 
-from control_plane.settings import Settings as ControlPlaneSettings
+from control_plane.admin_cli import AdminClient
 from node_agent.__main__ import load_settings as load_node_settings
 from node_agent.__main__ import parse_args as parse_node_args
 from region_picker.__main__ import load_settings as load_picker_settings
@@ -25,6 +26,7 @@ from stack.layout import plan_layout
 from stack.picker_status import picker_rows
 from stack.preflight import fresh_tokens
 from stack.processes import STOP_ORDER
+from stack.registration import register_regions
 from stack.state import ProcessRecord, process_start_time
 
 TWO_REGIONS = "regions: [{name: us-east, nodes: 2}, {name: eu-west, picker: off}]\n"
@@ -63,12 +65,6 @@ def test_commands_wire_the_control_plane_the_nodes_and_the_picker_together(
     config = parse_config(TWO_REGIONS + "picker: on\n")
     layout = plan_layout(config, use_envoy=True)
     tokens = fresh_tokens()
-    (control_plane,) = commands.control_planes(layout, Path("/s/cp.db"), tokens, Path("/s/ca"))
-    for name, value in control_plane.env.items():
-        if name.startswith("MERIDIAN_CP_"):
-            monkeypatch.setenv(name, value)
-    assert ControlPlaneSettings().pickers == {"us-east": ("127.0.0.1", 10701)}
-
     monkeypatch.setenv(commands.NODE_TOKEN, "node-token-" + "n" * 16)
     node_tokens = {node.node_id: "t" for node in layout.nodes}
     nodes = commands.node_agents(config, layout, tokens, node_tokens)
@@ -99,6 +95,24 @@ def test_commands_wire_the_control_plane_the_nodes_and_the_picker_together(
     assert (
         STOP_ORDER.index("envoy") < STOP_ORDER.index("picker") < STOP_ORDER.index("control-plane")
     )
+
+
+@pytest.mark.slow  # starts a control plane
+def test_up_registers_each_regions_picker_with_the_control_plane(tmp_path: Path) -> None:
+    layout = plan_layout(parse_config(TWO_REGIONS + "picker: on\n"), use_envoy=True)
+    control_plane = start_control_plane(tmp_path)
+    try:
+        client = AdminClient(control_plane.base_url, control_plane.admin_token)
+        said: list[str] = []
+        register_regions(client, layout, said.append)
+        client.close()
+        regions = control_plane.regions()
+    finally:
+        stop_control_plane(control_plane)
+    assert {name: region["picker"] for name, region in regions.items()} == {
+        "us-east": "127.0.0.1:10701",
+        "eu-west": None,
+    }
 
 
 @pytest.fixture

@@ -67,6 +67,21 @@ def test_put_creates_then_finds_unchanged_then_updates_in_place(
     assert updated["created_at"] == created["created_at"]
 
 
+def test_put_sets_moves_and_clears_the_regions_picker(
+    cp: ControlPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    put = ("region", "put", "cli-p", "--lat=1", "--lon=2")
+    assert run_cli(capsys, *put, "--picker=127.0.0.1:9100") == (0, "region cli-p: created", "")
+    assert cp.regions()["cli-p"]["picker"] == "127.0.0.1:9100"
+    assert run_cli(capsys, *put, "--picker=127.0.0.1:9100")[1] == "region cli-p: unchanged"
+    assert run_cli(capsys, *put, "--picker=10.0.0.5:9100")[1] == "region cli-p: updated"
+    assert cp.regions()["cli-p"]["picker"] == "10.0.0.5:9100"
+    assert run_cli(capsys, *put)[1] == "region cli-p: updated"  # left out: cleared
+    assert cp.regions()["cli-p"]["picker"] is None
+    status, _, err = run_cli(capsys, *put, "--picker=picker.internal:9100")
+    assert status == 1 and "picker" in err
+
+
 def test_put_leaves_the_operators_state_alone(
     cp: ControlPlane, capsys: pytest.CaptureFixture[str]
 ) -> None:

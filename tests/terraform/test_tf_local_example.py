@@ -273,27 +273,50 @@ def test_a_region_of_the_local_example_may_serve_several_models(
 
 
 def test_a_region_of_the_local_example_may_have_a_picker(
-    tf_tree: Path, terraform: TerraformFactory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    tf_tree: Path,
+    terraform: TerraformFactory,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """us-east with its picker where `meridian up` puts region 0's: its agent streams to it, the
-    picker's command is printed, and the control plane's setting names it (plan only)."""
-    monkeypatch.setenv("TF_VAR_control_plane_url", "http://127.0.0.1:8080")
-    monkeypatch.setenv("TF_VAR_admin_token", "adm-" + "t" * 24)
+    """us-east with its picker where `meridian up` puts region 0's: apply registers it as the
+    region's `picker` field, its agent streams to it, its command is printed; moving it updates
+    the region in place."""
+    use_control_plane(monkeypatch, control_plane)
     regions: dict[str, dict[str, object]] = {
         name: {"lat": REGIONS[name].lat, "lon": REGIONS[name].lon, "base_port": 9001 + 100 * i}
         for i, name in enumerate(LOCAL_REGIONS)
     }
-    ports = {"port": 10701, "metrics_port": 10801, "cache_events_port": 10901}
-    regions["us-east"]["picker"] = ports
+    regions["us-east"]["picker"] = {
+        "port": 10701,
+        "metrics_port": 10801,
+        "cache_events_port": 10901,
+    }
     monkeypatch.setenv("TF_VAR_regions", json.dumps(regions))
     tf = terraform(tf_tree / "examples" / "local")
     tf.init()
-    plan_file = tmp_path / "plan.tfplan"
-    assert_ok(tf.plan(out=str(plan_file)))
-    outputs = tf.show_plan(plan_file)["planned_values"]["outputs"]
-    assert outputs["control_plane_pickers"]["value"] == {"us-east": "127.0.0.1:10701"}
-    (command,) = outputs["picker_commands"]["value"].values()
+    assert_ok(tf.apply())
+    registered = control_plane.regions()
+    assert {name: region["picker"] for name, region in registered.items()} == {
+        "us-east": "127.0.0.1:10701",
+        "eu-west": None,
+        "ap-southeast": None,
+    }
+    outputs = tf.outputs()
+    (command,) = outputs["picker_commands"].values()
     assert command.startswith("python -m region_picker --region us-east --host 127.0.0.1 ")
-    nodes = outputs["nodes"]["value"]
+    nodes = outputs["nodes"]
     streaming = {n["node_id"]: n["args"][-1] for n in nodes if "--picker-url" in n["args"]}
     assert streaming == {"us-east-00": "ws://127.0.0.1:10901"}
+
+    regions["us-east"]["picker"] = {
+        "port": 10702,
+        "metrics_port": 10801,
+        "cache_events_port": 10901,
+    }
+    monkeypatch.setenv("TF_VAR_regions", json.dumps(regions))
+    assert_ok(tf.apply())
+    moved = control_plane.regions()["us-east"]
+    assert moved["picker"] == "127.0.0.1:10702"
+    assert moved["created_at"] == registered["us-east"]["created_at"]
+    assert_ok(tf.destroy())
+    assert control_plane.regions() == {}

@@ -13,7 +13,6 @@ import pytest
 import yaml
 from tf_helpers import Terraform, TerraformFactory, copy_terraform_tree, diagnostics
 
-from control_plane.settings import Settings as ControlPlaneSettings
 from node_agent.__main__ import load_settings as load_node_settings
 from node_agent.__main__ import parse_args as parse_node_args
 from region_picker.__main__ import load_settings as load_picker_settings
@@ -308,7 +307,7 @@ def test_a_picker_is_laid_out_beside_the_region_and_every_agent_streams_to_it(
     root: Terraform, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`picker`: its command line (read by the picker's own settings), each agent's
-    --picker-url (read by the agent's), and the control plane's entry (read by its settings)."""
+    --picker-url (read by the agent's), and its address."""
     fp32 = "smollm2-135m-instruct-fp32"
     outputs = planned_outputs(
         root,
@@ -333,8 +332,7 @@ def test_a_picker_is_laid_out_beside_the_region_and_every_agent_streams_to_it(
         fp32: "smollm2-135m-instruct",
     }
     assert picker["metrics_url"] == "http://10.0.0.5:9101/metrics"
-    control_plane = ControlPlaneSettings(region_pickers=picker["control_plane_entry"])
-    assert control_plane.pickers == {"us-east": ("10.0.0.5", 9100)}
+    assert picker["address"] == "10.0.0.5:9100"  # `region put --picker` registers it
 
     monkeypatch.setenv("MERIDIAN_NODE_TOKEN", "node-token-" + "n" * 16)
     for node in outputs["nodes"]:

@@ -110,8 +110,3 @@ output "picker_commands" {
   description = "Each region picker's command line (it needs MERIDIAN_GATEWAY_TOKEN), by region."
   value       = { for name, region in module.region : name => region.picker.command if region.picker != null }
 }
-
-output "control_plane_pickers" {
-  description = "The control plane's MERIDIAN_CP_REGION_PICKERS (as JSON: region => IP:PORT): where each region's Envoy finds its picker."
-  value       = merge([for name, region in module.region : region.picker.control_plane_entry if region.picker != null]...)
-}

@@ -4,7 +4,7 @@
 #   registration  identity (name, control plane): `region put` on create, `region delete` on
 #                 destroy (waiting while the control plane drains the region's nodes first).
 #                 Replaced only when the name or the control plane changes.
-#   settings      location, ingress URL, weight: replaced when any of them changes, which runs
+#   settings      location, ingress URL, weight, picker: replaced when any changes, which runs
 #                 `region put` again and so updates the region in place on the control plane
 #                 (the registration, and the region's history there, are kept).
 # and one for the node agents' credentials:
@@ -19,6 +19,7 @@ locals {
   put_args = concat(
     ["region", "put", "--lat=${var.location.lat}", "--lon=${var.location.lon}", "--weight=${var.weight}"],
     var.ingress_url == null ? [] : ["--ingress-url=${var.ingress_url}"],
+    var.picker == null ? [] : ["--picker=${local.picker_address}"],
   )
   envoy_token_file = var.envoy_token_file == null ? null : abspath(var.envoy_token_file)
   # The token and URL reach the CLI through its environment, never its command line.
@@ -69,6 +70,7 @@ resource "terraform_data" "settings" {
     lon          = var.location.lon
     ingress_url  = var.ingress_url
     weight       = var.weight
+    picker       = var.picker == null ? null : local.picker_address
   }
 
   # Right after a fresh registration this finds the region already matching ("unchanged").

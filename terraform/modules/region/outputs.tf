@@ -52,6 +52,8 @@ locals {
   # The region's picker, where its node agents stream their caches' events.
   picker_host = var.picker == null ? null : (strcontains(var.picker.host, ":") ? "[${var.picker.host}]" : var.picker.host)
   picker_url  = var.picker == null ? null : "ws://${local.picker_host}:${var.picker.cache_events_port}"
+  # Where Envoy reaches it (ext_proc), as the control plane's region field holds it.
+  picker_address = var.picker == null ? null : "${local.picker_host}:${var.picker.port}"
 
   # The node agent's command line (ARCHITECTURE.md, "Entry points"), without the program.
   node_args = [
@@ -151,14 +153,13 @@ output "envoy_token_file" {
 }
 
 output "picker" {
-  description = "The region's endpoint picker (null without `picker`): how to start it beside the region's Envoy (`command`, or `args` after `python -m region_picker`; it needs MERIDIAN_GATEWAY_TOKEN, the gateways' read-only control-plane token, in its environment), its ext_proc `address` and `metrics_url`, and `control_plane_entry`: what the control plane's MERIDIAN_CP_REGION_PICKERS must hold for this region (JSON: region => address) so that xDS gives the region's Envoys the ext_proc filter."
+  description = "The region's endpoint picker (null without `picker`): how to start it beside the region's Envoy (`command`, or `args` after `python -m region_picker`; it needs MERIDIAN_GATEWAY_TOKEN, the gateways' read-only control-plane token, in its environment), its ext_proc `address` (registered as the region's `picker` field at apply: xDS then gives the region's Envoys the ext_proc filter, live), `metrics_url` and `cache_events_url`."
   value = var.picker == null ? null : {
-    region              = var.name
-    address             = "${local.picker_host}:${var.picker.port}"
-    metrics_url         = "http://${local.picker_host}:${var.picker.metrics_port}/metrics"
-    cache_events_url    = local.picker_url
-    args                = local.picker_args
-    command             = join(" ", concat(["python", "-m", "region_picker"], local.picker_args))
-    control_plane_entry = { (var.name) = "${local.picker_host}:${var.picker.port}" }
+    region           = var.name
+    address          = local.picker_address
+    metrics_url      = "http://${local.picker_host}:${var.picker.metrics_port}/metrics"
+    cache_events_url = local.picker_url
+    args             = local.picker_args
+    command          = join(" ", concat(["python", "-m", "region_picker"], local.picker_args))
   }
 }
