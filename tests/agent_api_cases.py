@@ -83,9 +83,9 @@ class ClockArgs(BaseModel):
 ARGUMENTS: dict[str, type[BaseModel]] = {"get_weather": WeatherArgs, "get_time": ClockArgs}
 
 
-def parse_people(client: openai.OpenAI, model: str, temperature: float) -> list[object]:
+def unparsed_people(client: openai.OpenAI, model: str, temperature: float) -> list[object]:
     """`parse` with `Person` of every prompt at once (the node batches them), seeded by its
-    place: each reply's parsed object, or its content where none parsed."""
+    place: the content of each reply that did not parse (none, when all is well)."""
 
     def parse(seed: int, prompt: str) -> object:
         try:
@@ -102,4 +102,6 @@ def parse_people(client: openai.OpenAI, model: str, temperature: float) -> list[
         return reply.choices[0].message.parsed
 
     with ThreadPoolExecutor(len(PERSON_PROMPTS)) as pool:
-        return list(pool.map(parse, range(len(PERSON_PROMPTS)), PERSON_PROMPTS))
+        replies = list(pool.map(parse, range(len(PERSON_PROMPTS)), PERSON_PROMPTS))
+    assert len(replies) == 20
+    return [reply for reply in replies if not isinstance(reply, Person)]

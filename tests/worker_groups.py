@@ -28,6 +28,7 @@ GROUPS = {
         "tests/e2e/test_front_end.py",
         "tests/e2e/test_install.py",
         "tests/e2e/test_models_e2e.py",
+        "tests/gateway/test_gw_agent_api_live.py",
         "tests/gateway/test_gw_resume_real_nodes.py",
         "tests/stack/test_stack_replicas_up.py",
     ),
