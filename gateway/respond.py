@@ -83,6 +83,7 @@ class Respond:
         reader = StreamReader(
             strip_usage=parsed.is_stream and not parsed.wants_usage,
             strip_token_ids=not parsed.wants_token_ids,
+            num_choices=parsed.num_choices,
         )
         on_end = partial(self._end_stream, limiter, call, admitted, routed.model)
         resumer = None

@@ -6,12 +6,12 @@ token reservation. The node then sends `"usage":null` in every chunk and one las
 usage and no choices. If the client did not ask for usage, both are removed on the way out.
 
 It also keeps what a resume needs (wire/resume.py): the output token ids relayed so far (the
-gateway always asks for them, and removes them if the client did not), whether the choice has
-finished, and an upstream error event, which it holds back so that the stream can continue
-elsewhere instead. After `begin_continuation`, the next attempt's events are made to look like
-the first attempt's: its opening role chunk is dropped, its `id` and `created` become the first
-attempt's, its usage is summed with the earlier attempts' and its `finish_reason` chunk is marked
-with the number of resumes.
+gateway always asks for them, and removes them if the client did not), whether every choice
+(`n`) has finished, and an upstream error event, which it holds back so that the stream can
+continue elsewhere instead. After `begin_continuation`, the next attempt's events are made to
+look like the first attempt's: its opening role chunk is dropped, its `id` and `created` become
+the first attempt's, its usage is summed with the earlier attempts' and its `finish_reason`
+chunk is marked with the number of resumes.
 
 Bytes are forwarded as soon as an event is complete (only a partial event waits for its end);
 events are parsed as JSON only when they carry a usage object or a marked finish, so most chunks
@@ -138,14 +138,16 @@ def first_output(data: bytes) -> bytes | None:
 class StreamReader:
     """Feed upstream bytes in order; get back the bytes to send to the client."""
 
-    def __init__(self, strip_usage: bool, strip_token_ids: bool = True) -> None:
+    def __init__(self, strip_usage: bool, strip_token_ids: bool = True, num_choices: int = 1):
         self._strip_usage = strip_usage
         self._strip_token_ids = strip_token_ids
+        self._num_choices = num_choices  # `n`: each choice ends with a finish_reason chunk
+        self._num_finished = 0
         self._pending = b""
         self.usage: Usage | None = None
         self.has_first_token = False
         self.is_done = False
-        self.is_finished = False  # a chunk with a finish_reason has passed
+        self.is_finished = False  # a chunk with a finish_reason has passed for every choice
         self.num_events = 0
         self.token_ids: list[int] = []  # every output id relayed, over all attempts
         self.starts: list[int] = [0]  # len(token_ids) when each attempt began
@@ -202,7 +204,8 @@ class StreamReader:
         if b'"text_offset"' in events:
             events = _rewrite(events, b'"text_offset"', self._count_on_offsets)
         if _has_finish(events):
-            self.is_finished = True
+            self._num_finished += sum(map(events.count, _FINISHED))
+            self.is_finished = self._num_finished >= self._num_choices
             if self.num_resumes:
                 events = _rewrite(events, b'"finish_reason"', self._mark_finish)
             self._finish_event = next((e for e in events.split(EVENT_END) if _has_finish(e)), None)

@@ -227,3 +227,18 @@ def test_a_resumed_completions_text_offset_counts_from_the_first_attempts_start(
         reader, [completion_chunk(["de", "f"], [0, 2], "c-2") + completion_chunk(["g"], [3], "c-2")]
     )
     assert offsets_of(out) == [3, 5, 6]
+
+
+def test_a_stream_of_n_choices_is_finished_once_every_choice_has_finished() -> None:
+    """A break after choice 0's finish but before choice 1's is a break (its error shows), not
+    a stream that lost only its usage chunk."""
+
+    def finished(index: int) -> bytes:
+        choice = {"index": index, "delta": {}, "finish_reason": "stop"}
+        return b"data: " + json.dumps({"choices": [choice], "usage": None}).encode() + b"\n\n"
+
+    reader = StreamReader(strip_usage=True, num_choices=2)
+    feed_all(reader, [ROLE + TOKEN + finished(0) + TOKEN])
+    assert not reader.is_finished
+    feed_all(reader, [finished(1)])
+    assert reader.is_finished
