@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +33,7 @@ import torch
 from bench.loadgen import percentile
 from bench.report import cpu_vector_flags, load_average
 from bench.workload import WorkloadRequest, make_workload
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 from engine.model_store import DEFAULT_MODEL, pull
@@ -139,16 +139,42 @@ def run_transformers(
 
 @dataclass(slots=True)
 class KvUse:
-    samples: list[float] = field(default_factory=list)
+    """Live tokens over reserved token slots, sampled after every step, for the paged cache and
+    for what a server that reserves each request's KV contiguously when it admits it would hold
+    for the same running requests (no run of its own: the same steps, counted twice)."""
+
+    paged: list[float] = field(default_factory=list)
+    # Reserving the context length: a server that preallocates must, since a request may run to
+    # it (OpenAI's max_tokens is optional); the vLLM paper's "Orca (Max)".
+    max_context: list[float] = field(default_factory=list)
+    # Reserving prompt + max_tokens: the best a preallocating server can do when every request
+    # states its output cap (this workload's do); "Orca (Oracle)" up to ignore_eos.
+    prompt_and_max_tokens: list[float] = field(default_factory=list)
 
     def sample(self, engine: LLMEngine) -> None:
         """Tokens whose K/V live requests hold, over the slots of the blocks they hold (a block
         shared by two requests counts for each): what paging wastes is the tails of blocks."""
         running = engine.scheduler.running
         held = sum(seq.num_computed_tokens for seq in running)
+        if not held:
+            return
         allocated = sum(len(seq.block_table) for seq in running) * engine.config.block_size
-        if allocated:
-            self.samples.append(held / allocated)
+        context = engine.max_model_len
+        stated = sum(min(context, seq.num_prompt_tokens + seq.max_tokens) for seq in running)
+        self.paged.append(held / allocated)
+        self.max_context.append(held / (context * len(running)))
+        self.prompt_and_max_tokens.append(held / stated)
+
+    def summary(self, context_len: int) -> dict[str, float]:
+        return {
+            "paged_mean": round(statistics.fmean(self.paged), 4),
+            "paged_min": round(min(self.paged), 4),
+            "contiguous_max_context_mean": round(statistics.fmean(self.max_context), 4),
+            "contiguous_prompt_and_max_tokens_mean": round(
+                statistics.fmean(self.prompt_and_max_tokens), 4
+            ),
+            "context_len": context_len,
+        }
 
 
 def run_engine(
@@ -233,6 +259,49 @@ SHARED_PREFIX_KV_BLOCKS = 64  # the shared-prefix requests' ~400 tokens, one at 
 WORKLOADS: dict[str, tuple[int, int | None]] = {"mixed": (64, None), "prompt-heavy": (32, 3)}
 
 
+def kv_cache_dtypes(text: str) -> list[str]:
+    names = text.split(",")
+    if not names or any(name not in KV_CACHE_DTYPES for name in names):
+        raise argparse.ArgumentTypeError(f"each must be one of {', '.join(KV_CACHE_DTYPES)}")
+    return names
+
+
+def report_kv_cache(engine: LLMEngine, tensor_parallel_size: int) -> float:
+    """Print the pool's size; return it in GiB over all ranks (each TP rank holds its share of
+    the KV heads of its stage's layers)."""
+    kv = engine.scheduler.kv_cache
+    runner = engine.executor.runner
+    per_block = runner.kv_bytes_per_block_per_layer * engine.model_config.num_layers
+    gib = kv.num_blocks * per_block * tensor_parallel_size / 2**30
+    per_token = per_block * tensor_parallel_size // kv.block_size
+    print(
+        f"KV cache ({runner.kv_dtype}): {kv.num_blocks} blocks of {kv.block_size} tokens "
+        f"({kv.num_blocks * kv.block_size} tokens, {gib:.2f} GiB; {per_token} bytes a token, "
+        "what a decode step's attention reads per token of context)",
+        file=sys.stderr,
+    )
+    return round(gib, 2)
+
+
+def prefix_cache_ttfts(engine: LLMEngine, config: EngineConfig) -> tuple[list[float], list[float]]:
+    """Shared-prefix TTFTs on `engine` (caching on) and on an engine like it without caching."""
+    cached = shared_prefix_ttfts(engine, engine, 16, "shared prefix, cache on")
+    uncached_engine = LLMEngine(
+        EngineConfig(
+            model=config.model,
+            dtype=config.dtype,
+            quantization=config.quantization,
+            enable_prefix_caching=False,
+            # One request at a time needs a few blocks; a pool of the default size would not
+            # fit beside the first engine's on a GPU, where each takes its share of the device.
+            num_kv_blocks=SHARED_PREFIX_KV_BLOCKS,
+        )
+    )
+    uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
+    uncached_engine.shutdown()
+    return cached, uncached
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
@@ -247,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "none", "int8", "q4_1"),
         default="auto",
         help="our engine's weights (int8: weight-only; q4_1: a Q4_1 GGUF's blocks kept; CPU)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        type=kv_cache_dtypes,
+        default=["auto"],
+        help="our engine's KV cache: auto, fp8, or several comma-separated (auto,fp8), each "
+        "run in turn on the same workload",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
@@ -301,41 +377,29 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
     )
-    engine = LLMEngine(config)
-    kv = engine.scheduler.kv_cache
-    # Over all ranks: each TP rank holds its share of the KV heads of its stage's layers.
-    per_block = engine.executor.runner.kv_bytes_per_block_per_layer * engine.model_config.num_layers
-    kv_gib = kv.num_blocks * per_block * args.tensor_parallel_size / 2**30
-    print(
-        f"KV cache: {kv.num_blocks} blocks of {kv.block_size} tokens "
-        f"({kv.num_blocks * kv.block_size} tokens, {kv_gib:.2f} GiB)",
-        file=sys.stderr,
-    )
-    kv_use = KvUse()
-    ours = run_engine(
-        engine,
-        workload,
-        args.concurrency,
-        f"meridian c={args.concurrency} ({engine.executor.runner.dtype}, "
-        f"{args.quantization}: {engine.executor.runner.quantization} weights)",
-        kv_use.sample,
-    )
-    runs.append(ours)
-
-    cached = shared_prefix_ttfts(engine, engine, 16, "shared prefix, cache on")
-    uncached_engine = LLMEngine(
-        EngineConfig(
-            model=str(gguf),
-            dtype=args.dtype,
-            quantization=args.quantization,
-            enable_prefix_caching=False,
-            # One request at a time needs a few blocks; a pool of the default size would not
-            # fit beside the first engine's on a GPU, where each takes its share of the device.
-            num_kv_blocks=SHARED_PREFIX_KV_BLOCKS,
+    baselines = list(runs)
+    kv_use: dict[str, dict[str, float]] = {}
+    kv_gib: dict[str, float] = {}
+    for index, kv_cache_dtype in enumerate(args.kv_cache_dtype):
+        engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype))
+        kv_gib[kv_cache_dtype] = report_kv_cache(engine, args.tensor_parallel_size)
+        use = KvUse()
+        runner = engine.executor.runner
+        runs.append(
+            run_engine(
+                engine,
+                workload,
+                args.concurrency,
+                f"meridian c={args.concurrency} ({runner.dtype}, "
+                f"{args.quantization}: {runner.quantization} weights, KV {runner.kv_dtype})",
+                use.sample,
+            )
         )
-    )
-    uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
-    engine.shutdown()
+        kv_use[kv_cache_dtype] = use.summary(engine.max_model_len)
+        if index == 0:  # the prefix cache's figures, once
+            cached, uncached = prefix_cache_ttfts(engine, config)
+        engine.shutdown()
+    ours = runs[len(baselines)]
 
     report: dict = {
         "command": "python -m bench.engine_throughput " + " ".join(argv or sys.argv[1:]),
@@ -344,12 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before": load_before,
         "load_average_after": load_average(),
         "torch_threads": torch.get_num_threads(),
-        "kv_cache_gib": round(kv_gib, 2),
+        "kv_cache_gib": kv_gib,
         "runs": [r.summary() for r in runs],
-        "kv_cache_use": {
-            "mean": round(statistics.fmean(kv_use.samples), 4),
-            "min": round(min(kv_use.samples), 4),
-        },
+        "kv_cache_use": kv_use,
         "prefix_cache_ttft_p50_s": {
             "on": round(statistics.median(cached), 4),
             "off": round(statistics.median(uncached), 4),
@@ -357,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_transformers:
         report["ratios"] = {
-            f"vs {r.name}": round(ours.tokens_per_s / r.tokens_per_s, 2) for r in runs[:-1]
+            f"vs {r.name}": round(ours.tokens_per_s / r.tokens_per_s, 2) for r in baselines
         }
         sequential_itl, our_itl = percentile(runs[0].itls_s, 50), percentile(ours.itls_s, 50)
         if sequential_itl and our_itl:
@@ -385,10 +446,13 @@ def format_report(report: dict) -> str:
     if "itl_p50_ratio_vs_transformers_sequential" in report:
         ratio = report["itl_p50_ratio_vs_transformers_sequential"]
         lines.append(f"ITL p50 ratio, transformers sequential / ours: {ratio}x")
-    kv = report["kv_cache_use"]
-    lines.append(
-        f"KV-cache use (held tokens / allocated slots): mean {kv['mean']:.1%}, min {kv['min']:.1%}"
-    )
+    for kv_cache_dtype, kv in report["kv_cache_use"].items():
+        lines.append(
+            f"KV {kv_cache_dtype}: live tokens / reserved slots, paged blocks mean "
+            f"{kv['paged_mean']:.1%} (min {kv['paged_min']:.1%}); contiguous per request, "
+            f"the context ({kv['context_len']}) {kv['contiguous_max_context_mean']:.1%}, "
+            f"prompt + max_tokens {kv['contiguous_prompt_and_max_tokens_mean']:.1%}"
+        )
     ttft = report["prefix_cache_ttft_p50_s"]
     lines.append(
         f"shared-prefix TTFT p50: cache off {_ms(ttft['off'])} ms, on {_ms(ttft['on'])} ms"

@@ -18,6 +18,9 @@ _DTYPES = {
 }
 
 _QUANTIZATIONS = ("auto", "none", "int8", "q4_1")
+# The KV cache's element type, by vLLM's names: "auto" is the model's dtype; "fp8" is
+# float8_e4m3fn (engine/model/kv_quant.py), half of bf16's bytes.
+KV_CACHE_DTYPES = ("auto", "fp8")
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -28,10 +31,21 @@ class WeightsFormat:
 
     dtype: str  # fp32, bf16, fp16
     quantization: str  # none, int8, q4_1
+    kv_cache_dtype: str = "auto"  # auto, fp8
 
     @classmethod
-    def of(cls, dtype: torch.dtype, quantization: str) -> WeightsFormat:
-        return cls(_DTYPE_NAMES[dtype], quantization)
+    def of(
+        cls, dtype: torch.dtype, quantization: str, kv_cache_dtype: str = "auto"
+    ) -> WeightsFormat:
+        return cls(_DTYPE_NAMES[dtype], quantization, kv_cache_dtype)
+
+    @property
+    def reported_quantization(self) -> str:
+        """What a node reports as its quantization: the weights', and an 8-bit KV cache beside
+        them (q4_1_kv_fp8), since that writes other text too."""
+        if self.kv_cache_dtype == "auto":
+            return self.quantization
+        return f"{self.quantization}_kv_{self.kv_cache_dtype}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +58,7 @@ class EngineConfig:
     quantization: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # KV cache size: on CUDA a share of the free memory, on CPU a fixed budget.
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0
@@ -72,6 +87,11 @@ class EngineConfig:
             )
         if self.quantization in ("int8", "q4_1") and self.torch_device().type != "cpu":
             raise InvalidRequestError(f"quantization {self.quantization} runs on CPU only")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                f"not {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError(
                 "block_size, max_num_seqs and max_num_batched_tokens must be >= 1"
@@ -97,6 +117,9 @@ class EngineConfig:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def weight_quantization(self, keeps_q4_1: bool = False) -> str:
         """How the weights are kept: "none" (as `dtype`), "int8" or "q4_1"; auto resolved.

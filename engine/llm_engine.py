@@ -79,9 +79,14 @@ class LLMEngine:
             and cpu_kernels() is not None
         )
         shape = RunnerShape(
-            device, dtype, config.block_size, context_len, config.weight_quantization(keeps_q4_1)
+            device,
+            dtype,
+            config.block_size,
+            context_len,
+            config.weight_quantization(keeps_q4_1),
+            config.kv_torch_dtype(dtype),
         )
-        self.weights_format = WeightsFormat.of(dtype, shape.quantization)
+        self.weights_format = WeightsFormat.of(dtype, shape.quantization, config.kv_cache_dtype)
         self.executor = ModelExecutor(
             checkpoint,
             shape,

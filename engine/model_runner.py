@@ -43,6 +43,12 @@ class RunnerShape:
     # How weights are kept (EngineConfig.weight_quantization): "none" (the model's dtype),
     # "int8" (model/int8_weights.py) or "q4_1" (the GGUF's blocks: model/block_weights.py).
     quantization: str = "none"
+    # The KV cache's element type (EngineConfig.kv_cache_dtype resolved): dtype, or fp8.
+    kv_dtype: torch.dtype | None = None  # None: dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
 
 @dataclass(slots=True)
@@ -84,6 +90,7 @@ class ModelRunner:
         self.dtype = shape.dtype
         self.quantization = shape.quantization  # as resolved (never "auto")
         self.block_size = shape.block_size
+        self.kv_dtype = shape.cache_dtype
         self.tp = tp or TPGroup()
         self.num_kv_heads = max(config.num_kv_heads // self.tp.size, 1)
         with torch.device("meta"):
@@ -112,7 +119,7 @@ class ModelRunner:
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Decodes read the paged cache in place where a kernel exists (C++ on CPU, Triton on CUDA).
-        self.use_decode_kernel = paged_decode_kernel(device) is not None
+        self.use_decode_kernel = paged_decode_kernel(device, self.kv_dtype) is not None
         # Alone on a CPU, each step picks its thread count (see step_threads.py); TP ranks
         # wait on each other in every all-reduce, so they keep the share they were given.
         self.step_threads = (
@@ -207,19 +214,20 @@ class ModelRunner:
     @property
     def kv_bytes_per_block_per_layer(self) -> int:
         c = self.config
-        return 2 * self.num_kv_heads * c.head_dim * self.dtype.itemsize * self.block_size
+        return 2 * self.num_kv_heads * c.head_dim * self.kv_dtype.itemsize * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
         num_layers = len(self.model.layers)
         shape = (2, num_layers, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(num_layers)]
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks,
             self.block_size,
             cache.numel() * cache.element_size() / 2**30,
+            self.kv_dtype,
         )
 
     @torch.inference_mode()

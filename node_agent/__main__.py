@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--heartbeat-interval", dest="heartbeat_interval_s", type=float, help="seconds (1)")
     add("--max-num-waiting-requests", type=int, help="waiting-queue bound before 429 (256)")
     add("--kv-cache-gib", type=float, help="KV cache size on CPU, in GiB (2)")
+    add("--kv-cache-dtype", help="the KV cache's element type: auto (the model's dtype) or fp8")
     add("--num-kv-blocks", type=int, help="KV cache size in blocks (overrides the GiB)")
     add("--max-model-len", type=int, help="context length cap, in tokens")
     add("--max-num-seqs", type=int, help="most requests in one batch (64)")

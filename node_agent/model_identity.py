@@ -54,5 +54,5 @@ def model_identity(weights_id: str, llm: AsyncEngine) -> ModelIdentity:
         weights_id=weights_id,
         context_length=llm.max_model_len,
         dtype=llm.weights_format.dtype,
-        quantization=llm.weights_format.quantization,
+        quantization=llm.weights_format.reported_quantization,
     )

@@ -60,6 +60,9 @@ class NodeAgentSettings(BaseSettings):
     # Q4_1 blocks; auto: what the engine judges fastest here.
     quantization: Literal["auto", "none", "int8", "q4_1"] = "auto"
     block_size: int = Field(default=16, ge=1, le=1024)
+    # The KV cache's element type (engine/config.py KV_CACHE_DTYPES): auto (the model's dtype)
+    # or fp8, half of bf16's bytes: twice the blocks in kv_cache_gib.
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     kv_cache_gib: float = Field(default=2.0, gt=0.0)
     num_kv_blocks: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
@@ -220,6 +223,7 @@ class NodeAgentSettings(BaseSettings):
             dtype=self.dtype,
             quantization=self.quantization,
             block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             cpu_kv_cache_gib=self.kv_cache_gib,
             num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len,

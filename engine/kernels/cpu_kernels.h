@@ -74,6 +74,33 @@ inline void to_float(const at::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
 }
 
+// An 8-bit KV cache (kv_cache_dtype "fp8"): float8_e4m3fn, no scale, as vLLM's default.
+using Fp8 = c10::Float8_e4m3fn;
+constexpr float kFp8Max = 448.f;  // e4m3fn's largest finite value; beyond it a cast gives NaN
+
+inline void to_float(const Fp8* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
+}
+
+// Saturating, as engine/model/kv_quant.py quantizes: the same bits on both paths.
+inline void from_float(const float* src, Fp8* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Fp8(std::min(std::max(src[i], -kFp8Max), kFp8Max));
+}
+
+// A KV row as bf16 bits, for kernels that multiply bf16 pairs: exact from fp8 (3 mantissa
+// bits, 4 exponent bits, all held by bf16's 7 and 8).
+inline void to_bf16_bits(const at::BFloat16* src, uint16_t* dst, int64_t n) {
+  std::memcpy(dst, src, n * 2);
+}
+inline void to_bf16_bits(const Fp8* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = float(src[i]);
+    uint32_t wide;
+    std::memcpy(&wide, &x, sizeof(float));
+    dst[i] = uint16_t(wide >> 16);
+  }
+}
+
 // Rounds to the storage type as torch does (bf16: round to nearest even), so that an op that
 // rounds between steps, as the eager path does, gives the same bits.
 inline void from_float(const float* src, at::BFloat16* dst, int64_t n) {
@@ -113,6 +140,19 @@ void dispatch_storage_type(at::ScalarType type, const char* op, Fn&& fn) {
   }
 }
 
+// Calls fn(cache_t{}) for a KV cache holding `cache_type` beside activations of `scalar_t`:
+// the activations' own type, or fp8.
+template <typename scalar_t, typename Fn>
+void dispatch_cache_type(at::ScalarType cache_type, const char* op, Fn&& fn) {
+  if (cache_type == at::kFloat8_e4m3fn) {
+    fn(Fp8{});
+  } else {
+    TORCH_CHECK(cache_type == c10::CppTypeToScalarType<scalar_t>::value, op,
+                ": the KV cache holds ", cache_type, ", neither the activations' dtype nor fp8");
+    fn(scalar_t{});
+  }
+}
+
 #if defined(__AVX512F__)
 // 16 lanes of a storage type widened to fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -122,6 +162,14 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// e4m3fn moved into fp16's fields (sign to bit 15, exponent and mantissa shifted up 7) is the
+// same number times 2^-8 (the biases differ by 8), subnormals included; no NaN is ever stored.
+inline __m512 load16(const Fp8* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f));
 }
 
 // vector_exp on 16 lanes (the same polynomial).

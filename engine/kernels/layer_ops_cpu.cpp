@@ -67,9 +67,9 @@ torch::Tensor norm(torch::Tensor x, const torch::Tensor* residual, torch::Tensor
   return out;
 }
 
-template <typename scalar_t>
-void rope_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, scalar_t* k_cache,
-               scalar_t* v_cache, const int64_t* slots, int64_t num_tokens, int64_t num_heads,
+template <typename scalar_t, typename cache_t>
+void rope_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, cache_t* k_cache,
+               cache_t* v_cache, const int64_t* slots, int64_t num_tokens, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim, half = head_dim / 2;
   const int64_t kv_size = num_kv_heads * head_dim;
@@ -93,8 +93,16 @@ void rope_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, scalar_t
         from_float(a.data(), head, head_dim);
       }
       const scalar_t* k = token + num_heads * head_dim;
-      std::memcpy(k_cache + slots[t] * kv_size, k, kv_size * sizeof(scalar_t));
-      std::memcpy(v_cache + slots[t] * kv_size, k + kv_size, kv_size * sizeof(scalar_t));
+      if constexpr (std::is_same_v<cache_t, scalar_t>) {
+        std::memcpy(k_cache + slots[t] * kv_size, k, kv_size * sizeof(scalar_t));
+        std::memcpy(v_cache + slots[t] * kv_size, k + kv_size, kv_size * sizeof(scalar_t));
+      } else {  // quantized on write, a head at a time
+        for (int64_t h = 0; h < 2 * num_kv_heads; ++h) {  // K's heads, then V's
+          to_float(k + h * head_dim, x.data(), head_dim);
+          cache_t* cache = h < num_kv_heads ? k_cache : v_cache;
+          from_float(x.data(), cache + slots[t] * kv_size + h % num_kv_heads * head_dim, head_dim);
+        }
+      }
     }
   });
 }
@@ -124,14 +132,17 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
               "expected contiguous caches (blocks, block_size, KVH, D)");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == num_tokens, "expected int64 slot_mapping (T,)");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && k_cache.scalar_type() == qkv.scalar_type(),
-              "qkv, cos, sin and the caches must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type(), "qkv, cos and sin must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
   dispatch_storage_type(qkv.scalar_type(), "rope_and_write_kv", [&](auto tag) {
     using scalar_t = decltype(tag);
-    rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
-                        sin.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                        v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
-                        num_tokens, num_heads, num_kv_heads, head_dim);
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "rope_and_write_kv", [&](auto ct) {
+      using cache_t = decltype(ct);
+      rope_rows<scalar_t, cache_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
+                                   sin.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
+                                   v_cache.data_ptr<cache_t>(), slot_mapping.data_ptr<int64_t>(),
+                                   num_tokens, num_heads, num_kv_heads, head_dim);
+    });
   });
 }
 

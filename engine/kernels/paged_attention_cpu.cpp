@@ -8,6 +8,9 @@
 // loaded; otherwise a plain loop over fp32 copies of each block, left to the vectorizer. Either
 // way a sequence's result does not depend on what else the step holds.
 //
+// The cache holds q's dtype or fp8 (kv_cache_dtype "fp8"), widened to fp32 as it is read, so
+// an 8-bit cache halves the bytes a step reads here.
+//
 // Layouts: q (B, H, D); k_cache, v_cache (num_blocks, block_size, KVH, D);
 // block_tables (B, max_blocks) int64; context_lens (B,) int64; out (B, H, D).
 #include "cpu_kernels.h"
@@ -152,7 +155,7 @@ AvxAttend<scalar_t> avx512_attend_for(int64_t head_dim, int64_t group) {
 }
 #endif
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                       const torch::Tensor& context_lens, torch::Tensor& out, double scale) {
@@ -163,13 +166,13 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t q_stride = q.stride(0);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = k_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 #if defined(__AVX512F__)
-  const AvxAttend<scalar_t> fast = avx512_attend_for<scalar_t>(head_dim, group);
+  const AvxAttend<cache_t> fast = avx512_attend_for<cache_t>(head_dim, group);
 #endif
 
   // A step with little context to read runs on the calling thread: a parallel region costs more
@@ -228,19 +231,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = torch::empty(q.sizes(), q.options());
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-      break;
-    case at::kBFloat16:
-      decode_attention<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-      break;
-    case at::kHalf:
-      decode_attention<at::Half>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
-  }
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
+  dispatch_storage_type(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "paged_decode_attention", [&](auto ct) {
+      decode_attention<scalar_t, decltype(ct)>(q, k_cache, v_cache, block_tables, context_lens,
+                                               out, scale);
+    });
+  });
   return out;
 }
 

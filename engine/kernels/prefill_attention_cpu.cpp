@@ -17,7 +17,8 @@
 //
 // Layouts: q (T, H, D), each token's heads packed, tokens possibly apart (a view of QKV);
 // k_cache, v_cache (num_blocks, block_size, KVH, D); block_ids (blocks of the sequence,) int64,
-// covering its context and the chunk, whose own keys are already written; out (T, H, D).
+// covering its context and the chunk, whose own keys are already written; out (T, H, D). The
+// cache holds q's dtype or fp8 (kv_cache_dtype "fp8"), widened exactly as it is packed.
 // Needs AVX-512 and D a multiple of 64, at most 256 (paged_prefill_supported); the engine
 // keeps the portable path elsewhere.
 #include "cpu_kernels.h"
@@ -189,9 +190,9 @@ struct Bf16Format {
         }
         const auto [k_row, v_src] = row_of(key);
         uint32_t k_pairs[kMaxHeadDim / 2];
-        std::memcpy(k_pairs, k_row, d * 2);
+        to_bf16_bits(k_row, reinterpret_cast<uint16_t*>(k_pairs), d);
         for (int64_t e = 0; e < pairs; ++e) kp_chunk[e * kChunkKeys + key - c0] = k_pairs[e];
-        std::memcpy(v_rows[h], v_src, d * 2);
+        to_bf16_bits(v_src, v_rows[h], d);
       }
       for (int64_t e = 0; e < d; ++e)
         v_pair[e] = uint32_t(v_rows[0][e]) | uint32_t(v_rows[1][e]) << 16;
@@ -252,7 +253,7 @@ struct Bf16Format {
 };
 #endif
 
-template <typename Format, typename scalar_t>
+template <typename Format, typename scalar_t, typename cache_t>
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_ids,
                        int64_t num_context, torch::Tensor& out, double scale) {
@@ -267,8 +268,8 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t head_elems = Format::key_elems(num_chunks * kChunkKeys, head_dim);
   const int64_t query_elems = Format::query_elems(head_dim);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = k_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
   const int64_t* ids = block_ids.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
@@ -287,7 +288,7 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
         const int64_t base = slot * token_stride + kv_head * head_dim;
         return std::pair{k_ptr + base, v_ptr + base};
       };
-      Format::template pack_chunk<scalar_t>(row_of, chunk * kChunkKeys, num_keys, head_dim,
+      Format::template pack_chunk<cache_t>(row_of, chunk * kChunkKeys, num_keys, head_dim,
                                             keys_all + kv_head * head_elems,
                                             values_all + kv_head * head_elems);
     }
@@ -364,8 +365,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
               " on this CPU build");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must have one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
   TORCH_CHECK(block_ids.scalar_type() == torch::kInt64, "block ids must be int64");
   TORCH_CHECK(num_context >= 0 && q.size(0) > 0, "need at least one query token");
   TORCH_CHECK(block_ids.numel() * k_cache.size(1) >= num_context + q.size(0),
@@ -376,15 +376,20 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
 #if defined(__AVX512F__)
 #if defined(MERIDIAN_AVX512_BF16)
   if (q.scalar_type() == at::kBFloat16) {
-    prefill_attention<Bf16Format, at::BFloat16>(q, k_cache, v_cache, block_ids, num_context, out,
-                                                scale);
+    const char* op = "paged_prefill_attention";
+    dispatch_cache_type<at::BFloat16>(k_cache.scalar_type(), op, [&](auto ct) {
+      prefill_attention<Bf16Format, at::BFloat16, decltype(ct)>(q, k_cache, v_cache, block_ids,
+                                                                num_context, out, scale);
+    });
     return out;
   }
 #endif
   dispatch_storage_type(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    prefill_attention<Fp32Format, scalar_t>(q, k_cache, v_cache, block_ids, num_context, out,
-                                            scale);
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "paged_prefill_attention", [&](auto ct) {
+      prefill_attention<Fp32Format, scalar_t, decltype(ct)>(q, k_cache, v_cache, block_ids,
+                                                            num_context, out, scale);
+    });
   });
 #endif
   return out;

@@ -4,6 +4,8 @@ Cache layout per layer: (num_blocks, block_size, num_kv_heads, head_dim), so a b
 contiguous slab and a token's slot is `block_id * block_size + offset`. A step's tokens come
 flattened, single-token queries first (decodes, batched into one padded call), then each
 multi-token chunk (prefills, one call each, causal with the chunk's offset into its context).
+The cache holds the model's dtype or fp8 (`kv_cache_dtype`, model/kv_quant.py), which every
+path widens as it reads.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+from engine.model.kv_quant import gather_blocks, is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +80,16 @@ class AttentionMetadata:
         )
 
 
-def paged_decode_kernel(device: torch.device) -> DecodeKernel | None:
-    """The decode kernel that reads the cache in place on `device`: the C++ one on CPU, the
-    Triton one on CUDA. None: decodes gather their blocks for SDPA (the portable path)."""
+def paged_decode_kernel(device: torch.device, cache_dtype: torch.dtype) -> DecodeKernel | None:
+    """The decode kernel that reads a cache of `cache_dtype` in place on `device`: the C++ one
+    on CPU, the Triton one on CUDA (not for an fp8 cache: untried there). None: decodes gather
+    their blocks for SDPA (the portable path)."""
     if device.type == "cpu":
         kernels = cpu_kernels()
         return None if kernels is None else kernels.paged_decode_attention
-    return _triton_decode_kernel() if device.type == "cuda" else None
+    if device.type == "cuda" and cache_dtype != torch.float8_e4m3fn:
+        return _triton_decode_kernel()
+    return None
 
 
 def paged_prefill_kernel(device: torch.device, head_dim: int) -> PrefillKernel | None:
@@ -142,7 +148,7 @@ def _decode_attention(
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if meta.decode_mask is None:
-        kernel = paged_decode_kernel(q.device)
+        kernel = paged_decode_kernel(q.device, k_cache.dtype)
         assert kernel is not None, "metadata built for a kernel that is not loaded"
         return kernel(
             q,
@@ -154,8 +160,8 @@ def _decode_attention(
         )
     # Portable path: gather the blocks into a padded batch, (B, KVH, max_blocks * bs, D).
     block_ids = meta.decode_block_tables.view(-1)
-    keys = k_cache.index_select(0, block_ids)
-    values = v_cache.index_select(0, block_ids)
+    keys = gather_blocks(k_cache, block_ids, q.dtype)
+    values = gather_blocks(v_cache, block_ids, q.dtype)
     keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
@@ -178,13 +184,16 @@ def _prefill_attention(
         return kernel(
             q, k_cache, v_cache, chunk.block_ids, chunk.num_context_tokens, head_dim**-0.5
         )
-    if chunk.mask is None:
+    # A chunk without context attends to its own keys; from an 8-bit cache, as stored, as the
+    # kernel and later decodes read them.
+    if chunk.mask is None and not is_quantized(k_cache):
         keys, values = k, v
     else:
         num_keys = chunk.num_context_tokens + chunk.num_tokens
-        keys = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)[:num_keys]
-        values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
-        values = values[:num_keys]
+        keys = gather_blocks(k_cache, chunk.block_ids, q.dtype)
+        keys = keys.view(-1, num_kv_heads, head_dim)[:num_keys]
+        values = gather_blocks(v_cache, chunk.block_ids, q.dtype)
+        values = values.view(-1, num_kv_heads, head_dim)[:num_keys]
     # (1, heads, tokens, D): the CPU flash kernel takes only 4-D inputs; 3-D falls back to math.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),

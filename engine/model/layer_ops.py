@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+from engine.model.kv_quant import write_slots
 from engine.model.rope_scaling import scale_inv_freq
 from engine.model_config import Llama3RopeScaling
 
@@ -102,8 +103,8 @@ class RotaryAngles(NamedTuple):
         if kernels is None:
             cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+            write_slots(k_cache, slot_mapping, k)
+            write_slots(v_cache, slot_mapping, v)
         return q, k, v
 
 

@@ -11,11 +11,8 @@ import torch
 from real_model import KV_CACHE_GIB
 from tiny_checkpoints import save_tiny_transformers_model
 
+from bench.kv_cache_accuracy import prompt_logits
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams as Params
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -32,20 +29,6 @@ QUESTIONS = [
     "List the first five prime numbers.",
     "What does a bee make?",
 ]
-
-
-def prompt_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
-    """Our logits at every position of one prompt, prefilled in one chunk through the pool."""
-    kv = engine.scheduler.kv_cache
-    seq = Sequence("probe", token_ids, Params(), max_tokens=1)
-    assert kv.allocate_slots(seq, len(token_ids))
-    runner = engine.executor.runner
-    try:
-        inputs, _ = runner.prepare(ScheduledBatch([seq], [len(token_ids)]))
-        inputs.logits_rows = torch.arange(len(token_ids))
-        return runner.run(inputs)
-    finally:
-        kv.free(seq)
 
 
 def hf_greedy(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

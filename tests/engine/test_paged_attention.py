@@ -323,13 +323,16 @@ def test_triton_decode_kernel_on_cuda_equals_dense_attention(dtype: torch.dtype)
 
 
 def test_the_triton_kernel_is_chosen_for_cuda_only() -> None:
-    triton_kernel = paged_decode_kernel(torch.device("cuda"))
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    # An fp8 cache takes the portable path on CUDA: the Triton kernel is untried on it.
+    assert paged_decode_kernel(torch.device("cuda"), fp8) is None
+    triton_kernel = paged_decode_kernel(torch.device("cuda"), bf16)
     if triton_kernel is None:
         pytest.skip("triton is not installed here")
     assert triton_kernel.__module__ == "engine.kernels.paged_attention_triton"
-    cpu_kernel = paged_decode_kernel(torch.device("cpu"))
+    cpu_kernel = paged_decode_kernel(torch.device("cpu"), bf16)
     assert cpu_kernel is None or cpu_kernel.__module__ != triton_kernel.__module__
-    assert paged_decode_kernel(torch.device("meta")) is None
+    assert paged_decode_kernel(torch.device("meta"), bf16) is None
 
 
 def test_kernels_are_built_per_cpu_and_version() -> None:

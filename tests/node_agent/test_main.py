@@ -63,10 +63,19 @@ def test_the_quantization_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) ->
     assert load_settings(parse_args([])).engine_config().quantization == "none"
 
 
+def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(parse_args([])).engine_config().kv_cache_dtype == "auto"
+    config = load_settings(parse_args(["--kv-cache-dtype", "fp8"])).engine_config()
+    assert config.kv_cache_dtype == "fp8"
+    monkeypatch.setenv("MERIDIAN_NODE_AGENT_KV_CACHE_DTYPE", "fp8")
+    assert load_settings(parse_args([])).engine_config().kv_cache_dtype == "fp8"
+
+
 @pytest.mark.parametrize(
     ("argv", "status", "needle"),
     [
         (["--quantization", "q8"], 2, "quantization"),
+        (["--kv-cache-dtype", "int4"], 2, "kv_cache_dtype"),
         (["--tensor-parallel-size", "0"], 2, "tensor"),
         (["--pipeline-parallel-size", "0"], 2, "pipeline"),
         (["--model", "no-such-model"], 2, "no-such-model"),
