@@ -128,6 +128,25 @@ def test_tokens_per_minute_reserve_then_settle(
         assert int(too_large.headers["retry-after"]) >= 1
 
 
+def test_the_token_reservation_counts_every_choice_of_n_then_settles_at_the_usage(
+    gateway: GatewayThread, two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    secret = new_key(two_regions, gateway, rpm=1000, tpm=300)
+    with client_for(gateway, client_ssl, secret) as http:
+        # 4 choices of 50 and the prompt's bound (55): 255 reserved, within the 300.
+        four = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50, "n": 4})
+        assert four.status_code == 200
+        assert int(four.headers["x-ratelimit-remaining-tokens"]) <= 300 - 55 - 4 * 50
+        # Settled at the usage the node reported (10), so the same again fits at once ...
+        again = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50, "n": 4})
+        assert again.status_code == 200
+        # ... while 5 of 50 (305) never fit.
+        five = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50, "n": 5})
+        error = assert_openai_error(five, 429, "rate_limit_exceeded")
+        assert "Request too large" in str(error["message"])
+    assert two_regions.regions["us-east"].upstream.seen[-1].body["n"] == 4
+
+
 def test_token_limit_refuses_until_the_bucket_refills(
     gateway: GatewayThread, two_regions: Fleet, client_ssl: ssl.SSLContext
 ) -> None:
