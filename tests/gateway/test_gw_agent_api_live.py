@@ -29,7 +29,7 @@ from openai.types.chat import (
     ChatCompletionMessageFunctionToolCall,
     ChatCompletionMessageParam,
 )
-from test_gw_real_nodes import MAX_LOAD_S, start_real_node, stop_nodes
+from test_gw_real_nodes import MAX_LOAD_S, fp32_regions
 
 from engine.model_store import DEFAULT_MODEL
 
@@ -71,19 +71,9 @@ def stack(
     smollm2_gguf: Path,
 ) -> Iterator[Stack]:
     tmp_path = tmp_path_factory.mktemp("agent-api")
-    fleet = Fleet(tmp_path, server_cert, heartbeat_interval_s=0.5)
-    processes: dict[str, subprocess.Popen[bytes]] = {}
-    try:
-        fleet.start_control_plane()
-        for region in ("us-east", "eu-west"):
-            processes[region] = start_real_node(
-                fleet, region, tmp_path, "--dtype", "float32", serving_token=SERVING_TOKEN
-            )
+    with fp32_regions(tmp_path, server_cert, SERVING_TOKEN) as (fleet, processes):
         _, secret = fleet.create_key()
         yield Stack(fleet, processes, secret, client_ssl)
-    finally:
-        stop_nodes(list(processes.values()))
-        fleet.close()
 
 
 @pytest.fixture(scope="module")

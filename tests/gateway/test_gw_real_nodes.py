@@ -9,6 +9,7 @@ import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -74,6 +75,27 @@ def stop_nodes(nodes: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             node.kill()
             node.wait(timeout=5)
+
+
+@contextmanager
+def fp32_regions(
+    tmp_path: Path, cert: tuple[Path, Path], serving_token: str
+) -> Iterator[tuple[Fleet, dict[str, subprocess.Popen[bytes]]]]:
+    """A control plane and a real node agent in fp32 (a resumed greedy stream goes on exactly
+    as the unbroken one only in fp32: docs/gateway.md) in us-east and in eu-west, each serving
+    only the callers that present `serving_token` (resumed ids are a gateway's field)."""
+    fleet = Fleet(tmp_path, cert, heartbeat_interval_s=0.5)
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        fleet.start_control_plane()
+        for region in ("us-east", "eu-west"):
+            processes[region] = start_real_node(
+                fleet, region, tmp_path, "--dtype", "float32", serving_token=serving_token
+            )
+        yield fleet, processes
+    finally:
+        stop_nodes(list(processes.values()))
+        fleet.close()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gw_fleet import Fleet, GatewayThread, wait_until
-from test_gw_real_nodes import MAX_LOAD_S, start_real_node, stop_nodes
+from test_gw_real_nodes import MAX_LOAD_S, fp32_regions
 
 from bench.chat_streams import TOPICS, StreamResult, read_streams
 from engine.model_store import DEFAULT_MODEL
@@ -75,18 +75,8 @@ async def run_streams(
 def nodes(
     tmp_path: Path, server_cert: tuple[Path, Path], smollm2_gguf: Path
 ) -> Iterator[tuple[Fleet, dict[str, subprocess.Popen[bytes]]]]:
-    fleet = Fleet(tmp_path, server_cert, heartbeat_interval_s=0.5)
-    processes: dict[str, subprocess.Popen[bytes]] = {}
-    try:
-        fleet.start_control_plane()
-        for region in ("us-east", "eu-west"):
-            processes[region] = start_real_node(
-                fleet, region, tmp_path, "--dtype", "float32", serving_token=SERVING_TOKEN
-            )
-        yield fleet, processes
-    finally:
-        stop_nodes(list(processes.values()))
-        fleet.close()
+    with fp32_regions(tmp_path, server_cert, SERVING_TOKEN) as regions:
+        yield regions
 
 
 def test_streams_survive_their_regions_node_being_killed(
