@@ -129,6 +129,26 @@ def test_changes_and_beats_through_one_replica_reach_the_other(
     wait_for(lambda: status(b, tokens)["num_nodes"] == 0, "n1 gone at b")
 
 
+def test_a_regions_picker_set_at_one_replica_reaches_the_other(
+    pair: Pair, tokens: TokenSet
+) -> None:
+    a, b = pair
+    admin = bearer(tokens.admin)
+    assert httpx.post(a.base_url + "/v1/regions", json=REGION, headers=admin).status_code == 201
+
+    def picker_at_b() -> object:
+        return httpx.get(b.base_url + "/v1/regions/us-east", headers=admin).json()["picker"]
+
+    def set_at_a_then_seen_at_b(picker: str | None) -> None:
+        patch = {"picker": picker}
+        patched = httpx.patch(a.base_url + "/v1/regions/us-east", json=patch, headers=admin)
+        assert patched.status_code == 200, patched.text
+        wait_for(lambda: picker_at_b() == picker, f"picker {picker} at b")
+
+    set_at_a_then_seen_at_b("127.0.0.1:9100")
+    set_at_a_then_seen_at_b(None)
+
+
 def test_a_dead_leaders_drains_resume_at_the_new_leader(pair: Pair, tokens: TokenSet) -> None:
     a, b = pair
     admin = bearer(tokens.admin)
