@@ -165,11 +165,19 @@ inline __m512 load16(const at::Half* p) {
 }
 // e4m3fn moved into fp16's fields (sign to bit 15, exponent and mantissa shifted up 7) is the
 // same number times 2^-8 (the biases differ by 8), subnormals included; no NaN is ever stored.
-inline __m512 load16(const Fp8* p) {
+// load16_scaled gives that (lanes times kLoadScale<T>), for loops that fold the 2^8 into their
+// other operand once; a power of two, so the products round as the true values' do.
+template <typename T>
+constexpr float kLoadScale = std::is_same_v<T, Fp8> ? 256.f : 1.f;
+inline __m512 load16_scaled(const Fp8* p) {
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
   const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f));
+  return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+template <typename T>
+inline __m512 load16_scaled(const T* p) {
+  return load16(p);
 }
 
 // vector_exp on 16 lanes (the same polynomial).
