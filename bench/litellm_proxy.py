@@ -44,13 +44,16 @@ for text in requires("litellm") or []:
 _MISSING = re.compile(r"No module named '([A-Za-z0-9_]+)")
 _NO_MATCH = re.compile(r"No matching distribution found for ([A-Za-z0-9_.-]+)")
 
+# Without the registry pip would retry each download for minutes: fail fast instead.
+_QUICK_FAIL = ("--retries", "1", "--timeout", "20")
+
 Say = Callable[[str], None]
 
 
 def _pip(python: Path, packages: list[str], say: Say) -> str | None:
     """pip install `packages`, its progress passed on to stderr line by line: None once
     installed, else the requirement the registry has no match for ("" if something else)."""
-    args = [str(python), "-m", "pip", "install", "--progress-bar", "off", *packages]
+    args = [str(python), "-m", "pip", "install", "--progress-bar", "off", *_QUICK_FAIL, *packages]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     unmatched = ""

@@ -27,8 +27,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import aiohttp
+from yarl import URL
 
 from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
 from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
@@ -39,6 +41,16 @@ from gateway.sse import DATA_PREFIX, ERROR_PREFIX, EVENT_END, first_output
 from gateway.upstream_request import UpstreamRequest
 from wire.heartbeat import NODE_ID_HEADER
 from wire.upstream_url import join_path
+
+# Distinct (region URL, path) pairs are few: each one's URL is built and parsed once, not per
+# request (measured: about 3% of the CPU of a proxied request).
+MAX_CACHED_URLS = 1024
+
+
+@lru_cache(maxsize=MAX_CACHED_URLS)
+def _upstream_url(base: str, path: str) -> URL:
+    return URL(join_path(base, path))
+
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +223,7 @@ class Proxy:
         async with asyncio.timeout(min(remaining_s, self._first_byte_timeout_s_of(request))):
             response = await self._session.request(
                 request.method,
-                join_path(candidate.url, request.path),
+                _upstream_url(candidate.url, request.path),
                 data=request.data,
                 headers=request.headers,
                 timeout=self._timeout,

@@ -203,6 +203,10 @@ class StreamRelay:
         """The attempt's next bytes (b"" at its end), or None once it has been silent past its
         limit. The limit is looked up again every `unhealthy_s` of silence, so a node that
         turns unhealthy during a long one cuts it short."""
+        # Bytes already buffered need no timer (a non-stream's whole answer mostly is).
+        buffered = content.read_nowait()
+        if buffered or content.at_eof():
+            return buffered
         region, node = self.opened.candidate.region, self.opened.node
         while True:
             left_s = self._silence.of(region, node) - (time.monotonic() - self._heard_s)

@@ -40,6 +40,7 @@ _PROMPT_IDS = re.compile(rb',\s*"prompt_token_ids":\s*\[([0-9,\s]*)\]')
 _ID = re.compile(rb'"id":\s*"[^"]*"')
 _CREATED = re.compile(rb'"created":\s*[0-9]+')
 _FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
+_USAGE_OBJECTS = (b'"usage":{', b'"usage": {')  # not the `"usage":null` of every other chunk
 
 
 @dataclass(slots=True)
@@ -85,15 +86,19 @@ def _encode(payload: dict[str, object]) -> bytes:
 
 
 def _rewrite(
-    events: bytes, needle: bytes, change: Callable[[dict[str, object]], bool | None]
+    events: bytes,
+    needle: bytes | tuple[bytes, ...],
+    change: Callable[[dict[str, object]], bool | None],
 ) -> bytes:
-    """`events` with each event that holds `needle` parsed and handed to `change`, which edits
-    the payload in place and says what to send: True the edited payload, False the event as it
-    was, None nothing (the event is dropped). Events that are not JSON objects pass as they are.
+    """`events` with each event that holds `needle` (or one of them) parsed and handed to
+    `change`, which edits the payload in place and says what to send: True the edited payload,
+    False the event as it was, None nothing (the event is dropped). Events that are not JSON
+    objects pass as they are.
     """
     kept: list[bytes] = []
     for event in events.split(EVENT_END)[:-1]:
-        if needle in event and event.startswith(DATA_PREFIX):
+        holds = needle in event if isinstance(needle, bytes) else any(n in event for n in needle)
+        if holds and event.startswith(DATA_PREFIX):
             try:
                 payload = json.loads(event[len(DATA_PREFIX) :])
             except ValueError:
@@ -214,7 +219,7 @@ class StreamReader:
             self.has_first_token = first_output(events) is not None
         if not self.is_done and DONE_EVENT in events:
             self.is_done = True
-        if b'"usage":{' in events or b'"usage": {' in events:
+        if _USAGE_OBJECTS[0] in events or _USAGE_OBJECTS[1] in events:
             events = self._take_usage(events)
         if self._strip_usage:
             for null_usage in _NULL_USAGES:
@@ -289,7 +294,9 @@ class StreamReader:
         return True
 
     def _take_usage(self, events: bytes) -> bytes:
-        return _rewrite(events, b'"usage"', self._settle_usage)
+        # Only the events with a usage object are parsed (measured: parsing every chunk's
+        # `"usage":null` too cost about 4% of a non-streamed request's CPU).
+        return _rewrite(events, _USAGE_OBJECTS, self._settle_usage)
 
     def _settle_usage(self, payload: dict[str, object]) -> bool | None:
         usage = usage_of(payload)
