@@ -117,11 +117,20 @@ class Report:
         return getattr(self.results[target], metric) - getattr(self.results["direct"], metric)
 
 
+_TAKEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nothing listens on, never one this run handed out before (the kernel may give a
+    just-closed port again: the gateway and Envoy once got the same one, Envoy answering for
+    both)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _TAKEN_PORTS:
+            _TAKEN_PORTS.add(port)
+            return port
 
 
 def median(values: list[float]) -> float:
