@@ -2,10 +2,14 @@
 region (or, for `auto`, the edge) that answers in time opened (gateway/proxy.py, gateway/edge.py).
 
 The request goes as the model it resolved to (gateway/model_routes.py): its plan is among the
-regions serving that model, and the body and MODEL_HEADER name it. When the model has no
-capacity reachable (no region serving it can take work, every region tried refused for capacity
-or none could be reached), the next of its fallbacks the key may use is tried the same way,
-within the same deadline; the answer is the first model's with capacity, or the last refusal.
+regions serving that model, and the body and MODEL_HEADER name it. After the first region, the
+plan keeps only the regions whose nodes for the model report the same weights (a model's name
+answers with one text, failover or not). When the model has no capacity reachable (no region
+serving it can take work: none serves it, or every one is circuit-open or saturated; every
+region tried refused for capacity, or none could be reached), the next of its fallbacks the key
+may use is tried the same way, within the same deadline; the answer is the first model's with
+capacity, or the last refusal. A model whose regions are all circuit-open or saturated is tried
+after its fallbacks rather than not at all (`in_turn`).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from gateway.edge import AutoTier
 from gateway.errors import GatewayError, NoCapacityError, UpstreamError
 from gateway.keys import ApiKey
 from gateway.limit_shares import PopLimiter
-from gateway.model_routes import ModelChoice, is_out_of_capacity
+from gateway.model_routes import ModelChoice, in_turn, is_out_of_capacity
 from gateway.proxy import Opened, Proxy
 from gateway.request_ids import HEADER
-from gateway.routing import RoutePlan, Router
+from gateway.routing import RoutePlan, Router, among_same_weights, has_capacity
 from gateway.settings import GatewaySettings
 from gateway.tiers import Tier
 from gateway.upstream_request import UpstreamRequest
@@ -103,13 +107,23 @@ class Dispatch:
         parsed = admitted.parsed
         refusal: Routed | None = None
         error: GatewayError | None = None
-        for model in choice.models:
+        # `auto`'s own model may still go to the edge when no region can take it.
+        is_auto_asked = self.auto is not None and self.auto.is_auto(parsed)
+
+        def plan_of(model: str) -> RoutePlan:
             plan_model = model if choice.is_model_aware else None
-            plan = self.router.plan(parsed.prompt_tokens, parsed.affinity_key, model=plan_model)
-            # `auto`'s own model may still go to the edge when no region can take it.
-            is_auto = model == choice.model and self.auto is not None and self.auto.is_auto(parsed)
+            return self.router.plan(parsed.prompt_tokens, parsed.affinity_key, model=plan_model)
+
+        def may_open(model: str, plan: RoutePlan) -> bool:
+            return has_capacity(plan) or (is_auto_asked and model == choice.model)
+
+        for model, plan in in_turn(choice.models, plan_of, may_open):
+            is_auto = is_auto_asked and model == choice.model
             if not plan.candidates and not is_auto:
                 continue
+            plan_model = model if choice.is_model_aware else None
+            if plan_model is not None:
+                plan = among_same_weights(plan, self.router.regions, plan_model)
             request = upstream.for_model(model) if choice.is_model_aware else upstream
             try:
                 opened, tier = await self._open_plan(

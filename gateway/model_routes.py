@@ -22,8 +22,9 @@ admission: a refused request spends no rate limit.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from gateway.errors import ModelNotAllowedError, ModelNotFoundError
 from gateway.keys import ApiKey
@@ -35,12 +36,33 @@ MAX_NAME_SHOWN: Final = 128  # characters of a client's name an error repeats (a
 # Upstream answers that say a region has no room for the request now: the node's waiting queue
 # is full (429, also when deflected) or it is not ready, draining or dead (503).
 CAPACITY_STATUSES: Final = frozenset((429, 503))
+P = TypeVar("P")  # a plan: the gateway's RoutePlan, the simulator's picks
 
 
 def is_out_of_capacity(status: int) -> bool:
     """Whether an answer, the last of every region tried for a model, means the model has no
     capacity reachable now (its next fallback is tried) rather than an answer to pass on."""
     return status in CAPACITY_STATUSES
+
+
+def in_turn(
+    models: Sequence[str],
+    plan_of: Callable[[str], P],
+    has_capacity: Callable[[str, P], bool],
+) -> Iterator[tuple[str, P]]:
+    """`models` (a request's model, then its fallbacks) with their plans, in the order to try
+    them: each model whose plan has capacity, when its turn comes (planned then, after the
+    attempts before it); then the models whose plans had none, in order, with those plans (the
+    regions left to the request once every model with capacity has refused it). The gateway
+    (gateway/dispatch.py) and the simulator (simulator/flow.py) both take their turns here."""
+    put_off: list[tuple[str, P]] = []
+    for model in models:
+        plan = plan_of(model)
+        if has_capacity(model, plan):
+            yield model, plan
+        else:
+            put_off.append((model, plan))
+    yield from put_off
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@ the plan, the attempt under way, what has been relayed, and when."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gateway.attempts import AttemptSequence
@@ -22,6 +23,8 @@ class Flight:
     # The models to try in order: the request's, then its fallbacks (none without a gateway).
     models: tuple[str, ...]
     model_turn: int = 0  # the one tried now
+    # The models left to try with their plans (gateway.model_routes.in_turn), once planned.
+    turns: Iterator[tuple[str, list[Pick]]] | None = None
     picks: dict[str, Pick] = field(default_factory=dict)  # by region, the latest plan's
     is_edge: bool = False  # the attempts under way are the edge's
     attempts: AttemptSequence | None = None  # the gateway's sequencer over the plan

@@ -18,8 +18,9 @@ Timeouts and limits are the gateway's default settings. Each outcome is reported
 an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
 
 A request is for one model, and goes only to regions (and nodes) serving it. When the model has
-no capacity (no region serving it in the plan, or every region tried failed before a first
-byte), the gateway tries the next of its fallbacks the same way, within the same deadline, as
+no capacity (no region serving it in the plan, every one circuit-open or saturated, or every
+region tried failed before a first byte), the gateway tries the next of its fallbacks the same
+way, within the same deadline, in the turn `gateway.model_routes.in_turn` gives, as
 `gateway/dispatch.py` does; the request ends in an error only when none has. A resume stays on
 the model the stream began on (another model would write another text).
 """
@@ -32,6 +33,7 @@ from dataclasses import replace
 from functools import partial
 
 from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
+from gateway.model_routes import in_turn
 from gateway.routing import Candidate
 from simulator.access import Access, make_access
 from simulator.control import PopWatch
@@ -113,21 +115,25 @@ class Traffic:
                 return
         self._open_regions(flight)
 
-    def _open_regions(self, flight: Flight) -> None:
-        """The first of the flight's models (from the one tried now) that some region serves."""
-        now_s = self.loop.now_s
-        while True:
-            request = flight.request
-            if flight.model != request.model:  # a fallback: planned for as if asked for
-                request = replace(request, model=flight.model)
-            picks = self.chooser.order(flight.pop, request, now_s, self.max_attempts)
+    def _open_regions(self, flight: Flight, outcome: Outcome = Outcome.NO_CAPACITY) -> None:
+        """The next of the flight's models in the gateway's turn (`in_turn`) that some region
+        serves; `outcome`: how the flight ends when none is left."""
+        if flight.turns is None:
+            plan_of = partial(self._plan_for, flight)
+            flight.turns = in_turn(flight.models, plan_of, _has_capacity)
+        for model, picks in flight.turns:
             if picks:
+                flight.model_turn = flight.models.index(model)
                 self._open(flight, picks, self.limits)
                 return
-            if flight.model_turn + 1 == len(flight.models):
-                self._end(flight, Outcome.NO_CAPACITY)
-                return
-            flight.model_turn += 1
+        self._end(flight, outcome)
+
+    def _plan_for(self, flight: Flight, model: str) -> list[Pick]:
+        """The policy's order now for `model`: a fallback's planned for as if asked for."""
+        request = flight.request
+        if model != request.model:
+            request = replace(request, model=model)
+        return self.chooser.order(flight.pop, request, self.loop.now_s, self.max_attempts)
 
     def _open(self, flight: Flight, picks: list[Pick], limits: AttemptLimits) -> None:
         candidates = self._candidates(flight, picks)
@@ -148,9 +154,8 @@ class Traffic:
             if flight.is_committed:  # no continuation opened: the stream ends in an error
                 self._observe_ttft(flight, 0)
                 self._end(flight, Outcome.CUT)
-            elif step.reason != "deadline" and flight.model_turn + 1 < len(flight.models):
-                flight.model_turn += 1  # no capacity for this model: its next fallback
-                self._open_regions(flight)
+            elif step.reason != "deadline":  # no capacity for this model: its next fallback
+                self._open_regions(flight, Outcome.FAILED)
             else:
                 self._end(flight, Outcome.FAILED)
             return
@@ -363,7 +368,8 @@ class Traffic:
 
     def _end(self, flight: Flight, outcome: Outcome, done_s: float = 0.0) -> None:
         flight.is_ended = True
-        flight.job = None  # breaks the flight ↔ job cycle: freed now, not by the collector
+        # Breaks the flight ↔ job and flight ↔ turns cycles: freed now, not by the collector.
+        flight.job = flight.turns = None
         is_edge = flight.is_edge
         if is_edge:
             self._leave_edge(flight)
@@ -382,3 +388,7 @@ class Traffic:
             request, outcome, region, flight.num_attempts, flight.num_resumes, ttft_s, e2e_s,
             resume_s, tier, model,
         )  # fmt: skip
+
+
+def _has_capacity(model: str, picks: list[Pick]) -> bool:
+    return bool(picks) and picks[0].has_capacity

@@ -28,7 +28,7 @@ from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
 from control_plane.dns.steering import Steering
-from gateway.routing import Router, RouterConfig, SummaryLoads
+from gateway.routing import Router, RouterConfig, SummaryLoads, has_capacity
 from gateway.settings import GatewaySettings
 from simulator.control import PopWatch
 from simulator.node import Node
@@ -56,6 +56,9 @@ class Pick(NamedTuple):  # a tuple, not a frozen dataclass: made ~10 times per r
     region: str
     predicted_ttft_s: float = 0.0
     node: Node | None = None  # the oracle also picks the node
+    # Whether the plan it is part of has capacity (meridian's: gateway.routing.has_capacity;
+    # the other policies plan only what they take to have it).
+    has_capacity: bool = True
 
 
 class Chooser:
@@ -148,7 +151,8 @@ class MeridianChooser(Chooser):
             router.update(document)
         planned = planned_model(document, request.model)
         plan = router.plan(request.prompt_tokens, request.affinity_key, now_s, exclude, planned)
-        return [Pick(c.region, c.predicted_ttft_s) for c in plan.candidates[:limit]]
+        room = has_capacity(plan)
+        return [Pick(c.region, c.predicted_ttft_s, None, room) for c in plan.candidates[:limit]]
 
     def on_attempt(self, pop: str, region: str, now_s: float) -> None:
         state = self.routers[pop].state_of(region)

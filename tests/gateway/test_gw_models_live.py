@@ -16,8 +16,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from gw_catalog import CatalogForwarder
-from gw_fleet import Fleet, GatewayThread, wait_until
+from gw_fleet import FakeRegion, Fleet, GatewayThread, wait_until
 
+from gateway.breaker import BreakerState
 from gateway.errors import GatewayError
 from gateway.keys import ApiKey
 from wire.model_catalog import MODEL_HEADER, CatalogAlias, CatalogModel, ModelCatalog
@@ -270,17 +271,18 @@ def test_a_model_without_capacity_is_answered_by_its_fallback(
     assert "'large'" in none.json()["error"]["message"]
 
 
-def test_a_stream_resumes_only_where_the_same_weights_serve_its_model(
-    fleet: Fleet, client_ssl: ssl.SSLContext
-) -> None:
-    # us-east breaks mid-stream. Chicago is the next cheapest, but its nodes serve `small`
-    # with other weights: the continuation goes to eu-west, whose weights are us-east's.
-    broken = fleet.add_region("us-east", model="small", weights_id=A_WEIGHTS)
-    other = fleet.add_region("chicago", model="small", weights_id=B_WEIGHTS)
-    same = fleet.add_region("eu-west", model="small", weights_id=A_WEIGHTS)
-    for region in (broken, other, same):
-        region.upstream.behavior.num_chunks = 6
-    broken.upstream.behavior.die_after_chunks = 2
+def two_weights(fleet: Fleet) -> tuple[FakeRegion, FakeRegion, FakeRegion]:
+    """`small` in us-east and eu-west on weights A, in chicago (between them by cost from New
+    York) on weights B."""
+    return (
+        fleet.add_region("us-east", model="small", weights_id=A_WEIGHTS),
+        fleet.add_region("chicago", model="small", weights_id=B_WEIGHTS),
+        fleet.add_region("eu-west", model="small", weights_id=A_WEIGHTS),
+    )
+
+
+def started_on_weights(fleet: Fleet) -> GatewayThread:
+    """A gateway that knows every region's weights, and plans us-east, chicago, eu-west."""
     gateway = fleet.start_gateway()
     router = gateway.handlers.router
     wait_until(
@@ -290,6 +292,60 @@ def test_a_stream_resumes_only_where_the_same_weights_serve_its_model(
     )
     plan = router.plan(10, model="small").candidates
     assert [c.region for c in plan] == ["us-east", "chicago", "eu-west"]
+    return gateway
+
+
+def test_a_model_whose_only_region_is_circuit_open_is_answered_by_its_fallback_at_once(
+    two_models: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    # eu-west, the one region serving `large`, fails (its node answers 503) until this PoP's
+    # breaker for it opens; the summaries still list it, as in the seconds after a region dies.
+    write_catalog(two_models, CATALOG)
+    gateway = two_models.start_gateway(breaker_failures=3, breaker_open_s=600.0)
+    wait_for_models(gateway, "large", "small")
+    far = two_models.regions["eu-west"].upstream
+    breaker = gateway.handlers.router.regions["eu-west"].breaker
+    secret = new_key(two_models, gateway)
+    far.behavior.fail_status = 503
+    with client(gateway, client_ssl, secret) as http:
+        for _ in range(3):
+            assert_answered_by(http.post(CHAT_PATH, json=chat("large")), "us-east", "small")
+        assert breaker.state is BreakerState.OPEN and len(far.seen) == 3
+        # Were eu-west tried now, the request would wait there for a first byte: it is not.
+        far.behavior.fail_status, far.behavior.delay_s = None, 60.0
+        answered = http.post(CHAT_PATH, json=chat("large", stream=True))
+        assert_answered_by(answered, "us-east", "small")
+        assert {chunk["model"] for chunk in chunks_of(answered.text)} == {"small"}
+    assert len(far.seen) == 3
+
+
+def test_failover_goes_only_to_regions_serving_the_first_regions_weights(
+    fleet: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    # us-east refuses; chicago is next by cost but serves `small` with other weights: the
+    # request fails over to eu-west, whose weights are us-east's.
+    first, other, same = two_weights(fleet)
+    gateway = started_on_weights(fleet)
+    first.upstream.behavior.fail_status = 500
+    with client(gateway, client_ssl, new_key(fleet, gateway)) as http:
+        assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "eu-west", "small")
+        # With no region of those weights left, the model has no capacity: 503, not chicago.
+        same.upstream.behavior.fail_status = 503
+        none = http.post(CHAT_PATH, json=chat("small"))
+    assert none.status_code == 503
+    assert other.upstream.num_requests == 0
+
+
+def test_a_stream_resumes_only_where_the_same_weights_serve_its_model(
+    fleet: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    # us-east breaks mid-stream. Chicago is the next cheapest, but its nodes serve `small`
+    # with other weights: the continuation goes to eu-west, whose weights are us-east's.
+    broken, other, same = two_weights(fleet)
+    for region in (broken, other, same):
+        region.upstream.behavior.num_chunks = 6
+    broken.upstream.behavior.die_after_chunks = 2
+    gateway = started_on_weights(fleet)
     with client(gateway, client_ssl, new_key(fleet, gateway)) as http:
         response = http.post(CHAT_PATH, json=chat("small", stream=True, max_tokens=50))
     assert response.status_code == 200
