@@ -16,8 +16,10 @@ from gateway.errors import BodyTooLargeError, RateLimitError
 from gateway.keys import ApiKey
 from gateway.limit_shares import PopLimiter, Ticket
 from gateway.metrics import GatewayMetrics
+from gateway.model_routes import ModelChoice
 from gateway.openai_request import ParsedRequest
 from wire.key_snapshot import period_text
+from wire.limit_shares import split_entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +44,15 @@ async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
 
 
 async def admit(
-    limiter: PopLimiter, metrics: GatewayMetrics, key: ApiKey, parsed: ParsedRequest, model: str
+    limiter: PopLimiter,
+    metrics: GatewayMetrics,
+    key: ApiKey,
+    parsed: ParsedRequest,
+    choice: ModelChoice,
 ) -> Admitted:
-    """`parsed`'s reservation for `key` on `model` (what its name resolved to), or
+    """`parsed`'s reservation for `key` on `choice`'s model (what its name resolved to), or
     RateLimitError."""
-    ticket = await limiter.admit(key, model, parsed.reserved_tokens)
+    ticket = await limiter.admit(key, choice.model, parsed.reserved_tokens, choice.limits)
     if not ticket.is_allowed:
         limited_by = ticket.admission.limited_by
         metrics.count_rate_limited(key.id, limited_by or "tokens")
@@ -58,7 +64,9 @@ async def admit(
 
 def rate_limit_error(ticket: Ticket, num_tokens: int) -> RateLimitError:
     admission = ticket.admission
-    on = f" on model {ticket.model}" if ticket.refused_on_model else ""
+    on = ""
+    if ticket.refused_on_model and ticket.limits_on_model is not None:
+        on = f" on model {split_entry(ticket.limits_on_model.id)[1]}"  # the name it is keyed by
     if admission.is_too_large:
         message = (
             f"Request too large for tokens per min (TPM){on}: Limit {admission.tpm}, Requested "

@@ -69,7 +69,7 @@ class Handlers:
             parsed = parse_request(raw, endpoint, self.settings.default_max_tokens)
             proxy, limiter = self._proxy(), self._limiter()
             choice = self._model_choice(parsed, key)  # before admission: a 404 spends nothing
-            admitted = await admit(limiter, self.metrics, key, parsed, choice.model)
+            admitted = await admit(limiter, self.metrics, key, parsed, choice)
             routed = await self.dispatch(proxy, limiter, call, admitted, path, choice)
         except GatewayError as exc:
             return self.log.refuse(call, exc)

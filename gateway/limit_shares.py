@@ -103,6 +103,7 @@ class Ticket:
     model: str  # what the request resolved to
     on_model: Admission | None = None  # taken from the key's limits on `model` (None: none)
     refused_on_model: bool = False  # refused by the key's limits on `model`, not its own
+    limits_on_model: ApiKey | None = None  # those limits (keyed by `model` or an alias of it)
 
     @property
     def is_allowed(self) -> bool:
@@ -128,25 +129,27 @@ class PopLimiter:
         self.meter = meter
         self.spend = spend if spend is not None else SpendBook()
 
-    async def admit(self, key: ApiKey, model: str, num_tokens: int) -> Ticket:
+    async def admit(
+        self, key: ApiKey, model: str, num_tokens: int, on_model: ApiKey | None
+    ) -> Ticket:
         """Take one request and `num_tokens` from the key's budget, its buckets and its
-        buckets on `model` (if it has limits there), or nothing."""
+        limits `on_model` (`ModelChoice.limits`: the key's on `model`, None if none), or
+        nothing."""
         share = self.shares.share_of(key.id)  # before anything is taken: not ready is a 503
         exhausted = self.spend.reserve(key, num_tokens)
         if exhausted is not None:
             return Ticket(_over_budget(key, num_tokens, exhausted), model)
         admission = await self._take(key, share, num_tokens)
-        on_model = key.model_limits.get(model)
         if not admission.is_allowed or on_model is None:
             if not admission.is_allowed:
                 self.spend.release(key, num_tokens)
             return Ticket(admission, model)
         by_model = await self._take(on_model, self.shares.share_of(on_model.id), num_tokens)
         if by_model.is_allowed:
-            return Ticket(admission, model, by_model)
+            return Ticket(admission, model, by_model, limits_on_model=on_model)
         await self.buckets.refund(key, share, admission)
         self.spend.release(key, num_tokens)
-        return Ticket(by_model, model, refused_on_model=True)
+        return Ticket(by_model, model, refused_on_model=True, limits_on_model=on_model)
 
     async def _take(self, key: ApiKey, share: float, num_tokens: int) -> Admission:
         admission = await self.buckets.admit(key, share, num_tokens)
@@ -161,7 +164,7 @@ class PopLimiter:
         `answered`, the model that answered (a fallback's; None: the one it resolved to)."""
         admission = ticket.admission
         await self._give_back(key, admission, num_unused_tokens)
-        on_model = key.model_limits.get(ticket.model)
+        on_model = ticket.limits_on_model
         if ticket.on_model is not None and on_model is not None:
             await self._give_back(on_model, ticket.on_model, num_unused_tokens)
         num_used = admission.num_tokens - num_unused_tokens

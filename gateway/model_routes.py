@@ -73,6 +73,9 @@ class ModelChoice:
     # model-blind choice holds the request's name alone.
     models: tuple[str, ...]
     is_model_aware: bool  # False: plan over every region, send the name as it came
+    # The key's limits on the model (`ApiKey.model_limits`), keyed by its name or, failing
+    # that, by an alias that names it in this document; None: it has none there.
+    limits: ApiKey | None = None
 
     @property
     def model(self) -> str:
@@ -136,17 +139,29 @@ class ModelRoutes:
         if not self.is_model_aware:
             if not key.may_use(name):
                 raise _not_allowed(name)
-            return ModelChoice((name,), False)
+            return ModelChoice((name,), False, key.model_limits.get(name))
         model = self.model_of.get(name)
         if model is None:
             raise self.not_found(name, key)
+        limits = self._limits_on(key, model) if key.model_limits else None
         if key.models is None:
-            return ModelChoice(self.tries_of[model], True)
+            return ModelChoice(self.tries_of[model], True, limits)
         if not (key.may_use(name) or key.may_use(model)):
             raise _not_allowed(name)
         model, *fallbacks = self.tries_of[model]
         usable = [fallback for fallback in fallbacks if self._may_use_model(key, fallback)]
-        return ModelChoice((model, *usable), True)
+        return ModelChoice((model, *usable), True, limits)
+
+    def _limits_on(self, key: ApiKey, model: str) -> ApiKey | None:
+        """The key's limits keyed by `model`, else by the first of its aliases (sorted) that
+        has some: an alias's limits follow it to whatever model it names now."""
+        limits = key.model_limits.get(model)
+        if limits is None:
+            for alias in self.aliases_of.get(model, ()):
+                limits = key.model_limits.get(alias)
+                if limits is not None:
+                    break
+        return limits
 
     def _may_use_model(self, key: ApiKey, model: str) -> bool:
         """Whether the key's list holds `model` or one of its aliases."""

@@ -15,6 +15,7 @@ from gateway.model_routes import MAX_NAMED, ModelChoice, ModelRoutes, is_out_of_
 from gateway.resume import ResumeTargets
 from gateway.routing import Router
 from wire.geo import locate
+from wire.limit_shares import model_entry, split_entry
 from wire.model_catalog import CatalogAlias, CatalogModel, ModelCatalog
 from wire.region_summary import RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
@@ -167,3 +168,51 @@ def test_a_stream_resumes_only_where_the_same_weights_serve_its_model() -> None:
     # Model-blind (a version 1 document): every other region, as before.
     blind = ResumeTargets(router, None, None, None)
     assert len(blind.candidates(10, ["us-east"])) == 4
+
+
+def limited(*names: str) -> ApiKey:
+    """A key with limits on each of `names` (a model or an alias), as the snapshot has them."""
+    limits = {name: ApiKey(model_entry("k", name), 1, 10) for name in names}
+    return ApiKey("k", 100, 1000, model_limits=limits)
+
+
+def limits_named(routes: ModelRoutes, name: str, key: ApiKey) -> str | None:
+    """The name the limits `name`'s requests take from are keyed by (None: none)."""
+    limits = routes.resolve(name, key).limits
+    return None if limits is None else split_entry(limits.id)[1]
+
+
+def test_limits_named_by_an_alias_apply_to_the_model_it_names_now() -> None:
+    routes = ModelRoutes.of(document())
+    key = limited("chat-default", "tiny")
+    # chat-default -> chat-large -> large: its limits are large's, by any name.
+    assert [limits_named(routes, name, key) for name in ("large", "chat-large")] == [
+        "chat-default",
+        "chat-default",
+    ]
+    assert limits_named(routes, "tiny", key) == "tiny"
+    assert limits_named(routes, "small", key) is None
+    # Flipped to small: they follow the alias, and large has none left.
+    flipped = CATALOG.model_copy(
+        update={
+            "aliases": (
+                CatalogAlias(name="chat-small", target="small"),
+                CatalogAlias(name="chat-default", target="small"),
+                CatalogAlias(name="chat-large", target="large"),
+            )
+        }
+    )
+    after = ModelRoutes.of(document(catalog=flipped), routes)
+    assert limits_named(after, "small", key) == "chat-default"
+    assert limits_named(after, "large", key) is None
+
+
+def test_limits_named_by_the_model_itself_come_before_its_aliases() -> None:
+    routes = ModelRoutes.of(document())
+    assert limits_named(routes, "chat-default", limited("chat-large", "large")) == "large"
+    # Of two aliases of one model, the first by name.
+    assert limits_named(routes, "large", limited("chat-large", "chat-default")) == "chat-default"
+    # Model-blind: the name as sent.
+    blind = ModelRoutes.blind()
+    assert limits_named(blind, "large", limited("large")) == "large"
+    assert limits_named(blind, "chat-default", limited("large")) is None

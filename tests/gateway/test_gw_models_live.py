@@ -146,6 +146,13 @@ def catalog_gateway(two_models: Fleet) -> GatewayThread:
     return gateway
 
 
+def flip_to_small(fleet: Fleet, gateway: GatewayThread) -> None:
+    """Point chat-default at `small`, once `gateway` has the document that says so."""
+    fleet.admin_call("PATCH", "/v1/models/chat-default", json={"target": "small"})
+    routes = gateway.handlers.router
+    wait_until(lambda: routes.models.model_of["chat-default"] == "small", 5.0, "the flip")
+
+
 def test_each_model_is_answered_by_the_region_that_serves_it(
     two_models: Fleet, served_gateway: GatewayThread, client_ssl: ssl.SSLContext
 ) -> None:
@@ -223,12 +230,34 @@ def test_an_alias_is_answered_as_its_model_flips_and_a_limited_key_gets_403(
         # Refusals spent none of its 2 requests a minute.
         assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "us-east", "small")
         assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "us-east", "small")
-    # A rollout flips the alias: the next document moves its traffic.
-    two_models.admin_call("PATCH", "/v1/models/chat-default", json={"target": "small"})
-    routes = catalog_gateway.handlers.router
-    wait_until(lambda: routes.models.model_of["chat-default"] == "small", 5.0, "the flip")
+    flip_to_small(two_models, catalog_gateway)  # a rollout: the next document moves traffic
     with client(catalog_gateway, client_ssl, first_secret) as http:
         assert_answered_by(http.post(CHAT_PATH, json=chat("chat-default")), "us-east", "small")
+
+
+def test_limits_named_by_an_alias_apply_to_the_model_it_names_and_follow_a_flip(
+    two_models: Fleet,
+    catalog_gateway: GatewayThread,
+    client_ssl: ssl.SSLContext,
+) -> None:
+    limits = {"chat-default": {"rpm": 2, "tpm": 1_000_000}}
+    body = {"name": "k", "rpm": 10_000, "tpm": 10_000_000, "model_limits": limits}
+    secret = two_models.admin_call("POST", "/v1/keys", json=body)["secret"]
+    wait_for_key(catalog_gateway, secret)
+    with client(catalog_gateway, client_ssl, secret) as http:
+        # chat-default names `large`: its limits hold for `large` by any name.
+        statuses = [http.post(CHAT_PATH, json=chat(name)).status_code for name in ("large",) * 2]
+        refused = http.post(CHAT_PATH, json=chat("chat-default"))
+        assert statuses == [200, 200] and refused.status_code == 429
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded"
+        assert "(RPM) on model chat-default: Limit 2" in error["message"]
+        assert_answered_by(http.post(CHAT_PATH, json=chat("small")), "us-east", "small")
+    flip_to_small(two_models, catalog_gateway)
+    with client(catalog_gateway, client_ssl, secret) as http:
+        assert_answered_by(http.post(CHAT_PATH, json=chat("large")), "eu-west", "large")
+        # `small` now takes from chat-default's buckets, which `large` emptied.
+        assert http.post(CHAT_PATH, json=chat("small")).status_code == 429
 
 
 def test_a_model_without_capacity_is_answered_by_its_fallback(

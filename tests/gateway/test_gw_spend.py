@@ -104,9 +104,9 @@ def test_a_model_limit_refuses_on_its_own_and_gives_the_keys_request_back() -> N
 
     async def run() -> None:
         for _ in range(2):
-            admitted = await limiter.admit(key, MODEL, 100)
+            admitted = await limiter.admit(key, MODEL, 100, key.model_limits.get(MODEL))
             assert admitted.is_allowed and admitted.on_model is not None
-        refused = await limiter.admit(key, MODEL, 100)
+        refused = await limiter.admit(key, MODEL, 100, key.model_limits.get(MODEL))
         assert not refused.is_allowed and refused.refused_on_model
         assert refused.admission.limited_by == "requests" and refused.admission.rpm == 2
         error = rate_limit_error(refused, 100)
@@ -116,8 +116,10 @@ def test_a_model_limit_refuses_on_its_own_and_gives_the_keys_request_back() -> N
         # The key's own buckets hold two requests taken, not three.
         levels = limiter.buckets.levels_of("key_m")
         assert levels is not None and levels.request_level == pytest.approx(98.0, abs=0.1)
-        assert (await limiter.admit(key, "other-model", 100)).is_allowed  # no limit there
-        too_large = await limiter.admit(key, MODEL, 5000)
+        assert (
+            await limiter.admit(key, "other-model", 100, key.model_limits.get("other-model"))
+        ).is_allowed  # no limit there
+        too_large = await limiter.admit(key, MODEL, 5000, key.model_limits.get(MODEL))
         assert (
             too_large.admission.is_too_large
             and "(TPM) on model" in rate_limit_error(too_large, 5000).message
@@ -134,7 +136,7 @@ def test_settling_gives_back_to_both_entries_and_counts_the_spend_per_model() ->
     limiter = limiter_with()
 
     async def run() -> None:
-        admission = await limiter.admit(key, MODEL, 400)
+        admission = await limiter.admit(key, MODEL, 400, key.model_limits.get(MODEL))
         await limiter.settle(key, admission, 400 - 30)  # used 30
 
     asyncio.run(run())
@@ -149,9 +151,9 @@ def test_an_exhausted_budget_is_a_429_that_says_when_it_resets() -> None:
     limiter = limiter_with()
 
     async def run() -> None:
-        admission = await limiter.admit(key, MODEL, 60)
+        admission = await limiter.admit(key, MODEL, 60, key.model_limits.get(MODEL))
         await limiter.settle(key, admission, 0)  # used all 60
-        refused = await limiter.admit(key, MODEL, 10)
+        refused = await limiter.admit(key, MODEL, 10, key.model_limits.get(MODEL))
         assert not refused.is_allowed and refused.admission.limited_by == "budget"
         error = budget_error(key, refused)
         assert error.code == "budget_exceeded" and error.status_code == 429
