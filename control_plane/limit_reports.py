@@ -37,7 +37,7 @@ from control_plane.limit_shares import (
     need_of,
     share_for,
 )
-from control_plane.spend import budgets_spent, record_spend
+from control_plane.spend import budgets_spent, prune_spend, record_spend
 from control_plane.store.base import Connection, Row, Store, set_meta
 from wire.key_snapshot import ModelLimit
 from wire.limit_shares import (
@@ -139,6 +139,7 @@ class LimitLedger:
             (pop, default_share, now),
         )
         record_spend(conn, report, now)
+        prune_spend(conn, now)
         model_limits = _model_limits(conn)
         rows = _load_rows(conn, model_limits)
         half_life_s = self._config.demand_half_life_s

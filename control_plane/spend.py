@@ -6,15 +6,20 @@ A key's period is its budget's (`budget_period_s`), or a UTC day for a key witho
 tokens count in the period holding the moment the control plane hears of them. Changing a key's
 period starts counting anew: spend recorded under the old period's starts counts only where
 such a start falls inside the new current period.
+
+Rows of periods that ended before a key's previous one are deleted (`prune_spend`, from the
+usage reports' transaction, at most once per `PRUNE_INTERVAL_S`): nothing reads them, and the
+table would otherwise grow by every key's models each period for ever.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Final
 
 from control_plane.key_schemas import KeySpend
-from control_plane.store.base import Connection
+from control_plane.store.base import Connection, get_meta, set_meta
 from wire.key_snapshot import DEFAULT_SPEND_PERIOD_S, period_start
 from wire.limit_shares import KeySpent, UsageReport
 
@@ -49,6 +54,35 @@ def record_spend(conn: Connection, report: UsageReport, now: float) -> None:
             if key_id in periods and tokens > 0
         ],
     )
+
+
+PRUNE_INTERVAL_S: Final = 3600
+PRUNED_ROW: Final = "key_spend_pruned"  # meta: the last PRUNE_INTERVAL_S slot pruned in
+
+
+def prune_spend(conn: Connection, now: float) -> int:
+    """Delete the spend of periods that ended before each key's previous one (its current and
+    previous periods stay, per model), unless that was done in this `PRUNE_INTERVAL_S` slot
+    already. Returns the rows deleted."""
+    slot = str(int(now // PRUNE_INTERVAL_S))
+    if get_meta(conn, PRUNED_ROW) == slot:
+        return 0
+    set_meta(conn, PRUNED_ROW, slot)
+    num_deleted = 0
+    periods = conn.execute(
+        "SELECT DISTINCT COALESCE(budget_period_s, ?) AS period_s FROM api_keys",
+        (DEFAULT_SPEND_PERIOD_S,),
+    )
+    for row in periods.fetchall():
+        period_s = int(row["period_s"])
+        kept_from = period_start(now, period_s) - period_s  # the previous period's start
+        deleted = conn.execute(
+            "DELETE FROM key_spend WHERE period_start < ? AND key_id IN "
+            "(SELECT id FROM api_keys WHERE COALESCE(budget_period_s, ?) = ?)",
+            (kept_from, DEFAULT_SPEND_PERIOD_S, period_s),
+        )
+        num_deleted += max(0, deleted.rowcount)
+    return num_deleted
 
 
 def _periods_of(conn: Connection, key_ids: Iterable[str]) -> dict[str, int]:

@@ -196,6 +196,43 @@ async def test_spend_is_recorded_per_model_once_per_batch_and_read_back(
 
 
 @pytest.mark.asyncio
+async def test_spend_of_periods_before_each_keys_previous_one_is_pruned(
+    cp: ControlPlaneClient,
+) -> None:
+    h = (await create_key(cp, name="hourly", max_budget_tokens=10_000, budget_period="1h"))["id"]
+    d = (await create_key(cp, name="daily"))["id"]  # no budget: a UTC day
+    day_s, hour_s = 86_400, 3600
+    start = period_start(time.time(), day_s) - 10 * day_s
+    now = [float(start)]
+    ledger = LimitLedger(cp.services.store, LimitSharesConfig(), clock=lambda: now[0])
+
+    async def spend_at(at: float, batch: str) -> list[tuple[str, str, int]]:
+        """A report of both keys' spend at `at`; then every row left, by key, model, period."""
+        now[0] = at
+        await ledger.report(report("new-york", batch, (h, SMALL, 10), (h, LARGE, 1), (d, SMALL, 5)))
+
+        def rows(conn: Any) -> list[tuple[str, str, int]]:
+            found = conn.execute("SELECT key_id, model, period_start FROM key_spend").fetchall()
+            return sorted((r["key_id"], r["model"], int(r["period_start"])) for r in found)
+
+        return await cp.services.store.read(rows)
+
+    for hour in range(3):
+        await spend_at(start + hour * hour_s + 1, f"b{hour}")
+    # Hour 3: the hourly key keeps hours 2 and 3, for both models; the day is current.
+    kept = await spend_at(start + 3 * hour_s + 1, "b3")
+    assert kept == sorted(
+        [(h, m, start + i * hour_s) for m in (SMALL, LARGE) for i in (2, 3)] + [(d, SMALL, start)]
+    )
+    # A day and an hour later: the daily key keeps yesterday, the hourly key this hour alone.
+    later = start + day_s + 3 * hour_s + 1
+    kept = await spend_at(later, "b4")
+    assert kept == sorted(
+        [(h, m, later - 1) for m in (SMALL, LARGE)] + [(d, SMALL, start), (d, SMALL, start + day_s)]
+    )
+
+
+@pytest.mark.asyncio
 async def test_meridian_status_shows_each_keys_spend_per_model(live_cp: ControlPlaneClient) -> None:
     budgeted = await create_key(live_cp, name="team-b", max_budget_tokens=300, budget_period="1d")
     plain = await create_key(live_cp, name="team-p")
