@@ -8,6 +8,7 @@
     python -m control_plane.admin_cli xds credential NAME (--region REGION | --edge) \\
         --token-file FILE
     python -m control_plane.admin_cli model list|add|alias|fallbacks|remove ...
+    python -m control_plane.admin_cli key create|update|spend ...
 
 The control plane's URL comes from `MERIDIAN_CONTROL_PLANE_URL` (or `--control-plane`), the
 operator token from `MERIDIAN_ADMIN_TOKEN` only, so that the token never appears in a command line,
@@ -24,10 +25,13 @@ the region and the URL if given, else the URL of its first beat) and writes it t
 `DIR/NODE_ID.token` (mode 0600), never to the output; minting again replaces a node's token. `xds
 credential` mints an Envoy's xDS token (for the ingress of REGION, or for the edge) and writes it
 to FILE (mode 0600), for `envoy-bootstrap --token-file FILE`; minting again replaces it.
-`model ...` edits the model catalog (`control_plane.admin_models` has its actions).
+`model ...` edits the model catalog (`control_plane.admin_models` has its actions); `key ...`
+creates keys and sets the models they may use, their limits per model and their token budgets,
+and shows a key's spend (`control_plane.admin_keys`); a new key's secret goes to a file (mode
+0600), never to the output.
 
 Exit status: 0 done, 1 the control plane refused or could not be reached, 2 bad usage. Errors are
-one line on stderr; the token is never printed.
+one line on stderr (bad arguments too: `-h` shows the usage); the token is never printed.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from control_plane import admin_models
+from control_plane import admin_keys, admin_models
 from control_plane.admin_client import TOKEN_ENV, AdminClient, AdminCliError, expect
 from wire.control_plane_urls import ControlPlaneUrls
 from wire.heartbeat import NAME_PATTERN
@@ -78,8 +82,15 @@ def region_name(value: str) -> str:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses bad arguments in one line, as every other error (its subcommands' parsers too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m control_plane.admin_cli",
         description=f"Admin API client. URL from {URL_ENV}, operator token from {TOKEN_ENV}.",
     )
@@ -125,6 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--token-dir", type=Path, required=True, help="where NODE_ID.token files go (mode 0600)"
     )
     admin_models.add_parser(resources)
+    admin_keys.add_parser(resources)
     xds = resources.add_parser("xds", help="Envoys' xDS credentials")
     xds_actions = xds.add_subparsers(dest="action", required=True)
     xds_credential = xds_actions.add_parser(
@@ -244,6 +256,11 @@ def run(args: argparse.Namespace) -> str:
     try:
         if args.resource == "model":
             return admin_models.run_model(client, args)
+        if args.resource == "key":
+            lines, secret = admin_keys.run_key(client, args)
+            if secret is not None:
+                write_private(args.secret_file, secret + "\n")
+            return lines
         if args.resource == "xds":
             token = mint_xds_credential(client, args.name, args.region)
             write_private(args.token_file, token + "\n")

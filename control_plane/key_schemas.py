@@ -77,8 +77,8 @@ class KeyAccess(BaseModel):
     )
     model_limits: ModelLimits | None = Field(
         default=None,
-        description="model -> {rpm, tpm}, on top of the key's overall limits (aliases resolve "
-        "to their model first)",
+        description="model -> {rpm, tpm}, on top of the key's overall limits (an alias's "
+        "apply to the model it names now)",
     )
     max_budget_tokens: BudgetTokens | None = Field(
         default=None, description="tokens (prompt + completion) per budget_period"

@@ -3,30 +3,15 @@ in-process through `main`): the catalog edited from a script, and each refusal a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-from conftest import ControlPlaneClient
+from admin_cli_runner import Cli, cli_fixture
 
-from control_plane.admin_cli import main
+from wire.model_catalog import MODEL_NAME_PATTERN
 
 SMALL, LARGE = "smollm2-135m-instruct", "org/large-v2"
-Cli = Callable[..., tuple[int, str, str]]  # `model ARGS` -> (exit status, stdout, stderr)
 
 
-@pytest.fixture
-def cli(
-    live_cp: ControlPlaneClient, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> Cli:
-    monkeypatch.setenv("MERIDIAN_CONTROL_PLANE_URL", live_cp.base_url)
-    monkeypatch.setenv("MERIDIAN_ADMIN_TOKEN", live_cp.tokens.admin)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        status = main(["model", *argv])
-        out, err = capsys.readouterr()
-        return status, out.strip(), err.strip()
-
-    return run
+cli = cli_fixture("model")
 
 
 @pytest.mark.asyncio
@@ -88,6 +73,8 @@ async def test_each_refusal_is_one_line(cli: Cli) -> None:
         f"admin_cli: error: model remove {SMALL}: 409 '{SMALL}' is still named by alias 'a', "
         f"the fallbacks of '{LARGE}': point those elsewhere first",
     )
-    with pytest.raises(SystemExit) as exited:
-        run("add", "has space")
-    assert exited.value.code == 2
+    assert run("add", "has space") == (
+        2,
+        "",
+        f"admin_cli: error: argument name: 'has space' is not a model name ({MODEL_NAME_PATTERN})",
+    )
