@@ -101,6 +101,8 @@ class FakeRegion:
     load: Load = field(default_factory=Load)
     model: str = FAKE_MODEL  # what its nodes serve, under this name
     weights_id: str = FAKE_WEIGHTS  # and the weights they report serving it with
+    # What its nodes report serving it as, whole (None: `weights_id` in fp32, unquantized).
+    model_identity: dict[str, object] | None = None
     is_beating: bool = True  # the upstream's node
     # More nodes of the region, by id, that beat (at the same URL and load) while True.
     spare_nodes: dict[str, bool] = field(default_factory=dict)
@@ -235,7 +237,8 @@ class Fleet:
             "region": region.name,
             "url": region.upstream.url,
             "model": region.model,
-            "model_identity": {
+            "model_identity": region.model_identity
+            or {
                 "weights_id": region.weights_id,
                 "context_length": 2048,
                 "dtype": "fp32",

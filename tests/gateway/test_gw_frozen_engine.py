@@ -32,13 +32,22 @@ def near_real_far_fake(
     tmp_path: Path, server_cert: tuple[Path, Path], smollm2_gguf: Path
 ) -> Iterator[tuple[Fleet, subprocess.Popen[bytes]]]:
     """us-east: a real node agent; eu-west: a fake region serving the same model, further
-    away."""
+    away, and saying it serves the same weights (the gateway fails over only among those)."""
     fleet = Fleet(tmp_path, server_cert, heartbeat_interval_s=0.5)
     nodes: list[subprocess.Popen[bytes]] = []
     try:
         fleet.start_control_plane()
         nodes.append(start_real_node(fleet, "us-east", tmp_path))
-        fleet.add_region("eu-west", model=DEFAULT_MODEL)
+        far = fleet.add_region("eu-west", model=DEFAULT_MODEL)
+
+        def real_identity() -> dict[str, object] | None:
+            assert fleet.admin is not None
+            node = fleet.admin.get("/v1/nodes/us-east-n1")  # 404 until its first beat
+            beat = node.json()["last_heartbeat"] if node.status_code == 200 else None
+            return None if beat is None else beat["model_identity"]
+
+        wait_until(real_identity, MAX_LOAD_S, "the real node's first beat")
+        far.model_identity = real_identity()
         yield fleet, nodes[0]
     finally:
         stop_nodes(nodes)
@@ -59,6 +68,16 @@ def test_a_node_with_a_stopped_engine_is_passed_over_within_seconds(
     gateway = fleet.start_gateway(stream_idle_timeout_s=IDLE_TIMEOUT_S)
     _, secret = fleet.create_key()
     fleet.wait_for_gateway(gateway, num_regions=2, timeout_s=MAX_LOAD_S)
+    router = gateway.handlers.router
+    wait_until(
+        lambda: (
+            router.serving_key_of("eu-west", DEFAULT_MODEL)
+            == router.serving_key_of("us-east", DEFAULT_MODEL)
+            is not None
+        ),
+        5.0,
+        "both regions' weights to be the same",
+    )
     wait_until(lambda: len(gateway.handlers.keys) > 0, 5.0, "the key snapshot")
     body = {
         "model": DEFAULT_MODEL,
@@ -81,7 +100,6 @@ def test_a_node_with_a_stopped_engine_is_passed_over_within_seconds(
             assert answer.headers[REGION_HEADER] == "eu-west"
             assert answer.json()["served_by"] == "eu-west"
             assert took_s < IDLE_TIMEOUT_S / 3
-            router = gateway.handlers.router
             wait_until(
                 lambda: router.regions["us-east"].summary.unhealthy_nodes == ("us-east-n1",),
                 15.0,
