@@ -14,6 +14,11 @@ code path by CPU vendor and model, so neither wins everywhere: the crossover is 
 per process and weight shape (`onednn_min_tokens`), as an fp32 model loads on CPU.
 fp32 is the dtype of CPUs without AVX-512 BF16 and of the exact-output runs (stream resume),
 and the prefill of int8 and block weights dequantizes into it there.
+
+MERIDIAN_MATMUL_CROSSOVER=N skips both measurements: oneDNN from N tokens a step, the bf16 kernel
+up to N where the CPU's flags do not settle it. The test suite sets it: the probes cost 1-10 s
+per engine start on a busy machine, in every process, and what they would find is not what
+those tests test (tests/engine/test_dense_matmul.py measures).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -88,6 +94,8 @@ def bf16_gemv_max_tokens(out_features: int, in_features: int) -> int:
         or not torch.cpu._is_avx512_bf16_supported()
     ):
         return _GEMV_MIN_TOKENS
+    if (pinned := pinned_crossover()) is not None:
+        return pinned
     # A step reads its weights from memory, not from a cache that one repeated call keeps warm
     # (warm, F.linear won from 8 tokens on three of SmolLM2's shapes where, cold, the kernel
     # won to 16): each call reads the next of enough copies to pass the caches. Ones, not
@@ -130,6 +138,8 @@ def onednn_min_tokens(out_features: int, in_features: int) -> int | None:
     """The fewest tokens from which oneDNN's fp32 matmul beats `F.linear` at every probe on a
     weight of this shape on this CPU; None where it never does. Probes stop where they would
     cost more than a few milliseconds (the LM head: its steps multiply few rows)."""
+    if (pinned := pinned_crossover()) is not None:
+        return pinned
     weight = torch.zeros(out_features, in_features)  # values do not change the time
     probes = [n for n in _PROBE_TOKENS if n * weight.numel() <= _MAX_PROBE_MACS] or [1]
     wins = []
@@ -150,6 +160,18 @@ def onednn_min_tokens(out_features: int, in_features: int) -> int | None:
         else f"oneDNN from {min_tokens} tokens a step, MKL below",
     )
     return min_tokens
+
+
+def pinned_crossover() -> int | None:
+    """MERIDIAN_MATMUL_CROSSOVER as a number of tokens, or None where it is unset."""
+    value = os.environ.get("MERIDIAN_MATMUL_CROSSOVER", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"MERIDIAN_MATMUL_CROSSOVER must be a number of tokens (1 or more), not {value!r}"
+        )
+    return int(value)
 
 
 def median_s(fn: Callable[[], object], repeats: int = 7) -> float:

@@ -85,6 +85,7 @@ def test_the_bf16_gemv_range_is_the_last_probe_the_kernel_won(
     the weight; the range ends before the first probe the kernel loses by more than 10%."""
     if dense_matmul.cpu_kernels() is None:
         pytest.skip("the CPU kernels could not be built")
+    monkeypatch.delenv("MERIDIAN_MATMUL_CROSSOVER", raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     probed: list[tuple[str, int, int]] = []
@@ -113,7 +114,35 @@ def test_the_bf16_gemv_range_is_the_last_probe_the_kernel_won(
     assert {copies for _, _, copies in probed} == {dense_matmul._COLD_BYTES // (2 * 64 * 128)}
 
 
-def test_the_crossover_is_a_probe_or_never() -> None:
+def test_the_crossover_is_a_probe_or_never(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MERIDIAN_MATMUL_CROSSOVER", raising=False)
     onednn_min_tokens.cache_clear()
-    assert onednn_min_tokens(64, 128) in (None, *dense_matmul._PROBE_TOKENS)
-    assert onednn_min_tokens.cache_info().currsize == 1
+    try:
+        assert onednn_min_tokens(64, 128) in (None, *dense_matmul._PROBE_TOKENS)
+        assert onednn_min_tokens.cache_info().currsize == 1
+    finally:
+        onednn_min_tokens.cache_clear()
+
+
+def test_a_pinned_crossover_is_taken_without_probing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MERIDIAN_MATMUL_CROSSOVER (the test suite's) stands for both measurements."""
+    monkeypatch.setenv("MERIDIAN_MATMUL_CROSSOVER", "12")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(dense_matmul, "median_s", lambda call: pytest.fail("probed"))
+    onednn_min_tokens.cache_clear()
+    bf16_gemv_max_tokens.cache_clear()
+    try:
+        assert onednn_min_tokens(64, 128) == 12
+        if dense_matmul.cpu_kernels() is not None:
+            assert bf16_gemv_max_tokens(64, 128) == 12
+    finally:
+        onednn_min_tokens.cache_clear()
+        bf16_gemv_max_tokens.cache_clear()
+
+
+@pytest.mark.parametrize("value", ["0", "sixteen", "-3"])
+def test_a_bad_pinned_crossover_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("MERIDIAN_MATMUL_CROSSOVER", value)
+    with pytest.raises(ValueError, match="MERIDIAN_MATMUL_CROSSOVER must be a number of tokens"):
+        dense_matmul.pinned_crossover()
