@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bench.decode_floor import decode_floor
 from bench.loadgen import percentile
 from bench.report import cpu_vector_flags, load_average
 from bench.workload import WorkloadRequest, make_workload
@@ -150,6 +151,7 @@ class KvUse:
     # Reserving prompt + max_tokens: the best a preallocating server can do when every request
     # states its output cap (this workload's do); "Orca (Oracle)" up to ignore_eos.
     prompt_and_max_tokens: list[float] = field(default_factory=list)
+    contexts: list[int] = field(default_factory=list)  # each running request's, each step
 
     def sample(self, engine: LLMEngine) -> None:
         """Tokens whose K/V live requests hold, over the slots of the blocks they hold (a block
@@ -161,6 +163,7 @@ class KvUse:
         allocated = sum(len(seq.block_table) for seq in running) * engine.config.block_size
         context = engine.max_model_len
         stated = sum(min(context, seq.num_prompt_tokens + seq.max_tokens) for seq in running)
+        self.contexts += [seq.num_computed_tokens for seq in running]
         self.paged.append(held / allocated)
         self.max_context.append(held / (context * len(running)))
         self.prompt_and_max_tokens.append(held / stated)
@@ -380,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     baselines = list(runs)
     kv_use: dict[str, dict[str, float]] = {}
     kv_gib: dict[str, float] = {}
+    floors: dict[str, dict[str, float]] = {}
     for index, kv_cache_dtype in enumerate(args.kv_cache_dtype):
         engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype))
         kv_gib[kv_cache_dtype] = report_kv_cache(engine, args.tensor_parallel_size)
@@ -396,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         kv_use[kv_cache_dtype] = use.summary(engine.max_model_len)
+        if args.concurrency == 1:  # what one stream's step cannot go below
+            mean_context = statistics.fmean(use.contexts)
+            floors[kv_cache_dtype] = decode_floor(engine, mean_context).summary()
         if index == 0:  # the prefix cache's figures, once
             cached, uncached = prefix_cache_ttfts(engine, config)
         engine.shutdown()
@@ -411,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_gib": kv_gib,
         "runs": [r.summary() for r in runs],
         "kv_cache_use": kv_use,
+        "decode_floor": floors,
         "prefix_cache_ttft_p50_s": {
             "on": round(statistics.median(cached), 4),
             "off": round(statistics.median(uncached), 4),
@@ -446,6 +454,15 @@ def format_report(report: dict) -> str:
     if "itl_p50_ratio_vs_transformers_sequential" in report:
         ratio = report["itl_p50_ratio_vs_transformers_sequential"]
         lines.append(f"ITL p50 ratio, transformers sequential / ours: {ratio}x")
+    our_runs = report["runs"][-len(report["kv_cache_use"]) :]
+    for run, (kv_cache_dtype, floor) in zip(our_runs, report["decode_floor"].items(), strict=False):
+        itl_ms = (run["itl_p50_s"] or 0.0) * 1e3
+        lines.append(
+            f"KV {kv_cache_dtype}: ITL p50 {itl_ms:.1f} ms = "
+            f"{itl_ms / floor['floor_ms']:.2f}x the decode step floor {floor['floor_ms']} ms = "
+            f"{floor['weight_mb']} MB weights + {floor['kv_mb']} MB KV (mean context "
+            f"{floor['mean_context']:.0f}) / {floor['read_gb_per_s']} GB/s read"
+        )
     for kv_cache_dtype, kv in report["kv_cache_use"].items():
         lines.append(
             f"KV {kv_cache_dtype}: live tokens / reserved slots, paged blocks mean "
