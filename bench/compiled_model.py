@@ -26,7 +26,7 @@ from torch import Tensor
 from engine.kernels import cpu_kernels
 from engine.model.attention import AttentionMetadata
 from engine.model.layer_ops import RotaryEmbedding
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import FusedLayers, LlamaForCausalLM
 
 
 def _native() -> ModuleType:
@@ -196,9 +196,10 @@ def compile_decodes(model: LlamaForCausalLM) -> None:
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
         hidden: Tensor | None = None,
+        fused_layers: FusedLayers | None = None,  # None: engine_step turns the fused call off
     ) -> Tensor:
         step = eager if meta.prefills else compiled
-        return step(input_ids, positions, rope, kv_caches, meta, hidden)
+        return step(input_ids, positions, rope, kv_caches, meta, hidden, fused_layers)
 
     model.forward = forward  # type: ignore[method-assign]
 

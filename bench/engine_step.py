@@ -10,8 +10,10 @@ Each variant is its own engine with BATCH requests prefilled to CONTEXT tokens (
 dtype; the thread count chosen per step, see engine/step_threads.py), as is every variant not
 named for a quantization; `threads=N` pins it; `int8` is `quantization="int8"` and `q4_1`
 `quantization="q4_1"` (the GGUF's Q4_1 blocks kept, the LM head's Q8_0 blocks too), both with
-adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's dtype; `eager` is
-the default with the fused CPU layer ops swapped for their eager twins;
+adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's dtype;
+`layers` and `q4_1-layers` run each decode step's layers one module at a time instead of the
+fused call (engine/model/fused_decode.py; so do `eager`, `torch-mm` and the compiled ones);
+`eager` is the default with the fused CPU layer ops swapped for their eager twins;
 `torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `gemv-4` (and
 `q4_1-gemv-4`) the default (q4_1) with that kernel for steps of up to 4 tokens only, and the
 blocks up to 16, as on CPUs with AMX; `fixed-64` (and `q4_1-fixed-64`) with the kernel's range
@@ -94,6 +96,8 @@ def build_engine(name: str, model: str, batch: int, context: int, kv_gib: float)
         head.head_blocks = None
     if name.startswith("threads="):
         runner.step_threads, pinned = None, int(name.split("=")[1])
+    if name.endswith("layers") or name in ("eager", "torch-mm") or "compile" in name:
+        runner.fused_decode = None  # the layers' modules, which these variants swap ops in
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         prompt = [100 + (7 * i + j) % 40_000 for j in range(context)]

@@ -17,6 +17,7 @@ from engine.loader import Checkpoint
 from engine.model.attention import AttentionMetadata, PrefillChunk, paged_decode_kernel
 from engine.model.block_weights import FORMATS, BlockWeight
 from engine.model.dense_matmul import bf16_gemv_max_tokens, onednn_min_tokens
+from engine.model.fused_decode import FusedDecode
 from engine.model.int8_weights import Int8Weight, measure_max_gemv_tokens
 from engine.model.layer_ops import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
@@ -127,6 +128,8 @@ class ModelRunner:
             if device.type == "cpu" and self.tp.size == 1
             else None
         )
+        # Decode steps run the layers in one call where every layer would run only our kernels.
+        self.fused_decode = FusedDecode.of(self.model) if device.type == "cpu" else None
 
     def _block_weights(self) -> list[BlockWeight]:
         return [
@@ -245,8 +248,15 @@ class ModelRunner:
         return out
 
     def _forward(self, inputs: StepInputs, hidden: torch.Tensor | None) -> torch.Tensor:
+        fused = self.fused_decode
         out = self.model(
-            inputs.input_ids, inputs.positions, self.rope, self.kv_caches, inputs.meta, hidden
+            inputs.input_ids,
+            inputs.positions,
+            self.rope,
+            self.kv_caches,
+            inputs.meta,
+            hidden,
+            fused.run if fused and fused.can_run(inputs.num_tokens, inputs.meta) else None,
         )
         if not self.model.is_last:
             return out

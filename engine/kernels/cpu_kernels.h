@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -35,6 +36,11 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks);
 torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype);
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor blocks);
 torch::Tensor q8_0_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype);
+std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                         std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
+                                         torch::Tensor sin, torch::Tensor slot_mapping,
+                                         torch::Tensor block_tables, torch::Tensor context_lens,
+                                         int64_t num_heads, double eps, double scale);
 
 // exp(x) within 2 ulp, written so that a loop of it vectorizes (glibc declares its vector exp
 // only under -ffast-math, which we do not build with). x = n ln2 + r, |r| <= ln2/2:

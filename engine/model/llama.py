@@ -5,7 +5,7 @@ are one matmul, gate and up another: fewer, larger matmuls are what the hardware
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -28,6 +28,11 @@ from engine.model.parallel_layers import (
     VocabParallelEmbedding,
 )
 from engine.model_config import ModelConfig
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+FusedLayers = Callable[
+    [torch.Tensor, RotaryAngles, KVCaches, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
+]
 
 _PROJECTIONS = (
     "self_attn.q_proj",
@@ -174,19 +179,25 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCaches,
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,
+        fused_layers: FusedLayers | None = None,
     ) -> torch.Tensor:
         """positions (T,) and, on the first stage, input_ids (T,), on the others the previous
-        stage's `hidden` (T, hidden) -> (T, hidden): final hidden states on the last stage."""
+        stage's `hidden` (T, hidden) -> (T, hidden): final hidden states on the last stage.
+        `fused_layers` runs the layers in one call instead (the runner's decode steps on CPU,
+        model/fused_decode.py): (x, angles, kv_caches, meta) -> (x, residual)."""
         if hidden is None:
             assert self.embed_tokens is not None, "stages after the first start from `hidden`"
             hidden = self.embed_tokens(input_ids)
         x, residual = hidden, None
         angles = rope.at(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, angles, kv_cache, meta)
+        if fused_layers is not None:
+            x, residual = fused_layers(x, angles, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, angles, kv_cache, meta)
         assert residual is not None, "every stage holds at least one layer"
         return x + residual if self.norm is None else self.norm.add_and_norm(x, residual)[0]
 

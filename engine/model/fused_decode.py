@@ -1,0 +1,103 @@
+"""A decode step's decoder layers as one call into the CPU kernels (`decode_layers`,
+engine/kernels/decode_layers_cpu.cpp): the layers' own ops and kernels in their order, so the
+same bits as the modules, without the Python between them.
+
+At batch 1 a step's matmuls read their weights in ~6 ms here and the ~14 Python calls and
+module dispatches of each of the 30 layers took another 2-2.5 ms (docs/benchmarks.md). The fused
+call serves the steps where every layer would run only our kernels: CPU, kernels built, one
+tensor-parallel rank, no biases, every projection Q4_1 blocks or dense bf16, and a step of up
+to 4 tokens, all decodes, attended by the decode kernel. Every other step runs the modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels import cpu_kernels
+from engine.model.attention import AttentionMetadata
+from engine.model.block_weights import Q4_1, BlockWeight
+from engine.model.layer_ops import RotaryAngles
+from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+# Our GEMV kernels take steps of at least this many tokens on any CPU (the bf16 kernel's least
+# range; the blocks' is 16), so within it the modules would call exactly these kernels.
+MAX_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class FusedDecode:
+    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post-attention norm, gate-up, down
+    num_heads: int
+    eps: float
+    scale: float
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> FusedDecode | None:
+        """The fused call for the model's layers, or None where some layer would not run our
+        kernels alone at decode batch sizes."""
+        layers = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer)]
+        if not layers or cpu_kernels() is None:
+            return None
+        weights: list[torch.Tensor] = []
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            matrices = [_kernel_weight(p) for p in projections]
+            if attention.qkv_proj.tp.size != 1 or any(m is None for m in matrices):
+                return None
+            qkv, o, gate_up, down = (m for m in matrices if m is not None)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            weights += [norms[0].weight, qkv, o, norms[1].weight, gate_up, down]
+        first = layers[0].self_attn
+        head_dim = first.q_size // first.num_heads
+        return cls(weights, first.num_heads, layers[0].input_layernorm.eps, head_dim**-0.5)
+
+    @staticmethod
+    def can_run(num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether a step is one the fused call serves: decodes only, few, on the kernel."""
+        return (
+            num_tokens <= MAX_TOKENS
+            and meta.num_decode_tokens == num_tokens
+            and meta.decode_mask is None
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        angles: RotaryAngles,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden), the embedding's rows -> (x, residual) after the last layer."""
+        kernels = cpu_kernels()
+        assert kernels is not None, "FusedDecode.of checked the kernels"
+        x, residual = kernels.decode_layers(
+            x,
+            self.weights,
+            [cache for pair in kv_caches for cache in pair],
+            angles.cos,
+            angles.sin,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.num_heads,
+            self.eps,
+            self.scale,
+        )
+        return x, residual
+
+
+def _kernel_weight(layer: ColumnParallelLinear | RowParallelLinear) -> torch.Tensor | None:
+    """What the decode kernels multiply by for this projection: Q4_1 blocks, or the bf16 weight;
+    None where a step of few tokens would take another path (int8, fp32, Q8_0, a bias)."""
+    if getattr(layer, "bias", None) is not None or layer.weight.device.type != "cpu":
+        return None
+    quantized = layer.quantized
+    if quantized is None:
+        return layer.weight if layer.weight.dtype == torch.bfloat16 else None
+    if isinstance(quantized, BlockWeight) and quantized.format is Q4_1:
+        return quantized.blocks
+    return None
