@@ -140,6 +140,12 @@ def parser() -> OneLineParser:
         default=DEFAULT_MAX_RESUMES,
         help="the gateways' max_resumes (gateway/resume.py; 0: a broken stream ends in an error)",
     )
+    run.add_argument(
+        "--picker",
+        choices=("on", "off"),
+        default="on",
+        help="each region's picker names the node (region_picker/scoring.py; off: least request)",
+    )
     thresholds = default_edge_thresholds()
     edge = run.add_argument_group("edge tier (gateway/tiers.py; defaults: the gateway's)")
     edge.add_argument("--edge", action="store_true", help="an edge node beside every PoP")
@@ -208,6 +214,7 @@ def _run_with_bars(
                 _edge_spec(args),
                 args.deflect_at_waiting,
                 args.max_resumes,
+                args.picker == "on",
             ),
         )
 

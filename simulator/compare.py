@@ -42,6 +42,7 @@ class ScenarioResult:
     recorders: dict[str, Recorder]
     has_edge: bool = False
     placed_model: str | None = None  # the model served in a few regions only, if any
+    node_picker: bool = True  # each region's picker chose the node (else Envoy's least request)
 
     @property
     def bound(self) -> tuple[str, float] | None:
@@ -60,6 +61,7 @@ class ScenarioResult:
             "requests": self.num_requests,
             "wall_s": round(self.wall_s, 2),
             "edge": self.has_edge,
+            "node_picker": self.node_picker,
             "policies": {name: stats.to_json() for name, stats in self.stats.items()},
             "bound": None if bound is None else {"policy": bound[0], "ttft_p99_s": bound[1]},
         }
@@ -166,5 +168,6 @@ def run_scenario(
     has_edge = spec.options.edge is not None
     placed = scenario.placed.name if scenario.placed is not None else None
     return ScenarioResult(
-        scenario.name, seed, num_requests, wall_s, stats, recorders, has_edge, placed
-    )
+        scenario.name, seed, num_requests, wall_s, stats, recorders, has_edge, placed,
+        spec.options.node_picker,
+    )  # fmt: skip

@@ -181,7 +181,15 @@ class Traffic:
         assert flight.pick is not None and flight.site is not None
         site = flight.site
         model = flight.model
-        node = flight.pick.node if flight.pick.node is not None else site.pick_node(model)
+        request = flight.request
+        sent = flight.num_sent  # a continuation: the prompt and the output relayed so far
+        job = Job(
+            flight, request.prompt_tokens + sent, request.output_tokens - sent,
+            request.affinity_key, request.prefix_tokens,
+        )  # fmt: skip
+        node = (
+            flight.pick.node if flight.pick.node is not None else site.pick_node(model, job, now_s)
+        )
         if not site.is_up or node is None or not node.is_up:
             if site.is_up and not site.is_serving(model):  # the ingress has no route for it
                 back_s = now_s + self.delays.between(site.location, flight.origin)
@@ -189,12 +197,6 @@ class Traffic:
             else:
                 self.loop.at(flight.sent_s + self.timing.connect_timeout_s, self._failed, event)
             return
-        request = flight.request
-        sent = flight.num_sent  # a continuation: the prompt and the output relayed so far
-        job = Job(
-            flight, request.prompt_tokens + sent, request.output_tokens - sent,
-            request.affinity_key, request.prefix_tokens,
-        )  # fmt: skip
         if node.is_overloaded() or not node.can_ever_fit(job):
             back_s = now_s + self.delays.between(site.location, flight.origin)
             self.loop.at(back_s, self._failed, event)  # 429: try the next region
@@ -211,6 +213,7 @@ class Traffic:
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
             return  # an attempt the gateway gave up on: the node worked for nobody
+        self.recorder.note_prefill(flight.request.request_id, job.prompt_tokens, job.cached_tokens)
         assert flight.site is not None
         back_s = self.loop.now_s + self.delays.between(flight.site.location, flight.origin)
         self.loop.at(back_s, self._first_byte, (flight, flight.attempt))

@@ -47,6 +47,7 @@ class Job:
     chunk_tokens: int = 0
     finish_v: float = 0.0
     num_generated: int = 0  # output tokens it had produced when its node died
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache when admitted
 
 
 class NodeLoad(NamedTuple):  # a tuple: one per heartbeat
@@ -236,6 +237,7 @@ class Node:
             if job.prefix_key is not None and job.prefix_key in self.prefix_cache:
                 self.prefix_cache.move_to_end(job.prefix_key)
                 cached = job.prefix_tokens // calibration.block_size * calibration.block_size
+            job.cached_tokens = cached
             job.prefill_tokens = max(1, job.prompt_tokens - cached)
             job.chunk_tokens = min(job.prefill_tokens, calibration.max_num_batched_tokens)
             self.prefill_tokens_queued += job.prefill_tokens

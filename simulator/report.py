@@ -11,7 +11,7 @@ from simulator.compare import ScenarioResult
 
 COLUMNS = (
     "policy", "TTFT p50 s", "p95 s", "p99 s", "e2e p99 s", "goodput", "failed", "retried",
-    "resumed", "resume p99 s", "lost", "floor p99 s",
+    "resumed", "resume p99 s", "lost", "floor p99 s", "cached",
 )  # fmt: skip
 
 
@@ -33,6 +33,7 @@ def table(result: ScenarioResult) -> Table:
     placed = result.placed_model
     if placed is not None:
         title += f"; placed model: {placed}"
+    title += "" if result.node_picker else "; picker off"
     bound = result.bound
     caption = None if bound is None else f"bound: p99 {bound[1]:.3f} s ({bound[0]})"
     out = Table(title=title, caption=caption)
@@ -58,6 +59,7 @@ def table(result: ScenarioResult) -> Table:
             _s(stats.resume_p99_s),
             f"{stats.lost:,}",
             _s(stats.floor_p99_s),
+            f"{stats.cache_share:.1%}",
             *extra,
         )
     return out

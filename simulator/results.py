@@ -12,8 +12,9 @@ share of all requests whose first token reached the client within `GOODPUT_TTFT_
 tier: `edge_share`, the share of all requests the edge answered, and `auto_ttft_p99_s`, the p99 TTFT
 of the requests sent as `auto`. Per model asked for (`models`): how many asked for it, the p99
 TTFT of those answered (by it or by a fallback), how many failed, and how many a fallback
-answered. `floor_p99_s`: the p99, over the requests answered, of each one's TTFT floor
-(simulator/bound.py), which no policy can beat.
+answered. `cache_share`: the share of the answered requests' prompt tokens found in their node's
+prefix cache (of the attempt that answered). `floor_p99_s`: the p99, over the requests answered,
+of each one's TTFT floor (simulator/bound.py), which no policy can beat.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class PolicyStats:
     models: dict[str, ModelStats] = field(default_factory=dict)  # by the model asked for
     # The p99 of the answered requests' floors (simulator/bound.py): at most `ttft_p99_s`.
     floor_p99_s: float = float("nan")
+    cache_share: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -95,6 +97,7 @@ class PolicyStats:
             "auto_ttft_p99_s": _rounded(self.auto_ttft_p99_s),
             "models": {name: stats.to_json() for name, stats in self.models.items()},
             "floor_p99_s": _rounded(self.floor_p99_s),
+            "cache_share": round(self.cache_share, 4),
         }
 
 
@@ -123,6 +126,8 @@ class Recorder:
         self.tier = np.full(num_requests, TIER_NONE, dtype=np.int8)
         self.asked = np.full(num_requests, -1, dtype=np.int8)  # the model asked for
         self.answered = np.full(num_requests, -1, dtype=np.int8)  # the model that answered
+        self.prompt_tokens = np.zeros(num_requests, dtype=np.int64)
+        self.cached_tokens = np.zeros(num_requests, dtype=np.int64)
         self.num_ended = 0
 
     def record(
@@ -155,6 +160,11 @@ class Recorder:
         if answered_by is not None:
             self.answered[i] = self._model_index[answered_by]
 
+    def note_prefill(self, request_id: int, prompt_tokens: int, cached_tokens: int) -> None:
+        """An attempt's first token: its prompt, and how much of it the node had cached."""
+        self.prompt_tokens[request_id] = prompt_tokens
+        self.cached_tokens[request_id] = cached_tokens
+
     def ok_ttfts_s(self) -> npt.NDArray[np.float64]:
         return self.ttft_s[self.outcome == Outcome.OK]
 
@@ -179,6 +189,8 @@ class Recorder:
             auto_ttft_p99_s=_pct(self.ttft_s[ok & (self.tier != TIER_NONE)], 99),
             models={model: self.model_stats(model) for model in self.models},
             floor_p99_s=float("nan") if floors_s is None else _pct(floors_s[ok], 99),
+            cache_share=float(self.cached_tokens[ok].sum())
+            / max(1, int(self.prompt_tokens[ok].sum())),
         )
 
     def model_stats(self, model: str) -> ModelStats:

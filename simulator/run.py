@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -21,6 +22,7 @@ from simulator.events import EventLoop
 from simulator.flow import Traffic
 from simulator.gateway_timing import DEFAULT_MAX_RESUMES, GatewayTiming
 from simulator.node import Job, Node
+from simulator.node_picker import NodePicker
 from simulator.policies import (
     ORACLE_SPREAD,
     Chooser,
@@ -72,6 +74,7 @@ class WorldOptions:
     edge: EdgeSpec | None = None  # the edge tier (None: none)
     deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' (0: never)
     max_resumes: int = DEFAULT_MAX_RESUMES  # the gateways' (0: a broken stream ends)
+    node_picker: bool = True  # each region's picker names the node (False: Envoy's least request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +156,7 @@ class World:
             self.edge,
         )
         calibrations = spec.scenario.calibrations(spec.calibration)  # by node class
+        picks = options.node_picker
         for name, region in regions.items():
             place = geography.regions[name]
             nodes = [
@@ -171,9 +175,11 @@ class World:
             ]
             assert region.ingress_url is not None
             deflect_at = options.deflect_at_waiting
+            picker = NodePicker(nodes, random.Random(f"{spec.seed}/{name}")) if picks else None
             self.sites[name] = Site(
-                name, place, region.ingress_url, nodes, deflect_at_waiting=deflect_at
-            )
+                name, place, region.ingress_url, nodes, deflect_at_waiting=deflect_at,
+                picker=picker,
+            )  # fmt: skip
             delay_s = geography.true_rtt_ms(place, cp) / 2000.0
             for node in nodes:
                 self.control.add_node(node, f"http://{node.name}.{name}.sim:9001", delay_s)

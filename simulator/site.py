@@ -5,15 +5,17 @@ a request to the live node with the fewest requests in flight (least-request wit
 weights), and a node that deflects the attempt (wire/deflection.py: another request there is
 still waiting for its first token, but not a deep queue) makes it try the least-loaded node not
 tried yet, as Envoy's retry with the previous-hosts predicate does. The retry's in-region hop
-(about a millisecond, Envoy's back-off included) is not charged. A region that is down answers
-nothing.
+(about a millisecond, Envoy's back-off included) is not charged. With the region picker
+(simulator/node_picker.py) the picker names the node instead, and Envoy's least request is only
+its fallback. A region that is down answers nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from simulator.node import Node
+from simulator.node import Job, Node
+from simulator.node_picker import NodePicker
 from wire.deflection import DEFAULT_DEFLECT_AT_WAITING, should_deflect
 from wire.geo import Location
 
@@ -28,6 +30,7 @@ class Site:
     deflect_at_waiting: int = DEFAULT_DEFLECT_AT_WAITING  # the node agents' setting
     num_deflected: int = 0
     serving: dict[str, list[Node]] = field(default_factory=dict)  # model → its nodes here
+    picker: NodePicker | None = None  # the region picker (None: Envoy's least request alone)
 
     def __post_init__(self) -> None:
         for node in self.nodes:
@@ -47,10 +50,12 @@ class Site:
         """Whether any node here serves `model` (else its ingress has no route for it)."""
         return model in self.serving
 
-    def pick_node(self, model: str) -> Node | None:
-        """The node serving `model` that takes a request arriving now (None: no such node is
+    def pick_node(self, model: str, job: Job, now_s: float) -> Node | None:
+        """The node serving `model` that takes `job`, arriving now (None: no such node is
         up)."""
         nodes = self.serving.get(model, [])
+        if self.picker is not None:
+            return self.picker.pick(nodes, job, now_s)
         tried: list[Node] = []
         attempt = 1
         while True:

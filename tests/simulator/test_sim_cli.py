@@ -24,6 +24,7 @@ from simulator.scenarios import PLACED_MODEL, SCENARIOS
         (["run", "--scenario", "steady", "--edge", "--auto-share", "2"], "must be within 0-1"),
         (["run", "--scenario", "steady", "--edge-max-tokens", "0"], "must be at least 1"),
         (["run", "--scenario", "steady", "--deflect-at-waiting", "-1"], "must be at least 0"),
+        (["run", "--scenario", "steady", "--picker", "maybe"], "invalid choice: 'maybe'"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(
@@ -58,7 +59,7 @@ def test_a_run_prints_the_table_and_writes_the_json(
     assert set(result["policies"]["meridian"]) == {
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "e2e_p99_s", "goodput", "failed", "retried",
         "lost", "resumed", "resume_p99_s", "edge_share", "auto_ttft_p99_s", "models",
-        "floor_p99_s",
+        "floor_p99_s", "cache_share",
     }  # fmt: skip
     assert result["bound"] == {"policy": "oracle", "ttft_p99_s": ANY}
     meridian = result["policies"]["meridian"]
@@ -66,6 +67,7 @@ def test_a_run_prints_the_table_and_writes_the_json(
     assert result["policies"]["meridian"]["models"] == {
         DEFAULT_MODEL: {"requests": 100, "ttft_p99_s": ANY, "failed": 0, "by_fallback": 0}
     }
+    assert result["node_picker"] is True  # the default: each region's picker names the node
     assert result["edge"] is False and result["policies"]["meridian"]["edge_share"] == 0.0
     assert result["policies"]["meridian"]["auto_ttft_p99_s"] is None  # no `auto` requests
     assert result["policies"]["meridian"]["resume_p99_s"] is None  # no stream broke
