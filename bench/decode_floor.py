@@ -82,7 +82,8 @@ def _linear_bytes(weight: torch.Tensor, quantized: Int8Weight | BlockWeight | No
 
 def read_bandwidth(repeats: int = 5) -> float:
     """Bytes per second that torch's threads read from memory (the median of `repeats` sums
-    of a buffer far larger than the caches)."""
+    of a buffer far larger than the caches). Measure it before an engine runs: the engine sets
+    torch's thread count per step (engine/step_threads.py), one thread under load."""
     buffer = torch.ones(_BANDWIDTH_BYTES // 4)
     buffer.sum()  # the pages mapped
     times = []
@@ -93,8 +94,9 @@ def read_bandwidth(repeats: int = 5) -> float:
     return _BANDWIDTH_BYTES / statistics.median(times)
 
 
-def decode_floor(engine: LLMEngine, mean_context: float) -> DecodeFloor:
-    """The floor of `engine`'s one-token steps at `mean_context` tokens of context."""
+def decode_floor(engine: LLMEngine, mean_context: float, bandwidth: float) -> DecodeFloor:
+    """The floor of `engine`'s one-token steps at `mean_context` tokens of context, reading
+    `bandwidth` bytes a second."""
     runner = engine.executor.runner
     kv_per_token = (
         runner.kv_bytes_per_block_per_layer
@@ -105,5 +107,5 @@ def decode_floor(engine: LLMEngine, mean_context: float) -> DecodeFloor:
         step_weight_bytes(runner.model),
         kv_per_token * mean_context,
         mean_context,
-        read_bandwidth(),
+        bandwidth,
     )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bench.decode_floor import decode_floor
+from bench.decode_floor import decode_floor, read_bandwidth
 from bench.loadgen import percentile
 from bench.report import cpu_vector_flags, load_average
 from bench.workload import WorkloadRequest, make_workload
@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1:
         parser.error("--concurrency must be >= 1")
     load_before = load_average()
+    # Every core's read rate, before transformers or our engine change torch's thread count.
+    bandwidth = read_bandwidth() if args.concurrency == 1 else 0.0
     gguf = pull(DEFAULT_MODEL)
     default_requests, prompt_per_output = WORKLOADS[args.workload]
     workload = make_workload(
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_use[kv_cache_dtype] = use.summary(engine.max_model_len)
         if args.concurrency == 1:  # what one stream's step cannot go below
             mean_context = statistics.fmean(use.contexts)
-            floors[kv_cache_dtype] = decode_floor(engine, mean_context).summary()
+            floors[kv_cache_dtype] = decode_floor(engine, mean_context, bandwidth).summary()
         if index == 0:  # the prefix cache's figures, once
             cached, uncached = prefix_cache_ttfts(engine, config)
         engine.shutdown()
