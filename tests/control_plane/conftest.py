@@ -24,6 +24,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
+from suite_env import child_env, clear_settings
 
 from control_plane.app import create_app
 from control_plane.server import ControlPlaneServer
@@ -154,10 +155,9 @@ class ControlPlaneClient:
 
 @pytest.fixture(autouse=True)
 def no_meridian_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests decide every setting themselves: ignore MERIDIAN_* from the calling shell."""
-    for name in list(os.environ):
-        if name.startswith("MERIDIAN_"):
-            monkeypatch.delenv(name)
+    """Tests decide every setting themselves: ignore MERIDIAN_* from the calling shell (but the
+    suite's pins, tests/suite_env.py)."""
+    clear_settings(monkeypatch)
 
 
 @pytest.fixture(scope="session")
@@ -340,7 +340,7 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
         port: int | None = None,
         ca_file: Path | None = None,
     ) -> ControlPlaneProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+        env = child_env()
         env |= env_extra or {}
         process = ControlPlaneProcess(args, env, tmp_path / "control_plane.log", port, ca_file)
         started.append(process)

@@ -3,7 +3,6 @@ loopback tokens; refusing to start without tokens off loopback."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -14,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import REPO_ROOT, bearer, heartbeat, new_tokens
+from suite_env import child_env
 
 from control_plane.tokens import TokenKind, read_token_file
 
@@ -106,7 +106,7 @@ def test_loopback_without_tokens_generates_and_keeps_them(
 
 
 def test_refuses_to_serve_off_loopback_without_tokens(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     env["MERIDIAN_ADMIN_TOKEN"] = "secret-admin-token-123456"
     result = subprocess.run(
         [sys.executable, "-m", "control_plane", "--host", "0.0.0.0", "--db", str(tmp_path / "x")],
@@ -124,7 +124,7 @@ def test_refuses_to_serve_off_loopback_without_tokens(tmp_path: Path) -> None:
 
 
 def test_a_taken_port_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -6,7 +6,6 @@ fails."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sqlite3
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 import contextlib
 
 from gw_fleet import Fleet, Tokens, wait_until
+from suite_env import child_env
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def token_env(tokens: TokenSet | Tokens) -> dict[str, str]:
 
 
 def process_env(tokens: Tokens) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     return env | token_env(tokens)
 
 

@@ -9,18 +9,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from suite_env import clear_settings
 from tf_helpers import write_cli_config
 
 
 @pytest.fixture
 def offline_terraform_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Process environment for Terraform and the provisioners' commands: offline, no user
-    config, `python` is this interpreter; MERIDIAN_* (but the model store's home) cleared."""
+    config, `python` is this interpreter; MERIDIAN_* (but the model store's home and the suite's
+    pins) cleared."""
     root = tmp_path / "terraform-env"
     root.mkdir()
-    for name in list(os.environ):
-        if name.startswith("TF_") or (name.startswith("MERIDIAN_") and name != "MERIDIAN_HOME"):
-            monkeypatch.delenv(name)
+    clear_settings(monkeypatch, "TF_", "MERIDIAN_", keep=("MERIDIAN_HOME",))
     monkeypatch.setenv("TF_CLI_CONFIG_FILE", str(write_cli_config(root)))
     (root / "plugin-cache").mkdir()
     monkeypatch.setenv("TF_PLUGIN_CACHE_DIR", str(root / "plugin-cache"))

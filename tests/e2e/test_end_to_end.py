@@ -24,6 +24,7 @@ import openai
 import pytest
 from bounded_wait import wait_until
 from port_blocks import random_block_base
+from suite_env import child_env
 from tf_helpers import REPO_ROOT, Terraform, copy_terraform_tree, diagnostics
 
 from stack.config import parse_config
@@ -104,9 +105,7 @@ def is_free(port: int) -> bool:
 
 
 def meridian_env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_") or k == "MERIDIAN_HOME"
-    }
+    return child_env(keep=("MERIDIAN_HOME",))
 
 
 def meridian(*args: str) -> subprocess.CompletedProcess[str]:

@@ -26,6 +26,7 @@ import openai
 import pytest
 from bounded_wait import wait_until
 from port_blocks import free_stack_config
+from suite_env import child_env
 from tf_helpers import REPO_ROOT
 
 from stack.layout import StackLayout
@@ -59,8 +60,7 @@ def _config_text(base: int) -> str:
 
 
 def meridian(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
-    env |= {k: v for k, v in os.environ.items() if k == "MERIDIAN_HOME"}
+    env = child_env(keep=("MERIDIAN_HOME",))
     return subprocess.run(
         [sys.executable, "-m", "stack", *args],
         cwd=REPO_ROOT,

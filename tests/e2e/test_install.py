@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from suite_env import child_env
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,7 @@ def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def start(fresh_python: Path, tmp_path: Path) -> Iterator[Start]:
     processes: list[subprocess.Popen[bytes]] = []
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERIDIAN_", "PYTHON"))}
+    env = child_env("MERIDIAN_", "PYTHON")
     env |= {"MERIDIAN_ADMIN_TOKEN": ADMIN_TOKEN, "MERIDIAN_GATEWAY_TOKEN": GATEWAY_TOKEN}
 
     def run(*args: str) -> subprocess.Popen[bytes]:
@@ -107,7 +108,7 @@ def test_the_cpu_kernels_build_from_the_installed_package(
     """Not an editable install: the installed package's files alone give the engine its kernels,
     built here (the fresh torch's path is part of the build's name, so no earlier build is
     found); the node below then finds them built."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERIDIAN_", "PYTHON"))}
+    env = child_env("MERIDIAN_", "PYTHON")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

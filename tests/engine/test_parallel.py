@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from real_model import KV_CACHE_GIB
+from suite_env import child_env
 from tiny_checkpoints import save_tiny_transformers_model
 
 from engine import LLM, SamplingParams
@@ -222,7 +223,7 @@ def run_script(folder: Path, body: str) -> subprocess.CompletedProcess[str]:
     """`python script.py` in a fresh process: the way a user meets spawned workers."""
     script = folder / "script.py"
     script.write_text("from engine import LLM, SamplingParams\n\n" + textwrap.dedent(body))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     return subprocess.run(
         [sys.executable, str(script)],
         cwd=folder,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from suite_env import child_env
 from tiny_checkpoints import save_tiny_transformers_model
 
 from engine.errors import WorkerStartupError
@@ -119,7 +120,7 @@ def _start_script(folder: Path, body: str) -> subprocess.Popen[str]:
     """`python script.py` in a fresh process, as test_parallel.run_script, left running."""
     script = folder / "script.py"
     script.write_text("from engine import LLM\n\n" + textwrap.dedent(body))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     return subprocess.Popen(
         [sys.executable, str(script)], cwd=folder, env=env, stderr=subprocess.PIPE, text=True
     )

@@ -3,7 +3,6 @@ plane, fake regions behind delaying forwarders, real gateways) per test."""
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,14 +11,14 @@ import httpx
 import pytest
 import trustme
 from gw_fleet import Fleet, GatewayThread, wait_until
+from suite_env import clear_settings
 
 
 @pytest.fixture(autouse=True)
 def no_meridian_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests decide every setting themselves: ignore MERIDIAN_* from the calling shell."""
-    for name in list(os.environ):
-        if name.startswith("MERIDIAN_"):
-            monkeypatch.delenv(name)
+    """Tests decide every setting themselves: ignore MERIDIAN_* from the calling shell (but the
+    suite's pins, tests/suite_env.py)."""
+    clear_settings(monkeypatch)
 
 
 @pytest.fixture(scope="session")

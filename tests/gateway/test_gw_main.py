@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import ssl
 import subprocess
@@ -17,6 +16,7 @@ import httpx
 import pytest
 from cryptography import x509
 from gw_fleet import Fleet, free_port, wait_until
+from suite_env import child_env
 
 from gateway.__main__ import main
 from gateway.settings import GatewaySettings
@@ -95,7 +95,7 @@ def test_the_serving_token_comes_from_the_environment(monkeypatch: pytest.Monkey
 
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     env["MERIDIAN_GATEWAY_TOKEN"] = TOKEN
     return subprocess.run(
         [sys.executable, "-c", code, *args],
@@ -170,7 +170,7 @@ def test_the_gateway_process_serves_https_and_logs_request_ids(
 ) -> None:
     port = free_port()
     log_path = tmp_path / "gateway.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     env["MERIDIAN_GATEWAY_TOKEN"] = two_regions.tokens.gateway
     args = [
         sys.executable,

@@ -3,7 +3,6 @@ regions, with the simulated RTTs, using the official openai client over verified
 
 from __future__ import annotations
 
-import os
 import signal
 import ssl
 import subprocess
@@ -16,6 +15,7 @@ import httpx
 import openai
 import pytest
 from gw_fleet import Fleet, free_port, wait_until
+from suite_env import child_env
 
 from engine.model_store import DEFAULT_MODEL
 
@@ -30,7 +30,7 @@ def start_real_node(
 ) -> subprocess.Popen[bytes]:
     """A real node agent for `region`, registered behind the simulated RTT, logging to
     `log_dir`/node-REGION.log; with `serving_token`, it serves only callers that present it."""
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    base_env = child_env()
     node_id = f"{region}-n1"
     env = base_env | {"MERIDIAN_NODE_TOKEN": fleet.mint_node_token(node_id, region)}
     if serving_token is not None:

@@ -4,7 +4,6 @@ one real SmolLM2 engine, loaded once and shared, for those that are."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from node_helpers import (
     start_fake_engine,
     start_node,
 )
+from suite_env import clear_settings
 
 from engine.async_engine import AsyncEngine
 from engine.tokenizer import Tokenizer
@@ -27,10 +27,9 @@ from engine.tokenizer import Tokenizer
 
 @pytest.fixture(autouse=True)
 def no_meridian_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests decide every setting themselves: ignore MERIDIAN_* from the calling shell."""
-    for name in list(os.environ):
-        if name.startswith("MERIDIAN_"):
-            monkeypatch.delenv(name)
+    """Tests decide every setting themselves: ignore MERIDIAN_* from the calling shell (but the
+    suite's pins, tests/suite_env.py)."""
+    clear_settings(monkeypatch)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ real process to exit 0."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from node_helpers import MODEL_NAME, free_port, is_ready_at, node_agent_command, wait_until
+from suite_env import child_env
 
 from node_agent.__main__ import load_settings, main, parse_args
 
@@ -135,7 +135,7 @@ def test_port_in_use_fails_before_loading_the_model(
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_work_then_exits_zero(smollm2_gguf: Path) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env()
     command = node_agent_command(
         smollm2_gguf,
         port,

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from bounded_wait import wait_until
 from port_blocks import random_block_base
+from suite_env import child_env
 
 from stack.commands import ADMIN_TOKEN
 from stack.servers import PostgresNotFoundError, postgres_bin_dir
@@ -66,10 +67,8 @@ def _free_block(size: int, taken: set[int]) -> int:
 def _meridian(
     state: Path, command: str, *args: str, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env = child_env(keep=("MERIDIAN_HOME",))  # the model store
     env["PYTHONPATH"] = str(REPO_ROOT)
-    if "MERIDIAN_HOME" in os.environ:  # the model store
-        env["MERIDIAN_HOME"] = os.environ["MERIDIAN_HOME"]
     return subprocess.run(
         [sys.executable, "-m", "stack", command, "--state-dir", str(state), *args],
         cwd=REPO_ROOT,

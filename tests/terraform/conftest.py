@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from suite_env import clear_settings
 from tf_helpers import (
     ControlPlane,
     Terraform,
@@ -32,9 +33,7 @@ def terraform_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     provisioners' commands): offline, no user config, and `python` is this interpreter."""
     root = tmp_path_factory.mktemp("terraform-env")
     with pytest.MonkeyPatch.context() as mp:
-        for name in list(os.environ):
-            if name.startswith(("TF_", "MERIDIAN_")):
-                mp.delenv(name)
+        clear_settings(mp, "TF_", "MERIDIAN_")
         mp.setenv("TF_CLI_CONFIG_FILE", str(write_cli_config(root)))
         mp.setenv("TF_PLUGIN_CACHE_DIR", str(root / "plugin-cache"))
         (root / "plugin-cache").mkdir()
