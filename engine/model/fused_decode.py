@@ -18,12 +18,14 @@ import torch
 from engine.kernels import cpu_kernels
 from engine.model.attention import AttentionMetadata
 from engine.model.block_weights import Q4_1, BlockWeight
+from engine.model.dense_matmul import bf16_gemv_max_tokens
 from engine.model.layer_ops import RotaryAngles
 from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
-# Our GEMV kernels take steps of at least this many tokens on any CPU (the bf16 kernel's least
-# range; the blocks' is 16), so within it the modules would call exactly these kernels.
+# Steps of up to this many tokens, and within every projection's kernel range (where the modules
+# would call exactly these kernels: the bf16 kernel takes 4 tokens on any CPU unless
+# MERIDIAN_MATMUL_CROSSOVER pins fewer, the blocks 16).
 MAX_TOKENS = 4
 
 
@@ -33,6 +35,7 @@ class FusedDecode:
     num_heads: int
     eps: float
     scale: float
+    max_tokens: int  # MAX_TOKENS, or the least of the projections' kernel ranges below it
 
     @classmethod
     def of(cls, model: LlamaForCausalLM) -> FusedDecode | None:
@@ -42,6 +45,7 @@ class FusedDecode:
         if not layers or cpu_kernels() is None:
             return None
         weights: list[torch.Tensor] = []
+        max_tokens = MAX_TOKENS
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
             projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -49,17 +53,18 @@ class FusedDecode:
             if attention.qkv_proj.tp.size != 1 or any(m is None for m in matrices):
                 return None
             qkv, o, gate_up, down = (m for m in matrices if m is not None)
+            max_tokens = min(max_tokens, qkv[1], o[1], gate_up[1], down[1])
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            weights += [norms[0].weight, qkv, o, norms[1].weight, gate_up, down]
+            weights += [norms[0].weight, qkv[0], o[0], norms[1].weight, gate_up[0], down[0]]
         first = layers[0].self_attn
         head_dim = first.q_size // first.num_heads
-        return cls(weights, first.num_heads, layers[0].input_layernorm.eps, head_dim**-0.5)
+        eps = layers[0].input_layernorm.eps
+        return cls(weights, first.num_heads, eps, head_dim**-0.5, max_tokens)
 
-    @staticmethod
-    def can_run(num_tokens: int, meta: AttentionMetadata) -> bool:
+    def can_run(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether a step is one the fused call serves: decodes only, few, on the kernel."""
         return (
-            num_tokens <= MAX_TOKENS
+            num_tokens <= self.max_tokens
             and meta.num_decode_tokens == num_tokens
             and meta.decode_mask is None
         )
@@ -90,14 +95,17 @@ class FusedDecode:
         return x, residual
 
 
-def _kernel_weight(layer: ColumnParallelLinear | RowParallelLinear) -> torch.Tensor | None:
-    """What the decode kernels multiply by for this projection: Q4_1 blocks, or the bf16 weight;
-    None where a step of few tokens would take another path (int8, fp32, Q8_0, a bias)."""
+def _kernel_weight(
+    layer: ColumnParallelLinear | RowParallelLinear,
+) -> tuple[torch.Tensor, int] | None:
+    """What the decode kernels multiply by for this projection, Q4_1 blocks or the bf16 weight,
+    and up to how many tokens a step's module calls the same kernel; None where a step of few
+    tokens would take another path (int8, fp32 or Q8_0 weights, a bias)."""
     if getattr(layer, "bias", None) is not None or layer.weight.device.type != "cpu":
         return None
     quantized = layer.quantized
-    if quantized is None:
-        return layer.weight if layer.weight.dtype == torch.bfloat16 else None
+    if quantized is None and layer.weight.dtype == torch.bfloat16:
+        return layer.weight, bf16_gemv_max_tokens(*layer.weight.shape)
     if isinstance(quantized, BlockWeight) and quantized.format is Q4_1:
-        return quantized.blocks
+        return quantized.blocks, quantized.max_kernel_tokens()
     return None

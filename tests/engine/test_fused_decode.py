@@ -15,8 +15,9 @@ from engine import LLM, SamplingParams
 from engine.chat_template import ChatMessage
 from engine.distributed import TPGroup
 from engine.kernels import cpu_kernels
-from engine.model import fused_decode
+from engine.model import dense_matmul, fused_decode
 from engine.model.attention import AttentionMetadata, PrefillChunk
+from engine.model.dense_matmul import bf16_gemv_max_tokens
 from engine.model.fused_decode import MAX_TOKENS, FusedDecode
 from engine.model.int8_weights import Int8Weight
 from engine.model.parallel_layers import ColumnParallelLinear
@@ -92,13 +93,31 @@ def _meta(
 
 
 def test_only_few_decodes_on_the_kernel_take_the_fused_call() -> None:
-    assert FusedDecode.can_run(1, _meta(1, []))
-    assert FusedDecode.can_run(MAX_TOKENS, _meta(MAX_TOKENS, []))
-    assert not FusedDecode.can_run(MAX_TOKENS + 1, _meta(MAX_TOKENS + 1, []))
+    fused = FusedDecode([], num_heads=9, eps=1e-5, scale=0.125, max_tokens=MAX_TOKENS)
+    assert fused.can_run(1, _meta(1, []))
+    assert fused.can_run(MAX_TOKENS, _meta(MAX_TOKENS, []))
+    assert not fused.can_run(MAX_TOKENS + 1, _meta(MAX_TOKENS + 1, []))
     chunk = PrefillChunk(1, 4, 0, torch.zeros(1, dtype=torch.long), None)
-    assert not FusedDecode.can_run(5, _meta(1, [chunk]))  # a prefill in the step
+    assert not fused.can_run(5, _meta(1, [chunk]))  # a prefill in the step
     mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)
-    assert not FusedDecode.can_run(1, _meta(1, [], mask))  # the portable attention
+    assert not fused.can_run(1, _meta(1, [], mask))  # the portable attention
+
+
+def test_a_pinned_crossover_below_the_fused_range_narrows_it(
+    monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
+) -> None:
+    """MERIDIAN_MATMUL_CROSSOVER=2: the modules multiply a dense bf16 weight with F.linear from 3
+    tokens, so the fused call takes steps of up to 2 only, and its bits stay the modules'."""
+    monkeypatch.setenv("MERIDIAN_MATMUL_CROSSOVER", "2")
+    dense_matmul.bf16_gemv_max_tokens.cache_clear()  # the suite's 16, kept per shape
+    llm = LLM(str(smollm2_gguf), dtype="bfloat16", quantization="none", max_model_len=64,
+              cpu_kv_cache_gib=KV_CACHE_GIB)  # fmt: skip
+    try:
+        fused = llm.engine.executor.runner.fused_decode
+        assert fused is not None and fused.max_tokens == 2
+    finally:
+        llm.shutdown()
+        dense_matmul.bf16_gemv_max_tokens.cache_clear()
 
 
 def test_only_projections_our_kernels_multiply_are_fused() -> None:
@@ -106,7 +125,9 @@ def test_only_projections_our_kernels_multiply_are_fused() -> None:
         return ColumnParallelLinear(64, {"a": 32}, bias, TPGroup()).to(dtype)
 
     bf16 = layer(torch.bfloat16)
-    assert fused_decode._kernel_weight(bf16) is bf16.weight
+    kernel_weight = fused_decode._kernel_weight(bf16)
+    assert kernel_weight is not None
+    assert kernel_weight[0] is bf16.weight and kernel_weight[1] == bf16_gemv_max_tokens(32, 64)
     assert fused_decode._kernel_weight(layer(torch.float32)) is None  # F.linear / oneDNN
     assert fused_decode._kernel_weight(layer(torch.bfloat16, bias=True)) is None
     int8 = layer(torch.bfloat16)
