@@ -107,3 +107,15 @@ def test_a_bad_routing_policy_is_one_line_and_exit_2(capsys: pytest.CaptureFixtu
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "cannot both be 0" in err and err.count("\n") == 1
+
+
+def test_picker_off_leaves_the_node_to_least_request_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "off.json"
+    argv = ["run", "--scenario", "prefix_heavy", "--requests", "100", "--json", str(out)]
+    assert main([*argv, "--policies", "meridian", "--jobs", "1", "--picker", "off"]) == 0
+    assert "picker off" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["node_picker"] is False
+    assert 0.0 <= result["policies"]["meridian"]["cache_share"] <= 1.0
