@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stack.certs import GatewayTls
-from stack.config import StackConfig
+from stack.config import PathsConfig, StackConfig
 from stack.layout import HOST, PopLayout, RegionLayout, StackLayout
 from stack.model_config import served_model
 
@@ -201,14 +201,22 @@ def picker(
     return Command(f"picker {region.name}", "picker", argv, env, region.picker.metrics_url)
 
 
-def rtt_proxy(layout: StackLayout) -> Command:
-    """One process for every PoP's path to every region."""
+def rtt_proxy(layout: StackLayout, paths: PathsConfig) -> Command:
+    """One process for every PoP's path to every region (the backbone: steady) and every client
+    city's path straight to its nearest region (public: jitter and loss)."""
     routes = []
     for region in layout.regions:
         upstreams = ",".join(url.removeprefix("http://") for url in region.upstream_urls)
         for path in region.paths:
             if path.rtt_proxy_port is not None:
                 routes += ["--route", f"{HOST}:{path.rtt_proxy_port}={upstreams}@{path.rtt_ms:g}"]
+    for client in layout.clients:
+        if client.direct is not None:
+            upstreams = ",".join(url.removeprefix("http://") for url in client.direct.upstreams)
+            route = f"{HOST}:{client.direct.port}={upstreams}@{client.direct.rtt_ms:g}"
+            routes += ["--public-route", route]
+    routes += ["--jitter-share", f"{paths.public_jitter_share:g}"]
+    routes += ["--loss-rate", f"{paths.public_loss_rate:g}", "--seed", str(paths.seed)]
     return Command("rtt-proxy", "rtt-proxy", _python("stack.rtt_proxy", *routes), base_env())
 
 

@@ -161,6 +161,9 @@ class PortsConfig(_Section):
     # `anycast_admin`.
     anycast_base: Port = 8601
     anycast_admin: Port = 8600
+    # Client city k's public path straight to its nearest region (geo-DNS alone, no PoP; with
+    # `simulate_rtt`): `direct_base + k`, a route of the RTT proxy.
+    direct_base: Port = 10601
     redis: Port = 6390  # PoP i's redis-server (`limits: shared`): `redis + i`
     # PostgreSQL for `control_plane.db: postgres`; replica k (from 0) of the control plane
     # listens on `control_plane + k`, `xds + k` and `dns + k`.
@@ -176,6 +179,17 @@ class PortsConfig(_Section):
     picker_base: Port = 10701
     picker_metrics_base: Port = 10801
     picker_events_base: Port = 10901
+
+
+class PathsConfig(_Section):
+    """The kinds of path the RTT proxy simulates (stack/path_delays.py): a PoP's path to a region
+    rides the private backbone (steady); a client's own path straight to a region is public."""
+
+    # A public path: each chunk's mean extra one-way delay, as a share of the one-way time, and
+    # the share of chunks that wait for a lost packet's retransmission (200 ms).
+    public_jitter_share: float = Field(default=0.05, ge=0.0, le=10.0)
+    public_loss_rate: float = Field(default=0.005, ge=0.0, lt=1.0)
+    seed: int = 0  # the same seed, the same draws on every connection, run after run
 
 
 class StackConfig(_Section):
@@ -209,6 +223,7 @@ class StackConfig(_Section):
     # Put a delaying TCP proxy in front of each region's ingress, so RTTs are felt, not only
     # computed (stack/rtt_proxy.py).
     simulate_rtt: bool = True
+    paths: PathsConfig = Field(default_factory=PathsConfig)
     # An endpoint picker per region beside its Envoy (which it needs), choosing each request's
     # node by the prompt's cached prefix against load (docs/region_picker.md); off: Envoy
     # balances by least request. Each region's `picker` overrides it.

@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.anycast import Anycast, Route, pops_at
+from stack.path_delays import PathDelays
 from stack.rtt_proxy import close_writer, connect, host_port, pipe_delayed
 from stack.server_process import add_log_level_argument, run_server, stop_on_signals
 from wire.geo import LOCATIONS, locate
@@ -171,7 +172,9 @@ class AnycastFront:
                 self._apply()
                 continue
             self.num_connections[pop.name] += 1
-            await pipe_delayed((reader, writer), upstream, _one_way_s(route))
+            one_way_s = _one_way_s(route)
+            steady = (PathDelays.steady(one_way_s), PathDelays.steady(one_way_s))
+            await pipe_delayed((reader, writer), upstream, steady)
             return
         logger.warning("no PoP announces %s: closing a connection from %s", self.table.prefix, city)
         await close_writer(writer)

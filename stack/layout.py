@@ -7,8 +7,9 @@ endpoint picker when it has one, stack/picker_layout.py) → node agents. The re
 `ingress_url`, registered with the control plane, is the first hop of that path from the first
 PoP; every gateway is told its own paths (`--region-ingress`).
 
-In front of the PoPs: the Anycast front (one port per client city, to the nearest announced PoP)
-and the control plane's DNS (the API name → the nearest healthy PoP's address). A DNS answer is
+In front of the PoPs: the Anycast front (one port per client city, to the nearest announced PoP),
+each city's public path straight to its nearest region (stack/client_paths.py), and the
+control plane's DNS (the API name → the nearest healthy PoP's address). A DNS answer is
 an address without a port, so each PoP listens on its own loopback address (127.0.1.1, 127.0.1.2,
 ...), all on the same port.
 """
@@ -18,13 +19,14 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from stack.addresses import HOST, url_of
+from stack.client_paths import ClientLayout, plan_clients
 from stack.config import StackConfig
 from stack.errors import StackError
 from stack.picker_layout import PickerLayout, plan_picker
 from stack.postgres import SUPERUSER
 from wire.geo import Location, locate, rtt_ms
 
-HOST = "127.0.0.1"
 POSTGRES_DATABASE = "postgres"
 POP_ADDRESS_PREFIX = "127.0.1."  # PoP i listens on 127.0.1.(i+1)
 POP_STRIDE = 100  # PoP p's RTT proxy route to region i: rtt_proxy_base + POP_STRIDE*p + i
@@ -32,10 +34,6 @@ POP_STRIDE = 100  # PoP p's RTT proxy route to region i: rtt_proxy_base + POP_ST
 
 def pop_address(index: int) -> str:
     return f"{POP_ADDRESS_PREFIX}{index + 1}"
-
-
-def url_of(port: int, scheme: str = "http") -> str:
-    return f"{scheme}://{HOST}:{port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,18 +121,6 @@ class PopLayout:
     @property
     def redis_url(self) -> str | None:
         return f"redis://{HOST}:{self.redis_port}/0" if self.redis_port is not None else None
-
-
-@dataclass(frozen=True, slots=True)
-class ClientLayout:
-    """A simulated client city: its port on the Anycast front."""
-
-    city: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        return url_of(self.port, "https")
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +231,11 @@ class StackLayout:
                     owner = f"RTT proxy {path.pop} → {region.name}"
                     ports.append((path.rtt_proxy_port, owner))
         ports += [(p.edge_port, f"edge node {p.name}") for p in self.pops if p.edge_port]
-        ports += [(client.port, f"Anycast front {client.city}") for client in self.clients]
+        for client in self.clients:
+            ports.append((client.port, f"Anycast front {client.city}"))
+            if client.direct is not None:
+                owner = f"RTT proxy {client.city} → {client.direct.region} (public)"
+                ports.append((client.direct.port, owner))
         if self.anycast_admin_port is not None:
             ports.append((self.anycast_admin_port, "Anycast front admin"))
         ports += [(p.redis_port, f"redis-server {p.name}") for p in self.pops if p.redis_port]
@@ -320,9 +310,7 @@ def plan_layout(config: StackConfig, use_envoy: bool, has_redis: bool = False) -
     `has_redis`: a redis-server is installed (each PoP gets its own with `limits: shared`)."""
     ports = config.ports
     regions = tuple(_region_layout(config, i, use_envoy) for i in range(len(config.regions)))
-    clients = tuple(
-        ClientLayout(city, ports.anycast_base + k) for k, city in enumerate(config.clients)
-    )
+    clients = plan_clients(config, regions)
     layout = StackLayout(
         control_plane_port=ports.control_plane,
         xds_port=ports.xds,

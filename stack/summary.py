@@ -52,6 +52,11 @@ def _front_lines(layout: StackLayout) -> list[str]:
         lines.append(
             f"{head}{client.city:<14}{client.url}/v1   (Anycast → {nearest}, {rtt:.0f} ms)"
         )
+        if (direct := client.direct) is not None:
+            lines.append(
+                f"            {'':<14}{direct.url}/v1   (public, straight to {direct.region}, "
+                f"{direct.rtt_ms:.0f} ms: no PoP, no key)"
+            )
     ports = [replica.dns_port for replica in layout.control_planes]
     lines.append(
         f"  DNS       {layout.dns_name} on {dns_endpoints(ports)}   "

@@ -232,11 +232,18 @@ class StackStarter:
                 label = f"{command.name} (its tokenizers loaded)"
                 checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
         if self.layout.has_rtt_proxy:
-            child = supervisor.start(commands.rtt_proxy(self.layout))
+            child = supervisor.start(commands.rtt_proxy(self.layout, self.config.paths))
             for region in self.layout.regions:
                 for path in region.paths:
                     probe = self.probes.ok(f"{region.ingress_url_of(path.rtt_proxy_port)}/ready")
                     label = f"rtt-proxy {path.pop} → {region.name} (+{path.rtt_ms:g} ms)"
+                    checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
+            for client in self.layout.clients:
+                if (direct := client.direct) is not None:
+                    probe = self.probes.ok(f"{direct.url}/ready")
+                    label = (
+                        f"rtt-proxy {client.city} → {direct.region} (public, +{direct.rtt_ms:g} ms)"
+                    )
                     checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
         for pop in self.layout.pops:
             if self.redis_path is None or pop.redis_port is None:

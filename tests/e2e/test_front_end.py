@@ -53,7 +53,7 @@ def _config_text(base: int) -> str:
         f"gateway: {base + 3}, anycast_admin: {base + 4}, anycast_base: {base + 5}, "
         f"redis: {base + 60}, node_base: {base + 10}, edge_base: {base + 20}, "
         f"envoy_base: {base + 30}, envoy_admin_base: {base + 40}, "
-        f"rtt_proxy_base: {base + 50}, "
+        f"rtt_proxy_base: {base + 50}, direct_base: {base + 80}, "
         # Not the default 9464: another stack test may run beside this one (xdist).
         f"gateway_metrics: {base + 70}}}\n"
     )
@@ -175,6 +175,11 @@ def test_cities_reach_their_nearest_pop_by_anycast_and_dns_edge_answers_light_au
         address = resolved.stdout.strip()
         with front.client(f"https://{address}:{front.layout.gateway_port}") as client:
             assert _chat(client, "smollm2-135m-instruct").headers["x-meridian-pop"] == pop
+    # Each city's public path straight to the region (geo-DNS alone, no PoP) reaches its node.
+    for place in front.layout.clients:
+        assert place.direct is not None and place.direct.region == "us-east"
+        assert httpx.get(place.direct.url + "/ready", timeout=30).status_code == 200
+        assert f"{place.direct.url}/v1   (public, straight to us-east" in front.output
     # Light `auto` requests beside the edge are answered there; heavy ones by the region.
     with front.client(front.city_url("sydney")) as client:
         light = _chat(client, "auto")

@@ -69,7 +69,8 @@ def _config_text(base: int) -> str:
         f"ports: {{control_plane: {base}, xds: {base + 1}, dns: {base + 2}, "
         f"gateway: {base + 3}, anycast_admin: {base + 4}, anycast_base: {base + 5}, "
         f"gateway_metrics: {base + 9}, node_base: {base + 10}, envoy_base: {base + 20}, "
-        f"envoy_admin_base: {base + 30}, redis: {base + 40}, rtt_proxy_base: {base + 50}}}\n"
+        f"envoy_admin_base: {base + 30}, redis: {base + 40}, rtt_proxy_base: {base + 50}, "
+        f"direct_base: {base + 60}}}\n"
         # Nodes: base+10+100*i+j; RTT routes: base+50+100*p+i: all below base+200.
     )
 

@@ -48,13 +48,14 @@ def listener() -> Iterator[socket.socket]:
 
 def _config_text(gateway_port: int | None = None, dns_port: int | None = None) -> str:
     """One region, one node; every port free except those given."""
-    cp, xds, dns, gateway, node, envoy, admin, proxy, anycast, front, redis = _free_ports(11)
+    ports = _free_ports(12)
+    cp, xds, dns, gateway, node, envoy, admin, proxy, anycast, front, redis, direct = ports
     return (
         "regions: [{name: us-east}]\nclients: [tokyo]\npops: [new-york]\n"
         f"ports: {{gateway: {gateway_port or gateway}, control_plane: {cp}, xds: {xds}, "
         f"dns: {dns_port or dns}, node_base: {node}, envoy_base: {envoy}, "
         f"envoy_admin_base: {admin}, rtt_proxy_base: {proxy}, anycast_base: {anycast}, "
-        f"anycast_admin: {front}, redis: {redis}}}\n"
+        f"anycast_admin: {front}, redis: {redis}, direct_base: {direct}}}\n"
     )
 
 
