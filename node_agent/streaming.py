@@ -7,7 +7,7 @@ client gone): it releases the admission ticket, records the latency metrics and 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -107,43 +107,39 @@ def _grammar_failed(error: str) -> BadRequestError:
     return BadRequestError(message, code="grammar_error")
 
 
-async def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> AsyncIterator[bytes]:
+def chat_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> AsyncIterator[bytes]:
     header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
     with_ids = run.prepared.return_token_ids
     choices = [ChatChoice(i, run.prepared.tools) for i in range(run.prepared.num_choices)]
-    async with aclosing(_guarded(run, outputs)) as stream:
-        for choice in choices:
-            yield header.chunk({"delta": {"role": "assistant", "content": ""}}, index=choice.index)
-        async for item in stream:
-            if isinstance(item, bytes):
-                yield item
-                return
-            completion = item.outputs[0]
-            choice = choices[completion.index]
-            delta = choice.feed(completion.text)
-            if item.finished:
-                delta |= choice.finish(completion.finish_reason)
-            logprobs = _chat_logprobs(texts, completion.logprobs, num_top)
-            # With ids asked for, every output that has ids is a chunk: the ids a client holds
-            # then always match the text it holds (what a resume continues from).
-            if delta or logprobs is not None or (with_ids and completion.token_ids):
-                yield header.chunk(
-                    {"delta": delta or {"content": ""}},
-                    logprobs=logprobs,
-                    token_ids=completion.token_ids,
-                    index=choice.index,
-                )
-            if item.finished:
-                yield header.chunk({"delta": {}}, choice.finish_reason, index=choice.index)
-    if header.include_usage:
-        yield header.usage_chunk(run.usage)
-    yield DONE
+    roles = [
+        header.chunk({"delta": {"role": "assistant", "content": ""}}, index=c.index)
+        for c in choices
+    ]
+
+    def chunks(item: RequestOutput) -> Iterator[bytes]:
+        completion = item.outputs[0]
+        choice = choices[completion.index]
+        delta = choice.feed(completion.text)
+        if item.finished:
+            delta |= choice.finish(completion.finish_reason)
+        logprobs = _chat_logprobs(texts, completion.logprobs, num_top)
+        # With ids asked for, every output that has ids is a chunk: the ids a client holds
+        # then always match the text it holds (what a resume continues from).
+        if delta or logprobs is not None or (with_ids and completion.token_ids):
+            yield header.chunk(
+                {"delta": delta or {"content": ""}},
+                logprobs=logprobs,
+                token_ids=completion.token_ids,
+                index=choice.index,
+            )
+        if item.finished:
+            yield header.chunk({"delta": {}}, choice.finish_reason, index=choice.index)
+
+    return _events(run, outputs, roles, chunks)
 
 
-async def completion_events(
-    run: RequestRun, outputs: Outputs, texts: TokenTexts
-) -> AsyncIterator[bytes]:
+def completion_events(run: RequestRun, outputs: Outputs, texts: TokenTexts) -> AsyncIterator[bytes]:
     header = run.prepared.header
     num_top = run.prepared.num_top_logprobs
     with_ids = run.prepared.return_token_ids
@@ -151,28 +147,48 @@ async def completion_events(
         CompletionLogprobs(texts, num_top) if num_top is not None else None
         for _ in range(run.prepared.num_choices)
     ]
+
+    def chunks(item: RequestOutput) -> Iterator[bytes]:
+        completion = item.outputs[0]
+        choice_logprobs = logprobs[completion.index]
+        lp = (
+            choice_logprobs.next(completion.logprobs)
+            if choice_logprobs and completion.logprobs
+            else None
+        )
+        finish_reason = completion.finish_reason if item.finished else None
+        has_ids = with_ids and bool(completion.token_ids)
+        if completion.text or lp is not None or finish_reason is not None or has_ids:
+            yield header.chunk(
+                {"text": completion.text},
+                finish_reason,
+                lp,
+                completion.token_ids,
+                completion.index,
+            )
+
+    return _events(run, outputs, [], chunks)
+
+
+async def _events(
+    run: RequestRun,
+    outputs: Outputs,
+    opening: list[bytes],
+    chunks: Callable[[RequestOutput], Iterator[bytes]],
+) -> AsyncGenerator[bytes, None]:
+    """One stream's events, either endpoint's: the `opening` chunks, `chunks` of each output,
+    the usage chunk if the client asked for it and `[DONE]`; or, once a failure ends the
+    outputs, its error event and `[DONE]` as the last words."""
+    header = run.prepared.header
     async with aclosing(_guarded(run, outputs)) as stream:
+        for chunk in opening:
+            yield chunk
         async for item in stream:
             if isinstance(item, bytes):
                 yield item
                 return
-            completion = item.outputs[0]
-            choice_logprobs = logprobs[completion.index]
-            lp = (
-                choice_logprobs.next(completion.logprobs)
-                if choice_logprobs and completion.logprobs
-                else None
-            )
-            finish_reason = completion.finish_reason if item.finished else None
-            has_ids = with_ids and bool(completion.token_ids)
-            if completion.text or lp is not None or finish_reason is not None or has_ids:
-                yield header.chunk(
-                    {"text": completion.text},
-                    finish_reason,
-                    lp,
-                    completion.token_ids,
-                    completion.index,
-                )
+            for chunk in chunks(item):
+                yield chunk
     if header.include_usage:
         yield header.usage_chunk(run.usage)
     yield DONE
