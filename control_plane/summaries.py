@@ -15,14 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from control_plane.changes import ChangeFeed
 from control_plane.model import Fleet, Listed, Node, Region, listed_models
 from wire.heartbeat import Heartbeat
 from wire.model_catalog import ModelCatalog
-from wire.region_summary import ModelLoad, QueueEstimate, RegionSummary, RegionSummaryIndex
+from wire.prefix_key import MAX_HOT_PREFIXES
+from wire.region_summary import (
+    HotPrefix,
+    ModelLoad,
+    QueueEstimate,
+    RegionSummary,
+    RegionSummaryIndex,
+)
 from wire.routing_policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -59,6 +67,7 @@ class _Load:
     num_rated_nodes: int = 0
     serving_keys: set[str] = field(default_factory=set)
     context_length: int | None = None  # the least reported
+    hot_prefixes: tuple[HotPrefix, ...] = ()  # one model's digest (a total keeps none)
 
     @classmethod
     def of(cls, beats: list[Heartbeat | None]) -> _Load:
@@ -69,6 +78,7 @@ class _Load:
         num_rated = 0
         serving_keys: set[str] = set()
         contexts: list[int] = []
+        hot: Counter[str] = Counter()
         for beat in beats:  # in locals: this loop is most of a tick's work
             if beat is None:
                 continue
@@ -85,6 +95,7 @@ class _Load:
             if identity is not None:
                 serving_keys.add(identity.serving_key)
                 contexts.append(identity.context_length)
+            hot.update(beat.hot_prefixes)
         return cls(
             len(beats),
             waiting,
@@ -97,6 +108,7 @@ class _Load:
             num_rated,
             serving_keys,
             min(contexts, default=None),
+            hot_digest(hot),
         )
 
     def add(self, other: _Load) -> None:
@@ -137,7 +149,17 @@ class _Load:
             kv_blocks_free=self.kv_blocks_free,
             kv_blocks_total=self.kv_blocks_total,
             queue=self.queue(),
+            hot_prefixes=self.hot_prefixes,
         )
+
+
+def hot_digest(counts: Mapping[str, int]) -> tuple[HotPrefix, ...]:
+    """The MAX_HOT_PREFIXES keys reported by the most nodes (then by key, so that the same
+    counts give the same digest and leave the document's index where it is)."""
+    if not counts:
+        return ()
+    top = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MAX_HOT_PREFIXES]
+    return tuple(HotPrefix(key=key, nodes=nodes) for key, nodes in top)
 
 
 def summarize_region(region: Region, nodes: list[Node], listed: Listed = None) -> RegionSummary:

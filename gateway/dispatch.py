@@ -32,6 +32,7 @@ from gateway.settings import GatewaySettings
 from gateway.tiers import Tier
 from gateway.upstream_request import UpstreamRequest
 from wire.cache_salt import CACHE_SALT_HEADER
+from wire.prefix_key import PREFIX_KEY_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +81,14 @@ class Dispatch:
         error goes on."""
         parsed, key = admitted.parsed, admitted.key
         try:
+            headers = upstream_headers(self.settings, key, call.request_id, has_body=True)
+            if parsed.affinity_key is not None:  # what the nodes report their hot prefixes by
+                headers[PREFIX_KEY_HEADER] = parsed.affinity_key
             upstream = UpstreamRequest(
                 method="POST",
                 path=path,
                 body=parsed.upstream_body,
-                headers=upstream_headers(self.settings, key, call.request_id, has_body=True),
+                headers=headers,
                 is_stream=True,  # a non-stream's answer is assembled from it
             )
             deadline_s = call.started_s + self.settings.request_deadline_s

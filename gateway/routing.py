@@ -35,14 +35,16 @@ a weight above 0. Among
 those, saturated ones (KV cache fuller than the policy's threshold) and ones whose circuit is
 open go last; below the threshold, KV use costs from `KV_PRESSURE_KNEE` of it on. The first
 choice is made among the near-best (cost within `p2c_tolerance` of the best, plus a small
-absolute slack): with affinity on and a system prompt, by rendezvous hashing
-of its hash (the same prompt lands on the same region while that region stays near-best, so its
-prefix cache is warm); otherwise by the power of two choices, picking the one of two random
-near-best regions where fewer of this gateway's requests per healthy node still wait for their
-first byte, so that gateways do not all stampede onto the single best region. (Requests in
-flight would count long streams that are past their prefill: the nearest region always has the
-most, so two choices drifted to the farther region even when neither had a queue.) The rest
-follow by cost, for failover.
+absolute slack): with affinity on and a system prompt, among the near-best regions whose
+summaries list the prompt's key among their hot prefixes (wire/prefix_key.py: their nodes served
+it lately, so their caches hold it) those with the most such nodes ("cached"), else all of them
+("affinity"), by rendezvous hashing of its hash (the same prompt lands on the same region while
+that region stays near-best, so its prefix cache is warm); otherwise by the power of two
+choices, picking the one of two random near-best regions where fewer of this gateway's
+requests per healthy node still wait for their first byte, so that gateways do not all stampede
+onto the single best region. (Requests in flight would count long streams that are past their
+prefill: the nearest region always has the most, so two choices drifted to the farther region
+even when neither had a queue.) The rest follow by cost, for failover.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from wire.geo import Place, rtt_ms
 from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
-Reason = Literal["only", "p2c", "affinity", "fallback"]
+Reason = Literal["only", "p2c", "cached", "affinity", "fallback"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,9 @@ class RegionState:
     # The summary's models by name, and the loads of those planned for since it came.
     models: dict[str, ModelLoad] = field(default_factory=dict)
     model_loads: dict[str, SummaryLoad] = field(default_factory=dict)
+    # The summary's hot prefixes: prefix key -> nodes reporting it, per model, and (under None)
+    # the most over its models, for a model-blind plan.
+    hot: dict[str | None, dict[str, int]] = field(default_factory=dict)
 
 
 _cost_s = operator.attrgetter("cost_s")
@@ -146,6 +151,19 @@ def among_same_weights(
         return plan
     same = [c for c, key in zip(plan.candidates, keys, strict=True) if key == keys[0]]
     return RoutePlan(same, plan.reason)
+
+
+def _hot_of(summary: RegionSummary) -> dict[str | None, dict[str, int]]:
+    hot: dict[str | None, dict[str, int]] = {}
+    blind: dict[str, int] = {}
+    for model in summary.models:
+        if model.hot_prefixes:
+            hot[model.name] = {prefix.key: prefix.nodes for prefix in model.hot_prefixes}
+            for prefix in model.hot_prefixes:
+                blind[prefix.key] = max(blind.get(prefix.key, 0), prefix.nodes)
+    if blind:
+        hot[None] = blind
+    return hot
 
 
 def _serving_keys(state: RegionState | None, model: str) -> tuple[str, ...] | None:
@@ -188,6 +206,7 @@ class Router:
             known.load = None  # worked out when next planned (a PoP may adopt several first)
             known.models = {model.name: model for model in summary.models}
             known.model_loads = {}
+            known.hot = _hot_of(summary)
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing
@@ -293,7 +312,11 @@ class Router:
         if len(near) == 1:
             chosen, reason = near[0], "only"
         elif affinity_key is not None and self.policy.affinity_enabled:
-            chosen, reason = self._by_affinity(near, affinity_key), "affinity"
+            holding = self._holding(near, affinity_key, model)
+            if holding:
+                chosen, reason = self._by_affinity(holding, affinity_key), "cached"
+            else:
+                chosen, reason = self._by_affinity(near, affinity_key), "affinity"
         else:
             chosen, reason = self._by_two_choices(near), "p2c"
         rest = [c for c in preferred if c is not chosen]
@@ -301,6 +324,12 @@ class Router:
 
     def _weight(self, candidate: Candidate) -> float:
         return self.regions[candidate.region].summary.weight
+
+    def _holding(self, near: list[Candidate], key: str, model: str | None) -> list[Candidate]:
+        """Those of `near` whose summaries say the most of their nodes hold `key`."""
+        counts = [self.regions[c.region].hot.get(model, {}).get(key, 0) for c in near]
+        most = max(counts)
+        return [c for c, n in zip(near, counts, strict=True) if n == most] if most else []
 
     def _by_affinity(self, near: list[Candidate], key: str) -> Candidate:
         return max(near, key=lambda c: _rendezvous_score(key, c.region, self._weight(c)))

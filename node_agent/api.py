@@ -40,6 +40,7 @@ from node_agent.streaming import (
     completion_events,
 )
 from wire.deflection import ATTEMPT_COUNT_HEADER, attempt_of
+from wire.prefix_key import PREFIX_KEY_HEADER
 
 T = TypeVar("T")
 
@@ -93,6 +94,7 @@ async def _serve(
     except BaseException:
         ticket.release()
         raise
+    runtime.hot_prefixes.seen(request.headers.get(PREFIX_KEY_HEADER))
     timer = runtime.metrics.start_request()
     run = RequestRun(prepared, ticket, timer, request_id_of(request.scope))
     outputs = serving.outputs(prepared, ticket, run.timer)

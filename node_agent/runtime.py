@@ -20,6 +20,7 @@ from engine.llm_engine import EngineStats
 from node_agent.admission import Admission, Ticket
 from node_agent.drain import Drain
 from node_agent.errors import ModelNotFoundError, UnavailableError
+from node_agent.hot_prefixes import HotPrefixes
 from node_agent.metrics import NodeMetrics
 from node_agent.model_identity import model_identity, weights_id_of
 from node_agent.serving import Serving
@@ -58,6 +59,7 @@ class NodeRuntime:
         )
         self.drain = Drain(self.admission, settings.drain_timeout_s)
         self.metrics = NodeMetrics(self.model_name, self.stats)
+        self.hot_prefixes = HotPrefixes()  # the system prompts served lately, for the beats
         # Set by whoever runs the server: ends the process (after a drain, or a failed load).
         self.stop_server: Callable[[], None] | None = None
         self.drain.on_drained = self._request_stop
@@ -189,6 +191,7 @@ class NodeRuntime:
             draining=self.drain.is_draining or self.is_engine_dead,
             engine_alive=self.health_problem() is None,
             num_in_flight=self.admission.num_in_flight,
+            hot_prefixes=self.hot_prefixes.hot(),
             timestamp=time.time(),
         )
 

@@ -11,6 +11,8 @@ from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from wire.prefix_key import MAX_HOT_PREFIXES, PrefixKey
+
 HEARTBEAT_SCHEMA_VERSION: Final = 1
 
 # A node or region name: lower-case DNS-label style, so it can appear in URLs, xDS names and DNS.
@@ -93,6 +95,9 @@ class Heartbeat(BaseModel):
     # Requests admitted and not yet answered in full (streams included), as the node's HTTP layer
     # counts them. Optional: without it the control plane uses num_running + num_waiting.
     num_in_flight: Count | None = None
+    # The prefix keys (wire/prefix_key.py) of the requests this node served lately, sorted.
+    # Optional: a node agent that does not send them adds nothing to its region's digest.
+    hot_prefixes: tuple[PrefixKey, ...] = Field(default=(), max_length=MAX_HOT_PREFIXES)
     # Unix seconds at the node when the report was made (informational: health is judged by the
     # control plane's own clock when the beat arrives, so node clock skew cannot keep a node alive).
     timestamp: Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False)]

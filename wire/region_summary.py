@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from wire.heartbeat import HttpUrlStr, Name
 from wire.model_catalog import ModelCatalog
+from wire.prefix_key import MAX_HOT_PREFIXES, PrefixKey
 from wire.routing_policy import RoutingPolicy
 
 REGION_SUMMARY_SCHEMA_VERSION: Final = 2
@@ -48,6 +49,16 @@ class QueueEstimate(BaseModel):
     prefill_tokens_per_s: float | None = Field(default=None, gt=0.0)
 
 
+class HotPrefix(BaseModel):
+    """A system prompt the region's nodes served lately (wire/prefix_key.py), and how many of
+    the model's nodes report it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    key: PrefixKey
+    nodes: int = Field(ge=1)
+
+
 class ModelLoad(BaseModel):
     """One routable model in a region: the numbers of the region's nodes serving it."""
 
@@ -62,6 +73,9 @@ class ModelLoad(BaseModel):
     kv_blocks_free: int = Field(ge=0)
     kv_blocks_total: int = Field(ge=0)
     queue: QueueEstimate
+    # The region's hot prefixes for this model: the keys its nodes report most, most nodes
+    # first (then by key), at most MAX_HOT_PREFIXES. Empty from control planes that predate it.
+    hot_prefixes: tuple[HotPrefix, ...] = Field(default=(), max_length=MAX_HOT_PREFIXES)
 
 
 class RegionSummary(BaseModel):
