@@ -3,7 +3,9 @@ matcher, which masks its next token and follows the tokens it is given.
 
 Compiling runs on one thread of its own (llguidance drops the GIL while it builds a grammar),
 cached by spec: a request whose grammar is not compiled yet waits outside the scheduler
-(`LLMEngine`) while the batch steps on. Each request gets a copy of the compiled matcher.
+(`LLMEngine`) while the batch steps on. Each request gets a copy of the compiled matcher. A
+server's front compiles with a compiler of its own to refuse a grammar that does not compile
+against the vocabulary before it queues anything (node_agent/serving.py).
 """
 
 from __future__ import annotations
@@ -91,6 +93,15 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._vocabulary, spec.grammar(), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{spec.param}: {matcher.get_error()}")
+        # A grammar that no token of this vocabulary can start (a choice of characters it
+        # cannot spell, a regex matching nothing) errs on its first mask: found here, before
+        # any sequence of it runs.
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(
+                f"{spec.param}: no output of it can be spelled with this model's vocabulary"
+            )
         return matcher
 
     def shutdown(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -64,7 +64,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        grammar_compiler: Callable[[Tokenizer, int], GrammarCompiler] = GrammarCompiler,
+    ):
+        """`grammar_compiler` makes the compiler of constrained requests' grammars from the
+        tokenizer and the vocabulary's size (a test holds its compiles with its own)."""
         self.config = config
         checkpoint = load_checkpoint(resolve_model(config.model))
         self.model_config: ModelConfig = checkpoint.config
@@ -110,7 +116,7 @@ class LLMEngine:
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, kv_cache)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = grammar_compiler(self.tokenizer, self.model_config.vocab_size)
         # Constrained requests whose grammar is compiling: followed, not yet scheduled.
         self._compiling: dict[str, tuple[Sequence, Future[CompiledGrammar]]] = {}
         self._prompt_tokens_total = 0

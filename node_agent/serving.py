@@ -1,7 +1,9 @@
 """From a validated OpenAI request to engine outputs: prompt, checks, sampling, the output stream.
 
 Everything that can make a request fail with 400 happens in `prepare_*`, before any response
-starts, so a stream never begins for a request the engine would refuse.
+starts, so a stream never begins for a request the engine would refuse. A grammar is compiled
+against the vocabulary here too (on the compiler's thread, cached by spec, as the engine core
+compiles its own), so one that cannot run is refused before anything is queued.
 
 `n` choices run as n engine requests (engine/parallel_sampling.py), at most `max_num_choices`.
 Tools: with `tool_choice` none the tools are not shown to the model; otherwise the template
@@ -12,6 +14,7 @@ functions' schemas (node_agent/tool_plan.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -22,6 +25,8 @@ from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatMessage, TemplateValue
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, RequestRejected
+from engine.grammar import GrammarCompiler, GrammarError
+from engine.grammar_spec import GrammarSpec
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import generate_choices
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -72,6 +77,7 @@ class Serving:
         self.max_num_choices = max_num_choices
         self.texts = TokenTexts(llm.tokenizer)
         self.prompts = PromptEncoder(llm.tokenizer, llm.limits)
+        self.grammars = GrammarCompiler(llm.tokenizer, llm.limits.vocab_size)
 
     async def prepare_chat(
         self, body: ChatCompletionRequest, cache_salt: str | None
@@ -118,6 +124,8 @@ class Serving:
             CHAT, "messages", token_ids, params, body, body.engine_logprobs, cache_salt
         )
         prepared.tools = tools
+        is_tools = plan is not None and plan.grammar is not None
+        await self._check_compiles(params.grammar, "tools" if is_tools else None)
         return prepared
 
     async def prepare_completion(
@@ -132,9 +140,21 @@ class Serving:
         else:
             token_ids = prompt
         params = self._params(body, body.max_tokens, body.logprobs)
-        return self._prepared(
+        prepared = self._prepared(
             COMPLETION, "prompt", token_ids, params, body, body.logprobs, cache_salt
         )
+        await self._check_compiles(params.grammar)
+        return prepared
+
+    async def _check_compiles(self, grammar: GrammarSpec | None, param: str | None = None) -> None:
+        """A 400 naming `param` (else the grammar's own field) if the grammar does not compile
+        against the vocabulary, or no token can start it; it waits off the event loop."""
+        if grammar is None:
+            return
+        try:
+            await asyncio.wrap_future(self.grammars.compile(grammar))
+        except GrammarError as exc:
+            raise BadRequestError(str(exc), param=param or grammar.param) from exc
 
     async def outputs(
         self, prepared: PreparedRequest, ticket: Ticket, timer: RequestTimer

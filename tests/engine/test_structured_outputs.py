@@ -4,8 +4,9 @@ and validate, free rows of a mixed batch are the same as alone, penalties and bi
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ from real_model import KV_CACHE_GIB
 
 from engine import LLM, SamplingParams
 from engine.chat_template import ChatMessage
-from engine.grammar import GrammarError, GrammarMatcher
+from engine.config import EngineConfig
+from engine.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher
 from engine.grammar_spec import GrammarSpec
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 
 pytestmark = pytest.mark.slow
 
@@ -190,3 +194,54 @@ def test_a_resumed_constrained_generation_goes_on_under_the_same_grammar(llm: LL
     [resumed] = outputs
     assert ids[:6] + resumed.outputs[0].token_ids[6:] == ids
     City.model_validate_json(resumed.outputs[0].text)
+
+
+class HeldCompiler(GrammarCompiler):
+    """Compiles a grammar only once `release` is set (an error if never, not a hang)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.release = threading.Event()
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        if not self.release.wait(timeout=120):
+            raise GrammarError("the test never released the compile")
+        return super()._compile(spec)
+
+
+def test_the_batch_steps_on_while_a_new_grammar_compiles(smollm2_gguf: Path) -> None:
+    config = EngineConfig(model=str(smollm2_gguf), max_model_len=512, cpu_kv_cache_gib=KV_CACHE_GIB)
+    engine = LLMEngine(config, grammar_compiler=HeldCompiler)
+    try:
+        compiler = engine.grammars
+        assert isinstance(compiler, HeldCompiler)
+        prompt = engine.tokenizer.render_chat(chat(PROMPTS[0]), add_generation_prompt=True)
+        free = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+        engine.add_request("free", prompt, free)
+        held_params = SamplingParams(temperature=0, max_tokens=60, grammar=SCHEMA)
+        engine.add_request("held", prompt, held_params)
+        outputs: list[RequestOutput] = []
+        while not any(o.request_id == "free" and o.finished for o in outputs):
+            outputs += engine.step()
+        # The free request ran to its end while the other's grammar was still compiling.
+        assert len(next(o for o in outputs if o.finished).outputs[0].token_ids) == 8
+        assert [o.request_id for o in outputs if o.request_id == "held"] == []
+        assert engine.requests["held"].seq.num_output_tokens == 0
+        compiler.release.set()
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        (held,) = [o for o in outputs if o.request_id == "held" and o.finished]
+        assert held.outputs[0].finish_reason == "stop"
+        City.model_validate_json(held.outputs[0].text)
+    finally:
+        compiler.release.set()
+        engine.shutdown()
+
+
+def test_a_grammar_no_token_can_start_fails_its_compile(llm: LLM) -> None:
+    compiler = llm.engine.grammars
+    nothing = GrammarSpec("regex", r"[^\x00-\U0010FFFF]")  # a class of no character
+    nothing.check()  # well formed: only the vocabulary tells
+    with pytest.raises(GrammarError, match="guided_regex: no output of it can be spelled"):
+        compiler.compile(nothing).result()
+    compiler.compile(GrammarSpec("regex", "")).result()  # the empty output is one

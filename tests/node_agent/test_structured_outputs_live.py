@@ -9,7 +9,7 @@ from typing import Literal
 
 import openai
 import pytest
-from agent_api_cases import unparsed_people
+from agent_api_cases import check_frequency_penalty, check_grammar_refusals, unparsed_people
 from node_helpers import MODEL_NAME, NodeHandle
 from openai.types.chat import ChatCompletionMessageParam
 from pydantic import BaseModel
@@ -70,23 +70,13 @@ def test_stream_json_object_and_choice(client: openai.OpenAI) -> None:
 
 
 def test_frequency_penalty_changes_a_repeating_greedy_output(client: openai.OpenAI) -> None:
-    messages: list[ChatCompletionMessageParam] = [
-        {"role": "user", "content": "Repeat the word 'apple' fifty times."}
-    ]
-    texts = [
-        client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,
-            temperature=0,
-            max_tokens=40,
-            frequency_penalty=penalty,
-        )
-        .choices[0]
-        .message.content
-        or ""
-        for penalty in (0.0, 1.5)
-    ]
-    assert texts[0].count("apple") > texts[1].count("apple")
+    check_frequency_penalty(client, MODEL_NAME)
+
+
+def test_a_grammar_that_cannot_run_is_400_naming_its_field_streamed_or_not(
+    client: openai.OpenAI,
+) -> None:
+    check_grammar_refusals(client, MODEL_NAME)
 
 
 @pytest.mark.parametrize(
