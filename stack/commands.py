@@ -215,9 +215,16 @@ def rtt_proxy(layout: StackLayout, paths: PathsConfig) -> Command:
             upstreams = ",".join(url.removeprefix("http://") for url in client.direct.upstreams)
             route = f"{HOST}:{client.direct.port}={upstreams}@{client.direct.rtt_ms:g}"
             routes += ["--public-route", route]
-    routes += ["--jitter-share", f"{paths.public_jitter_share:g}"]
-    routes += ["--loss-rate", f"{paths.public_loss_rate:g}", "--seed", str(paths.seed)]
-    return Command("rtt-proxy", "rtt-proxy", _python("stack.rtt_proxy", *routes), base_env())
+    argv = _python("stack.rtt_proxy", *routes, *path_arguments(paths))
+    return Command("rtt-proxy", "rtt-proxy", argv, base_env())
+
+
+def path_arguments(paths: PathsConfig) -> tuple[str, ...]:
+    """How the RTT proxy and the Anycast front treat public paths (stack/path_delays.py)."""
+    return (
+        *("--jitter-share", f"{paths.public_jitter_share:g}"),
+        *("--loss-per-100-ms", f"{paths.public_loss_per_100_ms:g}", "--seed", str(paths.seed)),
+    )
 
 
 def gateway(
@@ -271,13 +278,15 @@ def redis_server(path: str, pop: PopLayout, directory: Path) -> Command:
     return Command(f"redis {pop.name}", "redis", argv, base_env(), pop.redis_url)
 
 
-def anycast_front(layout: StackLayout, ca_cert: Path) -> Command:
-    """The Anycast front: a port per client city, forwarding to the nearest announced PoP."""
+def anycast_front(layout: StackLayout, ca_cert: Path, paths: PathsConfig) -> Command:
+    """The Anycast front: a port per client city, forwarding to the nearest announced PoP over
+    the city's public path."""
     assert layout.anycast_admin_port is not None
     argv = _python(
         "stack.front",
         *("--admin", f"{HOST}:{layout.anycast_admin_port}", "--health-ca", str(ca_cert)),
         *(arg for pop in layout.pops for arg in ("--pop", f"{pop.name}={pop.address}:{pop.port}")),
         *(arg for c in layout.clients for arg in ("--client", f"{c.city}={HOST}:{c.port}")),
+        *path_arguments(paths),
     )
     return Command("anycast-front", "anycast-front", argv, base_env(), layout.anycast_admin_url)

@@ -183,12 +183,14 @@ class PortsConfig(_Section):
 
 class PathsConfig(_Section):
     """The kinds of path the RTT proxy simulates (stack/path_delays.py): a PoP's path to a region
-    rides the private backbone (steady); a client's own path straight to a region is public."""
+    rides the private backbone (steady); a client's own paths, to its PoP (the Anycast front)
+    and straight to a region, are public."""
 
     # A public path: each chunk's mean extra one-way delay, as a share of the one-way time, and
-    # the share of chunks that wait for a lost packet's retransmission (200 ms).
+    # the share of chunks that wait for a lost packet's retransmission (200 ms) per 100 ms of
+    # the path's RTT.
     public_jitter_share: float = Field(default=0.05, ge=0.0, le=10.0)
-    public_loss_rate: float = Field(default=0.005, ge=0.0, lt=1.0)
+    public_loss_per_100_ms: float = Field(default=0.005, ge=0.0, le=0.1)
     seed: int = 0  # the same seed, the same draws on every connection, run after run
 
 

@@ -6,8 +6,10 @@
 
 Each `--client CITY=HOST:PORT` is a simulated client city: every TCP connection accepted there
 goes to the nearest PoP that announces the prefix, by the real `gateway/anycast.py` table, and
-its bytes are delayed by half the city's RTT to that PoP each way (the RTT proxy's pipe). Only
-bytes pass: TLS stays end to end between the client and the PoP.
+its bytes are delayed by half the city's RTT to that PoP each way (the RTT proxy's pipe), over
+the public internet: with seeded jitter and loss (stack/path_delays.py; `--jitter-share`,
+`--loss-per-100-ms`, `--seed`). Only bytes pass: TLS stays end to end between the client and the
+PoP.
 
 A PoP is announced unless the operator withdrew it (admin HTTP, `meridian anycast withdraw`) or
 it is down: its `/health` failed `FAILURES_DOWN` checks in a row, or a connection to it was
@@ -32,7 +34,13 @@ import aiohttp
 from aiohttp import web
 
 from gateway.anycast import Anycast, Route, pops_at
-from stack.path_delays import PathDelays
+from stack.path_delays import (
+    PathDelays,
+    PublicPath,
+    add_path_arguments,
+    connection_rng,
+    public_path_of,
+)
 from stack.rtt_proxy import close_writer, connect, host_port, pipe_delayed
 from stack.server_process import add_log_level_argument, run_server, stop_on_signals
 from wire.geo import LOCATIONS, locate
@@ -79,9 +87,19 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 class AnycastFront:
-    def __init__(self, pops: list[Endpoint], clients: list[Endpoint]) -> None:
+    def __init__(
+        self,
+        pops: list[Endpoint],
+        clients: list[Endpoint],
+        public: PublicPath | None = None,
+        seed: int = 0,
+    ) -> None:
+        """`public`: how the cities' paths treat their bytes (None: steady, no draws)."""
         self.pops = {pop.name: pop for pop in pops}
         self.clients = {client.name: client for client in clients}
+        self.public = public
+        self.seed = seed
+        self._num_accepted = dict.fromkeys(self.clients, 0)
         self.table = Anycast(pops_at(self.pops, LOCATIONS))
         self.withdrawn: set[str] = set()  # by the operator
         self._num_failures = dict.fromkeys(self.pops, 0)
@@ -158,10 +176,21 @@ class AnycastFront:
 
     # Traffic.
 
+    def delays_of(self, city: str, route: Route, connection: int) -> tuple[PathDelays, PathDelays]:
+        """The delay schedules of `city`'s `connection`-th connection: to the PoP, back."""
+        one_way_s = route.rtt_ms / 2000.0
+        port = self.clients[city].port
+        return (
+            PathDelays(one_way_s, self.public, connection_rng(self.seed, port, connection, "up")),
+            PathDelays(one_way_s, self.public, connection_rng(self.seed, port, connection, "down")),
+        )
+
     async def handle(
         self, city: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """One client connection: to the nearest announced PoP; if it refuses, the next."""
+        connection = self._num_accepted[city]
+        self._num_accepted[city] += 1
         for route in self.table.routes(locate(city)):
             pop = self.pops[route.pop]
             try:
@@ -172,9 +201,7 @@ class AnycastFront:
                 self._apply()
                 continue
             self.num_connections[pop.name] += 1
-            one_way_s = _one_way_s(route)
-            steady = (PathDelays.steady(one_way_s), PathDelays.steady(one_way_s))
-            await pipe_delayed((reader, writer), upstream, steady)
+            await pipe_delayed((reader, writer), upstream, self.delays_of(city, route, connection))
             return
         logger.warning("no PoP announces %s: closing a connection from %s", self.table.prefix, city)
         await close_writer(writer)
@@ -197,10 +224,6 @@ class AnycastFront:
             async with session.get(f"https://{pop.host}:{pop.port}/health") as response:
                 return response.status == 200
         return False
-
-
-def _one_way_s(route: Route) -> float:
-    return route.rtt_ms / 2000.0
 
 
 def admin_app(front: AnycastFront) -> web.Application:
@@ -261,14 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", type=parse_endpoint, action="append", required=True)
     parser.add_argument("--admin", type=parse_listen, required=True, help="HOST:PORT")
     parser.add_argument("--health-ca", required=True, help="PEM CA file the PoPs' TLS is from")
+    add_path_arguments(parser)
     add_log_level_argument(parser)
     args = parser.parse_args(argv)
+    public = public_path_of(args, parser)
     try:
         context = ssl.create_default_context(cafile=args.health_ca)
     except (OSError, ssl.SSLError) as exc:
         print(f"front: error: cannot load --health-ca: {exc}", file=sys.stderr)
         return 1
-    front = AnycastFront(args.pop, args.client)
+    front = AnycastFront(args.pop, args.client, public, args.seed)
     return run_server("front", args.log_level, serve(front, args.admin, context))
 
 

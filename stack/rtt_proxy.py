@@ -2,7 +2,7 @@
 
     python -m stack.rtt_proxy --route 127.0.0.1:10201=127.0.0.1:10001@76.5 [--route ...] \
         [--public-route 127.0.0.1:10601=127.0.0.1:10001@92.0 --jitter-share 0.05 \
-         --loss-rate 0.005 --seed 0]
+         --loss-per-100-ms 0.005 --seed 0]
 
 Each `--route LISTEN=UPSTREAM[,UPSTREAM...]@RTT_MS` listens on LISTEN and forwards every
 connection to one upstream (round robin over the list), holding each chunk of bytes for half
@@ -26,7 +26,14 @@ import logging
 import sys
 from dataclasses import dataclass, replace
 
-from stack.path_delays import PathDelays, PathKind, PublicPath, connection_rng
+from stack.path_delays import (
+    PathDelays,
+    PathKind,
+    PublicPath,
+    add_path_arguments,
+    connection_rng,
+    public_path_of,
+)
 from stack.server_process import add_log_level_argument, run_server, stop_on_signals
 
 logger = logging.getLogger("stack.rtt_proxy")
@@ -228,18 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stack.rtt_proxy", description=__doc__)
     parser.add_argument("--route", type=parse_route, action="append", default=[])
     parser.add_argument("--public-route", type=parse_route, action="append", default=[])
-    parser.add_argument("--jitter-share", type=float, default=PublicPath().jitter_share)
-    parser.add_argument("--loss-rate", type=float, default=PublicPath().loss_rate)
-    parser.add_argument("--seed", type=int, default=0)
+    add_path_arguments(parser)
     add_log_level_argument(parser)
     args = parser.parse_args(argv)
     routes = args.route + [replace(route, kind="public") for route in args.public_route]
     if not routes:
         parser.error("at least one --route or --public-route")
-    try:
-        public = PublicPath(args.jitter_share, args.loss_rate)
-    except ValueError as exc:
-        parser.error(str(exc))
+    public = public_path_of(args, parser)
     return run_server("rtt_proxy", args.log_level, _serve(routes, public, args.seed))
 
 

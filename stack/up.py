@@ -261,7 +261,9 @@ class StackStarter:
             probe = self.probes.gateway_is_ready(pop)
             checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))
         if self.layout.anycast_admin_url is not None:
-            child = supervisor.start(commands.anycast_front(self.layout, self.ca_cert))
+            child = supervisor.start(
+                commands.anycast_front(self.layout, self.ca_cert, self.config.paths)
+            )
             probe = self.probes.ok(f"{self.layout.anycast_admin_url}/v1/anycast")
             label = f"anycast-front ({len(self.layout.clients)} client cities)"
             checks.append(ReadyCheck(label, probe, DOWNSTREAM_TIMEOUT_S, child))

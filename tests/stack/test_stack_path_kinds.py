@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from stack import commands
 from stack.config import PathsConfig, load_config
+from stack.front import AnycastFront, Endpoint
 from stack.layout import plan_layout
-from stack.path_delays import LOSS_PENALTY_S, PathDelays, PublicPath, connection_rng
+from stack.path_delays import LOSS_PENALTY_S, MAX_LOSS_RATE, PathDelays, PublicPath, connection_rng
 from stack.rtt_proxy import Route, RttProxy, main
+from wire.geo import locate
 
 ONE_WAY_S = 0.05
 NUM_CHUNKS = 20_000
@@ -30,7 +34,7 @@ def test_the_backbone_is_steady_and_lossless() -> None:
 
 
 def test_a_public_path_jitters_and_loses_as_configured() -> None:
-    public = PublicPath(jitter_share=0.1, loss_rate=0.01)
+    public = PublicPath(jitter_share=0.1, loss_per_100_ms=0.01)  # 1% on this 100 ms RTT
     delays = PathDelays(ONE_WAY_S, public, random.Random(1))
     draws = _draws(delays)
     assert min(draws) >= ONE_WAY_S
@@ -56,7 +60,7 @@ def test_the_same_seed_draws_the_same_schedule_and_connections_draw_apart() -> N
 def test_the_proxy_gives_each_route_its_kind() -> None:
     backbone = Route(("127.0.0.1", 10201), (("127.0.0.1", 9001),), 100.0)
     public = Route(("127.0.0.1", 10601), (("127.0.0.1", 9001),), 100.0, kind="public")
-    proxy = RttProxy([backbone, public], PublicPath(jitter_share=0.2, loss_rate=0.5), seed=3)
+    proxy = RttProxy([backbone, public], PublicPath(jitter_share=0.2, loss_per_100_ms=0.1), seed=3)
     for delays in proxy.delays_of(backbone, 0):
         assert {delays.next_s() for _ in range(100)} == {0.05}
     up, down = proxy.delays_of(public, 0)
@@ -69,7 +73,7 @@ def test_the_proxy_gives_each_route_its_kind() -> None:
     "argv",
     [
         ["--jitter-share", "-1", "--route", "127.0.0.1:1=127.0.0.1:2@1"],
-        ["--loss-rate", "1", "--public-route", "127.0.0.1:1=127.0.0.1:2@1"],
+        ["--loss-per-100-ms", "0.2", "--public-route", "127.0.0.1:1=127.0.0.1:2@1"],
         [],
     ],
 )
@@ -91,7 +95,8 @@ async def test_bytes_pass_a_public_route_whole_and_in_order() -> None:
     upstream = await asyncio.start_server(echo, "127.0.0.1", 0)
     port = int(upstream.sockets[0].getsockname()[1])
     route = Route(("127.0.0.1", 0), (("127.0.0.1", port),), 2.0, kind="public")
-    proxy = RttProxy([route], PublicPath(jitter_share=1.0, loss_rate=0.3), seed=0)
+    route = replace(route, rtt_ms=400.0)  # loss grows with the RTT: 40% of chunks held back
+    proxy = RttProxy([route], PublicPath(jitter_share=0.01, loss_per_100_ms=0.1), seed=0)
     await proxy.start()
     try:
         proxy_port = int(proxy._servers[0].sockets[0].getsockname()[1])
@@ -113,7 +118,7 @@ def test_meridian_up_runs_the_pop_paths_as_backbone_with_the_configured_public_s
     config = load_config()
     assert config.paths == PathsConfig()  # default.yaml states the defaults
     custom = config.model_copy(
-        update={"paths": PathsConfig(public_jitter_share=0.1, public_loss_rate=0.02, seed=4)}
+        update={"paths": PathsConfig(public_jitter_share=0.1, public_loss_per_100_ms=0.02, seed=4)}
     )
     layout = plan_layout(custom, use_envoy=True)
     argv = commands.rtt_proxy(layout, custom.paths).argv
@@ -128,7 +133,9 @@ def test_meridian_up_runs_the_pop_paths_as_backbone_with_the_configured_public_s
     ]
     assert len(public) == len(layout.clients)
     tail = argv[argv.index("--jitter-share") :]
-    assert tail == ("--jitter-share", "0.1", "--loss-rate", "0.02", "--seed", "4")
+    assert tail == ("--jitter-share", "0.1", "--loss-per-100-ms", "0.02", "--seed", "4")
+    front = commands.anycast_front(layout, Path("ca.pem"), custom.paths).argv
+    assert front[front.index("--jitter-share") :] == tail
 
 
 def test_each_client_city_has_a_public_path_straight_to_its_nearest_region() -> None:
@@ -150,3 +157,22 @@ def test_each_client_city_has_a_public_path_straight_to_its_nearest_region() -> 
     calm = plan_layout(config.model_copy(update={"simulate_rtt": False}), use_envoy=True)
     assert all(client.direct is None for client in calm.clients)
     assert "--public-route" not in commands.rtt_proxy(calm, config.paths).argv
+
+
+def test_loss_grows_with_the_path_s_rtt_and_is_capped() -> None:
+    public = PublicPath(jitter_share=0.0, loss_per_100_ms=0.005)
+    assert public.loss_rate(0.010) == pytest.approx(0.001)  # a near PoP: 20 ms RTT
+    assert public.loss_rate(0.100) == pytest.approx(0.01)  # a far region: 200 ms RTT
+    assert PublicPath(loss_per_100_ms=0.1).loss_rate(10.0) == MAX_LOSS_RATE
+
+
+def test_the_anycast_front_s_city_legs_are_public() -> None:
+    pops = [Endpoint("london", "127.0.1.2", 8443)]
+    cities = [Endpoint("paris", "127.0.0.1", 8602)]
+    steady = AnycastFront(pops, cities)
+    route = steady.table.reach(locate("paris"))
+    for delays in steady.delays_of("paris", route, 0):
+        assert {delays.next_s() for _ in range(50)} == {route.rtt_ms / 2000.0}
+    public = AnycastFront(pops, cities, PublicPath(jitter_share=0.5), seed=1)
+    up, _ = public.delays_of("paris", route, 0)
+    assert len({up.next_s() for _ in range(50)}) == 50
