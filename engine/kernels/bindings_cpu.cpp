@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x W^T for few tokens, W as Q8_0 blocks with fp32 scales (N, K / 32 * 36 bytes)");
   m.def("q8_0_dequantize", &meridian::q8_0_dequantize,
         "Q8_0 blocks with fp32 scales (N, K / 32 * 36 bytes) -> the weight (N, K) in dtype");
+  // Without the GIL: the call runs a whole step's layers (~8 ms at batch 1), and a server's
+  // event loop thread must not wait for it.
   m.def("decode_layers", &meridian::decode_layers,
-        "A decode step's decoder layers in one call -> (x, residual)");
+        "A decode step's decoder layers in one call -> (x, residual)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
