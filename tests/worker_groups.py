@@ -7,11 +7,18 @@ so its module fixtures are set up once, and some files go together to one worker
   install, real nodes killed mid-stream), so that no two of them share the two cores at once:
   side by side they starved each other past their deadlines.
 
+And the longest files and groups are handed out first (LONGEST_FIRST), the rest by number of
+tests as xdist orders them: by number of tests alone, the fleets (23 tests, 15-20 min of one
+worker under load) came 20th and test_parallel (18 tests, 8 min) 30th, and a long file handed out
+late runs on alone at the end while the other workers idle.
+
 (`--dist loadgroup` would say this with marks, but pytest-xdist 3.8 cannot rename the tests of a
 group under pytest 9.2, so the grouping is a scheduler of our own.)
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 from xdist.scheduler import LoadFileScheduling
@@ -34,12 +41,55 @@ GROUPS = {
     ),
 }
 GROUP_OF = {path: group for group, paths in GROUPS.items() for path in paths}
+# Longest first, by the 30 slowest of a whole run (make test, 3 workers, load 4-8): the fleets,
+# the TP/PP parity runs, the transformers reference, the real model's engine and node tests.
+LONGEST_FIRST = (
+    "whole-fleets",
+    "tests/engine/test_parallel.py",
+    "transformers-reference",
+    "tests/node_agent/test_resume.py",
+    "tests/engine/test_gemv_kernels.py",
+    "tests/node_agent/test_node_fuzz.py",
+    "tests/engine/test_q4_weights.py",
+    "tests/gateway/test_gw_fuzz.py",
+    "tests/engine/test_kv_cache_dtype.py",
+    "tests/engine/test_int8_weights.py",
+    "tests/gateway/test_gw_real_nodes.py",
+)
+
+
+def scope_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return GROUP_OF.get(path, path)
+
+
+def in_running_order(nodeids: list[str]) -> list[str]:
+    """LONGEST_FIRST, then by number of tests (a stable sort: a file's tests keep their order)."""
+    counts = Counter(scope_of(nodeid) for nodeid in nodeids)
+
+    def rank(nodeid: str) -> tuple[int, int]:
+        scope = scope_of(nodeid)
+        first = LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, -counts[scope]
+
+    return sorted(nodeids, key=rank)
 
 
 class FilesInGroups(LoadFileScheduling):
+    def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
+        super().__init__(config, log)
+        # The work queue is built in the order of the collection, which schedule() sets:
+        # xdist's own reordering by number of tests would undo it.
+        config.option.loadscopereorder = False
+
     def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
-        return GROUP_OF.get(path, path)
+        return scope_of(nodeid)
+
+    def schedule(self) -> None:
+        if self.collection is None:  # the first call, which builds the work queue
+            for node, collection in self.registered_collections.items():
+                self.registered_collections[node] = in_running_order(list(collection))
+        super().schedule()
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFileScheduling | None:
