@@ -7,16 +7,24 @@ unknown model is 404, a model the key may not use 403; an alias flip moves the a
 within a summary interval; spend shows per key and model; a budget spent at one PoP is refused at
 the other; with eu-west (the fp32 model's one region) drained as an operator drains a region, its
 fallback answers (and the spend is the fallback's).
+The agent API through the same stack's gateway (issue 33's "Done when"), first: the official
+client's `parse` with a pydantic model on 20 prompts greedy and sampled (from both cities at
+once), `tool_choice: required` streamed and not, a conversation with a tool result, `n=4` with
+the prompt counted once, `frequency_penalty`, grammars that cannot run refused with a 400 naming
+their field; and README's `parse()` example as written there.
 One stack start; `meridian down` stops it all."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -25,6 +33,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from agent_api_cases import (
+    check_four_choices,
+    check_frequency_penalty,
+    check_grammar_refusals,
+    check_required_tool_calls,
+    check_tool_result_conversation,
+    unparsed_people,
+)
 from bounded_wait import wait_until
 from port_blocks import free_stack_config
 from test_front_end import meridian
@@ -174,6 +190,60 @@ def refusal(client: openai.OpenAI, model: str) -> tuple[int, str | None]:
 def spend(fleet: Fleet, key_id: str) -> dict[str, int]:
     models: dict[str, int] = fleet.admin("GET", f"/v1/keys/{key_id}/spend")["models"]
     return models
+
+
+# The agent API's checks run first: the test after them drains eu-west for good.
+def test_parse_returns_a_parsed_object_for_every_prompt_greedy_and_sampled(fleet: Fleet) -> None:
+    # Greedy from chicago (us-east), sampled from paris (eu-west), at once: 40 requests in flight.
+    runs = [(fleet.openai("chicago"), 0.0), (fleet.openai("paris"), 0.9)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        unparsed = list(pool.map(lambda run: unparsed_people(run[0], DEFAULT, run[1]), runs))
+    assert unparsed == [[], []]
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        check_required_tool_calls,
+        check_tool_result_conversation,
+        check_four_choices,
+        check_frequency_penalty,
+        check_grammar_refusals,
+    ],
+)
+def test_agent_api_through_the_gateway(
+    fleet: Fleet, check: Callable[[openai.OpenAI, str], None]
+) -> None:
+    check(fleet.openai("paris"), DEFAULT)
+
+
+def readme_parse_example() -> str:
+    """README.md's Python block that calls `parse`, as a reader copies it."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", readme, re.MULTILINE | re.DOTALL)
+    (block,) = (b for b in blocks if "chat.completions.parse(" in b)
+    return str(block)
+
+
+def test_the_readme_parse_example_runs_as_written(fleet: Fleet) -> None:
+    # What the reader's default stack has where this one has its own: each must be there.
+    url = next(c.url for c in fleet.layout.clients if c.city == "paris")
+    places = {
+        "https://127.0.0.1:8601/v1": f"{url}/v1",
+        "~/.cache/meridian/stack/tls/ca.pem": fleet.printed("CA cert"),
+    }
+    code = readme_parse_example()
+    for readers, ours in places.items():
+        assert readers in code, f"README's example no longer names {readers}"
+        code = code.replace(readers, ours)
+    scope: dict[str, Any] = {"KEY": fleet.printed("API key")}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), scope)
+    scope["client"].close()
+    parsed = scope["reply"].choices[0].message.parsed
+    assert isinstance(parsed, scope["City"]), printed.getvalue()
+    assert printed.getvalue() == f"{parsed}\n"
 
 
 def test_models_route_fall_back_flip_and_spend_across_the_fleet(fleet: Fleet) -> None:
