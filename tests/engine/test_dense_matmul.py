@@ -69,23 +69,31 @@ def test_the_bf16_gemv_range_is_4_where_the_cpu_s_flags_settle_it(
 
 
 @pytest.mark.parametrize(
-    ("kernel_wins_to", "expected", "probes"),
+    ("kernel_wins_to", "expected", "probes", "most_macs"),
     [
-        (0, 4, [8]),
-        (8, 8, [8, 16]),
-        (16, 16, [8, 16, 32]),
-        (32, 32, [8, 16, 32, 64]),
-        (64, 64, [8, 16, 32, 64]),
+        (0, 4, [8], None),
+        (8, 8, [8, 16], None),
+        (16, 16, [8, 16, 32], None),
+        (32, 32, [8, 16, 32, 64], None),
+        (64, 64, [8, 16, 32, 64], None),
+        # Probes stop where they would cost more (the LM head's): the range is the last one run.
+        (64, 16, [8, 16], 16 * 64 * 128),
     ],
 )
 def test_the_bf16_gemv_range_is_the_last_probe_the_kernel_won(
-    monkeypatch: pytest.MonkeyPatch, kernel_wins_to: int, expected: int, probes: list[int]
+    monkeypatch: pytest.MonkeyPatch,
+    kernel_wins_to: int,
+    expected: int,
+    probes: list[int],
+    most_macs: int | None,
 ) -> None:
     """With AVX-512 BF16 alone, each probe times the kernel and F.linear on cold copies of
     the weight; the range ends before the first probe the kernel loses by more than 10%."""
     if dense_matmul.cpu_kernels() is None:
         pytest.skip("the CPU kernels could not be built")
     monkeypatch.delenv("MERIDIAN_MATMUL_CROSSOVER", raising=False)
+    if most_macs is not None:
+        monkeypatch.setattr(dense_matmul, "_MAX_PROBE_MACS", most_macs)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     probed: list[tuple[str, int, int]] = []
@@ -112,6 +120,14 @@ def test_the_bf16_gemv_range_is_the_last_probe_the_kernel_won(
     assert [n for path, n, _ in probed if path == "F.linear"] == probes
     # Enough copies of the weight to pass the caches.
     assert {copies for _, _, copies in probed} == {dense_matmul._COLD_BYTES // (2 * 64 * 128)}
+
+
+def test_a_cycling_call_takes_the_next_weight_each_time() -> None:
+    """The bf16 probes time cold weights: each call multiplies by the next copy, round the list
+    (the suite pins the crossover, so no engine start probes for real)."""
+    weights = [torch.full((1, 2), float(i)) for i in range(3)]
+    call = dense_matmul._cycling(F.linear, torch.ones(1, 2), weights)
+    assert [torch.as_tensor(call()).item() for _ in range(4)] == [0.0, 2.0, 4.0, 0.0]
 
 
 def test_the_crossover_is_a_probe_or_never(monkeypatch: pytest.MonkeyPatch) -> None:
