@@ -1,5 +1,6 @@
 """Structured outputs and logit controls on the real model: constrained outputs always parse
-and validate, free rows of a mixed batch are the same as alone, penalties and bias act."""
+and validate, free rows of a batch mixing them with constrained and tool-call rows are the same
+as alone, penalties and bias act, a new grammar compiles while the batch steps on."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from engine.grammar import CompiledGrammar, GrammarCompiler, GrammarError, Gramm
 from engine.grammar_spec import GrammarSpec
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.tool_prompt import TOOL_CALL_OPEN, with_tools
 
 pytestmark = pytest.mark.slow
 
@@ -86,17 +88,45 @@ def test_a_cut_off_constrained_output_finishes_with_length(llm: LLM) -> None:
     assert out.outputs[0].text.startswith("{")
 
 
+WEATHER_CALL = {  # a required call of one tool, as node_agent/tool_plan.py constrains it
+    "type": "object",
+    "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+
+
+def tool_prompt(llm: LLM) -> str:
+    """A question with the weather tool rendered, ending where a required call starts."""
+    arguments = WEATHER_CALL["properties"]["arguments"]  # type: ignore[index]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": arguments}}
+    messages = with_tools(chat("What is the weather in Paris?"), [tool])
+    return llm.get_tokenizer().render_chat(messages) + TOOL_CALL_OPEN
+
+
 def test_free_rows_of_a_mixed_batch_equal_the_same_requests_alone(llm: LLM) -> None:
     free = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(seed=7, max_tokens=24)]
     constrained = SamplingParams(temperature=0, max_tokens=60, grammar=SCHEMA)
-    prompts = [chat(p) for p in PROMPTS[:2]]
-    alone = [o.outputs[0].token_ids for o in llm.chat(prompts, free)]
-    mixed = llm.chat(
-        [prompts[0], chat(PROMPTS[2]), prompts[1], chat(PROMPTS[3])],
-        [free[0], constrained, free[1], constrained],
+    call = GrammarSpec("json_schema", json.dumps(WEATHER_CALL))
+    tool = SamplingParams(temperature=0, max_tokens=40, grammar=call)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.render_chat(chat(p)) for p in PROMPTS[:2]]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
+    mixed = llm.generate(
+        [prompts[0], tokenizer.render_chat(chat(PROMPTS[2])), tool_prompt(llm), prompts[1]],
+        [free[0], constrained, tool, free[1]],
     )
-    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    assert [mixed[0].outputs[0].token_ids, mixed[3].outputs[0].token_ids] == alone
     City.model_validate_json(mixed[1].outputs[0].text)
+    assert json.loads(mixed[2].outputs[0].text)["name"] == "get_weather"
 
 
 def test_frequency_penalty_changes_a_repeating_greedy_output(llm: LLM) -> None:
