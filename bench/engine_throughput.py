@@ -10,9 +10,12 @@ prompt 3x its output (outputs 16-256), all submitted at once, so the batch drain
 requests. `--concurrency 1` measures a single stream against transformers' sequential run only
 (the decode ITL ratio is the figure there). Outputs are `ignore_eos`, greedy. Each request's
 TTFT counts from when the driver submits it, under each system's own concurrency. Also samples
-the KV-cache use each step and measures TTFT on a shared-system-prompt workload (a ~350-token
-prompt) with and without prefix caching. The report carries the CPU's vector flags and the
-load average, which every figure depends on.
+the KV-cache use each step; measures TTFT on 16 held-out shared prefixes (seeded tokens, 350 and a
+12-token question; with caching on, each prefix is cached by another question first, so only its
+last partial block and the question are computed), with and without prefix caching, interleaved;
+and at concurrency > 1 prints the processed (prompt + output) tokens per second against the bf16
+matmul ceiling of the model's shapes (bench/matmul_ceiling.py). The report carries the CPU's
+vector flags and the load average, which every figure depends on.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -32,6 +36,7 @@ import torch
 
 from bench.decode_floor import decode_floor, read_bandwidth
 from bench.loadgen import percentile
+from bench.matmul_ceiling import matmul_ceiling
 from bench.report import cpu_vector_flags, load_average
 from bench.workload import WorkloadRequest, make_workload
 from engine.config import KV_CACHE_DTYPES, EngineConfig
@@ -227,33 +232,44 @@ def run_engine(
     return result
 
 
-def shared_prefix_ttfts(
-    engine: LLMEngine, tokenizer_source: LLMEngine, num_requests: int, name: str
-) -> list[float]:
-    """TTFT of requests that share a long system prompt, sent one after another."""
-    tokenizer = tokenizer_source.tokenizer
-    system = (
-        "You are the support assistant of a large online bookshop. Answer briefly, "
-        "politely and only about orders, deliveries, returns and payments. "
-    ) * 12
+SHARED_PREFIX_TOKENS = 350  # not a multiple of a block: the last partial block is computed
+QUESTION_TOKENS = 12
+
+
+def shared_prefixes(seed: int, vocab_size: int, num_requests: int) -> list[list[int]]:
+    """`num_requests` prompts, each a held-out prefix (seeded tokens no tuning has seen) and a
+    question of its own."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(vocab_size) for _ in range(SHARED_PREFIX_TOKENS + QUESTION_TOKENS)]
+        for _ in range(num_requests)
+    ]
+
+
+def shared_prefix_ttfts(engine: LLMEngine, prompts: list[list[int]], name: str) -> list[float]:
+    """TTFT of each prompt, one after another. With prefix caching on, another question on the
+    same prefix runs first (untimed), so the timed request finds all the prefix's full blocks
+    cached and computes only its last partial block and its question."""
+    warm = engine.scheduler.kv_cache.enable_prefix_caching
     ttfts = []
-    for i in range(num_requests):
-        prompt = tokenizer.render_chat(
-            [
-                {"role": "system", "content": system},
-                {"role": "user", "content": f"Where is my order #{1000 + i}?"},
-            ]
-        )
-        started = time.perf_counter()
-        engine.add_request(f"{name}-{i}", prompt, SamplingParams(temperature=0, max_tokens=4))
-        first = None
-        while engine.has_unfinished_requests():
-            if engine.step() and first is None:
-                first = time.perf_counter() - started
-        assert first is not None
-        ttfts.append(first)
-        progress(name, i + 1, num_requests)
+    for i, prompt in enumerate(prompts):
+        if warm:
+            other_question = prompt[:SHARED_PREFIX_TOKENS] + prompt[-1:] * QUESTION_TOKENS
+            _first_token_s(engine, f"{name}-warm-{i}", other_question)
+        ttfts.append(_first_token_s(engine, f"{name}-{i}", prompt))
+        progress(name, i + 1, len(prompts))
     return ttfts
+
+
+def _first_token_s(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=4))
+    first = None
+    while engine.has_unfinished_requests():
+        if engine.step() and first is None:
+            first = time.perf_counter() - started
+    assert first is not None
+    return first
 
 
 SHARED_PREFIX_KV_BLOCKS = 64  # the shared-prefix requests' ~400 tokens, one at a time
@@ -286,9 +302,12 @@ def report_kv_cache(engine: LLMEngine, tensor_parallel_size: int) -> float:
     return round(gib, 2)
 
 
-def prefix_cache_ttfts(engine: LLMEngine, config: EngineConfig) -> tuple[list[float], list[float]]:
-    """Shared-prefix TTFTs on `engine` (caching on) and on an engine like it without caching."""
-    cached = shared_prefix_ttfts(engine, engine, 16, "shared prefix, cache on")
+def prefix_cache_ttfts(
+    engine: LLMEngine, config: EngineConfig, seed: int
+) -> tuple[list[float], list[float]]:
+    """Shared-prefix TTFTs on `engine` (caching on) and on an engine like it without caching,
+    the two interleaved request by request (a shared machine's load moves)."""
+    prompts = shared_prefixes(seed, engine.model_config.vocab_size, 16)
     uncached_engine = LLMEngine(
         EngineConfig(
             model=config.model,
@@ -300,7 +319,10 @@ def prefix_cache_ttfts(engine: LLMEngine, config: EngineConfig) -> tuple[list[fl
             num_kv_blocks=SHARED_PREFIX_KV_BLOCKS,
         )
     )
-    uncached = shared_prefix_ttfts(uncached_engine, engine, 16, "shared prefix, cache off")
+    cached, uncached = [], []
+    for i, prompt in enumerate(prompts):
+        cached += shared_prefix_ttfts(engine, [prompt], f"shared prefix {i}, cache on")
+        uncached += shared_prefix_ttfts(uncached_engine, [prompt], f"shared prefix {i}, cache off")
     uncached_engine.shutdown()
     return cached, uncached
 
@@ -355,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         load_checkpoint(gguf).tokenizer,
         prompt_per_output=prompt_per_output,
     )
+    num_prompt = sum(r.num_prompt_tokens for r in workload)
+    num_output = sum(r.max_tokens for r in workload)
     print(
         f"workload {args.workload}: {len(workload)} requests, "
-        f"{sum(r.num_prompt_tokens for r in workload)} prompt tokens, "
-        f"{sum(r.max_tokens for r in workload)} output tokens",
+        f"{num_prompt} prompt tokens, {num_output} output tokens",
         file=sys.stderr,
     )
     runs: list[RunResult] = []
@@ -389,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     for index, kv_cache_dtype in enumerate(args.kv_cache_dtype):
         engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype))
         kv_gib[kv_cache_dtype] = report_kv_cache(engine, args.tensor_parallel_size)
+        if index == 0 and args.concurrency > 1:  # on the threads the engine left torch
+            ceiling = matmul_ceiling(engine.model_config, num_output / (num_prompt + num_output))
         use = KvUse()
         runner = engine.executor.runner
         runs.append(
@@ -406,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             mean_context = statistics.fmean(use.contexts)
             floors[kv_cache_dtype] = decode_floor(engine, mean_context, bandwidth).summary()
         if index == 0:  # the prefix cache's figures, once
-            cached, uncached = prefix_cache_ttfts(engine, config)
+            cached, uncached = prefix_cache_ttfts(engine, config, args.seed)
         engine.shutdown()
     ours = runs[len(baselines)]
 
@@ -434,6 +459,15 @@ def main(argv: list[str] | None = None) -> int:
         if sequential_itl and our_itl:
             # How much faster one decode step is: the single-stream figure at concurrency 1.
             report["itl_p50_ratio_vs_transformers_sequential"] = round(sequential_itl / our_itl, 2)
+    if args.concurrency > 1:
+        processed = (num_prompt + num_output) / ours.duration_s
+        report["matmul_ceiling"] = {
+            "processed_tokens_per_s": round(processed, 1),
+            "ceiling_tokens_per_s": round(ceiling.tokens_per_s, 1),
+            "bf16_gflop_per_s": round(ceiling.gflop_per_s, 1),
+            "gflop_per_token": round(ceiling.gflop_per_token, 4),
+            "share": round(ceiling.share(processed), 3),
+        }
     report["prefix_cache_ttft_speedup"] = round(
         statistics.median(uncached) / statistics.median(cached), 2
     )
@@ -472,9 +506,18 @@ def format_report(report: dict) -> str:
             f"the context ({kv['context_len']}) {kv['contiguous_max_context_mean']:.1%}, "
             f"prompt + max_tokens {kv['contiguous_prompt_and_max_tokens_mean']:.1%}"
         )
+    if "matmul_ceiling" in report:
+        c = report["matmul_ceiling"]
+        lines.append(
+            f"processed (prompt + output) {c['processed_tokens_per_s']} tok/s = {c['share']:.1%} "
+            f"of the bf16 matmul ceiling {c['ceiling_tokens_per_s']} tok/s "
+            f"({c['bf16_gflop_per_s']} GFLOP/s on the model's shapes / {c['gflop_per_token']} "
+            "GFLOP a token)"
+        )
     ttft = report["prefix_cache_ttft_p50_s"]
     lines.append(
-        f"shared-prefix TTFT p50: cache off {_ms(ttft['off'])} ms, on {_ms(ttft['on'])} ms"
+        f"held-out shared prefixes ({SHARED_PREFIX_TOKENS} tokens + {QUESTION_TOKENS}, 16 "
+        f"requests) TTFT p50: cache off {_ms(ttft['off'])} ms, on {_ms(ttft['on'])} ms"
         f" -> {report['prefix_cache_ttft_speedup']}x"
     )
     lines.append(
