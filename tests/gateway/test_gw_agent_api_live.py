@@ -3,9 +3,10 @@ unmodified, over verified HTTPS against a real gateway in front of real node age
 SmolLM2 in fp32, in processes of their own) in two regions: `parse` of 20 prompts, greedy and
 sampled; `tool_choice: required` calls whose arguments validate, streamed and not (a non-stream
 is assembled from the upstream stream, gateway/whole.py); a conversation with a tool result;
-`n=4` with the prompt counted once; `frequency_penalty`. Last, a JSON-schema stream and a tool
-stream whose node is killed mid-way resume in the other region under the same grammar, their
-outputs those of unbroken runs (fp32: see test_gw_resume_real_nodes.py)."""
+`n=4` with the prompt counted once; `frequency_penalty`; grammars that cannot run refused with
+a 400 naming their field. Last, a JSON-schema stream and a tool stream whose node is killed
+mid-way resume in the other region under the same grammar, their outputs those of unbroken runs
+(fp32: see test_gw_resume_real_nodes.py)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,20 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from agent_api_cases import ARGUMENTS, CLOCK, WEATHER, unparsed_people
-from gw_fleet import Fleet, GatewayThread, wait_until
-from openai.types.chat import (
-    ChatCompletionChunk,
-    ChatCompletionMessageFunctionToolCall,
-    ChatCompletionMessageParam,
+from agent_api_cases import (
+    ARGUMENTS,
+    ASK,
+    CLOCK,
+    WEATHER,
+    check_four_choices,
+    check_frequency_penalty,
+    check_grammar_refusals,
+    check_required_tool_calls,
+    check_tool_result_conversation,
+    unparsed_people,
 )
+from gw_fleet import Fleet, GatewayThread, wait_until
+from openai.types.chat import ChatCompletionChunk
 from test_gw_real_nodes import MAX_LOAD_S, fp32_regions
 
 from engine.model_store import DEFAULT_MODEL
@@ -36,9 +44,6 @@ from engine.model_store import DEFAULT_MODEL
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SERVING_TOKEN = "srv-" + "a" * 28  # nodes take resumed ids only from a gateway
-ASK: list[ChatCompletionMessageParam] = [
-    {"role": "user", "content": "What is the weather in Paris?"}
-]
 
 
 @dataclass
@@ -89,120 +94,24 @@ def test_parse_returns_a_parsed_object_for_every_prompt(
     assert unparsed_people(client, DEFAULT_MODEL, temperature) == []
 
 
-def streamed_call(client: openai.OpenAI, **fields: Any) -> tuple[list[tuple[str, str]], str]:
-    """The calls of a streamed request as a client joins their fragments, and its finish."""
-    calls: dict[int, list[str]] = {}
-    finish = ""
-    for chunk in client.chat.completions.create(stream=True, **fields):
-        for choice in chunk.choices:
-            for item in choice.delta.tool_calls or ():
-                call = calls.setdefault(item.index, ["", ""])
-                assert item.function is not None
-                call[0] += item.function.name or ""
-                call[1] += item.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return [(name, arguments) for name, arguments in calls.values()], finish
-
-
 def test_required_tool_calls_validate_streamed_and_not(client: openai.OpenAI) -> None:
-    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
-        fields: dict[str, Any] = {
-            "model": DEFAULT_MODEL,
-            "messages": ASK,
-            "tools": [WEATHER, CLOCK],
-            "tool_choice": "required",
-            "temperature": temperature,
-            "seed": seed,
-            "max_tokens": 40,
-        }
-        reply = client.chat.completions.create(**fields)
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        assert choice.message.tool_calls is not None
-        (call,) = choice.message.tool_calls
-        assert isinstance(call, ChatCompletionMessageFunctionToolCall)
-        assert call.id.startswith("call_")
-        ARGUMENTS[call.function.name].model_validate_json(call.function.arguments)
-        calls, finish = streamed_call(client, **fields)
-        assert (calls, finish) == ([(call.function.name, call.function.arguments)], "tool_calls")
+    check_required_tool_calls(client, DEFAULT_MODEL)
 
 
 def test_a_conversation_with_a_tool_result_continues(client: openai.OpenAI) -> None:
-    first = client.chat.completions.create(
-        model=DEFAULT_MODEL,
-        messages=ASK,
-        tools=[WEATHER],
-        tool_choice="required",
-        temperature=0,
-        max_tokens=30,
-    )
-    assert first.choices[0].message.tool_calls is not None
-    (call,) = first.choices[0].message.tool_calls
-    assert isinstance(call, ChatCompletionMessageFunctionToolCall)
-    messages: list[ChatCompletionMessageParam] = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.function.name, "arguments": call.function.arguments},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees Celsius."},
-    ]
-    reply = client.chat.completions.create(
-        model=DEFAULT_MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=20
-    )
-    choice = reply.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert choice.message.content or choice.message.tool_calls
-    assert reply.usage is not None and first.usage is not None
-    assert reply.usage.prompt_tokens > first.usage.prompt_tokens  # the call and result in it
+    check_tool_result_conversation(client, DEFAULT_MODEL)
 
 
 def test_n_4_returns_4_choices_with_the_prompt_counted_once(client: openai.OpenAI) -> None:
-    fields: dict[str, Any] = {
-        "model": DEFAULT_MODEL,
-        "messages": [{"role": "user", "content": "Name a colour."}],
-        "temperature": 1.0,
-        "seed": 7,
-        "max_tokens": 8,
-    }
-    one = client.chat.completions.create(**fields)
-    four = client.chat.completions.create(n=4, extra_body={"return_token_ids": True}, **fields)
-    assert [c.index for c in four.choices] == [0, 1, 2, 3]
-    assert all(c.finish_reason in ("stop", "length") for c in four.choices)
-    assert len({c.message.content for c in four.choices}) > 1
-    assert one.usage is not None and four.usage is not None
-    assert four.usage.prompt_tokens == one.usage.prompt_tokens
-    ids = [c.model_extra["token_ids"] for c in four.choices if c.model_extra is not None]
-    assert four.usage.completion_tokens == sum(map(len, ids)) and len(ids) == 4
-    streamed: dict[int, str] = {}
-    for chunk in client.chat.completions.create(n=4, stream=True, **fields):
-        for choice in chunk.choices:
-            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
-    assert streamed == {c.index: c.message.content for c in four.choices}
+    check_four_choices(client, DEFAULT_MODEL)
 
 
 def test_frequency_penalty_changes_a_repeating_greedy_output(client: openai.OpenAI) -> None:
-    texts = [
-        client.chat.completions.create(
-            model=DEFAULT_MODEL,
-            messages=[{"role": "user", "content": "Repeat the word 'apple' fifty times."}],
-            temperature=0,
-            max_tokens=40,
-            frequency_penalty=penalty,
-        )
-        .choices[0]
-        .message.content
-        or ""
-        for penalty in (0.0, 1.5)
-    ]
-    assert texts[0].count("apple") > texts[1].count("apple")
+    check_frequency_penalty(client, DEFAULT_MODEL)
+
+
+def test_a_grammar_that_cannot_run_is_400_naming_its_field(client: openai.OpenAI) -> None:
+    check_grammar_refusals(client, DEFAULT_MODEL)
 
 
 LIST_SCHEMA = {
