@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from agent_api_cases import check_four_choices
 from node_helpers import MODEL_NAME, NodeHandle
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -131,3 +132,4 @@ def test_the_openai_client_reads_n_choices(openai_client: openai.OpenAI) -> None
     )
     assert [c.index for c in completion.choices] == [0, 1]
     assert completion.choices[0].text != completion.choices[1].text
+    check_four_choices(openai_client, MODEL_NAME)  # the prompt counted once, streamed the same
