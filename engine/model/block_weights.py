@@ -84,6 +84,9 @@ class BlockWeight:
     float_rows_kept: bool = False  # the model keeps the weight in its dtype too (the LM head)
     # max_kernel_tokens, worked out at the first step: every linear call asks for it.
     _max_kernel_tokens: int = field(default=0, init=False, repr=False, compare=False)
+    # The dequantized weight, kept from the first dense step on the CPU: dequantizing the layer
+    # cost about as much as its matmul at 26 tokens (a cached prefix's step), at every step.
+    _dense: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def empty(
@@ -135,7 +138,17 @@ class BlockWeight:
         """x (T, K) -> x W^T (T, N)."""
         if k := self.kernels_for(x):
             return getattr(k, f"{self.format.name}_linear")(x.contiguous(), self.blocks)
-        return dense_linear(x, self.dequantized())
+        return dense_linear(x, self.dense_for(x))
+
+    def dense_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight for a dense step of x: kept on the CPU (host memory, ~2.7x the
+        blocks' bytes, bought back from every prefill step); made each step on an accelerator,
+        where dequantizing is cheap and its memory went to the KV cache at load."""
+        if x.device.type != "cpu":
+            return self.dequantized()
+        if self._dense is None:
+            self._dense = self.dequantized()
+        return self._dense
 
     @property
     def in_features(self) -> int:

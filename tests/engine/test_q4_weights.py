@@ -177,6 +177,20 @@ def test_steps_of_many_tokens_dequantize(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == ["kernel 1", f"kernel {GEMV_MAX_TOKENS}", "dequantize"]
 
 
+def test_dense_steps_on_the_cpu_dequantize_the_layer_once() -> None:
+    # A prefill step of many tokens (a cached prefix's last block and question, a batch of
+    # prompts) multiplies the dequantized weight kept from the first such step: the same bits.
+    file_blocks = random_blocks(8, 64, torch.Generator().manual_seed(2))
+    weight = BlockWeight.from_gguf(file_blocks, Q4_1, torch.bfloat16)
+    x = torch.randn(GEMV_MAX_TOKENS + 9, 64, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x, weight.dequantized())
+    first = weight.linear(x)
+    kept = weight.dense_for(x)
+    torch.testing.assert_close(weight.linear(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    assert weight.dense_for(x) is kept
+
+
 def test_the_kernel_refuses_mismatched_inputs() -> None:
     kernels = cpu_kernels() or pytest.skip("the CPU kernels could not be built")
     blocks = torch.zeros(4, 2 * Q4_1.block_bytes, dtype=torch.uint8)
