@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     # Every core's read rate, before transformers or our engine change torch's thread count.
     bandwidth = read_bandwidth() if args.concurrency == 1 else 0.0
+    all_threads = torch.get_num_threads()  # what big steps run on (engine/step_threads.py)
     gguf = pull(DEFAULT_MODEL)
     default_requests, prompt_per_output = WORKLOADS[args.workload]
     workload = make_workload(
@@ -412,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     for index, kv_cache_dtype in enumerate(args.kv_cache_dtype):
         engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype))
         kv_gib[kv_cache_dtype] = report_kv_cache(engine, args.tensor_parallel_size)
-        if index == 0 and args.concurrency > 1:  # on the threads the engine left torch
-            ceiling = matmul_ceiling(engine.model_config, num_output / (num_prompt + num_output))
+        if index == 0 and args.concurrency > 1:
+            output_share = num_output / (num_prompt + num_output)
+            ceiling = matmul_ceiling(engine.model_config, output_share, all_threads)
         use = KvUse()
         runner = engine.executor.runner
         runs.append(

@@ -58,8 +58,19 @@ def _best_time(x: torch.Tensor, weight: torch.Tensor) -> float:
     return best
 
 
-def matmul_ceiling(config: ModelConfig, output_share: float, tokens: int = 512) -> MatmulCeiling:
+def matmul_ceiling(
+    config: ModelConfig, output_share: float, threads: int, tokens: int = 512
+) -> MatmulCeiling:
     """The ceiling for a workload whose processed tokens are `output_share` output tokens."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measure(config, output_share, tokens)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _measure(config: ModelConfig, output_share: float, tokens: int) -> MatmulCeiling:
     layer_s = 0.0
     layer_flops = 0
     for out_features, in_features in _layer_shapes(config):
