@@ -238,9 +238,12 @@ def test_the_readme_parse_example_runs_as_written(fleet: Fleet) -> None:
         code = code.replace(readers, ours)
     scope: dict[str, Any] = {"KEY": fleet.printed("API key")}
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md", "exec"), scope)
-    scope["client"].close()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, "README.md", "exec"), scope)
+    finally:  # a failure left unclosed would be reported in whichever test collects it
+        if "client" in scope:
+            scope["client"].close()
     parsed = scope["reply"].choices[0].message.parsed
     assert isinstance(parsed, scope["City"]), printed.getvalue()
     assert printed.getvalue() == f"{parsed}\n"
