@@ -7,7 +7,8 @@ A region's cost is its expected time to first token from this PoP, in seconds:
                            + kv_pressure_s)            a fuller KV cache: slower steps
          + prompt_tokens / prefill_tokens_per_s        this request's own prefill, at the rate
                                                        the region's nodes report (else the
-                                                       gateway's fleet-wide setting)
+                                                       mean the fleet's nodes of the model
+                                                       report, else the gateway's setting)
          + ttft_correction_s                           EWMA of (observed - predicted) TTFT here
 
 never less than the RTT term. The queue delay counts every prompt token the region's nodes
@@ -61,7 +62,13 @@ from typing import Literal
 
 from gateway.breaker import CircuitBreaker
 from gateway.model_routes import ModelRoutes
-from gateway.summary_loads import SummaryLoad, SummaryLoads, kv_pressure_s, queue_delay_s
+from gateway.summary_loads import (
+    SummaryLoad,
+    SummaryLoads,
+    kv_pressure_s,
+    queue_delay_s,
+    unreported_prefill_rates,
+)
 from wire.geo import Place, rtt_ms
 from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
@@ -182,6 +189,8 @@ class Router:
     is_loaded: bool = False
     loads: SummaryLoads = field(default_factory=SummaryLoads)  # may be shared with other routers
     models: ModelRoutes = field(default_factory=ModelRoutes.blind)  # the document's model names
+    # The prefill rate assumed for nodes that report none, by model (None: a region's totals).
+    unreported_rates: dict[str | None, float] = field(default_factory=dict)
     # The residual over every region's samples: what a region not measured yet is assumed to
     # be off by (the error every prediction shares, e.g. the first token's decode step).
     ttft_residual_s: float = 0.0
@@ -211,6 +220,9 @@ class Router:
         self.regions = regions
         self.policy = document.routing
         self.models = ModelRoutes.of(document, self.models)
+        self.unreported_rates = unreported_prefill_rates(
+            document.regions, self.config.prefill_tokens_per_s
+        )
         self.index = document.index
         self.is_loaded = True
 
@@ -229,15 +241,20 @@ class Router:
         age_s = max(0.0, now_s - self.residual_at_s)
         return self.ttft_residual_s * 0.5 ** (age_s / self.config.ttft_correction_half_life_s)
 
+    def unreported_rate(self, model: str | None = None) -> float:
+        """Prompt tokens per second assumed for `model`'s nodes that report no rate."""
+        rates = self.unreported_rates
+        return rates.get(model) or rates.get(None) or self.config.prefill_tokens_per_s
+
     def queue_delay_s(self, summary: RegionSummary) -> float:
-        return queue_delay_s(summary, self.config.prefill_tokens_per_s)
+        return queue_delay_s(summary, self.unreported_rate())
 
     def kv_pressure_s(self, summary: RegionSummary) -> float:
         return kv_pressure_s(summary, self.policy)
 
     def load_of(self, state: RegionState) -> SummaryLoad:
         if state.load is None:
-            prefill_tokens_per_s = self.config.prefill_tokens_per_s
+            prefill_tokens_per_s = self.unreported_rate()
             state.load = self.loads.load_of(state.summary, self.policy, prefill_tokens_per_s)
         return state.load
 
@@ -248,7 +265,7 @@ class Router:
             nodes = state.models.get(model)
             if nodes is None:
                 return None
-            prefill_tokens_per_s = self.config.prefill_tokens_per_s
+            prefill_tokens_per_s = self.unreported_rate(model)
             load = self.loads.load_of(state.summary, self.policy, prefill_tokens_per_s, nodes)
             state.model_loads[model] = load
         return load

@@ -9,7 +9,9 @@ nodes serving that model: their healthy count, KV cache and queue, `ModelLoad`);
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from statistics import fmean
 from typing import Protocol
 
 from wire.region_summary import ModelLoad, QueueEstimate, RegionSummary
@@ -49,7 +51,7 @@ class SummaryLoad:
     queue_s: float
     load_s: float  # the queue and KV pressure terms, before `queue_weight`
     url: str
-    prefill_tokens_per_s: float  # per node: the rate its nodes report, else the gateway's
+    prefill_tokens_per_s: float  # per node: the rate its nodes report, else the assumed one
 
 
 def prefill_rate_of(nodes: NodeLoad, default_tokens_per_s: float) -> float:
@@ -57,6 +59,26 @@ def prefill_rate_of(nodes: NodeLoad, default_tokens_per_s: float) -> float:
     types differ from region to region), else the gateway's fleet-wide setting."""
     reported = nodes.queue.prefill_tokens_per_s
     return default_tokens_per_s if reported is None else reported
+
+
+def unreported_prefill_rates(
+    regions: Iterable[RegionSummary], setting_tokens_per_s: float
+) -> dict[str | None, float]:
+    """The prefill rate to assume where nodes report none (a node measures its rate only once
+    it has prefilled): the mean of the rates reported for the same model (under None: of the
+    regions' totals), else the gateway's setting. Priced at the setting beside measured regions,
+    a region that has not served yet looked faster or slower than they did by whatever the
+    setting misses on this hardware, and drew or lost work for that alone."""
+    reported: dict[str | None, list[float]] = {}
+    for summary in regions:
+        named: list[tuple[str | None, NodeLoad]] = [(None, summary)]
+        named += [(model.name, model) for model in summary.models]
+        for name, nodes in named:
+            rate = nodes.queue.prefill_tokens_per_s
+            if rate is not None:
+                reported.setdefault(name, []).append(rate)
+    fleet = fmean(reported.pop(None)) if None in reported else setting_tokens_per_s
+    return {None: fleet} | {name: fmean(rates) for name, rates in reported.items()}
 
 
 def queue_delay_s(nodes: NodeLoad, prefill_tokens_per_s: float) -> float:

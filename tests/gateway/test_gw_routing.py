@@ -334,3 +334,17 @@ def test_a_long_prompt_goes_to_the_farther_region_of_faster_nodes() -> None:
     r = router(summary("us-east", rate=2000.0), summary("eu-west", rate=20000.0))
     assert order(r, prompt_tokens=4000) == ["eu-west", "us-east"]
     assert order(r, prompt_tokens=10) == ["us-east", "eu-west"]
+
+
+def test_a_region_reporting_no_rate_is_priced_at_the_mean_of_those_that_do() -> None:
+    # Nodes measure their rate once they have prefilled: a region not served yet must not look
+    # faster than the measured ones for that alone (at the 4,000 setting it would, here by 100x).
+    r = router(
+        summary("us-east", rate=30.0),
+        summary("eu-west", rate=50.0),
+        summary("ap-northeast", waiting_tokens=400),
+    )
+    assert r.load_of(r.regions["ap-northeast"]).prefill_tokens_per_s == pytest.approx(40.0)
+    assert r.queue_delay_s(r.regions["ap-northeast"].summary) == pytest.approx(10.0)
+    # 400 tokens: 8 s at eu-west, 13.3 s at us-east, 10 s of backlog and 10 s at ap-northeast.
+    assert order(r, prompt_tokens=400) == ["eu-west", "us-east", "ap-northeast"]

@@ -21,6 +21,7 @@ def model_load(name: str, **fields: Any) -> ModelLoad:
         num_waiting_prefill_tokens=fields.pop("waiting_tokens", 0),
         decode_tokens_per_s=1000.0,
         expected_queue_delay_s=fields.pop("queue_s", 0.0),
+        prefill_tokens_per_s=fields.pop("rate", None),
     )
     values: dict[str, Any] = {
         "name": name,
@@ -143,3 +144,16 @@ def test_a_pops_own_ingress_is_not_shared_through_a_models_load() -> None:
     there = router(region("us-east", small, ingress_url="http://elsewhere.test"), loads=loads)
     assert here.plan(10, model="small").candidates[0].url == "http://us-east.test"
     assert there.plan(10, model="small").candidates[0].url == "http://elsewhere.test"
+
+
+def test_a_model_reporting_no_rate_is_priced_at_the_mean_its_other_regions_report() -> None:
+    # `large` runs at 20 tokens/s where measured, `small` at 200: an unmeasured region of
+    # `large` is priced at 20 (not at the fleet's mean, nor at the gateway's setting).
+    r = router(
+        region(
+            "us-east", model_load("large", rate=20.0), model_load("small", rate=200.0), rate=110.0
+        ),
+        region("eu-west", model_load("large")),
+    )
+    assert r.model_load_of(r.regions["eu-west"], "large").prefill_tokens_per_s == 20.0  # type: ignore[union-attr]
+    assert r.load_of(r.regions["eu-west"]).prefill_tokens_per_s == 110.0
