@@ -26,6 +26,7 @@ from engine.model_runner import RunnerShape
 from engine.model_store import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.prefill_rate import PrefillRate
 from engine.request_limits import RequestLimits
 from engine.request_state import Finish, RequestState
 from engine.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions_total: int
     decode_tokens_per_s: float
+    prefill_tokens_per_s: float | None = None  # measured (engine/prefill_rate.py); None: not yet
 
 
 class LLMEngine:
@@ -120,6 +122,11 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._prefill_rate = PrefillRate()
+        # When each batch in flight was submitted, and when the last one was collected: a
+        # batch's time is from the later of the two (pipelined batches overlap) to its collect.
+        self._submitted_at: deque[float] = deque()
+        self._collected_at = 0.0
         logger.info(
             "loaded %s (%s%s, %s) in %.1f s; context %d tokens",
             config.model,
@@ -260,7 +267,11 @@ class LLMEngine:
         batch, result = self.executor.collect()
         self.scheduler.update_after_step(batch)
         now = time.monotonic()
-        self._count_tokens(now, batch.num_tokens - len(result.seqs), len(result.seqs))
+        num_prompt_tokens = batch.num_tokens - len(result.seqs)
+        started_at = max(self._submitted_at.popleft(), self._collected_at)
+        self._collected_at = now
+        self._prefill_rate.record(num_prompt_tokens, now - started_at)
+        self._count_tokens(now, num_prompt_tokens, len(result.seqs))
         return admitted + self.output_processor.process(result, now)
 
     def _schedule(self) -> bool:
@@ -272,6 +283,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(-(-self.scheduler.num_unfinished // depth))
         if not batch:
             return False
+        self._submitted_at.append(time.monotonic())
         self.executor.submit(batch)
         return True
 
@@ -323,4 +335,5 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=s.num_preemptions,
             decode_tokens_per_s=recent / DECODE_RATE_WINDOW_S,
+            prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
         )

@@ -145,9 +145,19 @@ def test_openai_client_through_the_gateway_to_real_nodes(
         assert answer["choices"][0]["message"]["role"] == "assistant"
         assert "real-node-1" in (tmp_path / "node-us-east.log").read_text()
 
+        # The node measured its prefill: its beats carry the rate, the region's summary the
+        # mean, and the gateway predicts prefill in us-east by it, not its fleet-wide default.
+        router = gateway.handlers.router
+        east = router.regions["us-east"]
+        wait_until(lambda: east.summary.queue.prefill_tokens_per_s is not None, 5.0)
+        reported = east.summary.queue.prefill_tokens_per_s
+        assert reported is not None and reported > 0.0
+        assert router.load_of(east).prefill_tokens_per_s == reported
+        assert all(m.queue.prefill_tokens_per_s == reported for m in east.summary.models)
+        assert router.regions["eu-west"].summary.queue.prefill_tokens_per_s is None  # no work yet
+
         # Drain the near region: the far one's real node streams the next answer.
         real_fleet.set_region_state("us-east", "draining")
-        router = gateway.handlers.router
 
         wait_until(lambda: router.regions["us-east"].summary.state == "draining", 2.0)
         with client.chat.completions.with_streaming_response.create(

@@ -17,11 +17,13 @@ from fake_engine import FakeEngine
 from node_helpers import (
     MAX_MODEL_LEN,
     MODEL_NAME,
+    TINY_SERVED_NAME,
     BackgroundLoop,
     FakeNodes,
     NodeHandle,
     free_port,
     start_node,
+    tiny_node,
     wait_until,
 )
 
@@ -301,3 +303,27 @@ def test_sigterm_wait_for_may_exit_is_bounded_by_the_drain_timeout(
     _sigterm(server_loop, node)
     node.done.result(timeout=5)
     assert control_plane.beats[-1]["draining"] is True
+
+
+@pytest.mark.slow  # an engine core process
+def test_heartbeats_carry_the_prefill_rate_once_the_engine_has_measured_one(
+    server_loop: BackgroundLoop,
+    control_plane: FakeControlPlane,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    with tiny_node(server_loop, folder, **reporting(control_plane)) as node:
+        assert wait_until(lambda: len(control_plane.beats) >= 1)
+        assert Heartbeat.model_validate(control_plane.beats[-1]).prefill_tokens_per_s is None
+        with node.client() as http:
+            reply = http.post(
+                "/v1/completions",
+                json={"model": TINY_SERVED_NAME, "prompt": "a longer prompt " * 5, "max_tokens": 2},
+            )
+            assert reply.status_code == 200, reply.text
+        measured = node.stats().prefill_tokens_per_s
+        assert measured is not None and measured > 0.0
+        num_beats = len(control_plane.beats)
+        assert wait_until(lambda: len(control_plane.beats) > num_beats + 1)
+        beat = Heartbeat.model_validate(control_plane.beats[-1])
+        assert beat.prefill_tokens_per_s == measured  # the only request: the rate stands
