@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from gateway.admit import admit, read_body
+from gateway.cache_salt import cache_salt_of
 from gateway.calls import Call, CallLog
 from gateway.dispatch import Dispatch, upstream_headers
 from gateway.edge import AutoTier
@@ -66,7 +67,8 @@ class Handlers:
         try:
             key = call.authenticate(self.keys)
             raw = await read_body(request, self.settings.max_body_bytes)
-            parsed = parse_request(raw, endpoint, self.settings.default_max_tokens)
+            salt = None if self.settings.share_prefix_cache else cache_salt_of(key.id)
+            parsed = parse_request(raw, endpoint, self.settings.default_max_tokens, salt)
             proxy, limiter = self._proxy(), self._limiter()
             choice = self._model_choice(parsed, key)  # before admission: a 404 spends nothing
             admitted = await admit(limiter, self.metrics, key, parsed, choice)

@@ -27,7 +27,6 @@ the answer from an assistant prefix of the client's choosing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import partial
@@ -49,6 +48,7 @@ from wire.output_limit import (
     completions_output_limit,
     set_output_limit,
 )
+from wire.prefix_key import prefix_key_of
 from wire.resume import RESUME_TOKEN_IDS, RETURN_TOKEN_IDS
 
 Endpoint = Literal["chat", "completions"]
@@ -180,7 +180,11 @@ def _load(raw: bytes) -> dict[str, object]:
     return body
 
 
-def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> ParsedRequest:
+def parse_request(
+    raw: bytes, endpoint: Endpoint, default_max_tokens: int, cache_salt: str | None = None
+) -> ParsedRequest:
+    """The request as the gateway routes and forwards it; `cache_salt` (the tenant's, None
+    where prefix caches are shared) keys its affinity key as the nodes' caches are keyed."""
     body = _load(raw)
     if RESUME_TOKEN_IDS in body:
         raise _invalid(
@@ -213,9 +217,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
             )
         system = _system_prompt(turns)
         if system:
-            # surrogatepass: a lone surrogate is refused by `UpstreamBody.of` with a 400, not here.
-            encoded = system.encode("utf-8", "surrogatepass")
-            affinity_key = hashlib.blake2b(encoded, digest_size=8).hexdigest()
+            affinity_key = prefix_key_of(system, cache_salt)
         max_tokens = chat_output_limit(partial(_int_field, body)) or default_max_tokens
         set_output_limit(body, max_tokens)
     else:

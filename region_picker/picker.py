@@ -27,6 +27,7 @@ class Prompt:
     model: str | None
     messages: list[ChatMessage] | None  # a chat
     text: str | None  # a completion's prompt
+    cache_salt: str | None = None  # the body's own (a client's split of its partition)
 
 
 def parse_prompt(headers: Mapping[str, str], body: bytes) -> Prompt | None:
@@ -40,14 +41,16 @@ def parse_prompt(headers: Mapping[str, str], body: bytes) -> Prompt | None:
         return None
     model = headers.get(MODEL_HEADER) or data.get("model")
     model = model if isinstance(model, str) else None
+    salt = data.get("cache_salt")
+    salt = salt if isinstance(salt, str) and salt else None
     messages = data.get("messages")
     if isinstance(messages, list):
         chat = [_message(m) for m in messages]
         if any(m is None for m in chat):
             return None
-        return Prompt(model, [m for m in chat if m is not None], None)
+        return Prompt(model, [m for m in chat if m is not None], None, salt)
     prompt = data.get("prompt")
-    return Prompt(model, None, prompt if isinstance(prompt, str) else None)
+    return Prompt(model, None, prompt if isinstance(prompt, str) else None, salt)
 
 
 def _message(message: object) -> ChatMessage | None:
@@ -93,8 +96,8 @@ class Picker:
         if not candidates:
             self._metrics.fallback("no_candidate")
             return None
-        # Salted as the node salts it (a body `cache_salt` is not read: such prompts score cold).
-        salt = engine_cache_salt(headers.get(CACHE_SALT_HEADER), None)
+        # Salted as the node salts it: the gateway's header and the body's own field.
+        salt = engine_cache_salt(headers.get(CACHE_SALT_HEADER), prompt.cache_salt)
         hashes = self._hashes(prompt, salt, candidates[0].block_size)
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None

@@ -7,10 +7,9 @@ reports still goes where the guess sends it."""
 
 from __future__ import annotations
 
-import hashlib
 import ssl
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,17 +18,13 @@ from gw_fleet import Fleet, wait_until
 from test_gw_real_nodes import MAX_LOAD_S, start_real_node, stop_nodes
 
 from engine.model_store import DEFAULT_MODEL
+from gateway.cache_salt import cache_salt_of
 from gateway.routing import Router
-from wire.prefix_key import PREFIX_KEY_HEADER
+from wire.prefix_key import PREFIX_KEY_HEADER, prefix_key_of
 
 pytestmark = pytest.mark.slow
 
 REGIONS = ("us-east", "toronto")
-
-
-def key_of(system: str) -> str:
-    """The prefix key the gateway makes of a system prompt (gateway/openai_request.py)."""
-    return hashlib.blake2b(system.encode(), digest_size=8).hexdigest()
 
 
 def chat(system: str) -> dict[str, object]:
@@ -37,7 +32,7 @@ def chat(system: str) -> dict[str, object]:
     return {"model": DEFAULT_MODEL, "messages": messages, "max_tokens": 2}
 
 
-def guessed_for(router: Router, region: str, count: int) -> list[str]:
+def guessed_for(router: Router, region: str, count: int, key_of: Callable[[str], str]) -> list[str]:
     """`count` system prompts the plan sends to `region` by its guess (no digest holds them)."""
     found: list[str] = []
     for i in range(200):
@@ -75,10 +70,14 @@ def test_a_prompt_cached_in_toronto_goes_to_toronto_by_the_digest(
     # (tens of tokens a second on a loaded CPU), which moves its region's cost by far more than
     # the default slack; the choice between near-best regions is what is tested.
     gateway = fleet.start_gateway(near_best_slack_s=5.0)
-    _, secret = fleet.create_key()
+    key_id, secret = fleet.create_key()
+
+    def key_of(system: str) -> str:  # as the gateway makes it for this key (its cache salt)
+        return prefix_key_of(system, cache_salt_of(key_id))
+
     fleet.wait_for_gateway(gateway, num_regions=2, timeout_s=MAX_LOAD_S)
     router = gateway.handlers.router
-    cached, plain = guessed_for(router, "us-east", 2)
+    cached, plain = guessed_for(router, "us-east", 2, key_of)
 
     # Served once in toronto (at its ingress, with the key as the gateway sends it).
     with httpx.Client(base_url=ingresses["toronto"], timeout=60.0) as node:

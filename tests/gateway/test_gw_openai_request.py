@@ -136,6 +136,11 @@ def test_the_system_prompt_is_the_affinity_key() -> None:
     b = parse_request(with_system("you are B"), "chat", 8).affinity_key
     assert a1 == a2 != b and a1 is not None
     assert parse_request(chat(), "chat", 8).affinity_key is None
+    # Keyed by the tenant's cache salt: another tenant's same prompt is another key.
+    t1 = parse_request(with_system("you are A"), "chat", 8, cache_salt="t1").affinity_key
+    t2 = parse_request(with_system("you are A"), "chat", 8, cache_salt="t2").affinity_key
+    assert len({a1, t1, t2}) == 3
+    assert t1 == parse_request(with_system("you are A"), "chat", 8, cache_salt="t1").affinity_key
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,13 @@ def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
     )  # the template's last block may differ
     other = picker.decide({CACHE_SALT_HEADER: "tenant-2"}, json.dumps(body).encode())
     assert other is not None and other.chosen.cached_blocks == 0  # another tenant's chain
+    # A body `cache_salt` splits the tenant's partition further, at the node and here alike.
+    split = hasher.chat_hashes(system, engine_cache_salt("tenant-1", "team-a"))
+    index.apply_snapshot(snapshot("node-a", split))
+    salted = json.dumps(body | {"cache_salt": "team-a"}).encode()
+    decision = picker.decide({CACHE_SALT_HEADER: "tenant-1"}, salted)
+    assert decision is not None and decision.chosen.candidate.node_id == "node-a"
+    assert decision.chosen.cached_blocks >= len(split) - 1 > 0
 
 
 @pytest_asyncio.fixture
