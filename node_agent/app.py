@@ -104,6 +104,7 @@ async def _stream_cache_events(runtime: NodeRuntime, loader: asyncio.Task[None] 
         settings.cache_events_max_pending,
         runtime.model_name,
         runtime.metrics.registry,
+        None if settings.serving_token is None else settings.serving_token.get_secret_value(),
     )
 
 

@@ -44,6 +44,7 @@ class StreamTarget:
     url: str  # ws(s)://host:port/v1/cache-events
     node_id: str
     block_size: int
+    token: str | None = None  # the serving token, which the picker asks of a node's stream
     open_timeout_s: float = 5.0
     min_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
@@ -64,7 +65,10 @@ class CacheEventStream:
         while True:
             try:
                 async with connect(
-                    target.url, open_timeout=target.open_timeout_s, max_size=MAX_FRAME_BYTES
+                    target.url,
+                    open_timeout=target.open_timeout_s,
+                    max_size=MAX_FRAME_BYTES,
+                    additional_headers=_authorization(target.token),
                 ) as socket:
                     self._buffer.request_snapshot()
                     self.num_connections += 1
@@ -174,6 +178,10 @@ class StreamCollector(Collector):
             yield family
 
 
+def _authorization(token: str | None) -> dict[str, str]:
+    return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+
 async def stream_cache_events(
     llm: AsyncEngine,
     picker_url: str,
@@ -181,12 +189,15 @@ async def stream_cache_events(
     max_pending_batches: int,
     model_name: str,
     registry: CollectorRegistry,
+    token: str | None = None,
 ) -> None:
-    """Watch `llm`'s prefix cache and stream it to the picker at `picker_url`, until cancelled;
-    the stream's counts go to the node's metrics `registry`."""
+    """Watch `llm`'s prefix cache and stream it to the picker at `picker_url` (presenting
+    `token`, the node's serving token), until cancelled; the stream's counts go to the node's
+    metrics `registry`."""
     buffer = CacheEventBuffer(max_pending_batches)
     llm.watch_cache(buffer.apply)
-    target = StreamTarget(stream_url(picker_url), node_id, llm.stats().block_size)
+    block_size = llm.stats().block_size
+    target = StreamTarget(stream_url(picker_url), node_id, block_size, token=token)
     stream = CacheEventStream(target, buffer)
     collector = StreamCollector(model_name, stream, buffer)
     registry.register(collector)

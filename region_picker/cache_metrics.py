@@ -43,5 +43,6 @@ class CacheStreamCollector(Collector):
                 "Streams closed for a frame that was not a valid message",
                 stats.num_invalid,
             ),
+            ("refused", "Streams refused for want of the serving token", stats.num_refused),
         ):
             yield CounterMetricFamily(f"meridian_picker_cache_stream_{name}", text, value=value)

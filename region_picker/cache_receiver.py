@@ -11,6 +11,7 @@ picker's choices for a while: the likeliest reason is that it died.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -44,20 +45,40 @@ class ReceiverStats:
     num_deltas: int = 0
     num_gaps: int = 0  # batches out of turn, each answered with a resync
     num_invalid: int = 0  # connections closed for a bad frame
+    num_refused: int = 0  # streams refused for want of the serving token
 
 
 class CacheEventReceiver:
-    def __init__(self, index: CacheIndex, streams: NodeStreams) -> None:
+    def __init__(self, index: CacheIndex, streams: NodeStreams, token: str | None = None) -> None:
         self._index = index
         self._node_streams = streams
+        # What a stream's `Authorization: Bearer` must say (None: nothing asked).
+        self._authorization = None if token is None else f"Bearer {token}".encode()
         self._streams: dict[str, ServerConnection] = {}  # node id -> its current stream
         self.stats = ReceiverStats()
 
     async def serve(self, host: str, port: int) -> Server:
         """Listen on host:port (0: any free port; `Server.sockets` names it) until closed."""
         return await serve(
-            self._handle, host, port, max_size=MAX_FRAME_BYTES, process_request=_only_our_path
+            self._handle, host, port, max_size=MAX_FRAME_BYTES, process_request=self._admit
         )
+
+    def _admit(self, connection: ServerConnection, request: Request) -> Response | None:
+        """Only the stream's path, and only from a node that presents the serving token."""
+        if request.path != CACHE_EVENTS_PATH:
+            return connection.respond(
+                HTTPStatus.NOT_FOUND, f"only {CACHE_EVENTS_PATH} is served here\n"
+            )
+        expected = self._authorization
+        if expected is None:
+            return None
+        presented = request.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(presented, expected):
+            return None
+        self.stats.num_refused += 1
+        if self.stats.num_refused == 1:  # a node with the wrong token retries for ever
+            logger.warning("cache events: a stream without the serving token refused")
+        return connection.respond(HTTPStatus.UNAUTHORIZED, "the serving token is required\n")
 
     async def _handle(self, socket: ServerConnection) -> None:
         self.stats.num_connections += 1
@@ -100,9 +121,3 @@ class CacheEventReceiver:
                 del self._streams[node_id]
                 self._index.forget(node_id)
                 self._node_streams.lost(node_id)
-
-
-def _only_our_path(connection: ServerConnection, request: Request) -> Response | None:
-    if request.path == CACHE_EVENTS_PATH:
-        return None
-    return connection.respond(HTTPStatus.NOT_FOUND, f"only {CACHE_EVENTS_PATH} is served here\n")

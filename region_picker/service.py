@@ -92,7 +92,10 @@ async def start(settings: PickerSettings) -> RunningPicker:
     block_size = min(sizes) if sizes else DEFAULT_BLOCK_SIZE
     hashers = await asyncio.to_thread(load_hashers, settings.models, block_size)
     cache_index = CacheIndex()
-    receiver = CacheEventReceiver(cache_index, streams)
+    serving_token = settings.serving_token
+    receiver = CacheEventReceiver(
+        cache_index, streams, None if serving_token is None else serving_token.get_secret_value()
+    )
     cache_events = await receiver.serve(settings.host, settings.cache_events_port)
     metrics.registry.register(CacheStreamCollector(receiver.stats, cache_index))
     # Exact for the nodes that stream their caches' events, guessed from its own sends elsewhere.

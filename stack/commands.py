@@ -197,7 +197,7 @@ def picker(
         *("--control-plane", layout.control_plane_url),
         *(arg for name in region.models for arg in ("--model", f"{name}={models[name]}")),
     )
-    env = base_env() | {GATEWAY_TOKEN: tokens[GATEWAY_TOKEN]}
+    env = base_env() | {name: tokens[name] for name in (GATEWAY_TOKEN, SERVING_TOKEN)}
     return Command(f"picker {region.name}", "picker", argv, env, region.picker.metrics_url)
 
 

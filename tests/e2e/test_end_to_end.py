@@ -299,12 +299,17 @@ def test_stack_terraform_openai_failover_and_down(
     (node,) = tf.outputs()["nodes"]
     tf_node = start_terraform_node(tmp_path, node)
     try:
-        wait_until(
-            lambda: gateway_regions(stack).get(TF_REGION, {}).get("healthy_nodes") == 1,
-            MAX_NODE_S,
-            f"the gateway to see {TF_REGION}'s node",
-            interval_s=0.25,
-        )
+
+        def node_seen() -> bool:
+            log = (tmp_path / "tf-node.log").read_text(errors="replace")
+            assert tf_node.poll() is None, f"the Terraform node exited:\n{log[-3000:]}"
+            return bool(gateway_regions(stack).get(TF_REGION, {}).get("healthy_nodes") == 1)
+
+        try:
+            wait_until(node_seen, MAX_NODE_S, f"the gateway to see {TF_REGION}'s node", 0.25)
+        except AssertionError as exc:  # what the node was doing, and what the gateway saw
+            log = (tmp_path / "tf-node.log").read_text(errors="replace")
+            raise AssertionError(f"{exc}\n{gateway_regions(stack)}\n{log[-3000:]}") from None
 
         # 4. Kill a region's node agent: requests keep succeeding, from the other regions.
         killed = stack.pid_of("node us-east-00")

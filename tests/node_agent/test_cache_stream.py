@@ -53,12 +53,13 @@ class Picker:
     """The picker's cache index and receiver, listening on the servers' loop."""
 
     loop: BackgroundLoop
+    token: str | None = None  # the serving token it asks of a node's stream
     index: CacheIndex = field(default_factory=CacheIndex)
     receiver: CacheEventReceiver = field(init=False)
     server: Server | None = None
 
     def __post_init__(self) -> None:
-        self.receiver = CacheEventReceiver(self.index, NodeStreams())
+        self.receiver = CacheEventReceiver(self.index, NodeStreams(), self.token)
 
     def start(self, port: int = 0) -> int:
         self.server = self.loop.run(self.receiver.serve("127.0.0.1", port))
@@ -93,8 +94,10 @@ def prompt_text(index: int) -> str:
     return f"You are assistant number {index % 3}, and you answer briefly. Question {index}?"
 
 
-def send_prompts(node: NodeHandle, start: int, count: int) -> None:
-    with node.client() as client:
+def send_prompts(
+    node: NodeHandle, start: int, count: int, headers: dict[str, str] | None = None
+) -> None:
+    with node.client(headers=headers) as client:
         for index in range(start, start + count):
             response = client.post(
                 "/v1/completions",
@@ -222,6 +225,28 @@ def test_a_restarted_picker_gets_a_snapshot_when_the_node_reconnects(
         assert picker.receiver.stats.num_snapshots == 2
     finally:
         node.stop()
+
+
+def test_a_picker_that_asks_for_the_serving_token_takes_only_the_nodes_that_have_it(
+    server_loop: BackgroundLoop, small_engine: FakeEngine
+) -> None:
+    token, other = "serving-secret-0123456789", "another-token-0123456789"
+    picker = Picker(server_loop, token=token)
+    url = f"http://127.0.0.1:{picker.start()}"
+    node = start_node(server_loop, small_engine, picker_url=url, serving_token=token)
+    stranger = start_node(server_loop, small_engine, picker_url=url, serving_token=other)
+    try:
+        send_prompts(node, 0, 4, {"Authorization": f"Bearer {token}"})
+        wait_for(lambda: follows(picker, small_engine, node, server_loop))
+        # The stranger's stream is refused (and retried) while it serves as ever.
+        send_prompts(stranger, 4, 2, {"Authorization": f"Bearer {other}"})
+        wait_for(lambda: picker.receiver.stats.num_refused >= 2)  # refused, retried, refused
+        assert picker.receiver.stats.num_connections == 1
+        assert picker.loop.call(lambda: picker.index.node_ids) == {node.runtime.node_id}
+    finally:
+        node.stop()
+        stranger.stop()
+        picker.stop()
 
 
 def test_a_node_whose_picker_is_unreachable_serves_as_ever(

@@ -35,10 +35,10 @@ def delta(seq: int, *stored: int, node: str = "n1") -> str:
     return CacheDelta(node_id=node, seq=seq, stored=[h(x) for x in stored]).model_dump_json()
 
 
-def run(scenario: Scenario, streams: NodeStreams | None = None) -> None:
+def run(scenario: Scenario, streams: NodeStreams | None = None, token: str | None = None) -> None:
     async def main() -> None:
         index = CacheIndex()
-        receiver = CacheEventReceiver(index, streams or NodeStreams())
+        receiver = CacheEventReceiver(index, streams or NodeStreams(), token)
         server = await receiver.serve("127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
@@ -177,3 +177,19 @@ def test_only_the_streams_path_is_served() -> None:
         assert refused.value.response.status_code == 404
 
     run(scenario)
+
+
+def test_with_a_token_only_a_stream_that_presents_it_is_taken() -> None:
+    async def scenario(index: CacheIndex, receiver: CacheEventReceiver, url: str) -> None:
+        for headers in ({}, {"Authorization": "Bearer forged"}, {"Authorization": "secret"}):
+            with pytest.raises(InvalidStatus) as refused:
+                async with connect(url + CACHE_EVENTS_PATH, additional_headers=headers):
+                    pass
+            assert refused.value.response.status_code == 401
+        assert (receiver.stats.num_connections, receiver.stats.num_refused) == (0, 3)
+        headers = {"Authorization": "Bearer secret"}
+        async with connect(url + CACHE_EVENTS_PATH, additional_headers=headers) as socket:
+            await socket.send(snapshot(0, 1, 2))
+            await until(lambda: index.hashes_of("n1") == {bytes.fromhex(h(1)), bytes.fromhex(h(2))})
+
+    run(scenario, token="secret")

@@ -36,3 +36,17 @@ def test_a_bad_configuration_exits_2_with_one_line(
     )
     monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", "gateway-secret")
     assert main(["--region", "Not A Region", "--control-plane", "http://127.0.0.1:8080"]) == 2
+
+
+def test_a_picker_listening_beyond_loopback_needs_the_serving_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", "gateway-secret")
+    monkeypatch.delenv("MERIDIAN_SERVING_TOKEN", raising=False)
+    argv = ["--region", "us-east", "--host", "0.0.0.0", "--control-plane", "http://127.0.0.1:8080"]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "MERIDIAN_SERVING_TOKEN" in line
+    monkeypatch.setenv("MERIDIAN_SERVING_TOKEN", "serving-secret")
+    token = load_settings(parse_args(argv)).serving_token
+    assert token is not None and token.get_secret_value() == "serving-secret"
