@@ -45,11 +45,13 @@ TEST_WORKERS ?= 3
 # What CI runs: lint, then types beside the whole suite with line coverage (in the test
 # processes) and the 30 slowest tests, then the coverage total. mypy takes about 40 s of one core
 # from a cold cache, and the suite leaves the cores half idle while it waits on its servers.
+# One OpenMP thread a process, as in test-fast: the workers and the servers they start already
+# outnumber the cores, and a kernel's threads then wait at its barriers for one another's cores.
 test: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@types_log=$$(mktemp); $(BIN)/mypy > $$types_log 2>&1 & types=$$!; \
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=; tests=$$?; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=; tests=$$?; \
 	wait $$types; types_rc=$$?; echo "mypy: $$(cat $$types_log)"; rm -f $$types_log; \
 	test $$tests -eq 0 -a $$types_rc -eq 0
 	@echo "line coverage of the services' packages: $$($(BIN)/coverage report --format=total)%"
