@@ -115,6 +115,7 @@ def node_agents(
                 "node_agent",
                 *("--model", model.weights, "--served-model-name", model.served),
                 *("--dtype", model.dtype, "--quantization", model.quantization),
+                *("--kv-cache-dtype", model.kv_cache_dtype),
                 *("--host", HOST, "--port", str(node.port)),
                 *("--region", region.name, "--node-id", node.node_id),
                 *("--control-plane", layout.control_plane_urls),

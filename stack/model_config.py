@@ -27,6 +27,8 @@ from wire.model_catalog import (
 # (on CPU: bf16 where native, else fp32; a Q4_1 file's blocks kept as they are with AVX-512).
 Dtype = Literal["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
 Quantization = Literal["auto", "none", "int8", "q4_1"]
+# auto: the KV cache in the model's dtype; fp8: e4m3, twice the blocks in the same memory.
+KvCacheDtype = Literal["auto", "fp8"]
 
 
 class ModelConfig(BaseModel):
@@ -37,6 +39,7 @@ class ModelConfig(BaseModel):
     source: str | None = Field(default=None, min_length=1, max_length=4096)
     dtype: Dtype = "auto"
     quantization: Quantization = "auto"
+    kv_cache_dtype: KvCacheDtype = "auto"
     # What clients put in `model` (and the catalog's name for it); default: the name.
     served_name: ModelName | None = None
     # Models (by name) or aliases to answer instead, in order, when this one has no capacity.

@@ -125,6 +125,10 @@ def test_the_catalog_speaks_served_names() -> None:
         ("models: [{name: a b}]\nregions: [{name: us-east}]", "models.0.name: String should"),
         ("models: [{name: a, dtype: fp8}]\nregions: [{name: us-east}]", "models.0.dtype: Input"),
         (
+            "models: [{name: a, kv_cache_dtype: int8}]\nregions: [{name: us-east}]",
+            "models.0.kv_cache_dtype: Input should be 'auto' or 'fp8'",
+        ),
+        (
             "models: [{name: a, quantization: q8}]\nregions: [{name: us-east}]",
             "models.0.quantization: Input should be 'auto', 'none', 'int8' or 'q4_1'",
         ),
@@ -194,6 +198,17 @@ def test_each_node_agent_loads_its_model_as_configured(monkeypatch: pytest.Monke
         ("eu-west-01", DEFAULT_MODEL, FP32, "fp32", "none"),
         ("ap-southeast-00", DEFAULT_MODEL, DEFAULT_MODEL, "auto", "auto"),
     ]
+    # A model's KV cache in fp8 reaches its node agents, and theirs alone.
+    fp8 = parse_config(
+        TWO_MODELS.replace("quantization: none,", "quantization: none, kv_cache_dtype: fp8,")
+        + f"regions: [{{name: us-east, models: {{{DEFAULT_MODEL}: 1, {FP32}: 1}}}}]",
+        "s.yaml",
+    )
+    fp8_nodes = commands.node_agents(
+        fp8, plan_layout(fp8, use_envoy=True), tokens, {"us-east-00": "n", "us-east-01": "n"}
+    )
+    kv_dtypes = [load_settings(parse_args(list(c.argv[3:]))).kv_cache_dtype for c in fp8_nodes]
+    assert kv_dtypes == ["auto", "fp8"]
     # `auto` at every gateway means the default model.
     tls = GatewayTls(Path("/s/ca.pem"), Path("/s/cert.pem"), Path("/s/key.pem"))
     gateway = commands.gateway(config, layout, layout.pops[0], tls, tokens)
