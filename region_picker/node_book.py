@@ -53,6 +53,7 @@ class NodeBook:
                 num_waiting=load.num_waiting,
                 num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
                 num_pending=self._pending.get(load.node_id, 0),
+                prefill_tokens_per_s=load.prefill_tokens_per_s,
             )
             for load in self._loads.values()
             if (model is None or load.model == model) and not self.streams.is_held_out(load.node_id)

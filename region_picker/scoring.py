@@ -7,9 +7,11 @@ Each candidate's cost is the work ahead of the request there, in prompt tokens:
   answered (the node's report, up to a sweep old, may not count those yet), and a smaller share
   for each running one,
 all scaled up by how full its KV cache is (a node short of blocks evicts the very prefixes that
-make it cheap, and preempts). The cheapest wins; among the near ties (within `NEAR_TIE`) two are
-drawn at random and the less busy of the two wins, so that one hot prefix spreads over the nodes
-that hold it instead of piling onto one.
+make it cheap, and preempts), and by how much slower than the candidates' mean prefill rate it
+reports (unlike nodes in one region: work ahead of a node twice as fast costs half as long; a
+node that reports no rate is taken at the mean). The cheapest wins; among the near ties (within
+`NEAR_TIE`) two are drawn at random and the less busy of the two wins, so that one hot prefix
+spreads over the nodes that hold it instead of piling onto one.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Candidate:
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = 0
     num_pending: int = 0  # requests the picker sent it whose response has not started
+    prefill_tokens_per_s: float | None = None  # as it measures it (None: not measured yet)
 
     @property
     def num_busy(self) -> int:
@@ -72,9 +75,12 @@ class Decision:
         return self.chosen.cached_blocks * self.chosen.candidate.block_size
 
 
-def score(candidate: Candidate, num_blocks: int, cached_blocks: int) -> float:
+def score(
+    candidate: Candidate, num_blocks: int, cached_blocks: int, mean_rate: float | None = None
+) -> float:
     """The candidate's cost for a prompt of `num_blocks` full blocks, `cached_blocks` of them
-    cached there (the partial last block is prefilled everywhere and left out)."""
+    cached there (the partial last block is prefilled everywhere and left out), in prompt tokens
+    at `mean_rate` (the candidates' mean prefill rate; None: rates left out)."""
     uncached = (num_blocks - cached_blocks) * candidate.block_size
     queued = candidate.num_waiting + candidate.num_pending
     work = (
@@ -85,7 +91,14 @@ def score(candidate: Candidate, num_blocks: int, cached_blocks: int) -> float:
     )
     total = max(candidate.kv_blocks_total, 1)
     used = 1.0 - min(candidate.kv_blocks_free, total) / total
-    return work * (1.0 + used)
+    rate = candidate.prefill_tokens_per_s
+    slowness = 1.0 if mean_rate is None or rate is None else mean_rate / rate
+    return work * (1.0 + used) * slowness
+
+
+def mean_prefill_rate(candidates: Sequence[Candidate]) -> float | None:
+    rates = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s is not None]
+    return sum(rates) / len(rates) if rates else None
 
 
 def pick(
@@ -98,9 +111,11 @@ def pick(
     if not candidates:
         return None
     scored = []
+    mean_rate = mean_prefill_rate(candidates)
     for candidate in candidates:
         cached = cache.cached_prefix_blocks(candidate.node_id, block_hashes) if block_hashes else 0
-        scored.append(Scored(candidate, cached, score(candidate, len(block_hashes), cached)))
+        cost = score(candidate, len(block_hashes), cached, mean_rate)
+        scored.append(Scored(candidate, cached, cost))
     best = min(s.cost for s in scored)
     ties = [s for s in scored if s.cost <= best + max(best * NEAR_TIE, NEAR_TIE_TOKENS)]
     if len(ties) == 1:

@@ -114,7 +114,7 @@ async def test_region_nodes_lists_each_routable_nodes_load_and_blocks(
     waiting = asyncio.create_task(cp.http.get(path, params=params, headers=cp.gateway))
     await cp.beat("a", url="http://127.0.0.1:9001", num_running=5, kv_blocks_free=100)
     moved = RegionNodes.model_validate_json((await waiting).content)
-    assert moved.index > document.index
+    assert moved.index != document.index  # a digest of the document: it differs, in no order
     assert [(n.node_id, n.num_running) for n in moved.nodes] == [("a", 5)]
     unknown = await cp.http.get("/v1/regions/nowhere/nodes", headers=cp.gateway)
     assert RegionNodes.model_validate_json(unknown.content).nodes == ()

@@ -16,7 +16,7 @@ from region_picker.scoring import (
 )
 
 
-def node(node_id: str, **load: int) -> Candidate:
+def node(node_id: str, **load: float) -> Candidate:
     values = {"block_size": 16, "kv_blocks_total": 1000, "kv_blocks_free": 1000} | load
     return Candidate(node_id=node_id, address=f"127.0.0.1:{9000 + len(node_id)}", **values)
 
@@ -43,6 +43,21 @@ def test_cost_is_the_work_ahead_in_tokens_scaled_by_kv_use() -> None:
     assert score(busy, 100, 90) == expected
     half_full = node("c", kv_blocks_free=500)
     assert score(half_full, 100, 90) == 160 * 1.5
+
+
+def test_a_faster_node_costs_less_and_one_not_measured_is_taken_at_the_mean() -> None:
+    # a prefills at 2,000 tokens/s, b at 1,000 with half a's queue, c has not measured yet.
+    nodes = [
+        node("a", prefill_tokens_per_s=2000.0, num_waiting_prefill_tokens=1200),
+        node("b", prefill_tokens_per_s=1000.0, num_waiting_prefill_tokens=600),
+        node("c", num_waiting_prefill_tokens=1000),
+    ]
+    decision = pick(nodes, BLOCKS, Held(), random.Random(0))
+    assert decision is not None
+    # At the mean of 1,500 tokens/s: a's 2,800 tokens of work cost 2,100, b's 2,200 cost 3,300,
+    # c's 2,600 stay 2,600.
+    assert [s.cost for s in decision.scored] == [2100, 3300, 2600]
+    assert decision.chosen.candidate.node_id == "a"
 
 
 def test_the_node_holding_the_prompt_wins_against_modest_load() -> None:
