@@ -25,9 +25,10 @@ from gateway.errors import GatewayError, NoCapacityError, UpstreamError
 from gateway.keys import ApiKey
 from gateway.limit_shares import PopLimiter
 from gateway.model_routes import ModelChoice, in_turn, is_out_of_capacity
+from gateway.plan_checks import among_same_weights, has_capacity
 from gateway.proxy import Opened, Proxy
 from gateway.request_ids import HEADER
-from gateway.routing import RoutePlan, Router, among_same_weights, has_capacity
+from gateway.routing import RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.tiers import Tier
 from gateway.upstream_request import UpstreamRequest

@@ -56,7 +56,7 @@ import math
 import operator
 import random
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -137,29 +137,6 @@ def _rendezvous_score(key: str, region: str, weight: float) -> float:
     return -weight / _rendezvous_log(key, region)
 
 
-def has_capacity(plan: RoutePlan) -> bool:
-    """Whether some region of `plan` can take work now: one whose circuit is not open and whose
-    KV cache is below the saturation threshold. A model whose plan has none has no capacity: its
-    fallbacks go first (gateway/model_routes.py `in_turn`), since a region whose breaker just
-    opened is most likely down, and every attempt there would wait out the connect timeout."""
-    return bool(plan.candidates) and plan.reason != "fallback"
-
-
-def among_same_weights(
-    plan: RoutePlan, regions: Mapping[str, RegionState], model: str
-) -> RoutePlan:
-    """`plan` (for `model`) less the regions whose nodes for `model` report other weights than
-    the first region's (`ModelLoad.serving_keys`, compared whole): failover before the first
-    byte stays on the weights the request was first sent to, as a resume does."""
-    if len(plan.candidates) < 2:
-        return plan
-    keys = [_serving_keys(regions.get(c.region), model) for c in plan.candidates]
-    if all(key == keys[0] for key in keys):
-        return plan
-    same = [c for c, key in zip(plan.candidates, keys, strict=True) if key == keys[0]]
-    return RoutePlan(same, plan.reason)
-
-
 def _hot_of(summary: RegionSummary) -> dict[str | None, dict[str, int]]:
     hot: dict[str | None, dict[str, int]] = {}
     blind: dict[str, int] = {}
@@ -171,11 +148,6 @@ def _hot_of(summary: RegionSummary) -> dict[str | None, dict[str, int]]:
     if blind:
         hot[None] = blind
     return hot
-
-
-def _serving_keys(state: RegionState | None, model: str) -> tuple[str, ...] | None:
-    nodes = None if state is None else state.models.get(model)
-    return None if nodes is None else nodes.serving_keys
 
 
 @dataclass(slots=True)

@@ -28,7 +28,8 @@ from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
 from control_plane.dns.steering import Steering
-from gateway.routing import Router, RouterConfig, SummaryLoads, has_capacity
+from gateway.plan_checks import has_capacity
+from gateway.routing import Router, RouterConfig, SummaryLoads
 from gateway.settings import GatewaySettings
 from simulator.control import PopWatch
 from simulator.node import Node
@@ -56,7 +57,7 @@ class Pick(NamedTuple):  # a tuple, not a frozen dataclass: made ~10 times per r
     region: str
     predicted_ttft_s: float = 0.0
     node: Node | None = None  # the oracle also picks the node
-    # Whether the plan it is part of has capacity (meridian's: gateway.routing.has_capacity;
+    # Whether the plan it is part of has capacity (meridian's: gateway.plan_checks.has_capacity;
     # the other policies plan only what they take to have it).
     has_capacity: bool = True
 

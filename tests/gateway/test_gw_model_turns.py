@@ -9,7 +9,8 @@ from collections.abc import Callable
 from test_gw_routing_models import model_load, region, router
 
 from gateway.model_routes import in_turn
-from gateway.routing import Candidate, RoutePlan, among_same_weights, has_capacity
+from gateway.plan_checks import among_same_weights, has_capacity
+from gateway.routing import Candidate, RoutePlan
 
 SAME, OTHER = ("w1:none:fp32",), ("w2:none:fp32",)
 
