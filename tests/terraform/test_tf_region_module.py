@@ -323,6 +323,7 @@ def test_a_picker_is_laid_out_beside_the_region_and_every_agent_streams_to_it(
     picker = outputs["picker"]
     assert picker["command"] == " ".join(["python", "-m", "region_picker", *picker["args"]])
     monkeypatch.setenv("MERIDIAN_GATEWAY_TOKEN", "gw-" + "g" * 20)
+    monkeypatch.setenv("MERIDIAN_SERVING_TOKEN", "srv-" + "s" * 20)  # on 10.0.0.5, required
     settings = load_picker_settings(parse_picker_args(picker["args"]))
     assert (settings.region, settings.host, settings.port) == ("us-east", "10.0.0.5", 9100)
     assert (settings.metrics_host, settings.metrics_port) == ("10.0.0.5", 9101)

@@ -153,7 +153,7 @@ output "envoy_token_file" {
 }
 
 output "picker" {
-  description = "The region's endpoint picker (null without `picker`): how to start it beside the region's Envoy (`command`, or `args` after `python -m region_picker`; it needs MERIDIAN_GATEWAY_TOKEN, the gateways' read-only control-plane token, in its environment), its ext_proc `address` (registered as the region's `picker` field at apply: xDS then gives the region's Envoys the ext_proc filter, live), `metrics_url` and `cache_events_url`."
+  description = "The region's endpoint picker (null without `picker`): how to start it beside the region's Envoy (`command`, or `args` after `python -m region_picker`; it needs MERIDIAN_GATEWAY_TOKEN, the gateways' read-only control-plane token, in its environment, and MERIDIAN_SERVING_TOKEN, the node agents' serving token that their cache streams present, when its host is not loopback), its ext_proc `address` (registered as the region's `picker` field at apply: xDS then gives the region's Envoys the ext_proc filter, live), `metrics_url` and `cache_events_url`."
   value = var.picker == null ? null : {
     region           = var.name
     address          = local.picker_address
