@@ -33,12 +33,15 @@ from stack.layout import StackLayout, check_ports_free, plan_layout
 from stack.state import StateDir
 from wire.geo import REGIONS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 
 MODEL = "smollm2-135m-instruct"
 TF_REGION = "ap-southeast"
 MAX_UP_S = 300.0
-MAX_NODE_S = 180.0
+# The Terraform node's load waits behind whatever holds the CPU kernels' build lock (in a full
+# run, other tests' nodes and kernel builds): in 3 of 6 full runs it sat 180 s at "loading the CPU
+# kernels" while alone it loads in seconds.
+MAX_NODE_S = 400.0
 
 ROOT_TF = """
 variable "control_plane_url" { type = string }
