@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from region_picker.cache_index import CacheIndex, ExactOrGuessed
+from region_picker.cache_index import SENT_RECENTLY_S, CacheIndex, ExactOrGuessed
 from region_picker.routed_prefixes import RoutedPrefixes
 from wire.cache_events import CacheDelta, CacheSnapshot, parse_node_message, stream_url
 
@@ -106,12 +106,34 @@ def test_the_stream_url_comes_from_the_pickers_address() -> None:
 
 
 def test_the_pickers_view_is_exact_where_a_node_streams_and_guessed_elsewhere() -> None:
-    index, routed = CacheIndex(), RoutedPrefixes()
+    now = [0.0]
+    index, routed = CacheIndex(), RoutedPrefixes(clock=lambda: now[0])
     routed.record("a", [h(1), h(2)])  # sent there, but its stream says it evicted 2
     routed.record("b", [h(1), h(2)])
     index.apply_snapshot(snapshot("a", 0, 1))
     view = ExactOrGuessed(index, routed)
+    now[0] = SENT_RECENTLY_S + 1
     assert view.cached_prefix_blocks("a", [h(1), h(2)]) == 1
     assert view.cached_prefix_blocks("b", [h(1), h(2)]) == 2  # no stream: the guess
     index.apply_delta(delta("a", 2))  # a gap: "a" is unknown until its snapshot
     assert view.cached_prefix_blocks("a", [h(1), h(2)]) == 2
+
+
+def test_a_prompt_just_sent_to_a_streaming_node_counts_as_cached_there_until_it_is_late() -> None:
+    """Its events come only once the node has prefilled it (seconds, under load): meanwhile the
+    same prefix's next request is drawn to it, not to a second cold prefill elsewhere."""
+    now = [100.0]
+    index, routed = CacheIndex(), RoutedPrefixes(clock=lambda: now[0])
+    index.apply_snapshot(snapshot("a", 0, 1))
+    index.apply_snapshot(snapshot("b", 0))
+    view = ExactOrGuessed(index, routed)
+    prompt = [h(1), h(2), h(3)]
+    routed.record("b", prompt[:2])
+    assert view.cached_prefix_blocks("b", prompt) == 2  # sent, not yet reported
+    assert view.cached_prefix_blocks("a", prompt) == 1  # its stream's answer, nothing sent
+    now[0] += SENT_RECENTLY_S - 1
+    assert view.cached_prefix_blocks("b", prompt) == 2
+    now[0] += 2  # its events never said so: the stream is the truth again
+    assert view.cached_prefix_blocks("b", prompt) == 0
+    index.apply_delta(delta("b", 1, stored=(1, 2, 3)))
+    assert view.cached_prefix_blocks("b", prompt) == 3

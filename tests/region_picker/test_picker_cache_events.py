@@ -19,7 +19,7 @@ from pydantic import SecretStr
 from websockets.asyncio.client import connect
 
 from engine.loader import Checkpoint
-from region_picker.cache_index import CacheIndex, ExactOrGuessed
+from region_picker.cache_index import SENT_RECENTLY_S, CacheIndex, ExactOrGuessed
 from region_picker.metrics import PickerMetrics
 from region_picker.node_book import NodeBook
 from region_picker.picker import Picker
@@ -61,11 +61,13 @@ def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
     system = [{"role": "system", "content": SYSTEM}]
     # The tenant's system prompt as the node cached it: salted as the node salts the header.
     held = hasher.chat_hashes(system, engine_cache_salt("tenant-1", None))
-    book, index, routed = NodeBook(), CacheIndex(), RoutedPrefixes()
+    now = [0.0]
+    book, index, routed = NodeBook(), CacheIndex(), RoutedPrefixes(clock=lambda: now[0])
     book.adopt(NODES)
     index.apply_snapshot(snapshot("node-a", []))  # a's stream: it evicted them
     index.apply_snapshot(snapshot("node-b", held))
-    routed.record("node-a", held)  # where the picker last sent the tenant
+    routed.record("node-a", held)  # where the picker last sent the tenant, a while ago
+    now[0] = SENT_RECENTLY_S + 1
     picker = Picker(
         book,
         {MODEL: hasher},
