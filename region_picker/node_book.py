@@ -1,12 +1,17 @@
 """The region's routable nodes as the control plane last reported them, less those whose cache
-stream just broke (region_picker/node_streams.py), and the requests the picker sent each whose
-response has not started yet: they wait or prefill there, and a report that is up to a sweep old
-cannot count them."""
+stream just broke (region_picker/node_streams.py), and what the picker sent each that a report
+up to a heartbeat and a sweep old cannot count yet: the requests whose response has not started,
+and the prompt tokens it sent to be prefilled in the last REPORT_LAG_S (a stream's response
+starts as soon as the node admits it, long before a long prompt is prefilled)."""
 
 from __future__ import annotations
 
+import time
 import urllib.parse
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from region_picker.node_streams import NodeStreams
 from region_picker.scoring import Candidate
@@ -23,12 +28,19 @@ def envoy_address(url: str) -> str | None:
     return f"{host}:{parts.port or 80}"
 
 
+# How long a send may be missing from its node's report: a heartbeat (1 s) and the control
+# plane's sweep that publishes it. Counted twice for a while after that, rather than not at all.
+REPORT_LAG_S: Final = 2.0
+
+
 @dataclass(slots=True)
 class NodeBook:
     streams: NodeStreams = field(default_factory=NodeStreams)
     index: int = 0
     _loads: dict[str, NodeLoad] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
     _pending: dict[str, int] = field(default_factory=dict)
+    _sent: deque[tuple[float, str, int]] = field(default_factory=deque)  # when, node, tokens
 
     def adopt(self, document: RegionNodes) -> set[str]:
         """The control plane's new document; returns the node ids that left."""
@@ -42,6 +54,7 @@ class NodeBook:
 
     def candidates(self, model: str | None) -> list[Candidate]:
         """The nodes serving `model` (None: every node) that are not held out."""
+        sent = self._sent_lately()
         return [
             Candidate(
                 node_id=load.node_id,
@@ -52,6 +65,8 @@ class NodeBook:
                 num_running=load.num_running,
                 num_waiting=load.num_waiting,
                 num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
+                num_running_prefill_tokens=load.num_running_prefill_tokens,
+                num_sent_prefill_tokens=sent.get(load.node_id, 0),
                 num_pending=self._pending.get(load.node_id, 0),
                 prefill_tokens_per_s=load.prefill_tokens_per_s,
             )
@@ -59,8 +74,19 @@ class NodeBook:
             if (model is None or load.model == model) and not self.streams.is_held_out(load.node_id)
         ]
 
-    def note_sent(self, node_id: str) -> None:
+    def note_sent(self, node_id: str, prefill_tokens: int) -> None:
+        """A request sent to `node_id`, with this many prompt tokens it has not cached."""
         self._pending[node_id] = self._pending.get(node_id, 0) + 1
+        self._sent.append((self.clock(), node_id, prefill_tokens))
+
+    def _sent_lately(self) -> dict[str, int]:
+        since, sent = self.clock() - REPORT_LAG_S, self._sent
+        while sent and sent[0][0] < since:
+            sent.popleft()
+        tokens: dict[str, int] = {}
+        for _, node_id, count in sent:
+            tokens[node_id] = tokens.get(node_id, 0) + count
+        return tokens
 
     def note_started(self, node_id: str) -> None:
         """A request sent to `node_id` has its response started, or ended without one."""

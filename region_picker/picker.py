@@ -101,9 +101,11 @@ class Picker:
         hashes = self._hashes(prompt, salt, candidates[0].block_size)
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None
-        chosen = decision.chosen.candidate.node_id
-        self._nodes.note_sent(chosen)
-        self._routed.record(chosen, hashes)
+        chosen = decision.chosen
+        node_id, block_size = chosen.candidate.node_id, chosen.candidate.block_size
+        # Its full blocks not cached there, and the partial last block, which never is.
+        self._nodes.note_sent(node_id, (len(hashes) - chosen.cached_blocks + 1) * block_size)
+        self._routed.record(node_id, hashes)
         self._metrics.decided(decision, len(hashes))
         return decision
 

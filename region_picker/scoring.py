@@ -2,16 +2,19 @@
 
 Each candidate's cost is the work ahead of the request there, in prompt tokens:
 - the prompt tokens it would prefill (those past its cached prefix of the prompt's blocks),
-- the prefill tokens already waiting on it,
+- the prefill tokens already ahead of it: waiting, admitted and not yet computed, and those the
+  picker sent it lately, which its report (a heartbeat and a sweep behind) may not count yet,
 - a request's worth of tokens for each request waiting, or sent there by the picker and not yet
   answered (the node's report, up to a sweep old, may not count those yet), and a smaller share
   for each running one,
 all scaled up by how full its KV cache is (a node short of blocks evicts the very prefixes that
 make it cheap, and preempts), and by how much slower than the candidates' mean prefill rate it
 reports (unlike nodes in one region: work ahead of a node twice as fast costs half as long; a
-node that reports no rate is taken at the mean). The cheapest wins; among the near ties (within
-`NEAR_TIE`) two are drawn at random and the less busy of the two wins, so that one hot prefix
-spreads over the nodes that hold it instead of piling onto one.
+node that reports no rate is taken at the mean). The cheapest wins; of the near ties (within
+`NEAR_TIE`) those holding the most of the prompt stay (a node that would prefill it again is no
+sooner for this request and costs the region the work), and of those two are drawn at random and
+the less busy of the two wins, so that one hot prefix spreads over the nodes that hold it
+instead of piling onto one.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Candidate:
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = 0
+    num_running_prefill_tokens: int = 0
+    num_sent_prefill_tokens: int = 0  # sent by the picker lately: maybe not in the report yet
     num_pending: int = 0  # requests the picker sent it whose response has not started
     prefill_tokens_per_s: float | None = None  # as it measures it (None: not measured yet)
 
@@ -86,6 +91,8 @@ def score(
     work = (
         uncached
         + candidate.num_waiting_prefill_tokens
+        + candidate.num_running_prefill_tokens
+        + candidate.num_sent_prefill_tokens
         + WAITING_REQUEST_TOKENS * queued
         + RUNNING_REQUEST_TOKENS * candidate.num_running
     )
@@ -118,6 +125,10 @@ def pick(
         scored.append(Scored(candidate, cached, cost))
     best = min(s.cost for s in scored)
     ties = [s for s in scored if s.cost <= best + max(best * NEAR_TIE, NEAR_TIE_TOKENS)]
+    # Of near ties, those holding the most of the prompt: as soon for this request, and the
+    # region computes (and caches again) no more than it must.
+    most = max(s.cached_blocks for s in ties)
+    ties = [s for s in ties if s.cached_blocks == most]
     if len(ties) == 1:
         return Decision(ties[0], tuple(scored))
     first, second = rng.sample(ties, 2)

@@ -85,5 +85,6 @@ def _candidate(node: Node, now_s: float) -> Candidate:
         num_running=load.num_running,
         num_waiting=load.num_waiting,
         num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
+        num_running_prefill_tokens=load.num_running_prefill_tokens,
         prefill_tokens_per_s=calibration.prefill_tokens_per_s,
     )

@@ -45,6 +45,7 @@ def node_loads(nodes: list[Node], listed: Listed) -> tuple[NodeLoad, ...]:
                 num_running=beat.num_running,
                 num_waiting=beat.num_waiting,
                 num_waiting_prefill_tokens=beat.num_waiting_prefill_tokens,
+                num_running_prefill_tokens=beat.num_running_prefill_tokens,
                 prefill_tokens_per_s=beat.prefill_tokens_per_s,
             )
         )

@@ -21,7 +21,7 @@ from websockets.asyncio.client import connect
 from engine.loader import Checkpoint
 from region_picker.cache_index import SENT_RECENTLY_S, CacheIndex, ExactOrGuessed
 from region_picker.metrics import PickerMetrics
-from region_picker.node_book import NodeBook
+from region_picker.node_book import REPORT_LAG_S, NodeBook
 from region_picker.picker import Picker
 from region_picker.prompt_hashes import PromptHasher
 from region_picker.routed_prefixes import RoutedPrefixes
@@ -62,7 +62,8 @@ def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
     # The tenant's system prompt as the node cached it: salted as the node salts the header.
     held = hasher.chat_hashes(system, engine_cache_salt("tenant-1", None))
     now = [0.0]
-    book, index, routed = NodeBook(), CacheIndex(), RoutedPrefixes(clock=lambda: now[0])
+    book, index = NodeBook(clock=lambda: now[0]), CacheIndex()
+    routed = RoutedPrefixes(clock=lambda: now[0])
     book.adopt(NODES)
     index.apply_snapshot(snapshot("node-a", []))  # a's stream: it evicted them
     index.apply_snapshot(snapshot("node-b", held))
@@ -88,10 +89,44 @@ def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
     # A body `cache_salt` splits the tenant's partition further, at the node and here alike.
     split = hasher.chat_hashes(system, engine_cache_salt("tenant-1", "team-a"))
     index.apply_snapshot(snapshot("node-a", split))
+    now[0] += REPORT_LAG_S + 1  # the reports count what was sent above
     salted = json.dumps(body | {"cache_salt": "team-a"}).encode()
     decision = picker.decide({CACHE_SALT_HEADER: "tenant-1"}, salted)
     assert decision is not None and decision.chosen.candidate.node_id == "node-a"
     assert decision.chosen.cached_blocks >= len(split) - 1 > 0
+
+
+def test_cold_prompts_spread_and_a_prompts_next_request_follows_it_before_its_events_come(
+    smollm2_checkpoint: Checkpoint,
+) -> None:
+    """Both nodes stream and hold nothing yet, and no report counts the picker's sends: a
+    tenant's second chat goes where its first is being prefilled, another tenant's to the
+    other node (the prompt tokens just sent there are work ahead)."""
+    hasher = PromptHasher(smollm2_checkpoint.tokenizer, 16)
+    book, index, routed = NodeBook(), CacheIndex(), RoutedPrefixes()
+    book.adopt(NODES)
+    for load in NODES.nodes:
+        index.apply_snapshot(snapshot(load.node_id, []))
+    picker = Picker(
+        book,
+        {MODEL: hasher},
+        ExactOrGuessed(index, routed),
+        routed,
+        PickerMetrics(),
+        random.Random(0),
+    )
+
+    def chat(tenant: str, question: str) -> str:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        body = json.dumps({"model": MODEL, "messages": messages, "stream": True}).encode()
+        decision = picker.decide({CACHE_SALT_HEADER: tenant}, body)
+        assert decision is not None
+        picker.started(decision.chosen.candidate.node_id)  # a stream's headers come at once
+        return decision.chosen.candidate.node_id
+
+    first = chat("tenant-1", "Which region?")
+    assert chat("tenant-2", "Which region?") != first
+    assert chat("tenant-1", "And the next one?") == first
 
 
 @pytest_asyncio.fixture

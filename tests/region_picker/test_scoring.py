@@ -38,8 +38,16 @@ def test_cost_is_the_work_ahead_in_tokens_scaled_by_kv_use() -> None:
     idle = node("a")
     assert score(idle, num_blocks=100, cached_blocks=0) == 1600
     assert score(idle, num_blocks=100, cached_blocks=90) == 160
-    busy = node("b", num_waiting=2, num_running=3, num_waiting_prefill_tokens=500, num_pending=1)
-    expected = 160 + 500 + 3 * WAITING_REQUEST_TOKENS + 3 * RUNNING_REQUEST_TOKENS
+    busy = node(
+        "b",
+        num_waiting=2,
+        num_running=3,
+        num_waiting_prefill_tokens=500,
+        num_running_prefill_tokens=300,
+        num_sent_prefill_tokens=1000,
+        num_pending=1,
+    )
+    expected = 160 + 500 + 300 + 1000 + 3 * WAITING_REQUEST_TOKENS + 3 * RUNNING_REQUEST_TOKENS
     assert score(busy, 100, 90) == expected
     half_full = node("c", kv_blocks_free=500)
     assert score(half_full, 100, 90) == 160 * 1.5
@@ -90,6 +98,16 @@ def test_near_ties_go_to_the_less_busy_of_two_drawn() -> None:
         assert decision is not None
         chosen.add(decision.chosen.candidate.node_id)
     assert chosen == {"a", "b", "c"}
+
+
+def test_of_near_ties_a_node_holding_the_prompt_wins_over_one_that_would_prefill_it() -> None:
+    # b holds it behind 1,500 tokens of another prefill; a is idle and would prefill all 1,600:
+    # 1,500 against 1,600 is a near tie, as soon either way, and a would cost the region 1,600.
+    nodes = [node("a"), node("b", num_sent_prefill_tokens=1500)]
+    for seed in range(20):
+        decision = pick(nodes, BLOCKS, Held(b=100), random.Random(seed))
+        assert decision is not None and decision.chosen.candidate.node_id == "b"
+        assert [s.cost for s in decision.scored] == [1600, 1500]
 
 
 def test_no_candidate_no_decision() -> None:
