@@ -54,7 +54,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 where the hardware computes in it natively, else fp32
     # Weights kept as "int8" (weight-only, one scale per row; CPU only), as the GGUF's own Q4_1
     # blocks ("q4_1": the linear layers of a Q4_1 GGUF; CPU only) or as `dtype` ("none").
-    # auto: int8 where dtype is auto and the CPU lacks native bf16, so it would read fp32.
+    # auto, where dtype is auto on a CPU: q4_1 for a Q4_1 GGUF on an AVX-512 CPU (its kernels
+    # built), else int8 where the CPU lacks native bf16 (it would read fp32), else none.
     quantization: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
