@@ -49,7 +49,10 @@ def mint_all(pg_url: str, node_ids: list[str]) -> list[str]:
 
 
 async def beat_all(cp: ControlPlaneProcess, node_ids: list[str], tokens: list[str]) -> None:
-    async with httpx.AsyncClient(base_url=cp.base_url, timeout=30.0) as client:
+    # Idle connections dropped well before the control plane's 5 s keep-alive ends them: a
+    # beat sent on one the server is closing fails (ReadError) on a loaded machine.
+    limits = httpx.Limits(keepalive_expiry=1.0)
+    async with httpx.AsyncClient(base_url=cp.base_url, timeout=30.0, limits=limits) as client:
         gate = asyncio.Semaphore(16)
 
         async def one(node_id: str, token: str) -> None:
