@@ -54,6 +54,14 @@ def snapshot(node_id: str, hashes: list[bytes]) -> CacheSnapshot:
     return CacheSnapshot(node_id=node_id, block_size=16, seq=0, hashes=[h.hex() for h in hashes])
 
 
+def picker_over(
+    book: NodeBook, index: CacheIndex, routed: RoutedPrefixes, hasher: PromptHasher
+) -> Picker:
+    """The picker as the service builds it, over these views, seeded."""
+    view = ExactOrGuessed(index, routed)
+    return Picker(book, {MODEL: hasher}, view, routed, PickerMetrics(), random.Random(0))
+
+
 def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
     smollm2_checkpoint: Checkpoint,
 ) -> None:
@@ -69,14 +77,7 @@ def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
     index.apply_snapshot(snapshot("node-b", held))
     routed.record("node-a", held)  # where the picker last sent the tenant, a while ago
     now[0] = SENT_RECENTLY_S + 1
-    picker = Picker(
-        book,
-        {MODEL: hasher},
-        ExactOrGuessed(index, routed),
-        routed,
-        PickerMetrics(),
-        random.Random(0),
-    )
+    picker = picker_over(book, index, routed, hasher)
     body = {"model": MODEL, "messages": [*system, {"role": "user", "content": "Which region?"}]}
     decision = picker.decide({CACHE_SALT_HEADER: "tenant-1"}, json.dumps(body).encode())
     assert decision is not None
@@ -107,14 +108,7 @@ def test_cold_prompts_spread_and_a_prompts_next_request_follows_it_before_its_ev
     book.adopt(NODES)
     for load in NODES.nodes:
         index.apply_snapshot(snapshot(load.node_id, []))
-    picker = Picker(
-        book,
-        {MODEL: hasher},
-        ExactOrGuessed(index, routed),
-        routed,
-        PickerMetrics(),
-        random.Random(0),
-    )
+    picker = picker_over(book, index, routed, hasher)
 
     def chat(tenant: str, question: str) -> str:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
