@@ -2,7 +2,9 @@
 stream just broke (region_picker/node_streams.py), and what the picker sent each that a report
 up to a heartbeat and a sweep old cannot count yet: the requests whose response has not started,
 and the prompt tokens it sent to be prefilled in the last REPORT_LAG_S (a stream's response
-starts as soon as the node admits it, long before a long prompt is prefilled)."""
+starts as soon as the node admits it, long before a long prompt is prefilled). Sends of the
+prompt's own prefix do not count against it: the node computes that prefix once, and a send
+that has finished left it cached."""
 
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ class NodeBook:
     _loads: dict[str, NodeLoad] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     _pending: dict[str, int] = field(default_factory=dict)
-    _sent: deque[tuple[float, str, int]] = field(default_factory=deque)  # when, node, tokens
+    # when, node, tokens to prefill, the prompt's first block hash (None: not hashed)
+    _sent: deque[tuple[float, str, int, bytes | None]] = field(default_factory=deque)
 
     def adopt(self, document: RegionNodes) -> set[str]:
         """The control plane's new document; returns the node ids that left."""
@@ -52,9 +55,10 @@ class NodeBook:
         self.index = document.index
         return gone
 
-    def candidates(self, model: str | None) -> list[Candidate]:
-        """The nodes serving `model` (None: every node) that are not held out."""
-        sent = self._sent_lately()
+    def candidates(self, model: str | None, prefix: bytes | None = None) -> list[Candidate]:
+        """The nodes serving `model` (None: every node) that are not held out, for a prompt
+        whose first block hashes to `prefix`."""
+        sent = self._sent_lately(prefix)
         return [
             Candidate(
                 node_id=load.node_id,
@@ -74,18 +78,20 @@ class NodeBook:
             if (model is None or load.model == model) and not self.streams.is_held_out(load.node_id)
         ]
 
-    def note_sent(self, node_id: str, prefill_tokens: int) -> None:
-        """A request sent to `node_id`, with this many prompt tokens it has not cached."""
+    def note_sent(self, node_id: str, prefill_tokens: int, prefix: bytes | None = None) -> None:
+        """A request sent to `node_id`, with this many prompt tokens it has not cached and
+        `prefix` its first block's hash."""
         self._pending[node_id] = self._pending.get(node_id, 0) + 1
-        self._sent.append((self.clock(), node_id, prefill_tokens))
+        self._sent.append((self.clock(), node_id, prefill_tokens, prefix))
 
-    def _sent_lately(self) -> dict[str, int]:
+    def _sent_lately(self, prefix: bytes | None) -> dict[str, int]:
         since, sent = self.clock() - REPORT_LAG_S, self._sent
         while sent and sent[0][0] < since:
             sent.popleft()
         tokens: dict[str, int] = {}
-        for _, node_id, count in sent:
-            tokens[node_id] = tokens.get(node_id, 0) + count
+        for _, node_id, count, first in sent:
+            if prefix is None or first != prefix:
+                tokens[node_id] = tokens.get(node_id, 0) + count
         return tokens
 
     def note_started(self, node_id: str) -> None:

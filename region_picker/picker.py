@@ -99,12 +99,16 @@ class Picker:
         # Salted as the node salts it: the gateway's header and the body's own field.
         salt = engine_cache_salt(headers.get(CACHE_SALT_HEADER), prompt.cache_salt)
         hashes = self._hashes(prompt, salt, candidates[0].block_size)
+        prefix = hashes[0] if hashes else None
+        if prefix is not None:  # its own prefix's sends are no work ahead of it
+            candidates = self._nodes.candidates(prompt.model, prefix)
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None
         chosen = decision.chosen
         node_id, block_size = chosen.candidate.node_id, chosen.candidate.block_size
         # Its full blocks not cached there, and the partial last block, which never is.
-        self._nodes.note_sent(node_id, (len(hashes) - chosen.cached_blocks + 1) * block_size)
+        uncached = (len(hashes) - chosen.cached_blocks + 1) * block_size
+        self._nodes.note_sent(node_id, uncached, prefix)
         self._routed.record(node_id, hashes)
         self._metrics.decided(decision, len(hashes))
         return decision

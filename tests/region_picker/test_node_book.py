@@ -1,5 +1,6 @@
 """The picker's book of the region's nodes: their reported load, and what the picker sent them
-that no report counts yet (pending until the response starts; prompt tokens for REPORT_LAG_S)."""
+that no report counts yet (pending until the response starts; prompt tokens for REPORT_LAG_S,
+except those of the prompt's own prefix)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,13 @@ def test_a_send_counts_until_the_report_can_and_the_report_counts_admitted_prefi
     now[0] = REPORT_LAG_S + 0.1  # the first send is in b's reports by now
     loads = {c.node_id: c for c in book.candidates("m")}
     assert loads["b"].num_sent_prefill_tokens == 100 and loads["b"].num_pending == 1
+
+
+def test_sends_of_the_prompts_own_prefix_are_no_work_ahead_of_it() -> None:
+    book = NodeBook(clock=lambda: 0.0)
+    book.adopt(document(a=0))
+    book.note_sent("a", 700, prefix=b"tenant-1")
+    book.note_sent("a", 300, prefix=b"tenant-2")
+    book.note_sent("a", 50)  # a prompt too short to hash
+    sent = {p: book.candidates("m", p)[0].num_sent_prefill_tokens for p in (b"tenant-1", None)}
+    assert sent == {b"tenant-1": 350, None: 1050}
