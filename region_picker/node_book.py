@@ -13,7 +13,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 from region_picker.node_streams import NodeStreams
 from region_picker.scoring import Candidate
@@ -30,6 +30,8 @@ def envoy_address(url: str) -> str | None:
     return f"{host}:{parts.port or 80}"
 
 
+_Key = TypeVar("_Key")
+
 # How long a send may be missing from its node's report: a heartbeat (1 s) and the control
 # plane's sweep that publishes it. Counted twice for a while after that, rather than not at all.
 REPORT_LAG_S: Final = 2.0
@@ -42,8 +44,11 @@ class NodeBook:
     _loads: dict[str, NodeLoad] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     _pending: dict[str, int] = field(default_factory=dict)
-    # when, node, tokens to prefill, the prompt's first block hash (None: not hashed)
+    # when, node, tokens to prefill, the prompt's first block hash (None: not hashed); and the
+    # totals of those in the deque, by node and by (node, first block), kept as it changes.
     _sent: deque[tuple[float, str, int, bytes | None]] = field(default_factory=deque)
+    _sent_to: dict[str, int] = field(default_factory=dict)
+    _sent_of: dict[tuple[str, bytes | None], int] = field(default_factory=dict)
 
     def adopt(self, document: RegionNodes) -> set[str]:
         """The control plane's new document; returns the node ids that left."""
@@ -58,7 +63,7 @@ class NodeBook:
     def candidates(self, model: str | None, prefix: bytes | None = None) -> list[Candidate]:
         """The nodes serving `model` (None: every node) that are not held out, for a prompt
         whose first block hashes to `prefix`."""
-        sent = self._sent_lately(prefix)
+        self._expire_sends()
         return [
             Candidate(
                 node_id=load.node_id,
@@ -70,7 +75,7 @@ class NodeBook:
                 num_waiting=load.num_waiting,
                 num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
                 num_running_prefill_tokens=load.num_running_prefill_tokens,
-                num_sent_prefill_tokens=sent.get(load.node_id, 0),
+                num_sent_prefill_tokens=self._sent_ahead(load.node_id, prefix),
                 num_pending=self._pending.get(load.node_id, 0),
                 prefill_tokens_per_s=load.prefill_tokens_per_s,
             )
@@ -83,16 +88,19 @@ class NodeBook:
         `prefix` its first block's hash."""
         self._pending[node_id] = self._pending.get(node_id, 0) + 1
         self._sent.append((self.clock(), node_id, prefill_tokens, prefix))
+        _add(self._sent_to, node_id, prefill_tokens)
+        _add(self._sent_of, (node_id, prefix), prefill_tokens)
 
-    def _sent_lately(self, prefix: bytes | None) -> dict[str, int]:
+    def _sent_ahead(self, node_id: str, prefix: bytes | None) -> int:
+        own = self._sent_of.get((node_id, prefix), 0) if prefix is not None else 0
+        return self._sent_to.get(node_id, 0) - own
+
+    def _expire_sends(self) -> None:
         since, sent = self.clock() - REPORT_LAG_S, self._sent
         while sent and sent[0][0] < since:
-            sent.popleft()
-        tokens: dict[str, int] = {}
-        for _, node_id, count, first in sent:
-            if prefix is None or first != prefix:
-                tokens[node_id] = tokens.get(node_id, 0) + count
-        return tokens
+            _, node_id, count, prefix = sent.popleft()
+            _add(self._sent_to, node_id, -count)
+            _add(self._sent_of, (node_id, prefix), -count)
 
     def note_started(self, node_id: str) -> None:
         """A request sent to `node_id` has its response started, or ended without one."""
@@ -101,3 +109,11 @@ class NodeBook:
             self._pending[node_id] = count
         else:
             self._pending.pop(node_id, None)
+
+
+def _add(totals: dict[_Key, int], key: _Key, count: int) -> None:
+    total = totals.get(key, 0) + count
+    if total:
+        totals[key] = total
+    else:
+        totals.pop(key, None)
