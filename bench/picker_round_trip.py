@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from bench.gateway_overhead import free_port
 from bench.loadgen import percentile
 from bench.report import load_average, machine, report_out
 from stack.config import DEFAULT_MODEL
@@ -120,12 +120,6 @@ def standin_control_plane() -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_picker(control_plane: str, log: Path) -> tuple[subprocess.Popen[bytes], int, int]:
