@@ -11,6 +11,7 @@ under load, and meanwhile the prompt's next request should follow it (`ExactOrGu
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,20 +33,19 @@ class RoutedPrefixes:
         return len(self._held)
 
     def cached_prefix_blocks(self, node_id: str, block_hashes: Sequence[bytes]) -> int:
-        held = self._held
-        for count, block_hash in enumerate(block_hashes):
-            if (node_id, block_hash) not in held:
-                return count
-        return len(block_hashes)
+        return self._leading_blocks(node_id, block_hashes, since=-math.inf)
 
     def sent_prefix_blocks(
         self, node_id: str, block_hashes: Sequence[bytes], within_s: float
     ) -> int:
         """How many of the prompt's leading blocks were sent to `node_id` in the last `within_s`."""
-        since = self._clock() - within_s
+        return self._leading_blocks(node_id, block_hashes, since=self._clock() - within_s)
+
+    def _leading_blocks(self, node_id: str, block_hashes: Sequence[bytes], since: float) -> int:
         held = self._held
         for count, block_hash in enumerate(block_hashes):
-            if held.get((node_id, block_hash), -float("inf")) < since:
+            sent = held.get((node_id, block_hash))
+            if sent is None or sent < since:
                 return count
         return len(block_hashes)
 
