@@ -107,7 +107,11 @@ def test_a_pinned_crossover_below_the_fused_range_narrows_it(
     monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
 ) -> None:
     """MERIDIAN_MATMUL_CROSSOVER=2: the modules multiply a dense bf16 weight with F.linear from 3
-    tokens, so the fused call takes steps of up to 2 only, and its bits stay the modules'."""
+    tokens, so the fused call takes steps of up to 2 only, and its bits stay the modules'. On a
+    CPU whose flags leave the range to the pin (AVX-512 BF16 without AMX tiles), whatever this
+    one has."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setenv("MERIDIAN_MATMUL_CROSSOVER", "2")
     dense_matmul.bf16_gemv_max_tokens.cache_clear()  # the suite's 16, kept per shape
     llm = LLM(str(smollm2_gguf), dtype="bfloat16", quantization="none", max_model_len=64,
