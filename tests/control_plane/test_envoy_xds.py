@@ -26,7 +26,7 @@ import pytest
 import pytest_asyncio
 import uvicorn
 from aiohttp import web
-from conftest import bearer, eventually, free_port, heartbeat
+from conftest import bearer, eventually, free_port, heartbeat, make_settings
 from envoy.config.cluster.v3 import cluster_pb2
 from fastapi import FastAPI
 
@@ -53,6 +53,15 @@ pytestmark = [
 MAX_START_S = 15.0
 BEAT_EVERY_S = 0.1
 PUSH_BUDGET_S = 1.0  # a capacity or admin change must reach every Envoy within a second
+# Nodes turn unhealthy after 3 missed beats: 0.5 s apart, not conftest's 0.2, since the beats
+# come from the test's own event loop, which a full suite on 2 cores has held up past 0.6 s
+# (a node that was beating went unhealthy and its Envoy answered 503).
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+@pytest.fixture
+def settings(tmp_path: Path, tokens: TokenSet) -> Settings:
+    return make_settings(tmp_path / "cp.db", tokens, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
 
 
 # --- node agents: loopback upstreams that answer with their name, and their heartbeats ---
@@ -444,7 +453,7 @@ async def test_drained_stopped_and_removed_nodes_leave_traffic(
 
     # c stops beating (its process died): unhealthy after 3 missed beats, then out of traffic.
     del cp.beats["c"]
-    waited = await cp.xds.wait_for_ack("us-east", lacks_endpoint(c.url), 3.0)
+    waited = await cp.xds.wait_for_ack("us-east", lacks_endpoint(c.url), 6 * HEARTBEAT_INTERVAL_S)
     assert waited.is_complete, waited
     assert set(await send(envoy.url, 50)) == {"a"}
     # ... and an operator removes it for good.
