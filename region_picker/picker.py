@@ -92,16 +92,19 @@ class Picker:
         if prompt is None:
             self._metrics.fallback("unreadable_body")
             return None
-        candidates = self._nodes.candidates(prompt.model)
+        # Salted as the node salts it: the gateway's header and the body's own field.
+        salt = engine_cache_salt(headers.get(CACHE_SALT_HEADER), prompt.cache_salt)
+        hasher = self._hashers.get(prompt.model or "")
+        hashes = self._hashes(hasher, prompt, salt) if hasher is not None else []
+        prefix = hashes[0] if hashes else None  # its own prefix's sends are no work ahead of it
+        candidates = self._nodes.candidates(prompt.model, prefix)
         if not candidates:
             self._metrics.fallback("no_candidate")
             return None
-        # Salted as the node salts it: the gateway's header and the body's own field.
-        salt = engine_cache_salt(headers.get(CACHE_SALT_HEADER), prompt.cache_salt)
-        hashes = self._hashes(prompt, salt, candidates[0].block_size)
-        prefix = hashes[0] if hashes else None
-        if prefix is not None:  # its own prefix's sends are no work ahead of it
-            candidates = self._nodes.candidates(prompt.model, prefix)
+        if hasher is not None and hasher.block_size != candidates[0].block_size:
+            # Nodes that keep blocks of another size: no sends were ever noted under a prefix
+            # of this size, so the candidates' counts stand; load alone decides.
+            hashes, prefix = [], None
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None
         chosen = decision.chosen
@@ -117,10 +120,8 @@ class Picker:
         """The response of a request sent to `node_id` has started (or the request ended)."""
         self._nodes.note_started(node_id)
 
-    def _hashes(self, prompt: Prompt, salt: str | None, block_size: int) -> list[bytes]:
-        hasher = self._hashers.get(prompt.model or "")
-        if hasher is None or hasher.block_size != block_size:
-            return []  # a model without a tokenizer here: load alone decides
+    @staticmethod
+    def _hashes(hasher: PromptHasher, prompt: Prompt, salt: str | None) -> list[bytes]:
         try:
             if prompt.messages is not None:
                 return hasher.chat_hashes(prompt.messages, salt)

@@ -123,6 +123,25 @@ def test_cold_prompts_spread_and_a_prompts_next_request_follows_it_before_its_ev
     assert chat("tenant-1", "And the next one?") == first
 
 
+def test_nodes_keeping_blocks_of_another_size_are_balanced_by_load_alone(
+    smollm2_checkpoint: Checkpoint,
+) -> None:
+    """The picker's tokenizer hashes 32-token blocks, the nodes keep 16: their caches cannot be
+    matched, so nothing counts as cached and the prompt's hashes are not remembered."""
+    hasher = PromptHasher(smollm2_checkpoint.tokenizer, 32)
+    book, index, routed = NodeBook(), CacheIndex(), RoutedPrefixes()
+    book.adopt(NODES)
+    index.apply_snapshot(
+        snapshot("node-a", hasher.chat_hashes([{"role": "system", "content": SYSTEM}], None))
+    )
+    picker = picker_over(book, index, routed, hasher)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which?"}]
+    decision = picker.decide({}, json.dumps({"model": MODEL, "messages": messages}).encode())
+    assert decision is not None
+    assert [s.cached_blocks for s in decision.scored] == [0, 0]
+    assert len(routed) == 0
+
+
 @pytest_asyncio.fixture
 async def control_plane() -> AsyncIterator[str]:
     """A stand-in for the control plane's region nodes query: the document, then no change."""
