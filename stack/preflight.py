@@ -102,7 +102,7 @@ def ensure_kernels(say: Say) -> None:
     """Build the engine's CPU kernels once, here, before the node agents start: else each node
     waits on one build inside its ready timeout, and a first start on a slow or busy machine
     fails for want of a minute. A build that fails is a warning: the nodes use PyTorch ops."""
-    say("  CPU kernels: checking (a first start on a CPU builds them, a minute or more)…")
+    say("  CPU kernels: checking (a first start on a CPU builds them, 20 s or more)…")
     started = time.monotonic()
     try:
         done = subprocess.run(

@@ -91,7 +91,7 @@ def cpu_kernels() -> ModuleType | None:
 
     name = f"meridian_cpu_kernels_{cpu_feature_digest()}_{_build_digest()}"
     torch_lib = Path(torch.__file__).parent / "lib"
-    logger.info("loading the CPU kernels (the first build on a CPU takes about a minute)")
+    logger.info("loading the CPU kernels (the first build on a CPU takes about 20 s on 2 cores)")
     try:
         build_dir = Path(_get_build_directory(name, verbose=False))
         with _only_builder(build_dir):

@@ -1,6 +1,10 @@
 // The CPU kernels' Python module: one build, one load, for every op in the sources beside it.
 #include "cpu_kernels.h"
 
+// pybind11 with torch's casters (Tensor, dtype, lists of tensors), not <torch/extension.h>,
+// whose C++ API made this file take 18 s to compile instead of 8.
+#include <torch/csrc/utils/pybind.h>
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &meridian::paged_decode_attention,
         "Decode attention reading K and V in place from paged blocks");

@@ -2,7 +2,11 @@
 // small numeric helpers they share.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and the two factories the kernels call, not <torch/extension.h>: that one
+// (torch's whole C++ API and pybind11) took 19 of each file's 21 s to compile.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,29 +21,29 @@
 
 namespace meridian {
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens,
                                      double scale);
 bool paged_prefill_supported(int64_t head_dim);
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor block_ids,
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
+                                      at::Tensor v_cache, at::Tensor block_ids,
                                       int64_t num_context, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
                            double eps);
-void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+void rope_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                       at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                        int64_t num_heads, int64_t num_kv_heads);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight);
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks);
-torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype);
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor blocks);
-torch::Tensor q8_0_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype);
-std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
-                                         std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
-                                         torch::Tensor sin, torch::Tensor slot_mapping,
-                                         torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor bf16_linear(at::Tensor x, at::Tensor weight);
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor blocks);
+at::Tensor q4_1_dequantize(at::Tensor blocks, int64_t in_features, at::ScalarType dtype);
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor blocks);
+at::Tensor q8_0_dequantize(at::Tensor blocks, int64_t in_features, at::ScalarType dtype);
+std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weights,
+                                         std::vector<at::Tensor> kv_caches, at::Tensor cos,
+                                         at::Tensor sin, at::Tensor slot_mapping,
+                                         at::Tensor block_tables, at::Tensor context_lens,
                                          int64_t num_heads, double eps, double scale);
 
 // exp(x) within 2 ulp, written so that a loop of it vectorizes (glibc declares its vector exp

@@ -15,26 +15,26 @@ namespace {
 
 constexpr size_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate-up, down
 
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& weight) {
-  return weight.scalar_type() == torch::kUInt8 ? q4_1_linear(x, weight) : bf16_linear(x, weight);
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight) {
+  return weight.scalar_type() == at::kByte ? q4_1_linear(x, weight) : bf16_linear(x, weight);
 }
 
 }  // namespace
 
-std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
-                                         std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
-                                         torch::Tensor sin, torch::Tensor slot_mapping,
-                                         torch::Tensor block_tables, torch::Tensor context_lens,
+std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weights,
+                                         std::vector<at::Tensor> kv_caches, at::Tensor cos,
+                                         at::Tensor sin, at::Tensor slot_mapping,
+                                         at::Tensor block_tables, at::Tensor context_lens,
                                          int64_t num_heads, double eps, double scale) {
   TORCH_CHECK(weights.size() % kWeightsPerLayer == 0 &&
                   kv_caches.size() == weights.size() / kWeightsPerLayer * 2,
               "expected 6 weights and 2 caches per layer");
   const int64_t num_tokens = x.size(0);
-  torch::Tensor residual;
+  at::Tensor residual;
   for (size_t layer = 0; layer < kv_caches.size() / 2; ++layer) {
-    const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    const torch::Tensor& k_cache = kv_caches[2 * layer];
-    const torch::Tensor& v_cache = kv_caches[2 * layer + 1];
+    const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    const at::Tensor& k_cache = kv_caches[2 * layer];
+    const at::Tensor& v_cache = kv_caches[2 * layer + 1];
     const int64_t num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
     // The residual stream is residual + x; before the first layer, x alone.
     if (layer == 0) {
@@ -43,11 +43,11 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
     } else {
       x = add_rms_norm(x, residual, w[0], eps);
     }
-    const torch::Tensor qkv = project(x, w[1]);
+    const at::Tensor qkv = project(x, w[1]);
     rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
-    const torch::Tensor q =
+    const at::Tensor q =
         qkv.narrow(1, 0, num_heads * head_dim).view({num_tokens, num_heads, head_dim});
-    const torch::Tensor attention =
+    const at::Tensor attention =
         paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
     x = project(attention.reshape({num_tokens, num_heads * head_dim}).contiguous(), w[2]);
     x = add_rms_norm(x, residual, w[3], eps);

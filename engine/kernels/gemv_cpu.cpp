@@ -284,7 +284,7 @@ inline void tile_blocks_bf16(const uint16_t* x, int64_t k, const uint8_t* w, int
 }
 #endif
 
-void check_linear_args(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_linear_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
               "expected a contiguous weight (N, K) with x's K = ", x.size(1));
@@ -292,10 +292,10 @@ void check_linear_args(const torch::Tensor& x, const torch::Tensor& weight) {
 
 // Blocks (N, K / 32 * kBlockBytes) uint8 for K columns.
 template <typename Format>
-void check_blocks(const torch::Tensor& blocks, int64_t k) {
+void check_blocks(const at::Tensor& blocks, int64_t k) {
   TORCH_CHECK(k % kBlockWeights == 0, Format::kName, " needs K a multiple of 32, not ", k);
   const int64_t row_bytes = k / kBlockWeights * Format::kBlockBytes;
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous() && blocks.size(1) == row_bytes,
               "expected contiguous uint8 ", Format::kName, " blocks (N, ", row_bytes,
               ") for K = ", k);
@@ -341,12 +341,12 @@ const uint16_t* dequantize_rows(const uint8_t* w, int64_t rows, int64_t row_byte
 // block once per tile, and dequantizing the whole layer first (as the steps above the kernel's
 // range do) writes and reads it back through memory. All three give the same bits.
 template <typename Format>
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks) {
+at::Tensor block_linear(at::Tensor x, at::Tensor blocks) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
   const int64_t m = x.size(0), k = x.size(1);
   check_blocks<Format>(blocks, k);
   const int64_t row_bytes = blocks.size(1), n = blocks.size(0);
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   dispatch_storage_type(x.scalar_type(), "block_linear", [&](auto type) {
     using scalar_t = decltype(type);
@@ -385,11 +385,11 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks) {
 }
 
 template <typename Format>
-torch::Tensor block_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
+at::Tensor block_dequantize(at::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
   check_blocks<Format>(blocks, in_features);
   const int64_t row_bytes = blocks.size(1), n = blocks.size(0);
   const int64_t num_blocks = in_features / kBlockWeights;
-  auto out = torch::empty({n, in_features}, blocks.options().dtype(dtype));
+  auto out = at::empty({n, in_features}, blocks.options().dtype(dtype));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   dispatch_storage_type(dtype, "block_dequantize", [&](auto type) {
     using scalar_t = decltype(type);
@@ -409,12 +409,12 @@ torch::Tensor block_dequantize(torch::Tensor blocks, int64_t in_features, at::Sc
 
 }  // namespace
 
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight) {
+at::Tensor bf16_linear(at::Tensor x, at::Tensor weight) {
   check_linear_args(x, weight);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bf16_linear takes bf16 x and weight");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
 #if defined(MERIDIAN_AVX512_BF16)
@@ -434,19 +434,19 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight) {
   return out;
 }
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks) {
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor blocks) {
   return block_linear<Q4_1>(x, blocks);
 }
 
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor blocks) {
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor blocks) {
   return block_linear<Q8_0>(x, blocks);
 }
 
-torch::Tensor q4_1_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
+at::Tensor q4_1_dequantize(at::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
   return block_dequantize<Q4_1>(blocks, in_features, dtype);
 }
 
-torch::Tensor q8_0_dequantize(torch::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
+at::Tensor q8_0_dequantize(at::Tensor blocks, int64_t in_features, at::ScalarType dtype) {
   return block_dequantize<Q8_0>(blocks, in_features, dtype);
 }
 

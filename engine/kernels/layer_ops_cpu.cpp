@@ -46,12 +46,12 @@ void norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight, sc
   });
 }
 
-torch::Tensor norm(torch::Tensor x, const torch::Tensor* residual, torch::Tensor weight,
+at::Tensor norm(at::Tensor x, const at::Tensor* residual, at::Tensor weight,
                    double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
                   weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "expected contiguous x (T, N) and a weight (N,) of its dtype");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   dispatch_storage_type(x.scalar_type(), "rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* res = nullptr;
@@ -109,17 +109,17 @@ void rope_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, cache_t*
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return norm(x, nullptr, weight, eps);
 }
 
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
                            double eps) {
   return norm(x, &residual, weight, eps);
 }
 
-void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+void rope_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                       at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                        int64_t num_heads, int64_t num_kv_heads) {
   const int64_t num_tokens = qkv.size(0), head_dim = k_cache.size(3);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() &&
@@ -130,7 +130,7 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.size(2) == num_kv_heads && v_cache.sizes() == k_cache.sizes(),
               "expected contiguous caches (blocks, block_size, KVH, D)");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == num_tokens, "expected int64 slot_mapping (T,)");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type(), "qkv, cos and sin must share a dtype");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
@@ -146,11 +146,11 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "expected contiguous gate_up (T, 2 I)");
   const int64_t num_rows = gate_up.size(0), size = gate_up.size(1) / 2;
-  auto out = torch::empty({num_rows, size}, gate_up.options());
+  auto out = at::empty({num_rows, size}, gate_up.options());
   dispatch_storage_type(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* in = gate_up.data_ptr<scalar_t>();

@@ -160,9 +160,9 @@ AvxAttend<scalar_t> avx512_attend_for(int64_t head_dim, int64_t group) {
 #endif
 
 template <typename scalar_t, typename cache_t>
-void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                      const torch::Tensor& context_lens, torch::Tensor& out, double scale) {
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, at::Tensor& out, double scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -221,20 +221,20 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens,
                                      double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q (B, H, D) and caches (blocks, block_size, KVH, D)");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 &&
-                  context_lens.scalar_type() == torch::kInt64, "tables and lengths must be int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong, "tables and lengths must be int64");
   // Each token's heads must lie packed; the tokens themselves may be apart (a view of QKV).
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty(q.sizes(), q.options());
+  auto out = at::empty(q.sizes(), q.options());
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
   dispatch_storage_type(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using scalar_t = decltype(tag);

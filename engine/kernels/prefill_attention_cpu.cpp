@@ -254,9 +254,9 @@ struct Bf16Format {
 #endif
 
 template <typename Format, typename scalar_t, typename cache_t>
-void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                       const torch::Tensor& v_cache, const torch::Tensor& block_ids,
-                       int64_t num_context, torch::Tensor& out, double scale) {
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_ids,
+                       int64_t num_context, at::Tensor& out, double scale) {
   using Elem = typename Format::Elem;
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -356,8 +356,8 @@ bool paged_prefill_supported(int64_t head_dim) {
 #endif
 }
 
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor block_ids,
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
+                                      at::Tensor v_cache, at::Tensor block_ids,
                                       int64_t num_context, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q (T, H, D) and caches (blocks, block_size, KVH, D)");
@@ -366,13 +366,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
-  TORCH_CHECK(block_ids.scalar_type() == torch::kInt64, "block ids must be int64");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong, "block ids must be int64");
   TORCH_CHECK(num_context >= 0 && q.size(0) > 0, "need at least one query token");
   TORCH_CHECK(block_ids.numel() * k_cache.size(1) >= num_context + q.size(0),
               "the blocks do not cover the context and the chunk");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   block_ids = block_ids.contiguous();
-  auto out = torch::empty(q.sizes(), q.options());
+  auto out = at::empty(q.sizes(), q.options());
 #if defined(__AVX512F__)
 #if defined(MERIDIAN_AVX512_BF16)
   if (q.scalar_type() == at::kBFloat16) {
