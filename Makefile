@@ -6,6 +6,11 @@ VENV ?= .venv
 # The CPU build on CPU-only machines; a CUDA machine may set TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# Bytecode caches even where the environment turns them off (some images set
+# PYTHONDONTWRITEBYTECODE=1): without them every Python process the suite starts (its workers,
+# each service and node) compiles the checkout's sources again, and pytest rewrites every test
+# module's asserts again in each worker (6 CPU-s of a worker's start, of 12).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup setup-test up chat test test-fast lint bench
 

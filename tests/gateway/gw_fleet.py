@@ -171,6 +171,7 @@ class Fleet:
         self._cp_server: uvicorn.Server | None = None
         self._cp_task: asyncio.Future[None] | None = None
         self._beats: asyncio.Task[None] | None = None
+        self._beat_now = asyncio.Event()  # on self.loop: a region was added, beat without waiting
         self.cp_url = ""
         self.admin: httpx.Client | None = None
 
@@ -225,7 +226,9 @@ class Fleet:
                     for node_id in region.beating_nodes():
                         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                             await self._beat(session, region, node_id)
-                await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._beat_now.wait(), HEARTBEAT_INTERVAL_S)
+                self._beat_now.clear()
 
     async def _beat(self, session: aiohttp.ClientSession, region: FakeRegion, node_id: str) -> None:
         token = self.tokens.node.get(node_id)
@@ -307,6 +310,7 @@ class Fleet:
         if register:
             body = {"name": name, "lat": place.lat, "lon": place.lon, "ingress_url": proxy.url}
             self.admin_call("POST", "/v1/regions", json=body)
+            self.loop.loop.call_soon_threadsafe(self._beat_now.set)
         return region
 
     def add_region_in_front_of(self, name: str, port: int, pop: str = POP) -> DelayProxy:
