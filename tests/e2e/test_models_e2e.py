@@ -135,6 +135,10 @@ class Fleet:
         return client
 
 
+def _lands_in(client: openai.OpenAI, model: str, region: str) -> bool:
+    return chat(client, model) == (region, DEFAULT)
+
+
 def _known(client: openai.OpenAI) -> bool:
     try:
         client.models.list()
@@ -256,8 +260,12 @@ def test_models_route_fall_back_flip_and_spend_across_the_fleet(fleet: Fleet) ->
     assert {DEFAULT, FP32, ALIAS} <= listed, listed
     for city, client in cities.items():
         assert chat(client, FP32) == ("eu-west", FP32), city
-        assert chat(client, DEFAULT) == (NEAREST[city], DEFAULT), city
-        assert chat(client, ALIAS) == (NEAREST[city], DEFAULT), city
+        # The nearest region serving it, once the router's view is calm: a slow first token
+        # just before (the README's example above compiles a schema, on a loaded machine) may
+        # send a request or two to the other region, as the router is meant to.
+        for model in (DEFAULT, ALIAS):
+            lands = partial(_lands_in, client, model, NEAREST[city])
+            wait_until(lands, MAX_FOLLOW_S, f"{model} from {city} to {NEAREST[city]}")
     assert refusal(cities["paris"], "gpt-4") == (404, "model_not_found")
 
     # A key limited to the default model may not use the fp32 one.
