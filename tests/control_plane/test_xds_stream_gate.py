@@ -9,6 +9,7 @@ from unittest.mock import ANY
 
 import grpc
 import pytest
+from conftest import eventually
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from test_xds_plan import INGRESS
 from test_xds_server import OPERATOR, FakeEnvoy, Fleetside, ingress_token, side
@@ -129,6 +130,11 @@ async def test_replacing_or_deleting_a_credential_closes_its_streams(
             await asyncio.wait_for(revoked.reader, 5.0)  # its stream ends
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "'ingress-us-east' was replaced or deleted" in (caught.value.details() or "")
+
+        async def one_left() -> bool:  # the server forgets the stream after the client saw it end
+            return len(side.xds.connections) == 1
+
+        await eventually(one_left)
         [left] = side.xds.connections
         assert left.group == EDGE
         await kept.close()

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from control_plane.app import create_app as create_control_plane
 from control_plane.settings import Settings as ControlPlaneSettings
 from gateway.api import Handlers
 from gateway.app import HANDLERS, create_app
+from gateway.errors import GatewayError
 from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from gateway.tls import server_context
@@ -39,6 +41,7 @@ from wire.geo import locate, rtt_ms
 T = TypeVar("T")
 POP = "new-york"
 MAX_START_S = 20.0
+MAX_KEY_S = 10.0  # a new key reaching a running gateway, on a loaded machine
 # What fake nodes serve unless a test says otherwise, and the weights they report for it.
 FAKE_MODEL = "fake-model"
 FAKE_WEIGHTS = "f" * 32
@@ -149,6 +152,17 @@ class GatewayThread:
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self.server.stop)
         self._thread.join(timeout=10)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def holds_key(self, secret: str) -> bool:
+        try:
+            self.handlers.keys.authenticate(f"Bearer {secret}")
+        except GatewayError:
+            return False
+        return True
 
 
 class Fleet:
@@ -336,8 +350,14 @@ class Fleet:
     # Keys.
 
     def create_key(self, rpm: int = 10_000, tpm: int = 10_000_000) -> tuple[str, str]:
+        """A new key's (id, secret), once every running gateway holds it (their snapshots
+        follow the control plane's keys by a blocking query: milliseconds, not a poll)."""
         created = self.admin_call("POST", "/v1/keys", json={"name": "k", "rpm": rpm, "tpm": tpm})
-        return created["id"], created["secret"]
+        secret: str = created["secret"]
+        for gateway in self.gateways:
+            if gateway.is_running:
+                wait_until(partial(gateway.holds_key, secret), MAX_KEY_S, "the new key")
+        return created["id"], secret
 
     def revoke_key(self, key_id: str) -> None:
         self.admin_call("DELETE", f"/v1/keys/{key_id}")
