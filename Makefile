@@ -63,9 +63,9 @@ test: setup-test
 
 # Unit tests only, for the edit-test loop: no model loads, no processes (--unit fails a test that
 # does either: mark it slow), nothing that takes seconds; spread test by test over the workers,
-# as most of their time is waiting on loopback servers (the run keeps two cores under half busy),
-# so one worker more than the whole suite's: each costs its start (about 7 s of CPU: torch and the
-# test modules' imports), and 3 workers were no faster. One OpenMP thread a worker: four
+# as most of their time is waiting on loopback servers, so one worker more than the whole
+# suite's: each costs its start (about 5 s of CPU: torch and the test modules' imports, with
+# bytecode caches), and 3, 5, 6 or 8 workers were no faster. One OpenMP thread a worker: four
 # workers of two threads each on two cores spent their time waiting at the kernels' barriers for
 # a thread another worker held (CPU 106 -> 88 s).
 FAST_WORKERS ?= 4
