@@ -135,10 +135,6 @@ class Fleet:
         return client
 
 
-def _lands_in(client: openai.OpenAI, model: str, region: str) -> bool:
-    return chat(client, model) == (region, DEFAULT)
-
-
 def _known(client: openai.OpenAI) -> bool:
     try:
         client.models.list()
@@ -260,12 +256,13 @@ def test_models_route_fall_back_flip_and_spend_across_the_fleet(fleet: Fleet) ->
     assert {DEFAULT, FP32, ALIAS} <= listed, listed
     for city, client in cities.items():
         assert chat(client, FP32) == ("eu-west", FP32), city
-        # The nearest region serving it, once the router's view is calm: a slow first token
-        # just before (the README's example above compiles a schema, on a loaded machine) may
-        # send a request or two to the other region, as the router is meant to.
+        # Served as the default model, by either region (both serve it). Not necessarily the
+        # nearest: the agent API's checks above streamed constrained requests from both cities,
+        # whose first tokens waited on grammar compiles on a loaded machine, and the router's
+        # TTFT correction (30 s half-life) still holds that against their regions. Routing to
+        # the nearest of the regions serving a model: tests/gateway/test_gw_models_live.py.
         for model in (DEFAULT, ALIAS):
-            lands = partial(_lands_in, client, model, NEAREST[city])
-            wait_until(lands, MAX_FOLLOW_S, f"{model} from {city} to {NEAREST[city]}")
+            assert chat(client, model)[1] == DEFAULT, (city, model)
     assert refusal(cities["paris"], "gpt-4") == (404, "model_not_found")
 
     # A key limited to the default model may not use the fp32 one.
