@@ -53,6 +53,7 @@ from wire.resume import RESUME_TOKEN_IDS, RETURN_TOKEN_IDS
 
 Endpoint = Literal["chat", "completions"]
 MAX_INT_FIELD = 2**31
+JSON_FORMATS = ("json_object", "json_schema")
 # Tools in the prompt (engine/tool_prompt.py's generic section; a model's own is no longer):
 # 460 bytes of instructions, and a forced call's start with its function's name.
 MAX_TOOL_SECTION_BYTES = 640
@@ -72,6 +73,7 @@ class ParsedRequest:
     max_tokens: int  # the client's, or the gateway's default cap
     num_choices: int  # `n`: each choice may generate max_tokens
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
+    is_constrained: bool  # a grammar shapes the output: its TTFT includes compiling it
     upstream_body: UpstreamBody  # to the node: a stream, usage and ids, the reserved max_tokens
 
     @property
@@ -164,6 +166,18 @@ def _prompt_estimate(prompt: object) -> PromptEstimate:
     )
 
 
+def _asks_grammar(body: dict[str, object]) -> bool:
+    """Whether the node constrains the output with a grammar: a JSON response_format,
+    guided_regex or guided_choice, or (chat) a required or named tool_choice."""
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") in JSON_FORMATS:
+        return True
+    if body.get("guided_regex") is not None or body.get("guided_choice") is not None:
+        return True
+    tool_choice = body.get("tool_choice")
+    return tool_choice == "required" or isinstance(tool_choice, dict)
+
+
 def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
@@ -243,5 +257,6 @@ def parse_request(
         max_tokens=max_tokens,
         num_choices=_int_field(body, "n") or 1,
         affinity_key=affinity_key,
+        is_constrained=_asks_grammar(body),
         upstream_body=UpstreamBody.of(body, max_tokens),
     )

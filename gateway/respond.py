@@ -170,20 +170,24 @@ class Respond:
             self.log.record(call, status, candidate.region, num_retries, num_tokens)
 
     def _observe_latencies(self, parsed: ParsedRequest, relay: StreamRelay) -> None:
-        """The stream's TTFT (to the metrics and, for streams, the router) and its resumes'."""
+        """The stream's TTFT (to the metrics and, for free streams, the router) and its
+        resumes'."""
         first, candidate = relay.first.candidate, relay.opened.candidate
         if relay.ttft_s is not None:
-            if parsed.is_stream:
+            if not parsed.is_stream:  # a non-stream's TTFT is its whole answer's: not the router's
+                whole_s = time.monotonic() - relay.first.sent_at_s
+                self.metrics.observe_ttft(first.region, "whole", whole_s)
+            else:
                 self.metrics.observe_ttft(first.region, "stream", relay.ttft_s)
+            # A grammar's compile on the node (seconds the first time) is in its stream's TTFT:
+            # the router learning from it would judge the region slow for minutes.
+            if parsed.is_stream and not parsed.is_constrained:
                 # The first attempt's prefix-cache hits, where its usage is the one read.
                 usage = relay.reader.usage
                 cached = usage.cached_tokens if usage and not relay.reader.num_resumes else 0
                 self.router.observe_ttft(
                     first.region, relay.ttft_s, first.predicted_ttft_s, cached_tokens=cached
                 )
-            else:  # as before: a non-stream's TTFT is its whole answer's, and not the router's
-                whole_s = time.monotonic() - relay.first.sent_at_s
-                self.metrics.observe_ttft(first.region, "whole", whole_s)
         for resume in relay.resumes:
             if resume.first_chunk_s is None or resume.gap_s is None:
                 continue  # the continuation sent nothing the client saw

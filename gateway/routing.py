@@ -16,13 +16,14 @@ have still to prefill, waiting or admitted (an admitted one's prefill may be far
 others': a load surge shows up there long before requests wait for a slot), over the nodes'
 prefill rate, or the summary's own estimate (waiting tokens over the decode rate) if longer.
 The correction learns what the summaries miss (a slow network path, a slower node type) from
-the TTFT this gateway measures on streams, and decays with a half-life so a region it once
-judged slow is tried again; a region not measured yet takes the residual over all the regions
-measured (what every prediction misses), not 0. (It is fed when a stream ends: fed at the first
-token instead, it made the simulated surge's p99 worse, by reacting to the same stale queue
-twice.) A stream's prefix-cache hits, as its node's usage reports them, come off its
-prediction before the residual is taken: a region measured on hits would otherwise look
-cheaper for every prompt, and so would the regions not measured yet.
+the TTFT this gateway measures on streams (not on those a grammar constrains: their TTFT holds
+the grammar's compile, which says nothing of the region), and decays with a half-life so a
+region it once judged slow is tried again; a region not measured yet takes the residual over
+all the regions measured (what every prediction misses), not 0. (It is fed when a stream ends:
+fed at the first token instead, it made the simulated surge's p99 worse, by reacting to the
+same stale queue twice.) A stream's prefix-cache hits, as its node's usage reports them, come
+off its prediction before the residual is taken: a region measured on hits would otherwise
+look cheaper for every prompt, and so would the regions not measured yet.
 
 A plan for a model (`plan(..., model=...)`) is made among the regions whose summary lists it,
 each costed on the numbers of its nodes serving that model (healthy nodes, KV cache, queue)

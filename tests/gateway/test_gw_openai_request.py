@@ -143,6 +143,31 @@ def test_the_system_prompt_is_the_affinity_key() -> None:
     assert t1 == parse_request(with_system("you are A"), "chat", 8, cache_salt="t1").affinity_key
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "is_constrained"),
+    [
+        ({}, False),
+        ({"response_format": {"type": "text"}}, False),
+        ({"response_format": {"type": "json_object"}}, True),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, True),
+        ({"guided_regex": "[a-z]+"}, True),
+        ({"guided_choice": ["yes", "no"]}, True),
+        ({"guided_regex": None}, False),
+        ({"tools": [TOOL]}, False),
+        ({"tools": [TOOL], "tool_choice": "auto"}, False),
+        ({"tools": [TOOL], "tool_choice": "required"}, True),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, True),
+    ],
+)
+def test_a_request_whose_output_a_grammar_shapes_is_known_as_constrained(
+    fields: dict[str, object], is_constrained: bool
+) -> None:
+    assert parse_request(chat(**fields), "chat", 8).is_constrained is is_constrained
+
+
 @pytest.mark.parametrize(
     "raw",
     [

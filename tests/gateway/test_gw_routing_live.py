@@ -64,6 +64,31 @@ def test_the_router_learns_the_node_s_prefix_cache_hits_from_the_stream_s_usage(
     assert abs(east.ttft_residual_s - prefill_s) < 1.0
 
 
+def test_a_stream_a_grammar_constrains_does_not_teach_the_router(
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
+) -> None:
+    # Its TTFT holds the node's compile of the grammar: the region is not slower for it.
+    east = gateway.handlers.router.regions["us-east"]
+    registry = gateway.handlers.metrics.registry
+    count = "meridian_gateway_upstream_ttft_seconds_count"
+    streams = {"region": "us-east", "kind": "stream"}
+
+    def num_streams_timed() -> float:
+        return registry.get_sample_value(count, streams) or 0
+
+    def stream(body: dict[str, object]) -> None:
+        timed = num_streams_timed()
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            response.read()
+        wait_until(lambda: num_streams_timed() > timed, what="the stream's TTFT measured")
+
+    stream({**CHAT, "stream": True, "response_format": {"type": "json_object"}})
+    assert east.num_ttft_samples == 0
+    stream({**CHAT, "stream": True})
+    assert east.num_ttft_samples == 1
+
+
 def test_draining_a_region_moves_new_traffic_within_a_second(
     two_regions: Fleet, http: httpx.Client
 ) -> None:
