@@ -19,6 +19,8 @@ from tiny_checkpoints import save_tiny_transformers_model
 from engine import LLM, SamplingParams
 from engine.errors import EngineDeadError, UnsupportedModelError
 from engine.loader import Checkpoint
+from engine.model.block_weights import BlockWeight
+from engine.model.parallel_layers import RowParallelLinear
 from engine.pipeline import stage_layers
 
 pytestmark = pytest.mark.slow
@@ -79,10 +81,14 @@ def real_prompts(smollm2_checkpoint: Checkpoint) -> list[list[int]]:
     ]
 
 
+# The real model as nodes serve it: Q4_1 weights, kept in their blocks on each rank.
+REAL = {"dtype": "float32", "quantization": "q4_1", "cpu_kv_cache_gib": KV_CACHE_GIB}
+
+
 @pytest.fixture(scope="module")
 def one_process_tokens(smollm2_gguf: Path, real_prompts: list[list[int]]) -> list[list[int]]:
     """The real model's greedy tokens in one process: what TP and PP must equal."""
-    single = LLM(str(smollm2_gguf), dtype="float32", cpu_kv_cache_gib=KV_CACHE_GIB)
+    single = LLM(str(smollm2_gguf), **REAL)
     try:
         return greedy_tokens(single, real_prompts)
     finally:
@@ -92,10 +98,14 @@ def one_process_tokens(smollm2_gguf: Path, real_prompts: list[list[int]]) -> lis
 def test_tp3_on_the_real_model_equals_one_process(
     smollm2_gguf: Path, real_prompts: list[list[int]], one_process_tokens: list[list[int]]
 ) -> None:
-    parallel = LLM(
-        str(smollm2_gguf), dtype="float32", tensor_parallel_size=3, cpu_kv_cache_gib=KV_CACHE_GIB
-    )
+    """TP 3 (SmolLM2's 9 heads): the ranks keep Q4_1 blocks in row-parallel shards of 192 and
+    512 input columns (whole blocks)."""
+    parallel = LLM(str(smollm2_gguf), tensor_parallel_size=3, **REAL)
     try:
+        model = parallel.engine.executor.runner.model
+        [down] = [m for m in model.modules() if isinstance(m, RowParallelLinear)][1:2]
+        assert isinstance(down.quantized, BlockWeight)  # layer 0's down_proj, after its o_proj
+        assert down.quantized.in_features == 1536 // 3
         assert greedy_tokens(parallel, real_prompts) == one_process_tokens
     finally:
         parallel.shutdown()
@@ -135,9 +145,7 @@ def test_pp_greedy_equals_one_process(
 def test_pp2_on_the_real_model_equals_one_process(
     smollm2_gguf: Path, real_prompts: list[list[int]], one_process_tokens: list[list[int]]
 ) -> None:
-    parallel = LLM(
-        str(smollm2_gguf), dtype="float32", pipeline_parallel_size=2, cpu_kv_cache_gib=KV_CACHE_GIB
-    )
+    parallel = LLM(str(smollm2_gguf), pipeline_parallel_size=2, **REAL)
     try:
         runner = parallel.engine.executor.runner
         assert len(runner.model.layers) == 19  # the first stage: no LM head, more layers
