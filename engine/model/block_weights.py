@@ -28,7 +28,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.kernels import cpu_kernels
-from engine.model.dense_matmul import bf16_gemv_max_tokens, dense_linear
+from engine.model.dense_matmul import bf16_gemv_max_tokens, dense_linear, packed
 
 BLOCK_WEIGHTS = 32
 # Steps of up to this many tokens read the blocks where F.linear multiplies the dequantized
@@ -142,12 +142,13 @@ class BlockWeight:
 
     def dense_for(self, x: torch.Tensor) -> torch.Tensor:
         """The dequantized weight for a dense step of x: kept on the CPU (host memory, ~2.7x the
-        blocks' bytes, bought back from every prefill step); made each step on an accelerator,
-        where dequantizing is cheap and its memory went to the KV cache at load."""
+        blocks' bytes, bought back from every prefill step), bf16 in oneDNN's own layout
+        (`packed`); made each step on an accelerator, where dequantizing is cheap and its
+        memory went to the KV cache at load."""
         if x.device.type != "cpu":
             return self.dequantized()
         if self._dense is None:
-            self._dense = self.dequantized()
+            self._dense = packed(self.dequantized())
         return self._dense
 
     @property

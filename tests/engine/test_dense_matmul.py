@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import dense_matmul
-from engine.model.dense_matmul import bf16_gemv_max_tokens, dense_linear, onednn_min_tokens
+from engine.model.dense_matmul import (
+    bf16_gemv_max_tokens,
+    dense_linear,
+    onednn_min_tokens,
+    packed,
+)
 
 pytestmark = pytest.mark.skipif(not dense_matmul._ONEDNN, reason="torch built without oneDNN")
 
@@ -52,6 +57,18 @@ def test_bf16_above_the_gemv_kernel_keeps_f_linear(onednn_calls: list[int]) -> N
     x = torch.randn(bf16_gemv_max_tokens(32, 16) + 1, 16, dtype=torch.bfloat16)
     assert torch.equal(dense_linear(x, weight), F.linear(x, weight))
     assert onednn_calls == []
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17, 300])
+def test_a_packed_bf16_weight_multiplies_as_the_plain_one(
+    onednn_calls: list[int], num_tokens: int
+) -> None:
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    kept = packed(weight)
+    assert kept.is_mkldnn and not packed(weight.float()).is_mkldnn
+    x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(dense_linear(x, kept, bias), F.linear(x, weight, bias))
+    assert onednn_calls == [num_tokens]
 
 
 @pytest.mark.parametrize(("amx", "avx512_bf16"), [(True, True), (False, False)])
