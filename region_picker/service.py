@@ -9,6 +9,7 @@ import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import aiohttp
@@ -16,8 +17,8 @@ import grpc
 from prometheus_client import start_http_server
 from websockets.asyncio.server import Server
 
-from engine.loader import load_checkpoint
 from engine.model_store import resolve_model
+from engine.tokenizer import Tokenizer
 from region_picker.cache_index import CacheIndex, ExactOrGuessed
 from region_picker.cache_metrics import CacheStreamCollector
 from region_picker.cache_receiver import CacheEventReceiver
@@ -38,9 +39,18 @@ DEFAULT_BLOCK_SIZE = 16  # the engine's, for a region with no node yet
 
 def load_hashers(models: Mapping[str, str], block_size: int) -> dict[str, PromptHasher]:
     return {
-        name: PromptHasher(load_checkpoint(resolve_model(source)).tokenizer, block_size)
+        name: PromptHasher(checkpoint_tokenizer(resolve_model(source)), block_size)
         for name, source in models.items()
     }
+
+
+def checkpoint_tokenizer(path: Path) -> Tokenizer:
+    """A checkpoint's tokenizer alone (a .gguf file's, else a Hugging Face folder's): the
+    engine's loader would open its weights too, and bring torch into the picker (1 s of its start,
+    ~300 MB)."""
+    if path.suffix.lower() == ".gguf":
+        return Tokenizer.from_gguf(path)
+    return Tokenizer.from_hf_folder(path)
 
 
 @dataclass

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from region_picker.__main__ import load_settings, main, parse_args
@@ -50,3 +54,17 @@ def test_a_picker_listening_beyond_loopback_needs_the_serving_token(
     monkeypatch.setenv("MERIDIAN_SERVING_TOKEN", "serving-secret")
     token = load_settings(parse_args(argv)).serving_token
     assert token is not None and token.get_secret_value() == "serving-secret"
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_the_picker_loads_its_tokenizer_without_torch(smollm2_gguf: Path) -> None:
+    # One picker a region: torch would add seconds to its start and ~300 MB to its memory.
+    script = (
+        "import sys; from region_picker.service import load_hashers; "
+        f"hashers = load_hashers({{'m': {str(smollm2_gguf)!r}}}, 16); "
+        "print(type(hashers['m']).__name__, 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["PromptHasher", "False"]
