@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TypeGuard, TypeVar
 
-from gguf import GGUFReader, GGUFValueType
-
 from engine.errors import UnsupportedModelError
-
-
-def open_gguf(path: Path) -> GGUFReader:
-    """Memory-map a GGUF file; a file that is not GGUF is an unsupported checkpoint."""
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError) as exc:
-        raise UnsupportedModelError(f"{path} is not a readable GGUF file: {exc}") from exc
-
+from engine.gguf_file import GGUFFile
 
 T = TypeVar("T")
 
@@ -29,11 +18,11 @@ def _is_kind(value: object, kind: type[T]) -> TypeGuard[T]:
 class GGUFMetadata:
     """Reads metadata values, checking each value's type, since the file is untrusted input."""
 
-    def __init__(self, reader: GGUFReader) -> None:
-        self.reader = reader
+    def __init__(self, gguf: GGUFFile) -> None:
+        self.fields = gguf.fields
 
     def has(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.fields
 
     def string(self, key: str) -> str | None:
         return self._scalar_of(key, str, "a string")
@@ -76,22 +65,18 @@ class GGUFMetadata:
         return checked
 
     def _scalar(self, key: str) -> object:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return None
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
+        value = self.fields.get(key)
+        if isinstance(value, list):
             raise self._bad(key, "a single value")
-        value: object = field.contents()
         return value
 
     def _array(self, key: str) -> list[object] | None:
-        field = self.reader.fields.get(key)
-        if field is None:
+        value = self.fields.get(key)
+        if value is None:
             return None
-        if not field.types or field.types[0] != GGUFValueType.ARRAY:
+        if not isinstance(value, list):
             raise self._bad(key, "an array")
-        values = field.contents()
-        return list(values)
+        return value
 
     def _bad(self, key: str, expected: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"GGUF metadata {key!r} is not {expected}")

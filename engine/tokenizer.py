@@ -14,12 +14,12 @@ from functools import cache, cached_property
 from pathlib import Path
 
 import tokenizers
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from engine.chat_template import ChatMessage, ChatTemplate, TemplateValue
 from engine.errors import UnsupportedModelError
-from engine.gguf_metadata import GGUFMetadata, open_gguf
+from engine.gguf_file import GGUFFile, read_gguf
+from engine.gguf_metadata import GGUFMetadata
 from engine.hf_json import read_json_object
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -69,12 +69,12 @@ class Tokenizer:
         self._chat_template = chat_template
 
     @classmethod
-    def from_gguf(cls, reader_or_path: GGUFReader | Path | str) -> Tokenizer:
+    def from_gguf(cls, file_or_path: GGUFFile | Path | str) -> Tokenizer:
         """Build the tokenizer a GGUF file describes (byte-level BPE vocabularies only)."""
-        reader = reader_or_path
-        if not isinstance(reader, GGUFReader):
-            reader = open_gguf(Path(reader))
-        meta = GGUFMetadata(reader)
+        gguf = file_or_path
+        if not isinstance(gguf, GGUFFile):
+            gguf = read_gguf(Path(gguf))
+        meta = GGUFMetadata(gguf)
         kind = meta.string("tokenizer.ggml.model")
         if kind != "gpt2":
             raise UnsupportedModelError(

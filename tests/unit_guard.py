@@ -10,9 +10,11 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-import gguf
+import numpy as np
 import pytest
 
+from engine import gguf_file
+from engine.gguf_file import GGUFFile
 from engine.kernels import cpu_kernels
 
 # Every test that uses one of these fixtures (directly or through another) is slow by definition:
@@ -56,7 +58,7 @@ class UnitGuard:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         popen_init = subprocess.Popen.__init__
         process_start = multiprocessing.process.BaseProcess.start
-        reader_init = gguf.GGUFReader.__init__
+        read_header = gguf_file._read  # what read_gguf calls on the mapped file
 
         def guarded_popen(popen: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
             self.refuse(f"starts a process ({args!r:.80})")
@@ -66,14 +68,14 @@ class UnitGuard:
             self.refuse(f"starts a process ({process.name})")
             process_start(process)
 
-        def guarded_reader(reader: gguf.GGUFReader, path: Any, *rest: Any, **kw: Any) -> None:
-            if Path(path).stat().st_size >= REAL_MODEL_MIN_BYTES:
+        def guarded_read(path: Path, buffer: np.memmap) -> GGUFFile:
+            if len(buffer) >= REAL_MODEL_MIN_BYTES:
                 self.refuse(f"opens the real model ({path})")
-            reader_init(reader, path, *rest, **kw)
+            return read_header(path, buffer)
 
         monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
-        monkeypatch.setattr(gguf.GGUFReader, "__init__", guarded_reader)
+        monkeypatch.setattr(gguf_file, "_read", guarded_read)
 
 
 def pytest_configure(config: pytest.Config) -> None:

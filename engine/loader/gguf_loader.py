@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.errors import UnsupportedModelError
-from engine.gguf_metadata import GGUFMetadata, open_gguf
+from engine.gguf_file import GGUFTensor, read_gguf
+from engine.gguf_metadata import GGUFMetadata
 from engine.loader.checkpoint import Checkpoint, NamedTensors, check_shapes
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
@@ -56,20 +57,20 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 @dataclass(frozen=True, slots=True)
 class _PlannedTensor:
     name: str  # Hugging Face name
-    tensor: ReaderTensor
+    tensor: GGUFTensor
     # Heads whose rows llama.cpp interleaved (Q: attention heads, K: KV heads); None: as stored.
     unpermute_heads: int | None
 
 
 def load_gguf(path: Path) -> Checkpoint:
     """Open a GGUF checkpoint: read its config and tokenizer, plan (not read) its tensors."""
-    reader = open_gguf(path)
-    meta = GGUFMetadata(reader)
-    config = _config_from_metadata(meta, reader.tensors)
-    plan = [_plan_tensor(t, config) for t in reader.tensors]
+    gguf = read_gguf(path)
+    meta = GGUFMetadata(gguf)
+    config = _config_from_metadata(meta, gguf.tensors)
+    plan = [_plan_tensor(t, config) for t in gguf.tensors]
     shapes = {p.name: _torch_shape(p.tensor) for p in plan}
     check_shapes(shapes, config, path)
-    tokenizer = Tokenizer.from_gguf(reader)
+    tokenizer = Tokenizer.from_gguf(gguf)
     return Checkpoint(
         path,
         config,
@@ -81,7 +82,7 @@ def load_gguf(path: Path) -> Checkpoint:
     )
 
 
-def _config_from_metadata(meta: GGUFMetadata, tensors: list[ReaderTensor]) -> ModelConfig:
+def _config_from_metadata(meta: GGUFMetadata, tensors: list[GGUFTensor]) -> ModelConfig:
     arch = meta.string("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
@@ -124,7 +125,7 @@ def _config_from_metadata(meta: GGUFMetadata, tensors: list[ReaderTensor]) -> Mo
     )
 
 
-def _plan_tensor(tensor: ReaderTensor, config: ModelConfig) -> _PlannedTensor:
+def _plan_tensor(tensor: GGUFTensor, config: ModelConfig) -> _PlannedTensor:
     if tensor.tensor_type not in _SUPPORTED_TYPES:
         raise UnsupportedModelError(
             f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which is not supported"
@@ -143,9 +144,9 @@ def _plan_tensor(tensor: ReaderTensor, config: ModelConfig) -> _PlannedTensor:
     return _PlannedTensor(f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{param}", tensor, heads)
 
 
-def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+def _torch_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     # GGUF lists dimensions fastest-varying first (ne0 = row length); torch lists rows first.
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return tuple(reversed(tensor.shape))
 
 
 def _read_tensors(plan: tuple[_PlannedTensor, ...], wanted: Callable[[str], bool]) -> NamedTensors:
