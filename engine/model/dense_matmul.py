@@ -78,9 +78,16 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight kept for many CPU steps, in the blocked layout oneDNN's GEMM reads: given
     the plain one, it reorders the weight on every call (on AMX, 0.07 of a 0.16 ms product of 26
     tokens by a 1536x576 weight). Other weights as they are; `dense_linear` takes both."""
-    if _ONEDNN and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and packs_bf16():
         return torch.ops.mkldnn._reorder_linear_weight(weight, _PACKED_FOR_TOKENS)
     return weight
+
+
+@functools.cache
+def packs_bf16() -> bool:
+    """Whether `packed` packs bf16 weights: where oneDNN multiplies bf16 on this CPU (AVX-512
+    BW/VL/DQ or AMX); elsewhere F.linear keeps its own bf16 path."""
+    return _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _kernels_for(x: torch.Tensor) -> ModuleType | None:

@@ -14,6 +14,7 @@ from engine.model.dense_matmul import (
     dense_linear,
     onednn_min_tokens,
     packed,
+    packs_bf16,
 )
 
 pytestmark = pytest.mark.skipif(not dense_matmul._ONEDNN, reason="torch built without oneDNN")
@@ -59,6 +60,7 @@ def test_bf16_above_the_gemv_kernel_keeps_f_linear(onednn_calls: list[int]) -> N
     assert onednn_calls == []
 
 
+@pytest.mark.skipif(not packs_bf16(), reason="oneDNN does not multiply bf16 on this CPU")
 @pytest.mark.parametrize("num_tokens", [1, 17, 300])
 def test_a_packed_bf16_weight_multiplies_as_the_plain_one(
     onednn_calls: list[int], num_tokens: int

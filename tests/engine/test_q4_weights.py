@@ -33,7 +33,7 @@ from engine.model.block_weights import (
     BlockFormat,
     BlockWeight,
 )
-from engine.model.dense_matmul import dense_linear
+from engine.model.dense_matmul import dense_linear, packs_bf16
 from engine.model.llama import keeps_q4_1_blocks
 from engine.model.parallel_layers import (
     ColumnParallelLinear,
@@ -188,7 +188,7 @@ def test_dense_steps_on_the_cpu_dequantize_the_layer_once(dtype: torch.dtype) ->
     expected = torch.nn.functional.linear(x, weight.dequantized())
     first = weight.linear(x)
     kept = weight.dense_for(x)
-    assert kept.is_mkldnn == (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available())
+    assert kept.is_mkldnn == (dtype == torch.bfloat16 and packs_bf16())
     assert torch.equal(weight.linear(x), first)
     torch.testing.assert_close(first, expected)
     assert weight.dense_for(x) is kept
