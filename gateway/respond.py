@@ -179,15 +179,15 @@ class Respond:
                 self.metrics.observe_ttft(first.region, "whole", whole_s)
             else:
                 self.metrics.observe_ttft(first.region, "stream", relay.ttft_s)
-            # A grammar's compile on the node (seconds the first time) is in its stream's TTFT:
-            # the router learning from it would judge the region slow for minutes.
-            if parsed.is_stream and not parsed.is_constrained:
-                # The first attempt's prefix-cache hits, where its usage is the one read.
-                usage = relay.reader.usage
-                cached = usage.cached_tokens if usage and not relay.reader.num_resumes else 0
-                self.router.observe_ttft(
-                    first.region, relay.ttft_s, first.predicted_ttft_s, cached_tokens=cached
-                )
+                # A grammar's compile on the node (seconds the first time) is in its TTFT: the
+                # router learning from it would judge the region slow for minutes.
+                if not parsed.is_constrained:
+                    # The first attempt's prefix-cache hits, where its usage is the one read.
+                    usage = relay.reader.usage
+                    cached = usage.cached_tokens if usage and not relay.reader.num_resumes else 0
+                    self.router.observe_ttft(
+                        first.region, relay.ttft_s, first.predicted_ttft_s, cached_tokens=cached
+                    )
         for resume in relay.resumes:
             if resume.first_chunk_s is None or resume.gap_s is None:
                 continue  # the continuation sent nothing the client saw
