@@ -138,11 +138,14 @@ def _read(path: Path, buffer: np.memmap) -> GGUFFile:
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"general.alignment {alignment!r} is not a positive integer")
     start = -(-cursor.at // alignment) * alignment
-    tensors: list[GGUFTensor] = []
-    for name, dims, kind, offset in infos:
-        if any(t.name == name for t in tensors):
-            raise ValueError(f"tensor {name} is listed twice")
-        tensors.append(GGUFTensor(name, kind, dims, _data(buffer, start + offset, dims, kind)))
+    names = [name for name, _, _, _ in infos]
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ValueError(f"tensor {twice} is listed twice")
+    tensors = [
+        GGUFTensor(name, kind, dims, _data(buffer, start + offset, dims, kind))
+        for name, dims, kind, offset in infos
+    ]
     return GGUFFile(path, fields, tensors)
 
 
