@@ -25,8 +25,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import ssl
 import sys
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -103,6 +105,7 @@ class AnycastFront:
         self.table = Anycast(pops_at(self.pops, LOCATIONS))
         self.withdrawn: set[str] = set()  # by the operator
         self._num_failures = dict.fromkeys(self.pops, 0)
+        self._refused_at = dict.fromkeys(self.pops, -math.inf)  # time.monotonic()
         self.num_connections = dict.fromkeys(self.pops, 0)
 
     # Announcements.
@@ -145,8 +148,17 @@ class AnycastFront:
         self.withdrawn.discard(pop)
         self._apply()
 
-    def record_check(self, pop: str, is_ok: bool) -> None:
+    def record_check(self, pop: str, is_ok: bool, started: float) -> None:
+        """A check's result; `started`: when it began (time.monotonic())."""
+        if is_ok and started < self._refused_at[pop]:
+            return  # answered before the PoP refused a connection: says nothing of it now
         self._num_failures[pop] = 0 if is_ok else self._num_failures[pop] + 1
+        self._apply()
+
+    def record_refused(self, pop: str) -> None:
+        """`pop` refused a connection: down now, whatever a check in flight says."""
+        self._num_failures[pop] = FAILURES_DOWN
+        self._refused_at[pop] = time.monotonic()
         self._apply()
 
     def state(self) -> dict[str, object]:
@@ -197,8 +209,7 @@ class AnycastFront:
                 upstream = await connect((pop.host, pop.port))
             except (OSError, TimeoutError) as exc:
                 logger.warning("PoP %s refused a connection from %s: %s", pop.name, city, exc)
-                self._num_failures[pop.name] = FAILURES_DOWN
-                self._apply()
+                self.record_refused(pop.name)
                 continue
             self.num_connections[pop.name] += 1
             await pipe_delayed((reader, writer), upstream, self.delays_of(city, route, connection))
@@ -213,9 +224,10 @@ class AnycastFront:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             while True:
                 names = list(self.pops)
+                started = time.monotonic()
                 results = await asyncio.gather(*(self._check(session, n) for n in names))
                 for name, is_ok in zip(names, results, strict=True):
-                    self.record_check(name, is_ok)
+                    self.record_check(name, is_ok, started)
                 await asyncio.sleep(CHECK_INTERVAL_S)
 
     async def _check(self, session: aiohttp.ClientSession, name: str) -> bool:

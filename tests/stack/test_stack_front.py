@@ -23,7 +23,7 @@ from bounded_wait import wait_until
 
 from gateway.anycast import Anycast, pops_at
 from stack.certs import ensure_pop_tls
-from stack.front import CHECK_INTERVAL_S, FAILURES_DOWN
+from stack.front import CHECK_INTERVAL_S, FAILURES_DOWN, AnycastFront, Endpoint
 from wire.geo import LOCATIONS, locate
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -195,3 +195,16 @@ def test_a_dead_pop_is_skipped_at_once_withdrawn_and_announced_again(
         "singapore to be announced again",
         interval_s=0.05,
     )
+
+
+def test_a_check_begun_before_a_refused_connect_does_not_announce_the_pop_again() -> None:
+    front = AnycastFront(
+        [Endpoint(pop, host, 443) for pop, host in POPS.items()],
+        [Endpoint("tokyo", "127.0.0.1", 1)],
+    )
+    in_flight = time.monotonic()  # a health check sent while singapore still answered...
+    front.record_refused("singapore")  # ... then singapore refused a client's connection
+    front.record_check("singapore", True, in_flight)
+    assert "singapore" not in front.table.announcing
+    front.record_check("singapore", True, time.monotonic())  # a check begun after it
+    assert "singapore" in front.table.announcing
