@@ -28,6 +28,21 @@ class AttemptLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class ConnectTimeout:
+    """How long a connect to a region may take. A TCP handshake is one round trip, so a region
+    gets `rtts` of its expected RTT, within [min_s, max_s]: a dark region nearby costs a fraction
+    of a second instead of the ceiling. A connect whose SYN was lost (Linux retransmits it after
+    1 s) may then give up early too, and goes to the next region as from a dark one."""
+
+    rtts: float
+    min_s: float
+    max_s: float
+
+    def of(self, rtt_ms: float) -> float:
+        return min(self.max_s, max(self.min_s, self.rtts * rtt_ms / 1000.0))
+
+
+@dataclass(frozen=True, slots=True)
 class Try:
     candidate: Candidate
     is_resume: bool  # the continuation of a stream that broke elsewhere

@@ -185,7 +185,7 @@ class AutoTier:
         now_s = time.monotonic()
         edge.breaker.on_attempt(now_s)
         url = edge.summary.ingress_url.rstrip("/")
-        candidate = Candidate(edge.summary.name, url, 0.0, 0.0)
+        candidate = Candidate(edge.summary.name, url, 0.0, 0.0, 0.0)  # beside the PoP
         edge.num_in_flight += 1
         try:
             opened = await proxy.open(request, RoutePlan([candidate], "only"), deadline_s)

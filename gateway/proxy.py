@@ -32,7 +32,7 @@ from functools import lru_cache
 import aiohttp
 from yarl import URL
 
-from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp
+from gateway.attempts import AttemptLimits, AttemptSequence, ConnectTimeout, GiveUp
 from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate, RegionState, RoutePlan, Router
@@ -138,8 +138,11 @@ class Proxy:
         self._limits = AttemptLimits(settings.max_attempts, settings.max_resumes)
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._min_decode_tokens_per_s = settings.min_decode_tokens_per_s
-        # Past the first byte, the relay bounds a stream's silence itself (gateway/relay.py).
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+        self._connect_timeout = ConnectTimeout(
+            settings.connect_timeout_rtts,
+            settings.min_connect_timeout_s,
+            settings.connect_timeout_s,
+        )
 
     def _first_byte_timeout_s_of(self, request: UpstreamRequest) -> float:
         if request.is_stream:
@@ -226,7 +229,10 @@ class Proxy:
                 _upstream_url(candidate.url, request.path),
                 data=request.data,
                 headers=request.headers,
-                timeout=self._timeout,
+                # Past the first byte, the relay bounds a stream's silence (gateway/relay.py).
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self._connect_timeout.of(candidate.rtt_ms)
+                ),
             )
             answered_at_s = time.monotonic()
             try:

@@ -93,6 +93,7 @@ class Candidate:
     url: str  # the region's ingress, without a trailing slash
     cost_s: float
     predicted_ttft_s: float  # before the correction: what the observed TTFT is compared with
+    rtt_ms: float  # expected, this PoP to the region (wire/geo.py): what a connect may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +260,7 @@ class Router:
         if cost_s < weighted_rtt_s:  # never less than the RTT term
             cost_s = weighted_rtt_s
         predicted_s = rtt_s + load.queue_s + prefill_s
-        return Candidate(state.summary.name, load.url, cost_s, predicted_s)
+        return Candidate(state.summary.name, load.url, cost_s, predicted_s, state.rtt_ms)
 
     def plan(
         self,

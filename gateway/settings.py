@@ -90,8 +90,12 @@ class GatewaySettings(BaseSettings):
     # (behind a proxy that all clients share the address of).
     max_connections_per_address: int = Field(default=1024, ge=0)
 
-    # Upstream timeouts.
+    # Upstream timeouts. A connect is one round trip: a region's gets `connect_timeout_rtts` of
+    # its expected RTT (wire/geo.py), within [min_connect_timeout_s, connect_timeout_s], so that
+    # a dark region costs a fraction of a second, not the whole ceiling.
     connect_timeout_s: float = Field(default=2.0, gt=0.0, le=60.0)
+    connect_timeout_rtts: float = Field(default=3.0, ge=1.0, le=1000.0)
+    min_connect_timeout_s: float = Field(default=0.25, gt=0.0, le=60.0)
     # A request's whole budget, failover included; the first byte must come within it.
     request_deadline_s: float = Field(default=600.0, gt=0.0, le=3600.0)
     # A stream's first chunk must come within this (else the next region is tried). A
@@ -178,6 +182,8 @@ class GatewaySettings(BaseSettings):
         ]
         if bad:
             raise ValueError(f"{bad[0]!r} is not an http(s):// URL")
+        if self.min_connect_timeout_s > self.connect_timeout_s:
+            raise ValueError("min_connect_timeout_s must not exceed connect_timeout_s")
         if self.edge_url is not None and self.auto_model is None:
             raise ValueError("--edge-url needs --auto-model (the edge answers only `auto`)")
         if self.pop not in LOCATIONS:

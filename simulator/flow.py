@@ -3,8 +3,9 @@
 Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts.py), driven on
 the simulated clock as `gateway/proxy.py` and `gateway/resume.py` drive it on the real one: the
 policy's regions in order, at most `max_attempts` per opening, within the request's deadline. An
-attempt fails over when the region does not connect in `connect_timeout_s` (it is down), answers
-429 (its node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`.
+attempt fails over when the region does not connect within the gateway's connect timeout for its
+expected RTT (`gateway.attempts.ConnectTimeout`: it is down), answers 429 (its node's waiting
+queue is full) or sends no first byte within `first_byte_timeout_s`.
 Once the first byte has come the stream is committed. A dying node resets its connections (the
 region's Envoy ends them), which reaches the gateway one way later: an attempt still waiting for
 its first byte fails over then; a stream, if the sequence allows a resume, continues in the next
@@ -49,6 +50,7 @@ from simulator.results import TIER_EDGE, TIER_NONE, TIER_REGION, Outcome, Record
 from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
+from wire.geo import rtt_ms
 
 EDGE_LIMITS = AttemptLimits(max_attempts=1, max_resumes=0)  # the edge is one candidate
 
@@ -82,6 +84,7 @@ class Traffic:
         self._deadlines: deque[tuple[float, AttemptEvent]] = deque()
         self._is_deadline_armed = False
         self.edge = edge
+        self._connect_timeouts_s: dict[tuple[str, str], float] = {}  # by (PoP, region)
 
     def withdraw(self, pop: str) -> None:
         self.access.withdraw(pop)
@@ -195,7 +198,8 @@ class Traffic:
                 back_s = now_s + self.delays.between(site.location, flight.origin)
                 self.loop.at(back_s, self._failed, event)
             else:
-                self.loop.at(flight.sent_s + self.timing.connect_timeout_s, self._failed, event)
+                timeout_s = self._connect_timeout_s(flight, site)
+                self.loop.at(flight.sent_s + timeout_s, self._failed, event)
             return
         if node.is_overloaded() or not node.can_ever_fit(job):
             back_s = now_s + self.delays.between(site.location, flight.origin)
@@ -207,6 +211,22 @@ class Traffic:
         if not self._is_deadline_armed:
             self._is_deadline_armed = True
             self.loop.at(self._deadlines[0][0], self._expire_deadlines)
+
+    def _connect_timeout_s(self, flight: Flight, site: Site) -> float:
+        """How long the attempt at a dark `site` waits to connect: the gateway's timeout for the
+        RTT its router expects (wire/geo.py; an edge node is beside its PoP); a client that goes
+        to a region directly waits the ceiling."""
+        timeout = self.timing.connect_timeout
+        if not flight.pop:
+            return timeout.max_s
+        if flight.is_edge:
+            return timeout.of(0.0)
+        key = (flight.origin.name, site.name)
+        timeout_s = self._connect_timeouts_s.get(key)
+        if timeout_s is None:
+            timeout_s = timeout.of(rtt_ms(flight.origin, site.location))
+            self._connect_timeouts_s[key] = timeout_s
+        return timeout_s
 
     def on_first_token(self, job: Job) -> None:
         flight = job.owner
@@ -362,7 +382,7 @@ class Traffic:
     def _candidates(flight: Flight, picks: list[Pick]) -> list[Candidate]:
         """The gateway's candidates for `picks`, whose details the flight keeps by region."""
         flight.picks.update((p.region, p) for p in picks)
-        return [Candidate(p.region, "", 0.0, p.predicted_ttft_s) for p in picks]
+        return [Candidate(p.region, "", 0.0, p.predicted_ttft_s, 0.0) for p in picks]
 
     def _leave_edge(self, flight: Flight) -> None:
         assert self.edge is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.attempts import ConnectTimeout
 from gateway.settings import GatewaySettings
 
 
@@ -15,13 +16,18 @@ def _gateway_default(name: str) -> float:
 
 
 DEFAULT_MAX_RESUMES = int(_gateway_default("max_resumes"))
+DEFAULT_CONNECT_TIMEOUT = ConnectTimeout(
+    _gateway_default("connect_timeout_rtts"),
+    _gateway_default("min_connect_timeout_s"),
+    _gateway_default("connect_timeout_s"),
+)
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayTiming:
     max_attempts: int = int(_gateway_default("max_attempts"))
     max_resumes: int = DEFAULT_MAX_RESUMES
-    connect_timeout_s: float = _gateway_default("connect_timeout_s")
+    connect_timeout: ConnectTimeout = DEFAULT_CONNECT_TIMEOUT
     first_byte_timeout_s: float = _gateway_default("first_byte_timeout_s")
     request_deadline_s: float = _gateway_default("request_deadline_s")
     stream_idle_timeout_s: float = _gateway_default("stream_idle_timeout_s")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.attempts import AttemptLimits, AttemptSequence, GiveUp, Try
+import pytest
+
+from gateway.attempts import AttemptLimits, AttemptSequence, ConnectTimeout, GiveUp, Try
 from gateway.routing import Candidate
 
 
 def plan(*regions: str) -> list[Candidate]:
-    return [Candidate(r, f"http://{r}", 0.01 * i, 0.01 * i) for i, r in enumerate(regions)]
+    return [Candidate(r, f"http://{r}", 0.01 * i, 0.01 * i, 10.0) for i, r in enumerate(regions)]
 
 
 def names(sequence: AttemptSequence, now_s: float = 0.0) -> list[str]:
@@ -80,3 +82,11 @@ def test_resumes_are_refused_past_the_budget_the_deadline_or_the_last_region() -
 def test_no_attempt_starts_after_the_deadline() -> None:
     sequence = AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), deadline_s=5.0)
     assert sequence.next(5.0) == GiveUp("deadline")
+
+
+def test_a_connect_waits_some_round_trips_of_the_region_within_the_floor_and_the_ceiling() -> None:
+    timeout = ConnectTimeout(rtts=3.0, min_s=0.25, max_s=2.0)
+    assert timeout.of(150.0) == pytest.approx(0.45)  # a far region: three of its round trips
+    assert timeout.of(5.0) == 0.25  # a near one: the floor (a busy loop, a scheduler's jitter)
+    assert timeout.of(0.0) == 0.25  # an edge node beside the PoP
+    assert timeout.of(1_000.0) == 2.0  # never past the operator's ceiling

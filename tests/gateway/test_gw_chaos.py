@@ -4,6 +4,7 @@ but never answers them. The gateway, its Redis and the regions are real servers 
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import time
 from collections import Counter
@@ -140,3 +141,31 @@ def test_a_hung_region_fails_non_streamed_requests_over_within_the_first_byte_ti
     # The timeouts opened the region's breaker: later requests were not sent there at all.
     assert gateway.handlers.router.regions["us-east"].breaker.state == "open"
     assert hung.num_requests < 96
+
+
+@pytest.mark.slow
+def test_a_dark_region_costs_a_few_of_its_round_trips_not_the_connect_ceiling(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    ceiling_s = 30.0
+    gateway = two_regions.start_gateway(connect_timeout_s=ceiling_s, breaker_open_s=60.0)
+    two_regions.wait_for_gateway(gateway)
+    # us-east goes dark before the gateway ever connects to it: its port's accept queue is
+    # full, so the kernel drops the SYNs of new connections (as from a region cut off).
+    region = two_regions.regions["us-east"]
+    port = region.proxy.port
+    two_regions.loop.run(region.proxy.stop())
+    with socket.socket() as dark, socket.socket() as queued:
+        dark.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        dark.bind(("127.0.0.1", port))
+        dark.listen(0)
+        queued.connect(("127.0.0.1", port))  # the one connection the queue holds
+        load = LoadRun(gateway, new_key(two_regions, gateway, 10_000), client_ssl, num_requests=64)
+        outcomes = asyncio.run(asyncio.wait_for(load.run(), MAX_RUN_S))
+    assert Counter((o.status, o.region) for o in outcomes) == {(200, "eu-west"): 64}
+    # us-east is ~5 ms away: its connects gave up at the floor (0.25 s), then eu-west answered.
+    # The bound is generous for a busy machine, and far below the ceiling it replaces.
+    slowest_s = max(o.latency_s for o in outcomes)
+    assert slowest_s < ceiling_s / 3, slowest_s
+    assert gateway.handlers.router.regions["us-east"].breaker.state == "open"
+    assert region.upstream.num_requests == 0

@@ -83,6 +83,13 @@ def test_https_or_loopback_control_planes_are_accepted(url: str) -> None:
     assert settings.control_plane == url
 
 
+def test_the_connect_floor_may_not_exceed_its_ceiling() -> None:
+    base = {"pop": "new-york", "control_plane": "http://127.0.0.1:1", "gateway_token": TOKEN}
+    with pytest.raises(ValueError, match="min_connect_timeout_s must not exceed"):
+        GatewaySettings(**base, min_connect_timeout_s=3.0, connect_timeout_s=2.0)
+    assert GatewaySettings(**base, min_connect_timeout_s=2.0, connect_timeout_s=2.0)
+
+
 def test_the_serving_token_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     base: dict[str, Any] = {
         "pop": "new-york",

@@ -9,11 +9,12 @@ from functools import partial
 import numpy as np
 import pytest
 
+from gateway.attempts import ConnectTimeout
 from gateway.relay import SilenceLimits
 from gateway.routing import Router
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
-from simulator.flight import Flight
+from simulator.flight import AttemptEvent, Flight
 from simulator.flow import Traffic
 from simulator.gateway_timing import GatewayTiming
 from simulator.node import Job
@@ -21,6 +22,7 @@ from simulator.policies import POLICIES, MeridianChooser
 from simulator.results import Outcome, Recorder
 from simulator.run import World, WorldOptions, WorldSpec
 from simulator.scenarios import SCENARIOS
+from wire.geo import rtt_ms
 from wire.routing_policy import RoutingPolicy
 
 pytestmark = pytest.mark.slow  # whole simulated runs: seconds of CPU each
@@ -111,6 +113,40 @@ def test_a_request_a_dying_node_held_before_its_first_byte_fails_over_at_once(
     # The reset reaches the gateway within a one-way delay: nobody waits out the first-byte
     # timeout (a dark region's connect timeout, 2 s, is the longest wait left).
     assert np.nanmax(recorder.ttft_s) < GatewayTiming().first_byte_timeout_s
+
+
+def test_a_dark_region_costs_the_connect_timeout_of_its_rtt_not_the_ceiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dark: dict[tuple[int, int], float] = {}  # attempts sent to a dark region: their timeout
+    waits: list[tuple[float, float]] = []  # (waited for the failure, the RTT's timeout)
+    at_region, failed = Traffic._at_region, Traffic._failed
+    timeout = GatewayTiming().connect_timeout
+
+    def at_region_spy(self: Traffic, event: AttemptEvent) -> None:
+        flight = event[0]
+        at_region(self, event)
+        if flight.site is not None and not flight.site.is_up:
+            rtt = rtt_ms(flight.origin, flight.site.location)
+            dark[(id(flight), event[1])] = timeout.of(rtt)
+
+    def failed_spy(self: Traffic, event: AttemptEvent) -> None:
+        expected_s = dark.pop((id(event[0]), event[1]), None)
+        if expected_s is not None:
+            waits.append((self.loop.now_s - event[0].sent_s, expected_s))
+        failed(self, event)
+
+    monkeypatch.setattr(Traffic, "_at_region", at_region_spy)
+    monkeypatch.setattr(Traffic, "_failed", failed_spy)
+    spec = world_spec(SCENARIOS["region_hang"], 3, 2000, ServiceCalibration())
+    adaptive = run(spec)
+    assert waits and all(waited == pytest.approx(expected) for waited, expected in waits)
+    assert all(expected < timeout.max_s for _, expected in waits)
+    # A gateway that waits the ceiling for every region serves the hang's requests later.
+    ceiling = ConnectTimeout(1.0, timeout.max_s, timeout.max_s)
+    fixed = partial(GatewayTiming, connect_timeout=ceiling)
+    monkeypatch.setattr("simulator.run.GatewayTiming", fixed)
+    assert np.nanpercentile(run(spec).ttft_s, 99.9) > np.nanpercentile(adaptive.ttft_s, 99.9)
 
 
 @pytest.mark.parametrize("scenario", ["region_hang", "node_hang"])
