@@ -42,7 +42,7 @@ from simulator.delays import OneWayDelays
 from simulator.edge import EdgeTier
 from simulator.events import EventLoop
 from simulator.flight import AttemptEvent, Flight
-from simulator.gateway_timing import GatewayTiming
+from simulator.gateway_timing import GatewayTiming, dark_connect_s
 from simulator.hung_streams import HungStreams
 from simulator.node import Job
 from simulator.policies import Chooser, Pick
@@ -50,7 +50,6 @@ from simulator.results import TIER_EDGE, TIER_NONE, TIER_REGION, Outcome, Record
 from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
-from wire.geo import rtt_ms
 
 EDGE_LIMITS = AttemptLimits(max_attempts=1, max_resumes=0)  # the edge is one candidate
 
@@ -84,7 +83,6 @@ class Traffic:
         self._deadlines: deque[tuple[float, AttemptEvent]] = deque()
         self._is_deadline_armed = False
         self.edge = edge
-        self._connect_timeouts_s: dict[tuple[str, str], float] = {}  # by (PoP, region)
 
     def withdraw(self, pop: str) -> None:
         self.access.withdraw(pop)
@@ -198,8 +196,8 @@ class Traffic:
                 back_s = now_s + self.delays.between(site.location, flight.origin)
                 self.loop.at(back_s, self._failed, event)
             else:
-                timeout_s = self._connect_timeout_s(flight, site)
-                self.loop.at(flight.sent_s + timeout_s, self._failed, event)
+                waited_s = dark_connect_s(self.timing, flight.pop, flight.origin, site.location)
+                self.loop.at(flight.sent_s + waited_s, self._failed, event)
             return
         if node.is_overloaded() or not node.can_ever_fit(job):
             back_s = now_s + self.delays.between(site.location, flight.origin)
@@ -211,22 +209,6 @@ class Traffic:
         if not self._is_deadline_armed:
             self._is_deadline_armed = True
             self.loop.at(self._deadlines[0][0], self._expire_deadlines)
-
-    def _connect_timeout_s(self, flight: Flight, site: Site) -> float:
-        """How long the attempt at a dark `site` waits to connect: the gateway's timeout for the
-        RTT its router expects (wire/geo.py; an edge node is beside its PoP); a client that goes
-        to a region directly waits the ceiling."""
-        timeout = self.timing.connect_timeout
-        if not flight.pop:
-            return timeout.max_s
-        if flight.is_edge:
-            return timeout.of(0.0)
-        key = (flight.origin.name, site.name)
-        timeout_s = self._connect_timeouts_s.get(key)
-        if timeout_s is None:
-            timeout_s = timeout.of(rtt_ms(flight.origin, site.location))
-            self._connect_timeouts_s[key] = timeout_s
-        return timeout_s
 
     def on_first_token(self, job: Job) -> None:
         flight = job.owner
