@@ -46,6 +46,13 @@ class ConnectTimeout:
 class Try:
     candidate: Candidate
     is_resume: bool  # the continuation of a stream that broke elsewhere
+    is_first: bool  # the request's first attempt: not sent here because another region failed
+
+    @property
+    def redirected_tokens(self) -> int:
+        """The prompt a failover or a resume brings the region: what this gateway counts as
+        queue there until the first byte (gateway/routing.py)."""
+        return 0 if self.is_first else self.candidate.prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +81,7 @@ class AttemptSequence:
         candidate = self.candidates[self.num_tried]
         self.num_tried += 1
         self._num_left_in_opening -= 1
-        return Try(candidate, self.num_resumes > 0)
+        return Try(candidate, self.num_resumes > 0, self.num_tried == 1)
 
     def resume(
         self, now_s: float, replan: Callable[[list[str]], list[Candidate]] | None = None

@@ -27,7 +27,8 @@ from gateway.errors import GatewayError
 from gateway.keys import ApiKey
 from gateway.openai_request import ParsedRequest
 from gateway.proxy import Opened, Proxy
-from gateway.routing import Candidate, RegionState, RoutePlan, Router
+from gateway.region_state import RegionState
+from gateway.routing import Candidate, RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.tiers import (
     AUTO_MODEL,
@@ -185,7 +186,7 @@ class AutoTier:
         now_s = time.monotonic()
         edge.breaker.on_attempt(now_s)
         url = edge.summary.ingress_url.rstrip("/")
-        candidate = Candidate(edge.summary.name, url, 0.0, 0.0, 0.0)  # beside the PoP
+        candidate = Candidate(edge.summary.name, url, 0.0, 0.0, 0.0, 0)  # beside the PoP
         edge.num_in_flight += 1
         try:
             opened = await proxy.open(request, RoutePlan([candidate], "only"), deadline_s)

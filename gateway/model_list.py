@@ -34,8 +34,9 @@ from gateway.edge import AutoTier
 from gateway.errors import GatewayError, ModelNotFoundError, NotReadyError
 from gateway.keys import ApiKey
 from gateway.metrics import NO_REGION
+from gateway.region_state import RegionState
 from gateway.request_ids import HEADER
-from gateway.routing import RegionState, Router
+from gateway.routing import Router
 from gateway.tiers import AUTO_MODEL
 
 # Key-access sets whose encoded list is kept per document (past it, the cache starts again).

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.routing import RegionState, RoutePlan
+from gateway.region_state import RegionState
+from gateway.routing import RoutePlan
 
 
 def has_capacity(plan: RoutePlan) -> bool:

@@ -32,10 +32,11 @@ from functools import lru_cache
 import aiohttp
 from yarl import URL
 
-from gateway.attempts import AttemptLimits, AttemptSequence, ConnectTimeout, GiveUp
+from gateway.attempts import AttemptLimits, AttemptSequence, ConnectTimeout, GiveUp, Try
 from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Candidate, RegionState, RoutePlan, Router
+from gateway.region_state import RegionState
+from gateway.routing import Candidate, RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.sse import DATA_PREFIX, ERROR_PREFIX, EVENT_END, first_output
 from gateway.upstream_request import UpstreamRequest
@@ -182,35 +183,33 @@ class Proxy:
             step = attempts.next(now_s)
             if isinstance(step, GiveUp):
                 break
-            candidate = step.candidate
+            candidate, redirected = step.candidate, step.redirected_tokens
             state = self._router.state_of(candidate.region)
             if state is not None:
                 state.breaker.on_attempt(now_s)
-                state.num_in_flight += 1
-                state.num_awaiting_first_byte += 1
+                state.on_sent(redirected)
             try:
                 opened = await self._attempt(request, candidate, attempts.deadline_s - now_s)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                self._on_failure(candidate, state, _cause_of(exc), repr(exc))
+                self._on_failure(step, state, _cause_of(exc), repr(exc))
                 num_retries += 1
                 continue
             except BaseException:  # cancelled: the client went away
                 if state is not None:
-                    state.num_in_flight -= 1
-                    state.num_awaiting_first_byte -= 1
+                    state.on_no_first_byte(redirected)
                     state.breaker.on_abandon()
                 raise
             opened.state, opened.sent_at_s, opened.num_retries = state, now_s, num_retries
             opened.attempts = attempts
             if opened.status >= 500 or opened.status == 429:
                 opened.response.release()
-                self._on_failure(candidate, state, str(opened.status), f"HTTP {opened.status}")
+                self._on_failure(step, state, str(opened.status), f"HTTP {opened.status}")
                 opened.state = None  # counted out already
                 num_retries += 1
                 last_answer = opened
                 continue
             if state is not None:
-                state.num_awaiting_first_byte -= 1
+                state.on_first_byte(redirected)
                 state.breaker.on_success()
             return opened
         if last_answer is not None:
@@ -245,12 +244,10 @@ class Proxy:
                 raise
         return Opened(candidate, None, response, first, 0.0, 0, answered_at_s)
 
-    def _on_failure(
-        self, candidate: Candidate, state: RegionState | None, cause: str, detail: str
-    ) -> None:
+    def _on_failure(self, step: Try, state: RegionState | None, cause: str, detail: str) -> None:
         if state is not None:
-            state.num_in_flight -= 1
-            state.num_awaiting_first_byte -= 1
+            state.on_no_first_byte(step.redirected_tokens)
             state.breaker.on_failure(time.monotonic())
-        self._metrics.count_retry(candidate.region, cause)
-        logger.warning("region %s failed before the first byte (%s)", candidate.region, detail)
+        region = step.candidate.region
+        self._metrics.count_retry(region, cause)
+        logger.warning("region %s failed before the first byte (%s)", region, detail)

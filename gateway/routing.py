@@ -4,6 +4,7 @@ A region's cost is its expected time to first token from this PoP, in seconds:
 
     cost = rtt_weight * rtt_ms / 1000                  network round trip (wire/geo.py)
          + queue_weight * (queue_delay_s               prompt tokens ahead / the region's prefill
+                           + redirected_s              failovers and resumes sent, not answered
                            + kv_pressure_s)            a fuller KV cache: slower steps
          + prompt_tokens / prefill_tokens_per_s        this request's own prefill, at the rate
                                                        the region's nodes report (else the
@@ -15,6 +16,11 @@ never less than the RTT term. The queue delay counts every prompt token the regi
 have still to prefill, waiting or admitted (an admitted one's prefill may be far off behind
 others': a load surge shows up there long before requests wait for a slot), over the nodes'
 prefill rate, or the summary's own estimate (waiting tokens over the decode rate) if longer.
+The prompts that failovers and resumes brought the region, with no first byte yet, are queue
+too: a failed region's work arrives at once, the summaries show it a beat later, and in between
+it would all go to the one region that looked idle (a request's first attempt is not counted:
+the region's summary will, and counting it too pushed a tenant off the region that holds its
+prompt).
 The correction learns what the summaries miss (a slow network path, a slower node type) from
 the TTFT this gateway measures on streams (not on those a grammar constrains: their TTFT holds
 the grammar's compile, which says nothing of the region), and decays with a half-life so a
@@ -63,6 +69,7 @@ from typing import Literal
 
 from gateway.breaker import CircuitBreaker
 from gateway.model_routes import ModelRoutes
+from gateway.region_state import RegionState
 from gateway.summary_loads import (
     SummaryLoad,
     SummaryLoads,
@@ -71,7 +78,7 @@ from gateway.summary_loads import (
     unreported_prefill_rates,
 )
 from wire.geo import Place, rtt_ms
-from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
+from wire.region_summary import RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
 Reason = Literal["only", "p2c", "cached", "affinity", "fallback"]
@@ -94,33 +101,13 @@ class Candidate:
     cost_s: float
     predicted_ttft_s: float  # before the correction: what the observed TTFT is compared with
     rtt_ms: float  # expected, this PoP to the region (wire/geo.py): what a connect may take
+    prompt_tokens: int  # what it was costed for
 
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     candidates: list[Candidate]  # the choice first, then failover order
     reason: Reason
-
-
-@dataclass(slots=True)
-class RegionState:
-    """What this gateway itself knows about a region, beyond its summary."""
-
-    summary: RegionSummary
-    rtt_ms: float
-    breaker: CircuitBreaker
-    num_in_flight: int = 0  # attempts from this gateway, until their answer or stream ends
-    num_awaiting_first_byte: int = 0  # those of them with no first byte yet
-    ttft_residual_s: float = 0.0
-    residual_at_s: float = 0.0
-    num_ttft_samples: int = 0
-    load: SummaryLoad | None = None  # for this summary and policy (None: not worked out yet)
-    # The summary's models by name, and the loads of those planned for since it came.
-    models: dict[str, ModelLoad] = field(default_factory=dict)
-    model_loads: dict[str, SummaryLoad] = field(default_factory=dict)
-    # The summary's hot prefixes: prefix key -> nodes reporting it, per model, and (under None)
-    # the most over its models, for a model-blind plan.
-    hot: dict[str | None, dict[str, int]] = field(default_factory=dict)
 
 
 _cost_s = operator.attrgetter("cost_s")
@@ -254,13 +241,17 @@ class Router:
         policy = self.policy
         rtt_s = state.rtt_ms / 1000.0
         weighted_rtt_s = policy.rtt_weight * rtt_s
-        cost_s = weighted_rtt_s + policy.queue_weight * load.load_s + prefill_s
+        # What failovers and resumes brought here, not answered yet: a failed region's work
+        # arrives at once, and the summaries show it a beat later.
+        redirected_s = max(0, state.redirected_tokens) / load.prefill_capacity_tokens_per_s
+        cost_s = weighted_rtt_s + policy.queue_weight * (load.load_s + redirected_s) + prefill_s
         if self.num_ttft_samples:  # else no region has a correction yet
             cost_s += self.correction_s(state, now_s)
         if cost_s < weighted_rtt_s:  # never less than the RTT term
             cost_s = weighted_rtt_s
-        predicted_s = rtt_s + load.queue_s + prefill_s
-        return Candidate(state.summary.name, load.url, cost_s, predicted_s, state.rtt_ms)
+        predicted_s = rtt_s + load.queue_s + redirected_s + prefill_s
+        name = state.summary.name
+        return Candidate(name, load.url, cost_s, predicted_s, state.rtt_ms, prompt_tokens)
 
     def plan(
         self,

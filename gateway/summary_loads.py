@@ -52,6 +52,7 @@ class SummaryLoad:
     load_s: float  # the queue and KV pressure terms, before `queue_weight`
     url: str
     prefill_tokens_per_s: float  # per node: the rate its nodes report, else the assumed one
+    prefill_capacity_tokens_per_s: float  # that over its healthy nodes (at least one)
 
 
 def prefill_rate_of(nodes: NodeLoad, default_tokens_per_s: float) -> float:
@@ -88,8 +89,13 @@ def queue_delay_s(nodes: NodeLoad, prefill_tokens_per_s: float) -> float:
     free slot, whichever is longer."""
     queue = nodes.queue
     backlog_tokens = queue.num_waiting_prefill_tokens + queue.num_running_prefill_tokens
-    rate = prefill_rate_of(nodes, prefill_tokens_per_s) * max(1, nodes.healthy_nodes)
+    rate = prefill_capacity_of(nodes, prefill_tokens_per_s)
     return max(queue.expected_queue_delay_s, backlog_tokens / rate)
+
+
+def prefill_capacity_of(nodes: NodeLoad, prefill_tokens_per_s: float) -> float:
+    """Prompt tokens per second these nodes prefill together (at least one node's)."""
+    return prefill_rate_of(nodes, prefill_tokens_per_s) * max(1, nodes.healthy_nodes)
 
 
 def kv_pressure_s(nodes: NodeLoad, policy: RoutingPolicy) -> float:
@@ -126,6 +132,7 @@ def summary_load(
         load_s=queue_s + kv_pressure_s(nodes, policy),
         url=(summary.ingress_url or "").rstrip("/"),
         prefill_tokens_per_s=prefill_rate_of(nodes, prefill_tokens_per_s),
+        prefill_capacity_tokens_per_s=prefill_capacity_of(nodes, prefill_tokens_per_s),
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from gateway.attempts import AttemptSequence
+from gateway.attempts import AttemptSequence, Try
 from simulator.node import Job, Node
 from simulator.policies import Pick
 from simulator.site import Site
@@ -31,6 +31,7 @@ class Flight:
     attempt: int = -1  # the attempt under way: how many were made before it (for every model)
     sent_s: float = 0.0
     pick: Pick | None = None
+    step: Try | None = None  # the attempt under way, as the gateway's attempt sequence gave it
     site: Site | None = None  # the pick's
     job: Job | None = None
     node: Node | None = None

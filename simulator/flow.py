@@ -3,9 +3,8 @@
 Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts.py), driven on
 the simulated clock as `gateway/proxy.py` and `gateway/resume.py` drive it on the real one: the
 policy's regions in order, at most `max_attempts` per opening, within the request's deadline. An
-attempt fails over when the region does not connect within the gateway's connect timeout for its
-expected RTT (`gateway.attempts.ConnectTimeout`: it is down), answers 429 (its node's waiting
-queue is full) or sends no first byte within `first_byte_timeout_s`.
+attempt fails over when a dark region does not connect (`gateway.attempts.ConnectTimeout`), answers
+429 (its node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`.
 Once the first byte has come the stream is committed. A dying node resets its connections (the
 region's Envoy ends them), which reaches the gateway one way later: an attempt still waiting for
 its first byte fails over then; a stream, if the sequence allows a resume, continues in the next
@@ -166,11 +165,12 @@ class Traffic:
         pick = flight.picks[step.candidate.region]
         flight.num_attempts += 1
         flight.pick, flight.sent_s, flight.job, flight.node = pick, now_s, None, None
+        flight.step = step
         if flight.is_edge:
             assert self.edge is not None
             site = self.edge.sites[flight.pop]
         else:
-            self.chooser.on_attempt(flight.pop, pick.region, now_s)
+            self.chooser.on_attempt(flight.pop, step, now_s)
             site = self.sites[pick.region]
         flight.site = site
         arrive_s = now_s + self.delays.between(flight.origin, site.location)
@@ -224,10 +224,10 @@ class Traffic:
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended:
             return  # a newer attempt (a node that died after sending it still delivers it)
-        assert flight.pick is not None
+        assert flight.pick is not None and flight.step is not None
         self._stream_from(flight, self.loop.now_s)
         if not flight.is_edge:
-            self.chooser.on_first_byte(flight.pop, flight.pick.region, self.loop.now_s)
+            self.chooser.on_first_byte(flight.pop, flight.step, self.loop.now_s)
 
     def _stream_from(self, flight: Flight, first_byte_s: float) -> None:
         """The attempt under way sent its first byte, at the origin at `first_byte_s`."""
@@ -245,13 +245,13 @@ class Traffic:
         assert isinstance(flight, Flight)
         if flight.job is not job or flight.is_ended:
             return
-        assert flight.pick is not None and flight.site is not None
+        assert flight.pick is not None and flight.site is not None and flight.step is not None
         now_s = self.loop.now_s
         done_s = now_s + self.delays.between(flight.site.location, flight.origin)
         if not flight.is_streaming:  # the last token comes with the first (1-token answers)
             self._stream_from(flight, done_s)
             if not flight.is_edge:
-                self.chooser.on_first_byte(flight.pop, flight.pick.region, now_s)
+                self.chooser.on_first_byte(flight.pop, flight.step, now_s)
         if not flight.is_edge:
             self.chooser.on_end(flight.pop, flight.pick.region, False, now_s)
             # As gateway/api.py: the first attempt's cache hits, where no resume happened.
@@ -288,9 +288,9 @@ class Traffic:
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended:
             return
-        assert flight.pick is not None
+        assert flight.pick is not None and flight.step is not None
         if not flight.is_edge:
-            self.chooser.on_failure(flight.pop, flight.pick.region, self.loop.now_s)
+            self.chooser.on_failure(flight.pop, flight.step, self.loop.now_s)
         self._try_next(flight)
 
     def reset(self, job: Job) -> None:
@@ -364,7 +364,8 @@ class Traffic:
     def _candidates(flight: Flight, picks: list[Pick]) -> list[Candidate]:
         """The gateway's candidates for `picks`, whose details the flight keeps by region."""
         flight.picks.update((p.region, p) for p in picks)
-        return [Candidate(p.region, "", 0.0, p.predicted_ttft_s, 0.0) for p in picks]
+        prompt_tokens = flight.request.prompt_tokens + flight.num_sent  # a continuation's too
+        return [Candidate(p.region, "", 0.0, p.predicted_ttft_s, 0.0, prompt_tokens) for p in picks]
 
     def _leave_edge(self, flight: Flight) -> None:
         assert self.edge is not None

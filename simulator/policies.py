@@ -28,6 +28,7 @@ from typing import Final, NamedTuple
 
 from control_plane.dns.config import DnsConfig
 from control_plane.dns.steering import Steering
+from gateway.attempts import Try
 from gateway.plan_checks import has_capacity
 from gateway.routing import Router, RouterConfig, SummaryLoads
 from gateway.settings import GatewaySettings
@@ -76,13 +77,13 @@ class Chooser:
         (those the request tried before a resume); empty if none can take the request."""
         raise NotImplementedError
 
-    def on_attempt(self, pop: str, region: str, now_s: float) -> None:
+    def on_attempt(self, pop: str, step: Try, now_s: float) -> None:
         return None
 
-    def on_failure(self, pop: str, region: str, now_s: float) -> None:
+    def on_failure(self, pop: str, step: Try, now_s: float) -> None:
         return None
 
-    def on_first_byte(self, pop: str, region: str, now_s: float) -> None:
+    def on_first_byte(self, pop: str, step: Try, now_s: float) -> None:
         return None
 
     def on_end(self, pop: str, region: str, is_broken: bool, now_s: float) -> None:
@@ -155,24 +156,22 @@ class MeridianChooser(Chooser):
         room = has_capacity(plan)
         return [Pick(c.region, c.predicted_ttft_s, None, room) for c in plan.candidates[:limit]]
 
-    def on_attempt(self, pop: str, region: str, now_s: float) -> None:
-        state = self.routers[pop].state_of(region)
+    def on_attempt(self, pop: str, step: Try, now_s: float) -> None:
+        state = self.routers[pop].state_of(step.candidate.region)
         if state is not None:
             state.breaker.on_attempt(now_s)
-            state.num_in_flight += 1
-            state.num_awaiting_first_byte += 1
+            state.on_sent(step.redirected_tokens)
 
-    def on_failure(self, pop: str, region: str, now_s: float) -> None:
-        state = self.routers[pop].state_of(region)
+    def on_failure(self, pop: str, step: Try, now_s: float) -> None:
+        state = self.routers[pop].state_of(step.candidate.region)
         if state is not None:
-            state.num_in_flight -= 1
-            state.num_awaiting_first_byte -= 1
+            state.on_no_first_byte(step.redirected_tokens)
             state.breaker.on_failure(now_s)
 
-    def on_first_byte(self, pop: str, region: str, now_s: float) -> None:
-        state = self.routers[pop].state_of(region)
+    def on_first_byte(self, pop: str, step: Try, now_s: float) -> None:
+        state = self.routers[pop].state_of(step.candidate.region)
         if state is not None:
-            state.num_awaiting_first_byte -= 1
+            state.on_first_byte(step.redirected_tokens)
             state.breaker.on_success()
 
     def on_end(self, pop: str, region: str, is_broken: bool, now_s: float) -> None:
@@ -229,11 +228,12 @@ class LeastLoadedChooser(Chooser):
         serving.sort(key=load)
         return [Pick(summary.name) for summary, _ in serving[:limit]]
 
-    def on_attempt(self, pop: str, region: str, now_s: float) -> None:
-        self.in_flight[(pop, region)] = self.in_flight.get((pop, region), 0) + 1
+    def on_attempt(self, pop: str, step: Try, now_s: float) -> None:
+        key = (pop, step.candidate.region)
+        self.in_flight[key] = self.in_flight.get(key, 0) + 1
 
-    def on_failure(self, pop: str, region: str, now_s: float) -> None:
-        self.in_flight[(pop, region)] -= 1
+    def on_failure(self, pop: str, step: Try, now_s: float) -> None:
+        self.in_flight[(pop, step.candidate.region)] -= 1
 
     def on_end(self, pop: str, region: str, is_broken: bool, now_s: float) -> None:
         self.in_flight[(pop, region)] -= 1

@@ -11,7 +11,9 @@ from gateway.routing import Candidate
 
 
 def plan(*regions: str) -> list[Candidate]:
-    return [Candidate(r, f"http://{r}", 0.01 * i, 0.01 * i, 10.0) for i, r in enumerate(regions)]
+    return [
+        Candidate(r, f"http://{r}", 0.01 * i, 0.01 * i, 10.0, 100) for i, r in enumerate(regions)
+    ]
 
 
 def names(sequence: AttemptSequence, now_s: float = 0.0) -> list[str]:
@@ -27,13 +29,23 @@ def test_opening_tries_the_plan_in_order_up_to_max_attempts() -> None:
     assert sequence.next(0.0) == GiveUp("exhausted")
 
 
+def test_failovers_carry_their_prompt_to_the_next_region_as_redirected_work() -> None:
+    sequence = AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), deadline_s=10.0)
+    first, failover = sequence.next(0.0), sequence.next(1.0)
+    assert isinstance(first, Try) and isinstance(failover, Try)
+    assert (first.is_first, first.redirected_tokens) == (True, 0)
+    assert (failover.is_first, failover.redirected_tokens) == (False, 100)
+
+
 def test_a_resume_goes_on_with_regions_not_tried_yet_and_is_marked() -> None:
     sequence = AttemptSequence(plan("a", "b", "c"), AttemptLimits(3, 2), deadline_s=10.0)
     first = sequence.next(0.0)
-    assert first == Try(plan("a")[0], is_resume=False)
+    assert first == Try(plan("a")[0], is_resume=False, is_first=True)
+    assert first.redirected_tokens == 0  # sent there by the plan, not by a failure
     assert sequence.resume(1.0) is None
     step = sequence.next(1.0)
     assert isinstance(step, Try) and step.candidate.region == "b" and step.is_resume
+    assert step.redirected_tokens == step.candidate.prompt_tokens  # a broken stream's work
     assert sequence.resume(2.0) is None
     assert names(sequence, 2.0) == ["c"]
 

@@ -167,5 +167,8 @@ def test_a_dark_region_costs_a_few_of_its_round_trips_not_the_connect_ceiling(
     # The bound is generous for a busy machine, and far below the ceiling it replaces.
     slowest_s = max(o.latency_s for o in outcomes)
     assert slowest_s < ceiling_s / 3, slowest_s
-    assert gateway.handlers.router.regions["us-east"].breaker.state == "open"
+    regions = gateway.handlers.router.regions
+    assert regions["us-east"].breaker.state == "open"
     assert region.upstream.num_requests == 0
+    # The failovers' prompts counted as eu-west's queue until answered, then no longer.
+    assert all((s.num_awaiting_first_byte, s.redirected_tokens) == (0, 0) for s in regions.values())

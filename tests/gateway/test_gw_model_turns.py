@@ -27,7 +27,7 @@ def plans(by_model: dict[str, RoutePlan]) -> tuple[Callable[[str], RoutePlan], l
 
 
 def plan(*regions: str, reason: str = "p2c") -> RoutePlan:
-    return RoutePlan([Candidate(name, "", 0.0, 0.0, 0.0) for name in regions], reason)  # type: ignore[arg-type]
+    return RoutePlan([Candidate(name, "", 0.0, 0.0, 0.0, 0) for name in regions], reason)  # type: ignore[arg-type]
 
 
 def capacity(model: str, plan: RoutePlan) -> bool:

@@ -190,7 +190,8 @@ def test_5xx_and_429_before_the_first_byte_fail_over(
     metrics = httpx.get(gateway.metrics_url).text
     assert 'meridian_gateway_retries_total{cause="500",region="us-east"} 1.0' in metrics
     router = gateway.handlers.router
-    assert all(state.num_awaiting_first_byte == 0 for state in router.regions.values())
+    for state in router.regions.values():
+        assert (state.num_awaiting_first_byte, state.redirected_tokens) == (0, 0)
 
 
 def test_when_every_region_fails_the_last_answer_is_returned(

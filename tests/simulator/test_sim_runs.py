@@ -9,9 +9,9 @@ from functools import partial
 import numpy as np
 import pytest
 
-from gateway.attempts import ConnectTimeout
+from gateway.attempts import ConnectTimeout, Try
 from gateway.relay import SilenceLimits
-from gateway.routing import Router
+from gateway.routing import Candidate, Router
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
 from simulator.flight import AttemptEvent, Flight
@@ -249,9 +249,11 @@ def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
     now_s = world.loop.now_s
     first = chooser.order(pop, request, now_s, limit=7)[0].region
     config = chooser.routers[pop].config
+    candidate = Candidate(first, "", 0.0, 0.0, 0.0, request.prompt_tokens)
+    attempt = Try(candidate, is_resume=False, is_first=True)
     for _ in range(config.breaker_failures):
-        chooser.on_attempt(pop, first, now_s)
-        chooser.on_failure(pop, first, now_s)
+        chooser.on_attempt(pop, attempt, now_s)
+        chooser.on_failure(pop, attempt, now_s)
     assert chooser.order(pop, request, now_s + 1.0, limit=7)[-1].region == first  # open: last
     later = chooser.order(pop, request, now_s + config.breaker_open_s, limit=7)
     assert later[-1].region != first  # half-open: back in its place
