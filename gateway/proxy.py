@@ -53,6 +53,12 @@ def _upstream_url(base: str, path: str) -> URL:
     return URL(join_path(base, path))
 
 
+@lru_cache(maxsize=MAX_CACHED_URLS)  # one a region (its RTT), not one a request
+def _client_timeout(connect_s: float) -> aiohttp.ClientTimeout:
+    # Past the first byte, the relay bounds a stream's silence (gateway/relay.py).
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
+
+
 logger = logging.getLogger(__name__)
 
 # Headers from the node worth passing on to the client (hop-by-hop ones are not).
@@ -228,10 +234,7 @@ class Proxy:
                 _upstream_url(candidate.url, request.path),
                 data=request.data,
                 headers=request.headers,
-                # Past the first byte, the relay bounds a stream's silence (gateway/relay.py).
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self._connect_timeout.of(candidate.rtt_ms)
-                ),
+                timeout=_client_timeout(self._connect_timeout.of(candidate.rtt_ms)),
             )
             answered_at_s = time.monotonic()
             try:
