@@ -25,7 +25,7 @@ from engine.model_store import DEFAULT_MODEL, pull
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-pytest_plugins = ("worker_groups",)
+pytest_plugins = ("suite_gc", "worker_groups")
 
 # Every engine a test starts (here or in a process it spawns) takes the pinned matmul crossover
 # instead of timing its matmuls (tests/suite_env.py). Set it empty to probe.

@@ -5,6 +5,7 @@ into the edit-test loop."""
 from __future__ import annotations
 
 import multiprocessing.process
+import platform
 import subprocess
 from collections.abc import Generator
 from pathlib import Path
@@ -83,6 +84,9 @@ def pytest_configure(config: pytest.Config) -> None:
         # Built once per machine and sources (a minute, with the compiler as a process), then
         # cached by torch: build it before the guard, as any later run finds it built.
         cpu_kernels()
+        # The processor's name is read from `uname -p` once, on first use (the openai client's
+        # headers ask for it): read it before the guard, not in whichever test asks first.
+        platform.processor()
         guard = UnitGuard()
         patches = pytest.MonkeyPatch()
         guard.install(patches)
