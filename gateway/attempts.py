@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.routing import Candidate
+from wire.region_summary import RegionSummary
 
 GiveUpReason = Literal["deadline", "exhausted", "max_resumes"]
 
@@ -47,12 +48,23 @@ class Try:
     candidate: Candidate
     is_resume: bool  # the continuation of a stream that broke elsewhere
     is_first: bool  # the request's first attempt: not sent here because another region failed
+    # The last place to ask: no region left in this opening, no other model after it.
+    is_last: bool
 
     @property
     def redirected_tokens(self) -> int:
         """The prompt a failover or a resume brings the region: what this gateway counts as
         queue there until the first byte (gateway/routing.py)."""
         return 0 if self.is_first else self.candidate.prompt_tokens
+
+
+def waits_past_timeout(step: Try, summary: RegionSummary | None) -> bool:
+    """Whether an attempt still without its first byte at the first-byte timeout is waited on
+    (up to the request's deadline). The timer is there to fail over: the last region an opening
+    may try is waited on while the summary this gateway holds shows it a healthy node, as a slow
+    region that answers beats an error; one whose nodes stopped beating (hung, or gone with the
+    connection open) shows none and is given up on as before."""
+    return step.is_last and summary is not None and summary.healthy_nodes > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,9 @@ class AttemptSequence:
     candidates: list[Candidate]  # the plan: the choice first, then failover order
     limits: AttemptLimits
     deadline_s: float
+    # No other model is tried after these regions (the request's last fallback): its last
+    # region is the last place to ask at all.
+    is_last_resort: bool = False
     num_tried: int = 0  # candidates handed out so far
     num_resumes: int = 0
     _num_left_in_opening: int = 0
@@ -81,7 +96,10 @@ class AttemptSequence:
         candidate = self.candidates[self.num_tried]
         self.num_tried += 1
         self._num_left_in_opening -= 1
-        return Try(candidate, self.num_resumes > 0, self.num_tried == 1)
+        is_last = self.is_last_resort and (
+            self._num_left_in_opening == 0 or self.num_tried == len(self.candidates)
+        )
+        return Try(candidate, self.num_resumes > 0, self.num_tried == 1, is_last)
 
     def resume(
         self, now_s: float, replan: Callable[[list[str]], list[Candidate]] | None = None

@@ -122,7 +122,8 @@ class Dispatch:
         def may_open(model: str, plan: RoutePlan) -> bool:
             return has_capacity(plan) or (is_auto_asked and model == choice.model)
 
-        for model, plan in in_turn(choice.models, plan_of, may_open):
+        turns = in_turn(choice.models, plan_of, may_open)
+        for turn, (model, plan) in enumerate(turns, start=1):
             is_auto = is_auto_asked and model == choice.model
             if not plan.candidates and not is_auto:
                 continue
@@ -131,8 +132,9 @@ class Dispatch:
                 plan = among_same_weights(plan, self.router.regions, plan_model)
             request = upstream.for_model(model) if choice.is_model_aware else upstream
             try:
+                is_last = turn == len(choice.models)
                 opened, tier = await self._open_plan(
-                    proxy, request, admitted, plan, deadline_s, is_auto, plan_model
+                    proxy, request, admitted, plan, deadline_s, is_auto, plan_model, is_last
                 )
             except (UpstreamError, NoCapacityError) as exc:  # none reachable, or none planned
                 error = exc
@@ -161,13 +163,14 @@ class Dispatch:
         deadline_s: float,
         is_auto: bool,
         model: str | None,
+        is_last: bool,
     ) -> tuple[Opened, Tier]:
         """`is_auto`: `auto`'s own model (its fallbacks go to the regions as any model);
-        `model`: what it resolved to (None: model-blind)."""
+        `model`: what it resolved to (None: model-blind); `is_last`: no model after it."""
         if is_auto and self.auto is not None:
             parsed, key = admitted.parsed, admitted.key
             return await self.auto.open(proxy, request, parsed, key, plan, deadline_s, model)
-        return await proxy.open(request, plan, deadline_s), "region"
+        return await proxy.open(request, plan, deadline_s, is_last), "region"
 
 
 def _no_capacity(choice: ModelChoice) -> NoCapacityError:

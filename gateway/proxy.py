@@ -1,13 +1,15 @@
 """Sending a request upstream: one region after another until one answers (failover).
 
-An attempt fails over to the next region in the plan when, before the client has seen a byte,
-the connection fails, the region does not answer in time, or it answers 5xx or 429. "In time"
-is the first-byte timeout: a stream's first token, or a non-stream's whole answer (the timeout
-plus its max_tokens at the slowest decode rate expected). A non-stream is read whole before
-anything is sent to the client, so any failure while reading it still fails over; a stream is
-committed once its first token arrives: a chat stream's opening role chunk does not count (the
-node sends it before its engine has done anything, so a node whose engine is stopped sends it
-too), and an error event in the place of the first token fails over as a 5xx does. Every
+An attempt fails over to the next region in the plan when, before the client has seen a byte, the
+connection fails, the region does not answer in time, or it answers 5xx or 429. "In time" is the
+first-byte timeout: a stream's first token, or a non-stream's whole answer (the timeout plus its
+max_tokens at the slowest decode rate expected). The last place a request may ask (the last region
+of its last model) has nowhere to fail over to: it is waited on past the timeout, up to the
+request's deadline, while the summary shows it a healthy node (`waits_past_timeout`). A non-stream
+is read whole before anything is sent to the client, so any failure while reading it still fails
+over; a stream is committed once its first token arrives: a chat stream's opening role chunk does
+not count (the node sends it before its engine has done anything, so a node whose engine is stopped
+sends it too), and an error event in the place of the first token fails over as a 5xx does. Every
 completion goes upstream as a stream, a non-streamed one too (its body is assembled by
 gateway/whole.py), so that it can resume.
 Other statuses (400, 404, 413, 422, ...) are the node's judgement of the request itself: they
@@ -26,13 +28,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
 import aiohttp
 from yarl import URL
 
-from gateway.attempts import AttemptLimits, AttemptSequence, ConnectTimeout, GiveUp, Try
+from gateway.attempts import (
+    AttemptLimits,
+    AttemptSequence,
+    ConnectTimeout,
+    GiveUp,
+    Try,
+    waits_past_timeout,
+)
 from gateway.errors import DeadlineError, NoCapacityError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.region_state import RegionState
@@ -60,6 +70,28 @@ def _client_timeout(connect_s: float) -> aiohttp.ClientTimeout:
 
 
 logger = logging.getLogger(__name__)
+
+
+class _Patience:
+    """Holds an attempt's timer (set at the request's deadline) past the first-byte timeout
+    while `waits()` says so, asking again every `every_s`; fires it at the first no."""
+
+    def __init__(
+        self, timer: asyncio.Timeout, waits: Callable[[], bool], after_s: float, every_s: float
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._timer, self._waits, self._every_s = timer, waits, every_s
+        self._handle = self._loop.call_later(after_s, self._ask)
+
+    def _ask(self) -> None:
+        if self._waits():
+            self._handle = self._loop.call_later(self._every_s, self._ask)
+        else:
+            self._timer.reschedule(self._loop.time())
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
 
 # Headers from the node worth passing on to the client (hop-by-hop ones are not).
 PASSED_HEADERS = ("content-type", "retry-after", "retry-after-ms")
@@ -145,6 +177,7 @@ class Proxy:
         self._limits = AttemptLimits(settings.max_attempts, settings.max_resumes)
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._min_decode_tokens_per_s = settings.min_decode_tokens_per_s
+        self._recheck_s = settings.unhealthy_node_silence_s
         self._connect_timeout = ConnectTimeout(
             settings.connect_timeout_rtts,
             settings.min_connect_timeout_s,
@@ -156,13 +189,20 @@ class Proxy:
             return self._first_byte_timeout_s
         return self._first_byte_timeout_s + request.max_tokens / self._min_decode_tokens_per_s
 
-    async def open(self, request: UpstreamRequest, plan: RoutePlan, deadline_s: float) -> Opened:
+    async def open(
+        self,
+        request: UpstreamRequest,
+        plan: RoutePlan,
+        deadline_s: float,
+        is_last_resort: bool = False,
+    ) -> Opened:
+        """`is_last_resort`: no other model is tried after these regions."""
         if not plan.candidates:
             raise NoCapacityError(
                 "no region can take requests now", "no_capacity", headers={"retry-after": "1"}
             )
         self._metrics.count_decision(plan.candidates[0].region, plan.reason)
-        attempts = AttemptSequence(plan.candidates, self._limits, deadline_s)
+        attempts = AttemptSequence(plan.candidates, self._limits, deadline_s, is_last_resort)
         return await self._open_next(request, attempts)
 
     async def resume(self, request: UpstreamRequest, attempts: AttemptSequence) -> Opened:
@@ -195,7 +235,7 @@ class Proxy:
                 state.breaker.on_attempt(now_s)
                 state.on_sent(redirected)
             try:
-                opened = await self._attempt(request, candidate, attempts.deadline_s - now_s)
+                opened = await self._attempt(request, candidate, attempts.deadline_s - now_s, step)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self._on_failure(step, state, _cause_of(exc), repr(exc))
                 num_retries += 1
@@ -225,26 +265,46 @@ class Proxy:
         raise UpstreamError("no region could be reached", "upstream_unreachable")
 
     async def _attempt(
-        self, request: UpstreamRequest, candidate: Candidate, remaining_s: float
+        self,
+        request: UpstreamRequest,
+        candidate: Candidate,
+        remaining_s: float,
+        step: Try | None = None,
     ) -> Opened:
-        is_stream = request.is_stream
-        async with asyncio.timeout(min(remaining_s, self._first_byte_timeout_s_of(request))):
-            response = await self._session.request(
-                request.method,
-                _upstream_url(candidate.url, request.path),
-                data=request.data,
-                headers=request.headers,
-                timeout=_client_timeout(self._connect_timeout.of(candidate.rtt_ms)),
+        timeout_s = min(remaining_s, self._first_byte_timeout_s_of(request))
+        if step is None or not step.is_last or remaining_s <= timeout_s:
+            async with asyncio.timeout(timeout_s):
+                return await self._first_byte(request, candidate)
+        state = self._router.state_of(candidate.region)
+        async with asyncio.timeout(remaining_s) as timer:
+            patience = _Patience(
+                timer,
+                lambda: waits_past_timeout(step, state.summary if state is not None else None),
+                timeout_s,
+                self._recheck_s,
             )
-            answered_at_s = time.monotonic()
             try:
-                if is_stream and response.status == 200:
-                    first = await _read_to_first_token(response.content)
-                else:
-                    first = await response.read()
-            except BaseException:
-                response.close()
-                raise
+                return await self._first_byte(request, candidate)
+            finally:
+                patience.cancel()
+
+    async def _first_byte(self, request: UpstreamRequest, candidate: Candidate) -> Opened:
+        response = await self._session.request(
+            request.method,
+            _upstream_url(candidate.url, request.path),
+            data=request.data,
+            headers=request.headers,
+            timeout=_client_timeout(self._connect_timeout.of(candidate.rtt_ms)),
+        )
+        answered_at_s = time.monotonic()
+        try:
+            if request.is_stream and response.status == 200:
+                first = await _read_to_first_token(response.content)
+            else:
+                first = await response.read()
+        except BaseException:
+            response.close()
+            raise
         return Opened(candidate, None, response, first, 0.0, 0, answered_at_s)
 
     def _on_failure(self, step: Try, state: RegionState | None, cause: str, detail: str) -> None:

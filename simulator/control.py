@@ -33,7 +33,7 @@ from simulator.node import Node
 from wire.capacity import DECODE_RATE_WINDOW_S
 from wire.heartbeat import Heartbeat
 from wire.model_catalog import ModelCatalog
-from wire.region_summary import RegionSummaryIndex
+from wire.region_summary import RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
 
 # Simulated Unix time at simulated 0 (only heartbeats' informational timestamps carry it).
@@ -198,3 +198,10 @@ class PopWatch:
             self.document = documents[position]
             held = self.document.index
             self.poll_at_cp_s = received_s + self.delay_s
+
+    def summary_of(self, region: str, now_s: float) -> RegionSummary | None:
+        """`region`'s summary in the latest document by `now_s` (None: none yet, or not in it)."""
+        document = self.read(now_s)
+        if document is None:
+            return None
+        return next((r for r in document.regions if r.name == region), None)

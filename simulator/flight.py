@@ -23,6 +23,7 @@ class Flight:
     # The models to try in order: the request's, then its fallbacks (none without a gateway).
     models: tuple[str, ...]
     model_turn: int = 0  # the one tried now
+    num_turns: int = 0  # models taken from `turns` so far (the last one: no fallback after it)
     # The models left to try with their plans (gateway.model_routes.in_turn), once planned.
     turns: Iterator[tuple[str, list[Pick]]] | None = None
     picks: dict[str, Pick] = field(default_factory=dict)  # by region, the latest plan's

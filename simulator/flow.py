@@ -1,33 +1,34 @@
 """A request's way through the world: client → PoP → region → node, with failover and resume.
 
-Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts.py), driven on
-the simulated clock as `gateway/proxy.py` and `gateway/resume.py` drive it on the real one: the
-policy's regions in order, at most `max_attempts` per opening, within the request's deadline. An
-attempt fails over when a dark region does not connect (`gateway.attempts.ConnectTimeout`), answers
-429 (its node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`.
-Once the first byte has come the stream is committed. A dying node resets its connections (the
-region's Envoy ends them), which reaches the gateway one way later: an attempt still waiting for
-its first byte fails over then; a stream, if the sequence allows a resume, continues in the next
-region not tried yet: the prompt plus the tokens already relayed, the output less them, as
-`gateway.resume.continuation_of` builds it. A hung node's connections stay open instead: its
-waiting attempts meet their first-byte timeout, and its streams break when the gateway's relay
-would give up on their silence, or when the node's restart resets them (simulator/hung_streams.py).
-The client keeps its first token's time; the stream ends when the continuation's does.
-Timeouts and limits are the gateway's default settings. Each outcome is reported to the policy
-(breakers, in-flight counts, observed TTFT), which is where the real gateway code learns. With
-an edge tier (simulator/edge.py), a light `auto` request first tries its PoP's edge node.
+Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts.py), driven on the
+simulated clock as `gateway/proxy.py` and `gateway/resume.py` drive it on the real one: the policy's
+regions in order, at most `max_attempts` per opening, within the request's deadline. An attempt
+fails over when a dark region does not connect (`gateway.attempts.ConnectTimeout`), answers 429 (its
+node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`, unless it is the
+last place to ask (the last region of the last model) and the PoP's summaries show it a healthy node
+(simulator/first_byte.py). Once the first byte has come the stream is committed. A dying node resets
+its connections (the region's Envoy ends them), which reaches the gateway one way later: an attempt
+still waiting for its first byte fails over then; a stream, if the sequence allows a resume,
+continues in the next region not tried yet: the prompt plus the tokens already relayed, the output
+less them, as `gateway.resume.continuation_of` builds it. A hung node's connections stay open
+instead: its waiting attempts meet their first-byte timeout (the last region's once its summary
+shows no healthy node), and its streams break when the gateway's relay would give up on their
+silence, or when the node's restart resets them (simulator/hung_streams.py). The client keeps its
+first token's time; the stream ends when the continuation's does. Timeouts and limits are the
+gateway's default settings. Each outcome is reported to the policy (breakers, in-flight counts,
+observed TTFT), which is where the real gateway code learns. With an edge tier (simulator/edge.py),
+a light `auto` request first tries its PoP's edge node.
 
-A request is for one model, and goes only to regions (and nodes) serving it. When the model has
-no capacity (no region serving it in the plan, every one circuit-open or saturated, or every
-region tried failed before a first byte), the gateway tries the next of its fallbacks the same
-way, within the same deadline, in the turn `gateway.model_routes.in_turn` gives, as
-`gateway/dispatch.py` does; the request ends in an error only when none has. A resume stays on
-the model the stream began on (another model would write another text).
+A request is for one model, and goes only to regions (and nodes) serving it. When the model has no
+capacity (no region serving it in the plan, every one circuit-open or saturated, or every region
+tried failed before a first byte), the gateway tries the next of its fallbacks the same way, within
+the same deadline, in the turn `gateway.model_routes.in_turn` gives, as `gateway/dispatch.py` does;
+the request ends in an error only when none has. A resume stays on the model the stream began on
+(another model would write another text).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from functools import partial
@@ -40,6 +41,7 @@ from simulator.control import PopWatch
 from simulator.delays import OneWayDelays
 from simulator.edge import EdgeTier
 from simulator.events import EventLoop
+from simulator.first_byte import FirstByteTimers, pop_views
 from simulator.flight import AttemptEvent, Flight
 from simulator.gateway_timing import GatewayTiming, dark_connect_s
 from simulator.hung_streams import HungStreams
@@ -79,8 +81,7 @@ class Traffic:
         self.access = make_access(access, geography.pops, geography.cities)
         self.delays = OneWayDelays(geography, edge, chooser.is_via_pop)
         self.hung = HungStreams(loop, sites, self.delays, timing, watches, self._broken)
-        self._deadlines: deque[tuple[float, AttemptEvent]] = deque()
-        self._is_deadline_armed = False
+        self.first_byte = FirstByteTimers(loop, timing, pop_views(watches, loop), self._timed_out)
         self.edge = edge
 
     def withdraw(self, pop: str) -> None:
@@ -111,7 +112,7 @@ class Traffic:
             if choice is not None and choice.tier == "edge":
                 flight.is_edge = True
                 edge.in_flight[flight.pop] += 1
-                self._open(flight, [Pick(edge.sites[flight.pop].name)], EDGE_LIMITS)
+                self._open(flight, [Pick(edge.sites[flight.pop].name)], EDGE_LIMITS, False)
                 return
         self._open_regions(flight)
 
@@ -122,9 +123,10 @@ class Traffic:
             plan_of = partial(self._plan_for, flight)
             flight.turns = in_turn(flight.models, plan_of, _has_capacity)
         for model, picks in flight.turns:
+            flight.num_turns += 1
             if picks:
                 flight.model_turn = flight.models.index(model)
-                self._open(flight, picks, self.limits)
+                self._open(flight, picks, self.limits, flight.num_turns == len(flight.models))
                 return
         self._end(flight, outcome)
 
@@ -135,11 +137,13 @@ class Traffic:
             request = replace(request, model=model)
         return self.chooser.order(flight.pop, request, self.loop.now_s, self.max_attempts)
 
-    def _open(self, flight: Flight, picks: list[Pick], limits: AttemptLimits) -> None:
+    def _open(
+        self, flight: Flight, picks: list[Pick], limits: AttemptLimits, is_last_resort: bool
+    ) -> None:
         candidates = self._candidates(flight, picks)
         started_s = flight.request.arrival_s + flight.client_delay_s
         deadline_s = started_s + self.timing.request_deadline_s
-        flight.attempts = AttemptSequence(candidates, limits, deadline_s)
+        flight.attempts = AttemptSequence(candidates, limits, deadline_s, is_last_resort)
         self._try_next(flight)
 
     def _try_next(self, flight: Flight) -> None:
@@ -205,10 +209,7 @@ class Traffic:
             return
         flight.job, flight.node = job, node
         node.submit(job, now_s)
-        self._deadlines.append((flight.sent_s + self.timing.first_byte_timeout_s, event))
-        if not self._is_deadline_armed:
-            self._is_deadline_armed = True
-            self.loop.at(self._deadlines[0][0], self._expire_deadlines)
+        self.first_byte.arm(event, flight.sent_s)
 
     def on_first_token(self, job: Job) -> None:
         flight = job.owner
@@ -265,21 +266,9 @@ class Traffic:
             flight.pop, flight.first_pick, flight.observed_ttft_s, cached_tokens, self.loop.now_s
         )
 
-    def _expire_deadlines(self, _: None) -> None:
-        """First-byte timeouts: all the same length, so they fall due in the order they were
-        set, and one timer for the earliest replaces an event per attempt."""
-        deadlines, now_s = self._deadlines, self.loop.now_s
-        while deadlines and deadlines[0][0] <= now_s:
-            self._timed_out(deadlines.popleft()[1])
-        if deadlines:
-            self.loop.at(deadlines[0][0], self._expire_deadlines)
-        else:
-            self._is_deadline_armed = False
-
     def _timed_out(self, event: AttemptEvent) -> None:
-        flight, attempt = event
-        if attempt != flight.attempt or flight.is_ended or flight.is_streaming:
-            return
+        """The attempt's first-byte timeout passed (simulator/first_byte.py): given up on."""
+        flight = event[0]
         if flight.node is not None and flight.job is not None:
             flight.node.abort(flight.job, self.loop.now_s)
         self._failed(event)

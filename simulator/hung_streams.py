@@ -12,10 +12,10 @@ from gateway.relay import SilenceLimits
 from simulator.control import PopWatch
 from simulator.delays import OneWayDelays
 from simulator.events import EventLoop
+from simulator.first_byte import pop_views
 from simulator.flight import AttemptEvent, Flight
 from simulator.gateway_timing import GatewayTiming
 from simulator.site import Site
-from wire.region_summary import RegionSummary
 
 # (flight, attempt, the silence's start at the origin, node)
 Silence = tuple[Flight, int, float, str]
@@ -38,13 +38,14 @@ class HungStreams:
         self.delays = delays
         self.timing = timing
         self.on_broken = on_broken
+        summary_of = pop_views(watches, loop)
         self.silences = {
             pop: SilenceLimits(
                 timing.stream_idle_timeout_s,
                 timing.unhealthy_node_silence_s,
-                partial(self._summary_of, watch),
+                partial(summary_of, pop),
             )
-            for pop, watch in watches.items()
+            for pop in watches
         }
         # Clients that go to a region directly: only their own patience, the same idle limit.
         self.silences[""] = SilenceLimits(
@@ -89,9 +90,3 @@ class HungStreams:
             self.on_broken((flight, attempt), silent_from_s)
         else:
             self.loop.at(min(give_up_s, now_s + silence.unhealthy_s), self._silent, event)
-
-    def _summary_of(self, watch: PopWatch, region: str) -> RegionSummary | None:
-        document = watch.read(self.loop.now_s)
-        if document is None:
-            return None
-        return next((r for r in document.regions if r.name == region), None)

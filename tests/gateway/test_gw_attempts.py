@@ -29,6 +29,27 @@ def test_opening_tries_the_plan_in_order_up_to_max_attempts() -> None:
     assert sequence.next(0.0) == GiveUp("exhausted")
 
 
+def test_the_last_place_to_ask_is_the_last_region_of_the_last_model() -> None:
+    def lasts(sequence: AttemptSequence) -> list[bool]:
+        steps = []
+        while isinstance(step := sequence.next(0.0), Try):
+            steps.append(step.is_last)
+        return steps
+
+    def last_resort(regions: tuple[str, ...], max_attempts: int) -> AttemptSequence:
+        return AttemptSequence(plan(*regions), AttemptLimits(max_attempts, 1), 10.0, True)
+
+    assert lasts(last_resort(("a", "b"), 3)) == [False, True]  # the plan ends
+    assert lasts(last_resort(("a", "b", "c"), 2)) == [False, True]  # the attempts do
+    assert lasts(last_resort(("a",), 3)) == [True]
+    resumed = last_resort(("a", "b", "c"), 1)
+    assert lasts(resumed) == [True]
+    assert resumed.resume(1.0) is None
+    assert lasts(resumed) == [True]  # a resume is an opening of its own
+    # A model with fallbacks after it: its regions are never the last place.
+    assert lasts(AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), 10.0)) == [False, False]
+
+
 def test_failovers_carry_their_prompt_to_the_next_region_as_redirected_work() -> None:
     sequence = AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), deadline_s=10.0)
     first, failover = sequence.next(0.0), sequence.next(1.0)
@@ -40,7 +61,7 @@ def test_failovers_carry_their_prompt_to_the_next_region_as_redirected_work() ->
 def test_a_resume_goes_on_with_regions_not_tried_yet_and_is_marked() -> None:
     sequence = AttemptSequence(plan("a", "b", "c"), AttemptLimits(3, 2), deadline_s=10.0)
     first = sequence.next(0.0)
-    assert first == Try(plan("a")[0], is_resume=False, is_first=True)
+    assert first == Try(plan("a")[0], is_resume=False, is_first=True, is_last=False)
     assert first.redirected_tokens == 0  # sent there by the plan, not by a failure
     assert sequence.resume(1.0) is None
     step = sequence.next(1.0)

@@ -260,6 +260,22 @@ def test_limits_named_by_an_alias_apply_to_the_model_it_names_and_follow_a_flip(
         assert http.post(CHAT_PATH, json=chat("small")).status_code == 429
 
 
+def test_a_slow_model_falls_back_and_its_last_fallback_is_waited_on(
+    two_models: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    write_catalog(two_models, CATALOG)
+    gateway = two_models.start_gateway(first_byte_timeout_s=0.3)
+    wait_for_models(gateway, "large", "small")
+    for region in two_models.regions.values():  # both slower than the first-byte timeout
+        region.upstream.behavior.delay_s = 1.0
+    secret = new_key(two_models, gateway)
+    with client(gateway, client_ssl, secret) as http:
+        answer = http.post(CHAT_PATH, json=chat("large", stream=True))
+    # `large` had a fallback to go to; `small`, the last place to ask, was waited on.
+    assert_answered_by(answer, "us-east", "small")
+    assert [r.upstream.num_requests for r in two_models.regions.values()] == [1, 1]
+
+
 def test_a_model_without_capacity_is_answered_by_its_fallback(
     two_models: Fleet,
     catalog_gateway: GatewayThread,

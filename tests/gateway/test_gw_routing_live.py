@@ -220,6 +220,48 @@ def test_a_slow_first_byte_fails_over_for_streams(
         assert time.monotonic() - started < 1.5
 
 
+def test_the_last_region_is_waited_on_past_the_first_byte_timeout_while_it_is_healthy(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    gateway = two_regions.start_gateway(first_byte_timeout_s=0.3)
+    two_regions.wait_for_gateway(gateway)
+    _, secret = two_regions.create_key()
+    for region in two_regions.regions.values():  # both slower than the timeout
+        region.upstream.behavior.delay_s = 1.0
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=gateway.base_url, verify=client_ssl, headers=headers) as http:
+        response = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    # us-east timed out and was failed over; eu-west, the last to try, was waited on.
+    assert response.status_code == 200 and response.headers["x-meridian-region"] == "eu-west"
+    assert response.text.rstrip().endswith("data: [DONE]")
+    assert [r.upstream.num_requests for r in two_regions.regions.values()] == [1, 1]
+
+
+@pytest.mark.slow  # seconds of waiting on heartbeats
+def test_the_last_region_is_given_up_on_once_it_shows_no_healthy_node(
+    two_regions: Fleet, client_ssl: ssl.SSLContext
+) -> None:
+    gateway = two_regions.start_gateway(
+        first_byte_timeout_s=0.3, unhealthy_node_silence_s=0.2, request_deadline_s=60.0
+    )
+    two_regions.wait_for_gateway(gateway)
+    _, secret = two_regions.create_key()
+    for region in two_regions.regions.values():  # accept and read, never answer: hung
+        region.upstream.behavior.delay_s = 3600.0
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(
+        base_url=gateway.base_url, verify=client_ssl, headers=headers, timeout=60.0
+    ) as http:
+        started_s = time.monotonic()
+        two_regions.regions["eu-west"].is_beating = False  # hung with its heartbeats
+        response = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        took_s = time.monotonic() - started_s
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_unreachable"
+    assert took_s < 15.0  # the control plane's view, not the deadline's 60 s
+    assert gateway.handlers.router.regions["eu-west"].summary.healthy_nodes == 0
+
+
 @pytest.mark.slow  # seconds of waiting on timeouts
 def test_circuit_breaker_stops_trying_a_failing_region_then_probes_it(
     two_regions: Fleet, client_ssl: ssl.SSLContext

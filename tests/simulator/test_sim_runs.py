@@ -250,7 +250,7 @@ def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
     first = chooser.order(pop, request, now_s, limit=7)[0].region
     config = chooser.routers[pop].config
     candidate = Candidate(first, "", 0.0, 0.0, 0.0, request.prompt_tokens)
-    attempt = Try(candidate, is_resume=False, is_first=True)
+    attempt = Try(candidate, is_resume=False, is_first=True, is_last=False)
     for _ in range(config.breaker_failures):
         chooser.on_attempt(pop, attempt, now_s)
         chooser.on_failure(pop, attempt, now_s)
