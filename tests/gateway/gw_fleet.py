@@ -373,6 +373,10 @@ class Fleet:
             "access_log": False,
             "freeze_gc": False,
             "breaker_open_s": 1.0,
+            # The gateway's loop runs in a thread of the test process, beside the fakes and the
+            # other workers on two cores: a connect to 127.0.0.1 has waited past the 0.25 s floor
+            # for that loop's turn (test_gw_edge under `make test`). Tests of the floor set it.
+            "min_connect_timeout_s": 1.0,
         }
         if self.cert is not None:
             values |= {"tls_cert": self.cert[0], "tls_key": self.cert[1]}

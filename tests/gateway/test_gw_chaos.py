@@ -17,6 +17,8 @@ import pytest
 from gw_fleet import Fleet, GatewayThread, free_port
 from gw_redis import REDIS_SERVER, redis_server
 
+from gateway.settings import GatewaySettings
+
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 CONCURRENCY = 32
 MAX_RUN_S = 120.0  # a bound for a stuck run, far above what a healthy one takes
@@ -148,7 +150,11 @@ def test_a_dark_region_costs_a_few_of_its_round_trips_not_the_connect_ceiling(
     two_regions: Fleet, client_ssl: ssl.SSLContext
 ) -> None:
     ceiling_s = 30.0
-    gateway = two_regions.start_gateway(connect_timeout_s=ceiling_s, breaker_open_s=60.0)
+    gateway = two_regions.start_gateway(
+        connect_timeout_s=ceiling_s,
+        min_connect_timeout_s=GatewaySettings.model_fields["min_connect_timeout_s"].default,
+        breaker_open_s=60.0,
+    )
     two_regions.wait_for_gateway(gateway)
     # us-east goes dark before the gateway ever connects to it: its port's accept queue is
     # full, so the kernel drops the SYNs of new connections (as from a region cut off).
