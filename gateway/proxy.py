@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import aiohttp
 from yarl import URL
@@ -91,6 +91,10 @@ class _Patience:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+def _waits_past_timeout(step: Try, state: RegionState | None) -> bool:
+    return waits_past_timeout(step, None if state is None else state.summary)
 
 
 # Headers from the node worth passing on to the client (hop-by-hop ones are not).
@@ -234,8 +238,9 @@ class Proxy:
             if state is not None:
                 state.breaker.on_attempt(now_s)
                 state.on_sent(redirected)
+            waits = partial(_waits_past_timeout, step, state) if step.is_last else None
             try:
-                opened = await self._attempt(request, candidate, attempts.deadline_s - now_s, step)
+                opened = await self._attempt(request, candidate, attempts.deadline_s - now_s, waits)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self._on_failure(step, state, _cause_of(exc), repr(exc))
                 num_retries += 1
@@ -269,20 +274,16 @@ class Proxy:
         request: UpstreamRequest,
         candidate: Candidate,
         remaining_s: float,
-        step: Try | None = None,
+        waits: Callable[[], bool] | None = None,
     ) -> Opened:
+        """`waits`: whether to wait on past the first-byte timeout, asked from then on (None: the
+        attempt has somewhere left to fail over to)."""
         timeout_s = min(remaining_s, self._first_byte_timeout_s_of(request))
-        if step is None or not step.is_last or remaining_s <= timeout_s:
+        if waits is None or remaining_s <= timeout_s:
             async with asyncio.timeout(timeout_s):
                 return await self._first_byte(request, candidate)
-        state = self._router.state_of(candidate.region)
         async with asyncio.timeout(remaining_s) as timer:
-            patience = _Patience(
-                timer,
-                lambda: waits_past_timeout(step, state.summary if state is not None else None),
-                timeout_s,
-                self._recheck_s,
-            )
+            patience = _Patience(timer, waits, timeout_s, self._recheck_s)
             try:
                 return await self._first_byte(request, candidate)
             finally:
