@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from bench.report import load_average, machine, report_out
 from engine.kernels import cpu_kernels
 from engine.model.block_weights import Q4_1, Q8_0, BlockFormat, BlockWeight
+from engine.model.dense_matmul import dense_linear, packed
 from engine.model.int8_weights import Int8Weight
 
 SHAPES = {  # (out_features, in_features)
@@ -77,6 +78,8 @@ def time_shape(n: int, k: int, num_tokens: int, repeats: int) -> dict[str, float
     int8pack = torch.ops.aten._weight_int8pack_mm
     paths: dict[str, list[Callable[[], object]]] = {
         "F.linear bf16": [partial(F.linear, x, w) for w in weights],
+        # The dense path of the engine's block weights: the weight packed once for oneDNN.
+        "packed bf16": [partial(dense_linear, x, packed(w)) for w in weights],
         "ours bf16": [partial(kernels.bf16_linear, x, w) for w in weights],
         "int8pack": [partial(int8pack, x, q.qweight, q.scales) for q in int8],
         "ours blocks": [partial(block_linear, x, b.blocks) for b in blocks],

@@ -41,6 +41,7 @@ _SOURCES = [
     "prefill_attention_cpu.cpp",
     "layer_ops_cpu.cpp",
     "gemv_cpu.cpp",
+    "amx_cpu.cpp",
     "decode_layers_cpu.cpp",
     "bindings_cpu.cpp",
 ]

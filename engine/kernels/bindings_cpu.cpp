@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &meridian::bf16_linear, "x W^T for few tokens, x and W bf16");
   m.def("q4_1_linear", &meridian::q4_1_linear,
         "x W^T for few tokens, W as Q4_1 blocks with fp32 scales (N, K / 32 * 24 bytes)");
+  m.def("amx_tiles_ready", &meridian::amx_tiles_ready,
+        "Whether block weights' steps of more than 4 bf16 tokens run on AMX tiles");
   m.def("q4_1_dequantize", &meridian::q4_1_dequantize,
         "Q4_1 blocks with fp32 scales (N, K / 32 * 24 bytes) -> the weight (N, K) in dtype");
   m.def("q8_0_linear", &meridian::q8_0_linear,

@@ -18,6 +18,12 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define MERIDIAN_AVX512_BF16 1
+#endif
+#if defined(MERIDIAN_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MERIDIAN_AMX 1
+#endif
 
 namespace meridian {
 
@@ -40,6 +46,8 @@ at::Tensor q4_1_linear(at::Tensor x, at::Tensor blocks);
 at::Tensor q4_1_dequantize(at::Tensor blocks, int64_t in_features, at::ScalarType dtype);
 at::Tensor q8_0_linear(at::Tensor x, at::Tensor blocks);
 at::Tensor q8_0_dequantize(at::Tensor blocks, int64_t in_features, at::ScalarType dtype);
+// Whether this process may use AMX tiles (amx_cpu.cpp): built for them, and granted by the OS.
+bool amx_tiles_ready();
 std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weights,
                                          std::vector<at::Tensor> kv_caches, at::Tensor cos,
                                          at::Tensor sin, at::Tensor slot_mapping,
@@ -204,6 +212,17 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
+#endif
+
+#if defined(MERIDIAN_AMX)
+// The calling thread's AMX tile configuration while in scope (amx_cpu.cpp): every tile 16 rows
+// of 64 bytes, what the kernels' tile products use.
+struct AmxTileScope {
+  AmxTileScope();
+  ~AmxTileScope();
+  AmxTileScope(const AmxTileScope&) = delete;
+  AmxTileScope& operator=(const AmxTileScope&) = delete;
+};
 #endif
 
 }  // namespace meridian

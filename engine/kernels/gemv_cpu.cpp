@@ -27,15 +27,12 @@
 // result rounded once to bf16, as F.linear does; only the order of the fp32 sums differs. Block
 // weights with bf16 x, where the CPU has AVX-512 BF16, are first rounded to bf16 as the
 // dequantized model's are, so that its near ties fall the same way; elsewhere they stay fp32.
-#include "cpu_kernels.h"
+#include "block_formats.h"
 
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define MERIDIAN_AVX512_BF16 1
 #endif
 
 #include <vector>
@@ -45,6 +42,10 @@ namespace {
 
 constexpr int kRowsPerGroup = 4;  // weight rows whose dot products run side by side
 constexpr int kMaxTileTokens = 4;  // tokens sharing each loaded weight vector
+// Block weights' bf16 steps of this many tokens or more run on AMX tiles where the CPU has them
+// (amx_cpu.cpp): at one token the loop below was as fast (SmolLM2's shapes, Sapphire Rapids,
+// bench/linear_small_m.py), from two on the tiles, whose cost barely grows with the tokens.
+constexpr int64_t kAmxMinTokens = 2;
 // Rows per task: fewer and a parallel region costs more than the rows' reads.
 constexpr int64_t kBytesPerTask = 64 * 1024;
 
@@ -142,66 +143,6 @@ inline void group_tiles(int64_t num_tokens, int64_t row, int64_t rows, scalar_t*
     }
   }
 }
-
-constexpr int64_t kBlockWeights = 32;
-
-inline float fp32_at(const uint8_t* p) {
-  float value;
-  std::memcpy(&value, p, sizeof(value));
-  return value;
-}
-
-// What a format's block holds, and its 32 weights in fp32: `exact` as gguf's dequantizer rounds
-// them (each product and sum rounded), `fused` as the matmul forms them (Q4_1: one FMA).
-struct Q4_1 {
-  static constexpr const char* kName = "Q4_1";
-  static constexpr int64_t kBlockBytes = 24;  // fp32 d, fp32 m, 16 bytes of nibbles
-
-  static void exact(const uint8_t* block, float* w) {
-    const float d = fp32_at(block), m = fp32_at(block + 4);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = float(block[8 + j] & 0x0f) * d;
-      w[j + 16] = float(block[8 + j] >> 4) * d;
-    }
-    for (int j = 0; j < kBlockWeights; ++j) w[j] += m;
-  }
-#if defined(__AVX512F__)
-  static __m512 dequantized(__m128i q, __m512 d, __m512 m, bool fused) {
-    const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
-    return fused ? _mm512_fmadd_ps(qf, d, m) : _mm512_add_ps(_mm512_mul_ps(qf, d), m);
-  }
-  // Weights 0-15 in low, 16-31 in high.
-  static void weights(const uint8_t* block, __m512& low, __m512& high, bool fused) {
-    const __m512 d = _mm512_set1_ps(fp32_at(block)), m = _mm512_set1_ps(fp32_at(block + 4));
-    const __m128i low_nibbles = _mm_set1_epi8(0x0f);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
-    low = dequantized(_mm_and_si128(qs, low_nibbles), d, m, fused);
-    high = dequantized(_mm_and_si128(_mm_srli_epi16(qs, 4), low_nibbles), d, m, fused);
-  }
-#endif
-};
-
-struct Q8_0 {
-  static constexpr const char* kName = "Q8_0";
-  static constexpr int64_t kBlockBytes = 36;  // fp32 d, 32 int8
-
-  static void exact(const uint8_t* block, float* w) {
-    const float d = fp32_at(block);
-    const auto* q = reinterpret_cast<const int8_t*>(block + 4);
-    for (int j = 0; j < kBlockWeights; ++j) w[j] = float(q[j]) * d;
-  }
-#if defined(__AVX512F__)
-  static void weights(const uint8_t* block, __m512& low, __m512& high, bool /*fused*/) {
-    const __m512 d = _mm512_set1_ps(fp32_at(block));
-    auto half = [&](const uint8_t* q) {
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), d);
-    };
-    low = half(block + 4);
-    high = half(block + 20);
-  }
-#endif
-};
 
 // The dot products of R rows of blocks (stride ldw bytes) with T tokens' fp32 rows of x
 // (stride k), over k columns (whole blocks): out[t * R + r].
@@ -301,24 +242,6 @@ void check_blocks(const at::Tensor& blocks, int64_t k) {
               ") for K = ", k);
 }
 
-// One block's 32 weights as gguf's dequantizer computes them in fp32, stored rounded to nearest
-// even in the output's dtype.
-template <typename Format, typename scalar_t>
-inline void dequantize_block(const uint8_t* block, scalar_t* dst) {
-#if defined(MERIDIAN_AVX512_BF16)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    // 5x the plain loop below (Q4_1 3072x576: 0.4 against 2.2 ms), the same bits.
-    __m512 low, high;
-    Format::weights(block, low, high, false);
-    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-    return;
-  }
-#endif
-  float row[kBlockWeights];
-  Format::exact(block, row);
-  from_float(row, dst, kBlockWeights);
-}
-
 #if defined(MERIDIAN_AVX512_BF16)
 // Rows of blocks in bf16, each weight as dequantize_block forms it, in a buffer of the calling
 // thread's that the next group reuses (a group's rows are a few KB: they stay in L1).
@@ -334,12 +257,15 @@ const uint16_t* dequantize_rows(const uint8_t* w, int64_t rows, int64_t row_byte
   }
   return reinterpret_cast<const uint16_t*>(dense.data());
 }
+
 #endif
 
 // With bf16 x on AVX-512 BF16, a step of more tokens than a tile dequantizes each group of rows
 // once into L1 and runs the bf16 tiles on it: the blocks' own tiles would dequantize every
 // block once per tile, and dequantizing the whole layer first (as the steps above the kernel's
-// range do) writes and reads it back through memory. All three give the same bits.
+// range do) writes and reads it back through memory. All three give the same bits. With AMX
+// tiles, steps of kAmxMinTokens or more dequantize the same way and multiply on the tiles
+// (amx_cpu.cpp): the same products, summed in another order.
 template <typename Format>
 at::Tensor block_linear(at::Tensor x, at::Tensor blocks) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous x (M, K)");
@@ -354,6 +280,12 @@ at::Tensor block_linear(at::Tensor x, at::Tensor blocks) {
 #if defined(MERIDIAN_AVX512_BF16)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+#if defined(MERIDIAN_AMX)
+      if (m >= kAmxMinTokens && amx_tiles_ready()) {
+        amx_block_linear<Format>(xb, m, k, w, n, dst);
+        return;
+      }
+#endif
       for_row_groups(n, row_bytes, [&](int64_t row, int64_t rows) {
         const uint8_t* w_rows = w + row * row_bytes;
         if (m > kMaxTileTokens) {

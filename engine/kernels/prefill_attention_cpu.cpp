@@ -20,20 +20,18 @@
 // covering its context and the chunk, whose own keys are already written; out (T, H, D). The
 // cache holds q's dtype or fp8 (kv_cache_dtype "fp8"), widened exactly as it is packed.
 // Needs AVX-512 and D a multiple of 64, at most 256 (paged_prefill_supported); the engine
-// keeps the portable path elsewhere.
+// keeps the portable path elsewhere. With AMX, bf16's products run on tiles (see below).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace meridian {
 
 #if defined(__AVX512F__)
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define MERIDIAN_AVX512_BF16 1
-#endif
 namespace {
 
 constexpr int64_t kTileTokens = 16;  // query tokens per task
@@ -47,12 +45,14 @@ constexpr int64_t kMaxHeadDim = 256;  // the packing's per-key buffers
 
 using Scores = __m512[kBlockRows][kChunkVectors];
 
-// The online softmax's step over one chunk's scores: keys after a row's position weigh exactly
-// 0; weights[r] the rows' exponentials, correction[r] the factor for what they had summed.
-inline void softmax_step(Scores& s, const int64_t* pos, int64_t c0, float* row_max,
-                         float* row_sum, float (&weights)[kBlockRows][kChunkKeys],
+// The online softmax's step over one chunk's scores of Rows rows: keys after a row's position
+// weigh exactly 0; weights[r] the rows' exponentials, correction[r] the factor for what they had
+// summed.
+template <int Rows>
+inline void softmax_step(__m512 (&s)[Rows][kChunkVectors], const int64_t* pos, int64_t c0,
+                         float* row_max, float* row_sum, float (&weights)[Rows][kChunkKeys],
                          float* correction) {
-  for (int r = 0; r < kBlockRows; ++r) {
+  for (int r = 0; r < Rows; ++r) {
     __mmask16 valid[kChunkVectors];
     __m512 chunk_max = _mm512_set1_ps(kNegInf);
     for (int i = 0; i < kChunkVectors; ++i) {
@@ -144,7 +144,7 @@ struct Fp32Format {
     }
     alignas(64) float weights[kBlockRows][kChunkKeys];
     float correction[kBlockRows];
-    softmax_step(s, pos, c0, row_max, row_sum, weights, correction);
+    softmax_step<kBlockRows>(s, pos, c0, row_max, row_sum, weights, correction);
     const int64_t num_keys = std::min(kChunkKeys, pos[kBlockRows - 1] - c0 + 1);
     for (int64_t d0 = 0; d0 < d; d0 += 64) {
       Outputs acc;
@@ -225,7 +225,7 @@ struct Bf16Format {
       for (int i = 0; i < kChunkVectors; ++i) s[r][i] = _mm512_mul_ps(s[r][i], scale_v);
     alignas(64) float weights[kBlockRows][kChunkKeys];
     float correction[kBlockRows];
-    softmax_step(s, pos, c0, row_max, row_sum, weights, correction);
+    softmax_step<kBlockRows>(s, pos, c0, row_max, row_sum, weights, correction);
     // The weights as bf16 pairs, in key order: wp[r][j / 2].
     alignas(64) uint32_t wp[kBlockRows][kChunkKeys / 2];
     for (int r = 0; r < kBlockRows; ++r)
@@ -251,7 +251,113 @@ struct Bf16Format {
     }
   }
 };
+
+#if defined(MERIDIAN_AMX)
+// Bf16Format's products on AMX tiles, 16 rows at a time (a Sapphire Rapids): a tile product
+// multiplies 16 rows by 32 components by 16 keys (or dims) in one instruction, where vdpbf16ps
+// does 16 by 2. The packed keys and values are already the tiles' layout: a row of a chunk's
+// keys holds one pair of components of 16 keys, a row of values the pair of two keys for 16
+// components. Per chunk: the scores into four tiles of 16 keys, the online softmax on AVX-512
+// as above, then the weights times the values into tiles of 16 components, added to the rows'
+// rescaled outputs. Tiles: 0 the A operand (queries, then weights), 1-2 B (keys, then values),
+// 4-7 the products.
+constexpr int kTileRows = 16;
+
+inline void scores_tiles(const uint32_t* q, int64_t pairs, const uint32_t* kp) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  constexpr int64_t key_stride = 4 * kChunkKeys;
+  for (int64_t e0 = 0; e0 < pairs; e0 += 16) {
+    _tile_loadd(0, q + e0, 4 * pairs);
+    const uint32_t* k = kp + e0 * kChunkKeys;
+    _tile_loadd(1, k, key_stride);
+    _tile_loadd(2, k + 16, key_stride);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_loadd(1, k + 32, key_stride);
+    _tile_loadd(2, k + 48, key_stride);
+    _tile_dpbf16ps(6, 0, 1);
+    _tile_dpbf16ps(7, 0, 2);
+  }
+}
+
+// The weights (16 rows of a chunk's 64 keys, bf16) times 64 components of the chunk's values
+// (vp: pairs of keys, d components a row, from component d0).
+inline void values_tiles(const uint16_t* weights, const uint32_t* vp, int64_t d) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t half = 0; half < 2; ++half) {
+    _tile_loadd(0, weights + half * 32, 2 * kChunkKeys);
+    const uint32_t* v = vp + half * 16 * d;
+    _tile_loadd(1, v, 4 * d);
+    _tile_loadd(2, v + 16, 4 * d);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_loadd(1, v + 32, 4 * d);
+    _tile_loadd(2, v + 48, 4 * d);
+    _tile_dpbf16ps(6, 0, 1);
+    _tile_dpbf16ps(7, 0, 2);
+  }
+}
+
+inline void store_products(float (*out)[kChunkKeys]) {
+  _tile_stored(4, out[0], 4 * kChunkKeys);
+  _tile_stored(5, out[0] + 16, 4 * kChunkKeys);
+  _tile_stored(6, out[0] + 32, 4 * kChunkKeys);
+  _tile_stored(7, out[0] + 48, 4 * kChunkKeys);
+}
+
+// Bf16Format::attend_chunk's work for 16 rows (queries as stored, d / 2 pairs a row).
+void attend_chunk_tiles(const uint32_t* qp, const int64_t* pos, const uint32_t* kp,
+                        const uint32_t* vp, int64_t c0, int64_t d, float scale, float* row_max,
+                        float* row_sum, float* out) {
+  alignas(64) float products[kTileRows][kChunkKeys];
+  scores_tiles(qp, d / 2, kp);
+  store_products(products);
+  __m512 s[kTileRows][kChunkVectors];
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int r = 0; r < kTileRows; ++r)
+    for (int i = 0; i < kChunkVectors; ++i)
+      s[r][i] = _mm512_mul_ps(_mm512_load_ps(products[r] + i * 16), scale_v);
+  alignas(64) float weights[kTileRows][kChunkKeys];
+  float correction[kTileRows];
+  softmax_step<kTileRows>(s, pos, c0, row_max, row_sum, weights, correction);
+  alignas(64) uint16_t wb[kTileRows][kChunkKeys];  // the weights rounded to bf16, key order
+  for (int r = 0; r < kTileRows; ++r)
+    for (int i = 0; i < kChunkVectors; i += 2) {
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_load_ps(weights[r] + (i + 1) * 16),
+                                             _mm512_load_ps(weights[r] + i * 16));
+      _mm512_store_si512(wb[r] + i * 16, (__m512i)w);
+    }
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    values_tiles(wb[0], vp + d0, d);
+    store_products(products);
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512 c = _mm512_set1_ps(correction[r]);
+      float* row = out + r * d + d0;
+      for (int i = 0; i < 4; ++i) {
+        const __m512 v = _mm512_loadu_ps(row + i * 16);
+        _mm512_storeu_ps(row + i * 16,
+                         _mm512_fmadd_ps(v, c, _mm512_load_ps(products[r] + i * 16)));
+      }
+    }
+  }
+}
 #endif
+#endif
+
+// Whether this call's products run on AMX tiles, 16 rows a block, or on AVX-512, kBlockRows.
+template <typename Format>
+bool on_tiles() {
+#if defined(MERIDIAN_AMX)
+  if constexpr (std::is_same_v<Format, Bf16Format>) return amx_tiles_ready();
+#endif
+  return false;
+}
 
 template <typename Format, typename scalar_t, typename cache_t>
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -297,8 +403,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   // Later tiles see more keys: tasks alternate between the ends, so that the contiguous ranges
   // parallel_for hands each thread hold about equal work.
   const int64_t num_tiles = (num_tokens + kTileTokens - 1) / kTileTokens;
+  const bool tiles = on_tiles<Format>();
+  const int64_t block_rows = tiles ? kTileRows : kBlockRows;
   at::parallel_for(0, num_kv_heads * num_tiles, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_rows = (kTileTokens * group + kBlockRows - 1) / kBlockRows * kBlockRows;
+    const int64_t max_rows = (kTileTokens * group + block_rows - 1) / block_rows * block_rows;
+#if defined(MERIDIAN_AMX)
+    std::optional<AmxTileScope> tile_config;
+    if (tiles) tile_config.emplace();
+#endif
     std::vector<Elem> queries(max_rows * query_elems);
     std::vector<float> acc(max_rows * head_dim), row_max(max_rows), row_sum(max_rows);
     std::vector<int64_t> pos(max_rows);
@@ -308,7 +420,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t t0 = tile * kTileTokens;
       const int64_t rows = std::min(kTileTokens, num_tokens - t0) * group;
       // Rows token-major, so positions are non-decreasing; padding repeats the last row.
-      const int64_t padded_rows = (rows + kBlockRows - 1) / kBlockRows * kBlockRows;
+      const int64_t padded_rows = (rows + block_rows - 1) / block_rows * block_rows;
       for (int64_t r = 0; r < padded_rows; ++r) {
         const int64_t row = std::min(r, rows - 1);
         const int64_t t = t0 + row / group, head = kv_head * group + row % group;
@@ -325,12 +437,18 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c0 = 0; c0 <= pos[padded_rows - 1]; c0 += kChunkKeys) {
         const int64_t chunk = c0 / kChunkKeys;
-        for (int64_t r0 = 0; r0 < padded_rows; r0 += kBlockRows) {
-          if (pos[r0 + kBlockRows - 1] < c0) continue;  // above the diagonal
-          Format::attend_chunk(queries.data() + r0 * query_elems, pos.data() + r0,
-                               keys + chunk * chunk_elems, values + chunk * chunk_elems, c0,
-                               head_dim, float(scale), row_max.data() + r0, row_sum.data() + r0,
-                               acc.data() + r0 * head_dim);
+        for (int64_t r0 = 0; r0 < padded_rows; r0 += block_rows) {
+          if (pos[r0 + block_rows - 1] < c0) continue;  // above the diagonal
+          auto attend = Format::attend_chunk;
+#if defined(MERIDIAN_AMX)
+          if constexpr (std::is_same_v<Format, Bf16Format>) {
+            if (tiles) attend = attend_chunk_tiles;
+          }
+#endif
+          attend(queries.data() + r0 * query_elems, pos.data() + r0,
+                 keys + chunk * chunk_elems, values + chunk * chunk_elems, c0, head_dim,
+                 float(scale), row_max.data() + r0, row_sum.data() + r0,
+                 acc.data() + r0 * head_dim);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {

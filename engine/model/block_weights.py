@@ -36,6 +36,11 @@ BLOCK_WEIGHTS = 32
 # the tokens while dequantizing costs the same at any step size; they crossed between 16 and 32
 # tokens on the model's Q4_1 shapes (see docs/benchmarks.md).
 GEMV_MAX_TOKENS = 16
+# Where the kernels multiply bf16 steps of 2 or more tokens on AMX tiles (a Sapphire Rapids:
+# engine/kernels/amx_cpu.cpp), dequantizing is their cost at any step of up to 32 tokens (one
+# pass of the tiles), and they beat oneDNN's AMX GEMM on the dense weight there (1.3-2.7x on
+# SmolLM2's shapes, the LM head's too); at 48 and 64 the tiles' two passes lost to it.
+AMX_BLOCKS_MAX_TOKENS = 32
 # The LM head, whose float rows the model keeps too, reads its blocks up to 8 tokens where the
 # bf16 kernel takes the float rows to 8 or more: above 8 the rows were faster (the Q8_0 blocks
 # against the rows, AMD EPYC: 2.8 against 3.0 ms at 8 tokens, 4.1 against 3.6 at 12).
@@ -123,12 +128,15 @@ class BlockWeight:
         """Steps of up to this many tokens read the blocks; bigger ones the dense weight. Where
         the bf16 kernel multiplies a dense weight over 16 tokens, the blocks take those steps
         too: each group of rows dequantized in L1 for the same loop (engine/kernels/gemv_cpu.cpp),
-        where the dense path would dequantize the layer through memory first."""
+        where the dense path would dequantize the layer through memory first; on AMX tiles, up
+        to AMX_BLOCKS_MAX_TOKENS."""
         if not self._max_kernel_tokens:
             self._max_kernel_tokens = self._kernel_range()
         return self._max_kernel_tokens
 
     def _kernel_range(self) -> int:
+        if self.dtype == torch.bfloat16 and (k := cpu_kernels()) and k.amx_tiles_ready():
+            return AMX_BLOCKS_MAX_TOKENS
         dense_tokens = bf16_gemv_max_tokens(*self.shape) if self.dtype == torch.bfloat16 else 0
         if self.float_rows_kept and dense_tokens >= HEAD_BLOCKS_MAX_TOKENS:
             return HEAD_BLOCKS_MAX_TOKENS

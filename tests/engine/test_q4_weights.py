@@ -26,6 +26,7 @@ from engine.kernels import cpu_kernels
 from engine.loader import Checkpoint
 from engine.model import block_weights
 from engine.model.block_weights import (
+    AMX_BLOCKS_MAX_TOKENS,
     GEMV_MAX_TOKENS,
     HEAD_BLOCKS_MAX_TOKENS,
     Q4_1,
@@ -290,17 +291,20 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "bf16_gemv_tokens", "float_rows_kept", "expected"),
+    ("dtype", "bf16_gemv_tokens", "float_rows_kept", "amx", "expected"),
     [
         # The bf16 kernel on the dense weight takes the steps over 16: so do the blocks.
-        (torch.bfloat16, 64, False, 64),
-        (torch.bfloat16, 8, False, GEMV_MAX_TOKENS),  # F.linear from 16: blocks to 16
-        (torch.bfloat16, 4, False, GEMV_MAX_TOKENS),  # AMX: F.linear on the dense weight
-        (torch.float32, 64, False, GEMV_MAX_TOKENS),  # fp32: no bf16 kernel reads the dense weight
+        (torch.bfloat16, 64, False, False, 64),
+        (torch.bfloat16, 8, False, False, GEMV_MAX_TOKENS),  # F.linear from 16: blocks to 16
+        # fp32: no bf16 kernel reads the dense weight, and no AMX tiles multiply fp32.
+        (torch.float32, 64, False, False, GEMV_MAX_TOKENS),
+        (torch.float32, 4, False, True, GEMV_MAX_TOKENS),
         # The LM head: its float rows beat its blocks over 8 where the kernel reads them.
-        (torch.bfloat16, 64, True, HEAD_BLOCKS_MAX_TOKENS),
-        (torch.bfloat16, 8, True, HEAD_BLOCKS_MAX_TOKENS),
-        (torch.bfloat16, 4, True, GEMV_MAX_TOKENS),
+        (torch.bfloat16, 64, True, False, HEAD_BLOCKS_MAX_TOKENS),
+        (torch.bfloat16, 8, True, False, HEAD_BLOCKS_MAX_TOKENS),
+        # AMX: the blocks on the tiles up to 32 tokens, the head's too.
+        (torch.bfloat16, 4, False, True, AMX_BLOCKS_MAX_TOKENS),
+        (torch.bfloat16, 4, True, True, AMX_BLOCKS_MAX_TOKENS),
     ],
 )
 def test_blocks_are_read_where_they_beat_the_dense_weight(
@@ -308,12 +312,16 @@ def test_blocks_are_read_where_they_beat_the_dense_weight(
     dtype: torch.dtype,
     bf16_gemv_tokens: int,
     float_rows_kept: bool,
+    amx: bool,
     expected: int,
 ) -> None:
     monkeypatch.setattr(block_weights, "bf16_gemv_max_tokens", lambda n, k: bf16_gemv_tokens)
     calls: list[str] = []
 
     class Recording:
+        def amx_tiles_ready(self) -> bool:
+            return amx
+
         def q4_1_linear(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
             calls.append("kernel")
             return torch.zeros(x.shape[0], blocks.shape[0], dtype=x.dtype)
@@ -343,11 +351,34 @@ def test_bf16_blocks_give_the_dequantized_weight_s_bits(num_tokens: int, fmt: Bl
     dequantizes a group of rows in L1 for the dense loop; either way the products and their
     order are the dense kernel's on the dequantized weight, to the bit."""
     kernels = cpu_kernels() or pytest.skip("the CPU kernels could not be built")
+    if num_tokens >= 2 and kernels.amx_tiles_ready():
+        pytest.skip("on AMX tiles: test_amx_tiles_sum_the_dequantized_weight_s_products")
     gen = torch.Generator().manual_seed(num_tokens)
     weight = BlockWeight.from_gguf(random_blocks(130, 1536, gen, fmt), fmt, torch.bfloat16)
     x = torch.randn(num_tokens, 1536, generator=gen).to(torch.bfloat16)
     ours = getattr(kernels, f"{fmt.name}_linear")(x, weight.blocks)
     assert torch.equal(ours, kernels.bf16_linear(x, weight.dequantized()))
+
+
+@pytest.mark.parametrize("num_tokens", [2, 13, 16, 17, 32, 33])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_amx_tiles_sum_the_dequantized_weight_s_products(num_tokens: int, fmt: BlockFormat) -> None:
+    """On AMX tiles the products are the dequantized weight's (bf16 times bf16, exact in fp32)
+    and only their sums' order differs: every output within one bf16 rounding of the exact sum,
+    nearly all the same bits. Token counts on both sides of a tile (16) and of a pass (32); a
+    last partial group of rows (130 = 4 groups of 32 and 2)."""
+    kernels = cpu_kernels() or pytest.skip("the CPU kernels could not be built")
+    if not kernels.amx_tiles_ready():
+        pytest.skip("no AMX tiles on this CPU (or the OS did not grant them)")
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = BlockWeight.from_gguf(random_blocks(130, 1536, gen, fmt), fmt, torch.bfloat16)
+    x = torch.randn(num_tokens, 1536, generator=gen).to(torch.bfloat16)
+    ours = getattr(kernels, f"{fmt.name}_linear")(x, weight.blocks)
+    exact = x.float() @ weight.dequantized().float().T
+    assert ours.shape == exact.shape
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs()
+    assert ((ours.float() - exact).abs() <= ulp + 1e-6).all()
+    assert (ours == exact.to(torch.bfloat16)).float().mean() > 0.99
 
 
 def test_q4_1_is_refused_where_the_weights_are_not_q4_1(smollm2_checkpoint: Checkpoint) -> None:
