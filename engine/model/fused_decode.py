@@ -6,7 +6,8 @@ At batch 1 a step's matmuls read their weights in ~6 ms here and the ~14 Python 
 module dispatches of each of the 30 layers took another 2-2.5 ms (docs/benchmarks.md). The fused
 call serves the steps where every layer would run only our kernels: CPU, kernels built, one
 tensor-parallel rank, no biases, every projection Q4_1 blocks or dense bf16, and a step of up
-to 4 tokens, all decodes, attended by the decode kernel. Every other step runs the modules.
+to MAX_TOKENS tokens within the projections' kernel ranges, all decodes, attended by the decode
+kernel. Every other step runs the modules.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 # Steps of up to this many tokens, and within every projection's kernel range (where the modules
 # would call exactly these kernels: the bf16 kernel takes 4 tokens on any CPU unless
-# MERIDIAN_MATMUL_CROSSOVER pins fewer, the blocks 16).
-MAX_TOKENS = 4
+# MERIDIAN_MATMUL_CROSSOVER pins fewer, the blocks 16, 32 on AMX tiles). Up to 4 at first; to 32
+# the c=32 mixed workload gained 5-8% output tok/s on a Sapphire Rapids (2 pairs of runs).
+MAX_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
