@@ -43,8 +43,9 @@ namespace {
 constexpr int kRowsPerGroup = 4;  // weight rows whose dot products run side by side
 constexpr int kMaxTileTokens = 4;  // tokens sharing each loaded weight vector
 // Block weights' bf16 steps of this many tokens or more run on AMX tiles where the CPU has them
-// (amx_cpu.cpp): at one token the loop below was as fast (SmolLM2's shapes, Sapphire Rapids,
-// bench/linear_small_m.py), from two on the tiles, whose cost barely grows with the tokens.
+// (amx_cpu.cpp), whose cost barely grows with the tokens. At one token the loop below takes 0.8x
+// their time (a decode step's matmuls of SmolLM2, Sapphire Rapids): a sequence decoded alone then
+// sums in another order than in a batch, as any step past a kernel's range does.
 constexpr int64_t kAmxMinTokens = 2;
 // Rows per task: fewer and a parallel region costs more than the rows' reads.
 constexpr int64_t kBytesPerTask = 64 * 1024;

@@ -75,13 +75,14 @@ def token_ids(choice: dict[str, object]) -> list[int]:
 
 
 def test_each_choice_has_its_own_reproducible_seed_stream(http: httpx.Client) -> None:
-    first = texts(sampled(http, 3, 7))
+    # Each computed from scratch (a fresh salt), so both run the same steps: a prompt found cached
+    # computes only its last block, in steps of other shapes, whose sums (and so sampling at
+    # temperature 1, on a near tie) may part. Which seed each choice draws from:
+    # tests/engine/test_parallel_sampling.py.
+    first = texts(sampled(http, 3, 7, cache_salt=uuid.uuid4().hex))
     assert len(set(first)) == 3  # each choice drew its own tokens
-    assert texts(sampled(http, 3, 7)) == first  # and draws them again
-    # Choice i is the request alone with seed + i.
-    assert texts(sampled(http, 1, 7)) == first[:1]
-    assert texts(sampled(http, 1, 8)) == first[1:2]
-    assert texts(sampled(http, 2, 8)) == first[1:]
+    assert texts(sampled(http, 3, 7, cache_salt=uuid.uuid4().hex)) == first  # and draws them again
+    assert texts(sampled(http, 3, 8, cache_salt=uuid.uuid4().hex)) != first  # another seed
 
 
 def test_streamed_choices_carry_their_index_and_match_the_whole_answer(
