@@ -112,13 +112,13 @@ void group_pass(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k,
                                reinterpret_cast<at::BFloat16*>(a + r * kBlockWeights));
     }
     const uint32_t* x_block = xt + b * (kBlockWeights / 2) * m_pad + token;
-    _tile_loadd(MERIDIAN_A0, a, kRowStride);
-    _tile_loadd(MERIDIAN_A1, a + kTileTokens * kBlockWeights, kRowStride);
-    _tile_loadd(MERIDIAN_B0, x_block, x_stride);
+    MERIDIAN_TILE_LOAD(MERIDIAN_A0, a, kRowStride);
+    MERIDIAN_TILE_LOAD(MERIDIAN_A1, a + kTileTokens * kBlockWeights, kRowStride);
+    MERIDIAN_TILE_LOAD(MERIDIAN_B0, x_block, x_stride);
     _tile_dpbf16ps(MERIDIAN_C00, MERIDIAN_A0, MERIDIAN_B0);
     _tile_dpbf16ps(MERIDIAN_C10, MERIDIAN_A1, MERIDIAN_B0);
     if constexpr (TwoTokenTiles) {
-      _tile_loadd(MERIDIAN_B1, x_block + kTileTokens, x_stride);
+      MERIDIAN_TILE_LOAD(MERIDIAN_B1, x_block + kTileTokens, x_stride);
       _tile_dpbf16ps(MERIDIAN_C01, MERIDIAN_A0, MERIDIAN_B1);
       _tile_dpbf16ps(MERIDIAN_C11, MERIDIAN_A1, MERIDIAN_B1);
     }

@@ -215,6 +215,15 @@ inline __m512 exp16(__m512 x) {
 #endif
 
 #if defined(MERIDIAN_AMX)
+// A tile load, after every store before it. GCC's _tile_loadd is an asm statement that does not
+// tell the compiler it reads memory: the stores that fill its source may be moved past it, or
+// dropped as dead (a decode kernel's queries were, and its scores came out NaN).
+#define MERIDIAN_TILE_LOAD(tile, base, stride) \
+  do {                                         \
+    asm volatile("" ::: "memory");             \
+    _tile_loadd(tile, base, stride);           \
+  } while (0)
+
 // The calling thread's AMX tile configuration while in scope (amx_cpu.cpp): every tile 16 rows
 // of 64 bytes, what the kernels' tile products use.
 struct AmxTileScope {

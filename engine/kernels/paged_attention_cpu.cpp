@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace meridian {
@@ -76,10 +77,17 @@ void attend_portable(const float* qf, const scalar_t* k_ptr, const scalar_t* v_p
 #if defined(__AVX512F__)
 // One (sequence, KV head) with AVX-512: a head is NV vectors of 16, its queries (G of them) and
 // accumulators held in registers, each key and value read once for all G query heads.
-template <int NV, int G, typename scalar_t>
-void attend_avx512(const float* qf, const scalar_t* k_ptr, const scalar_t* v_ptr,
-                   const int64_t* table, int64_t len, int64_t block_size, int64_t token_stride,
-                   int64_t kv_offset, float* scores, HeadState* state, float* acc_out) {
+//
+// Tiles (AMX, bf16 cache, heads of 64, blocks a multiple of 16): the scores of 16 keys at a time
+// are one tile product of their rows as stored (an A tile of 16 keys by 32 components, the slot
+// stride apart) with the queries transposed into pairs (B, resident for the task), instead of a
+// horizontal sum per key and query head; the products summed in fp32 (bf16 times bf16 is exact),
+// then scaled. The values' half stays on AVX-512.
+template <int NV, int G, typename scalar_t, bool Tiles = false>
+void attend_avx512(const float* qf, const uint16_t* q_bits, const scalar_t* k_ptr,
+                   const scalar_t* v_ptr, const int64_t* table, int64_t len, int64_t block_size,
+                   int64_t token_stride, int64_t kv_offset, float scale, float* scores,
+                   HeadState* state, float* acc_out) {
   // Keys and values load as kLoadScale times their value (fp8: 2^-8 of it, one multiply saved
   // per 16): the queries and the outputs take the factor back, exactly.
   const __m512 load_scale = _mm512_set1_ps(kLoadScale<scalar_t>);
@@ -89,17 +97,49 @@ void attend_avx512(const float* qf, const scalar_t* k_ptr, const scalar_t* v_ptr
       qv[g][i] = _mm512_mul_ps(_mm512_loadu_ps(qf + (g * NV + i) * 16), load_scale);
       acc[g][i] = _mm512_setzero_ps();
     }
+#if defined(MERIDIAN_AMX)
+  if constexpr (Tiles) {
+    static_assert(NV == 4 && G <= 16, "the tiles' path holds heads of 64");
+    // The queries as B tiles: row e holds components 2e and 2e + 1 of each query head.
+    alignas(64) uint32_t qt[32][16] = {};
+    const auto* q_pairs = reinterpret_cast<const uint32_t*>(q_bits);
+    for (int g = 0; g < G; ++g)
+      for (int e = 0; e < 32; ++e) qt[e][g] = q_pairs[g * 32 + e];
+    MERIDIAN_TILE_LOAD(2, qt[0], 64);
+    MERIDIAN_TILE_LOAD(3, qt[16], 64);
+  }
+#endif
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t n = std::min(block_size, len - start);
     const int64_t base = table[start / block_size] * block_size * token_stride + kv_offset;
-    for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* kt = k_ptr + base + t * token_stride;
-      __m512 kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = load16_scaled(kt + i * 16);
-      for (int g = 0; g < G; ++g) {
-        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
-        scores[g * block_size + t] = _mm512_reduce_add_ps(s);
+#if defined(MERIDIAN_AMX)
+    if constexpr (Tiles) {
+      alignas(64) float s16[16][16];
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const scalar_t* kt = k_ptr + base + t0 * token_stride;
+        MERIDIAN_TILE_LOAD(0, kt, 2 * token_stride);
+        MERIDIAN_TILE_LOAD(1, kt + 32, 2 * token_stride);
+        _tile_zero(4);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(4, 1, 3);
+        _tile_stored(4, s16[0], 64);
+        for (int64_t t = t0; t < std::min(n, t0 + 16); ++t)
+          for (int g = 0; g < G; ++g) scores[g * block_size + t] = s16[t - t0][g] * scale;
+      }
+    } else
+#endif
+    {
+      (void)q_bits;
+      (void)scale;
+      for (int64_t t = 0; t < n; ++t) {
+        const scalar_t* kt = k_ptr + base + t * token_stride;
+        __m512 kv[NV];
+        for (int i = 0; i < NV; ++i) kv[i] = load16_scaled(kt + i * 16);
+        for (int g = 0; g < G; ++g) {
+          __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+          for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
+          scores[g * block_size + t] = _mm512_reduce_add_ps(s);
+        }
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -136,12 +176,35 @@ void attend_avx512(const float* qf, const scalar_t* k_ptr, const scalar_t* v_ptr
 }
 
 template <typename scalar_t>
-using AvxAttend = void (*)(const float*, const scalar_t*, const scalar_t*, const int64_t*,
-                           int64_t, int64_t, int64_t, int64_t, float*, HeadState*, float*);
+using AvxAttend = void (*)(const float*, const uint16_t*, const scalar_t*, const scalar_t*,
+                           const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*,
+                           HeadState*, float*);
+
+// Whether a call of these types and shapes takes the tiles' scores.
+template <typename scalar_t, typename cache_t>
+bool decode_on_tiles(int64_t head_dim, int64_t group, int64_t block_size) {
+#if defined(MERIDIAN_AMX)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>)
+    return head_dim == 64 && group <= 4 && block_size % 16 == 0 && amx_tiles_ready();
+#endif
+  (void)head_dim, (void)group, (void)block_size;
+  return false;
+}
 
 // The register-held shapes: heads of 64 or 128, 1 to 4 query heads per KV head.
 template <typename scalar_t>
-AvxAttend<scalar_t> avx512_attend_for(int64_t head_dim, int64_t group) {
+AvxAttend<scalar_t> avx512_attend_for(int64_t head_dim, int64_t group, bool tiles) {
+#if defined(MERIDIAN_AMX)
+  if (tiles) {
+    switch (group) {
+      case 1: return attend_avx512<4, 1, scalar_t, true>;
+      case 2: return attend_avx512<4, 2, scalar_t, true>;
+      case 3: return attend_avx512<4, 3, scalar_t, true>;
+      case 4: return attend_avx512<4, 4, scalar_t, true>;
+    }
+  }
+#endif
+  (void)tiles;
   if (head_dim == 64) {
     switch (group) {
       case 1: return attend_avx512<4, 1, scalar_t>;
@@ -176,7 +239,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 #if defined(__AVX512F__)
-  const AvxAttend<cache_t> fast = avx512_attend_for<cache_t>(head_dim, group);
+  const bool tiles = decode_on_tiles<scalar_t, cache_t>(head_dim, group, block_size);
+  const AvxAttend<cache_t> fast = avx512_attend_for<cache_t>(head_dim, group, tiles);
 #endif
 
   // A step with little context to read runs on the calling thread: a parallel region costs more
@@ -189,6 +253,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> qf(group * head_dim), acc(group * head_dim), kf(block_size * head_dim),
         vf(block_size * head_dim), scores(group * block_size);
     std::vector<HeadState> state(group);
+#if defined(MERIDIAN_AMX) && defined(__AVX512F__)
+    std::optional<AmxTileScope> tile_config;
+    if (tiles) tile_config.emplace();
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       to_float(q_ptr + seq * q_stride + kv_head * group * head_dim, qf.data(), group * head_dim);
@@ -199,8 +267,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t kv_offset = kv_head * head_dim;
 #if defined(__AVX512F__)
       if (fast != nullptr) {
-        fast(qf.data(), k_ptr, v_ptr, table, lens[seq], block_size, token_stride, kv_offset,
-             scores.data(), state.data(), acc.data());
+        const auto* q_bits = reinterpret_cast<const uint16_t*>(
+            q_ptr + seq * q_stride + kv_head * group * head_dim);
+        fast(qf.data(), q_bits, k_ptr, v_ptr, table, lens[seq], block_size, token_stride,
+             kv_offset, float(scale), scores.data(), state.data(), acc.data());
       } else
 #endif
       {

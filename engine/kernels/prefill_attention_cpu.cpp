@@ -270,14 +270,14 @@ inline void scores_tiles(const uint32_t* q, int64_t pairs, const uint32_t* kp) {
   _tile_zero(7);
   constexpr int64_t key_stride = 4 * kChunkKeys;
   for (int64_t e0 = 0; e0 < pairs; e0 += 16) {
-    _tile_loadd(0, q + e0, 4 * pairs);
+    MERIDIAN_TILE_LOAD(0, q + e0, 4 * pairs);
     const uint32_t* k = kp + e0 * kChunkKeys;
-    _tile_loadd(1, k, key_stride);
-    _tile_loadd(2, k + 16, key_stride);
+    MERIDIAN_TILE_LOAD(1, k, key_stride);
+    MERIDIAN_TILE_LOAD(2, k + 16, key_stride);
     _tile_dpbf16ps(4, 0, 1);
     _tile_dpbf16ps(5, 0, 2);
-    _tile_loadd(1, k + 32, key_stride);
-    _tile_loadd(2, k + 48, key_stride);
+    MERIDIAN_TILE_LOAD(1, k + 32, key_stride);
+    MERIDIAN_TILE_LOAD(2, k + 48, key_stride);
     _tile_dpbf16ps(6, 0, 1);
     _tile_dpbf16ps(7, 0, 2);
   }
@@ -291,14 +291,14 @@ inline void values_tiles(const uint16_t* weights, const uint32_t* vp, int64_t d)
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t half = 0; half < 2; ++half) {
-    _tile_loadd(0, weights + half * 32, 2 * kChunkKeys);
+    MERIDIAN_TILE_LOAD(0, weights + half * 32, 2 * kChunkKeys);
     const uint32_t* v = vp + half * 16 * d;
-    _tile_loadd(1, v, 4 * d);
-    _tile_loadd(2, v + 16, 4 * d);
+    MERIDIAN_TILE_LOAD(1, v, 4 * d);
+    MERIDIAN_TILE_LOAD(2, v + 16, 4 * d);
     _tile_dpbf16ps(4, 0, 1);
     _tile_dpbf16ps(5, 0, 2);
-    _tile_loadd(1, v + 32, 4 * d);
-    _tile_loadd(2, v + 48, 4 * d);
+    MERIDIAN_TILE_LOAD(1, v + 32, 4 * d);
+    MERIDIAN_TILE_LOAD(2, v + 48, 4 * d);
     _tile_dpbf16ps(6, 0, 1);
     _tile_dpbf16ps(7, 0, 2);
   }
