@@ -40,6 +40,7 @@ constexpr int64_t kChunkVectors = kChunkKeys / 16;
 // Rows whose scores (then outputs) are held in registers at once: 24 of the 32 vectors. Six
 // rows did 1.3-2x the work of four in fp32 (one load of keys per six FMAs, not four).
 constexpr int kBlockRows = 6;
+constexpr int kTileRows = 16;  // rows a block on AMX tiles (below)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMaxHeadDim = 256;  // the packing's per-key buffers
 
@@ -261,7 +262,6 @@ struct Bf16Format {
 // as above, then the weights times the values into tiles of 16 components, added to the rows'
 // rescaled outputs. Tiles: 0 the A operand (queries, then weights), 1-2 B (keys, then values),
 // 4-7 the products.
-constexpr int kTileRows = 16;
 
 inline void scores_tiles(const uint32_t* q, int64_t pairs, const uint32_t* kp) {
   _tile_zero(4);
