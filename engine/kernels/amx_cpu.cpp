@@ -35,7 +35,6 @@ constexpr int kTileDataFeature = 18;            // XFEATURE_XTILEDATA
 constexpr int64_t kGroupRows = 32;    // weight rows of a group: two A tiles
 constexpr int64_t kPassTokens = 32;   // tokens of one pass over a group's blocks: two B tiles
 constexpr int64_t kTileTokens = 16;   // tokens of a B tile
-constexpr int64_t kBytesPerTask = 64 * 1024;  // as gemv_cpu.cpp's row groups
 
 // ldtilecfg's 64 bytes: palette 1, every tile 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
@@ -86,8 +85,8 @@ void pack_tokens(const uint16_t* x, int64_t m, int64_t k, uint32_t* xt, int64_t 
 // rows past `rows` stay zero.
 template <typename Format, bool TwoTokenTiles>
 void group_pass(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k,
-                const uint32_t* xt, int64_t m_pad, int64_t token, uint16_t (*buffers)[kGroupRows * kBlockWeights],
-                float* dots) {
+                const uint32_t* xt, int64_t m_pad, int64_t token,
+                uint16_t (*buffers)[kGroupRows * kBlockWeights], float* dots) {
   _tile_zero(MERIDIAN_C00);
   _tile_zero(MERIDIAN_C10);
   if constexpr (TwoTokenTiles) {
@@ -175,7 +174,9 @@ void amx_block_linear(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w,
     for (int64_t group = begin; group < end; ++group) {
       const int64_t row = group * kGroupRows;
       const int64_t rows = std::min(kGroupRows, n - row);
-      if (rows < kGroupRows) std::fill(&buffers[0][0], &buffers[0][0] + 2 * kGroupRows * kBlockWeights, 0);
+      if (rows < kGroupRows) {  // the rows past the weight's stay zero
+        for (auto& buffer : buffers) std::fill(std::begin(buffer), std::end(buffer), 0);
+      }
       const uint8_t* w_rows = w + row * row_bytes;
       int64_t token = 0;
       for (; token + kPassTokens <= m_pad; token += kPassTokens) {

@@ -7,6 +7,8 @@
 namespace meridian {
 
 constexpr int64_t kBlockWeights = 32;
+// Weight bytes per parallel task: fewer and a parallel region costs more than the rows' reads.
+constexpr int64_t kBytesPerTask = 64 * 1024;
 
 inline float fp32_at(const uint8_t* p) {
   float value;

@@ -47,8 +47,6 @@ constexpr int kMaxTileTokens = 4;  // tokens sharing each loaded weight vector
 // their time (a decode step's matmuls of SmolLM2, Sapphire Rapids): a sequence decoded alone then
 // sums in another order than in a batch, as any step past a kernel's range does.
 constexpr int64_t kAmxMinTokens = 2;
-// Rows per task: fewer and a parallel region costs more than the rows' reads.
-constexpr int64_t kBytesPerTask = 64 * 1024;
 
 // The dot products of R bf16 weight rows (stride ldw) with T tokens' rows of x (stride k),
 // over k columns: out[t * R + r]. x in bf16 (for AVX-512 BF16's dot products) and in fp32

@@ -405,6 +405,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t num_tiles = (num_tokens + kTileTokens - 1) / kTileTokens;
   const bool tiles = on_tiles<Format>();
   const int64_t block_rows = tiles ? kTileRows : kBlockRows;
+  auto attend = Format::attend_chunk;
+#if defined(MERIDIAN_AMX)
+  if constexpr (std::is_same_v<Format, Bf16Format>) {
+    if (tiles) attend = attend_chunk_tiles;
+  }
+#endif
   at::parallel_for(0, num_kv_heads * num_tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = (kTileTokens * group + block_rows - 1) / block_rows * block_rows;
 #if defined(MERIDIAN_AMX)
@@ -439,12 +445,6 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
         const int64_t chunk = c0 / kChunkKeys;
         for (int64_t r0 = 0; r0 < padded_rows; r0 += block_rows) {
           if (pos[r0 + block_rows - 1] < c0) continue;  // above the diagonal
-          auto attend = Format::attend_chunk;
-#if defined(MERIDIAN_AMX)
-          if constexpr (std::is_same_v<Format, Bf16Format>) {
-            if (tiles) attend = attend_chunk_tiles;
-          }
-#endif
           attend(queries.data() + r0 * query_elems, pos.data() + r0,
                  keys + chunk * chunk_elems, values + chunk * chunk_elems, c0, head_dim,
                  float(scale), row_max.data() + r0, row_sum.data() + r0,
