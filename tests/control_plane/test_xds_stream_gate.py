@@ -25,20 +25,25 @@ EDGE = EnvoyGroup(Role.EDGE, None, "127.0.0.1", 10002)
 
 
 async def ask_for_everything(
-    side: Fleetside, metadata: tuple[tuple[str, str], ...], group: EnvoyGroup = INGRESS
+    side: Fleetside,
+    metadata: tuple[tuple[str, str], ...],
+    group: EnvoyGroup | None = INGRESS,
 ) -> tuple[grpc.StatusCode, str, list[discovery_pb2.DiscoveryResponse]]:
-    """One stream that asks for clusters with a made-up node id: how it ended, and what it was
-    sent before. One request only: the server may end the stream as soon as it has read it (or
-    has read the stream's metadata), and a write after that fails on the client's side, which
-    then reports its own INTERNAL instead of the server's status."""
+    """One stream that asks for clusters as `group` with a made-up node id (None: that sends
+    nothing, only its metadata): how it ended, and what it was sent before. One request at most:
+    the server may end the stream as soon as it has read it, and a write after that fails on the
+    client's side, which then reports its own INTERNAL instead of the server's status. A stream
+    refused on its metadata alone may end before even that one is written, so those are asked
+    with none."""
     received: list[discovery_pb2.DiscoveryResponse] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{side.xds.port}") as channel:
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
         call = stub.StreamAggregatedResources(metadata=metadata)
-        request = discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE)
-        request.node.id = "made-up-node"
-        request.node.metadata.update(group.metadata())
-        await call.write(request)
+        if group is not None:
+            request = discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE)
+            request.node.id = "made-up-node"
+            request.node.metadata.update(group.metadata())
+            await call.write(request)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async with asyncio.timeout(5.0):
                 async for response in call:
@@ -63,7 +68,7 @@ def refusals(side: Fleetside) -> list[audit.AuditEntry]:
 async def test_a_stream_without_a_valid_credential_gets_nothing(
     side: Fleetside, metadata: tuple[tuple[str, str], ...], code: str
 ) -> None:
-    status, details, received = await ask_for_everything(side, metadata)
+    status, details, received = await ask_for_everything(side, metadata, group=None)
     assert status == grpc.StatusCode.UNAUTHENTICATED and "/v1/xds/credentials" in details
     assert received == []
     assert side.xds.connections == [] and side.xds.counters.num_refused_streams == 1
