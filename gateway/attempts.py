@@ -52,10 +52,11 @@ class Try:
     is_last: bool
 
     @property
-    def redirected_tokens(self) -> int:
-        """The prompt a failover or a resume brings the region: what this gateway counts as
-        queue there until the first byte (gateway/routing.py)."""
-        return 0 if self.is_first else self.candidate.prompt_tokens
+    def awaited_tokens(self) -> int:
+        """The prompt the attempt brings the region to prefill (less what the plan took as
+        cached there): what this gateway counts as queue there until the first byte
+        (gateway/routing.py)."""
+        return self.candidate.prompt_tokens - self.candidate.cached_tokens
 
 
 def waits_past_timeout(step: Try, summary: RegionSummary | None) -> bool:

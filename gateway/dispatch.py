@@ -117,7 +117,12 @@ class Dispatch:
 
         def plan_of(model: str) -> RoutePlan:
             plan_model = model if choice.is_model_aware else None
-            return self.router.plan(parsed.prompt_tokens, parsed.affinity_key, model=plan_model)
+            return self.router.plan(
+                parsed.prompt_tokens,
+                parsed.affinity_key,
+                model=plan_model,
+                prefix_tokens=parsed.prefix_tokens,
+            )
 
         def may_open(model: str, plan: RoutePlan) -> bool:
             return has_capacity(plan) or (is_auto_asked and model == choice.model)

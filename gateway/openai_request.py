@@ -73,6 +73,7 @@ class ParsedRequest:
     max_tokens: int  # the client's, or the gateway's default cap
     num_choices: int  # `n`: each choice may generate max_tokens
     affinity_key: str | None  # hash of the system prompt, for prefix-cache affinity
+    prefix_tokens: int  # likely, of the prompt up to the system prompt's end (0: none)
     is_constrained: bool  # a grammar shapes the output: its TTFT includes compiling it
     upstream_body: UpstreamBody  # to the node: a stream, usage and ids, the reserved max_tokens
 
@@ -140,9 +141,13 @@ def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def _system_prompt(turns: list[ChatTurn]) -> str | None:
-    """The first system message's text."""
-    return next((t.text for t in turns if t.role in ("system", "developer")), None)
+def _system_prompt(turns: list[ChatTurn]) -> tuple[str, int] | None:
+    """The first system message's text, and the likely tokens of the prompt up to its end (what
+    a node's prefix cache holds of it)."""
+    for i, turn in enumerate(turns):
+        if turn.role in ("system", "developer"):
+            return turn.text, of_chat(turns[: i + 1]).likely_tokens
+    return None
 
 
 def _is_token_ids(value: object) -> TypeGuard[list[int]]:
@@ -217,6 +222,7 @@ def parse_request(
     wants_usage = bool(options and options.get("include_usage") is True)
 
     affinity_key: str | None = None
+    prefix_tokens = 0
     if endpoint == "chat":
         turns = _chat_turns(body.get("messages"))
         estimate = of_chat(turns)
@@ -230,8 +236,9 @@ def parse_request(
                 estimate.max_tokens + num_tool_bytes,
             )
         system = _system_prompt(turns)
-        if system:
-            affinity_key = prefix_key_of(system, cache_salt)
+        if system is not None and system[0]:
+            affinity_key = prefix_key_of(system[0], cache_salt)
+            prefix_tokens = system[1]
         max_tokens = chat_output_limit(partial(_int_field, body)) or default_max_tokens
         set_output_limit(body, max_tokens)
     else:
@@ -257,6 +264,7 @@ def parse_request(
         max_tokens=max_tokens,
         num_choices=_int_field(body, "n") or 1,
         affinity_key=affinity_key,
+        prefix_tokens=prefix_tokens,
         is_constrained=_asks_grammar(body),
         upstream_body=UpstreamBody.of(body, max_tokens),
     )

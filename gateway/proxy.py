@@ -233,11 +233,11 @@ class Proxy:
             step = attempts.next(now_s)
             if isinstance(step, GiveUp):
                 break
-            candidate, redirected = step.candidate, step.redirected_tokens
+            candidate, awaited = step.candidate, step.awaited_tokens
             state = self._router.state_of(candidate.region)
             if state is not None:
                 state.breaker.on_attempt(now_s)
-                state.on_sent(redirected)
+                state.on_sent(awaited)
             waits = partial(_waits_past_timeout, step, state) if step.is_last else None
             try:
                 opened = await self._attempt(request, candidate, attempts.deadline_s - now_s, waits)
@@ -247,7 +247,7 @@ class Proxy:
                 continue
             except BaseException:  # cancelled: the client went away
                 if state is not None:
-                    state.on_no_first_byte(redirected)
+                    state.on_no_first_byte(awaited)
                     state.breaker.on_abandon()
                 raise
             opened.state, opened.sent_at_s, opened.num_retries = state, now_s, num_retries
@@ -260,7 +260,7 @@ class Proxy:
                 last_answer = opened
                 continue
             if state is not None:
-                state.on_first_byte(redirected)
+                state.on_first_byte(awaited)
                 state.breaker.on_success()
             return opened
         if last_answer is not None:
@@ -310,7 +310,7 @@ class Proxy:
 
     def _on_failure(self, step: Try, state: RegionState | None, cause: str, detail: str) -> None:
         if state is not None:
-            state.on_no_first_byte(step.redirected_tokens)
+            state.on_no_first_byte(step.awaited_tokens)
             state.breaker.on_failure(time.monotonic())
         region = step.candidate.region
         self._metrics.count_retry(region, cause)

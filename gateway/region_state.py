@@ -19,8 +19,8 @@ class RegionState:
     breaker: CircuitBreaker
     num_in_flight: int = 0  # attempts from this gateway, until their answer or stream ends
     num_awaiting_first_byte: int = 0  # those of them with no first byte yet
-    # The prompts of those that failovers and resumes brought: a burst its summary shows late.
-    redirected_tokens: int = 0
+    # Their prompts, less what the plan took as cached: a burst its summary shows a beat late.
+    awaited_tokens: int = 0
     ttft_residual_s: float = 0.0
     residual_at_s: float = 0.0
     num_ttft_samples: int = 0
@@ -32,18 +32,18 @@ class RegionState:
     # the most over its models, for a model-blind plan.
     hot: dict[str | None, dict[str, int]] = field(default_factory=dict)
 
-    def on_sent(self, redirected_tokens: int) -> None:
-        """An attempt left for the region (`gateway.attempts.Try.redirected_tokens`; its
+    def on_sent(self, awaited_tokens: int) -> None:
+        """An attempt left for the region (`gateway.attempts.Try.awaited_tokens`; its
         breaker is told apart)."""
         self.num_in_flight += 1
         self.num_awaiting_first_byte += 1
-        self.redirected_tokens += redirected_tokens
+        self.awaited_tokens += awaited_tokens
 
-    def on_first_byte(self, redirected_tokens: int) -> None:
+    def on_first_byte(self, awaited_tokens: int) -> None:
         self.num_awaiting_first_byte -= 1
-        self.redirected_tokens -= redirected_tokens
+        self.awaited_tokens -= awaited_tokens
 
-    def on_no_first_byte(self, redirected_tokens: int) -> None:
+    def on_no_first_byte(self, awaited_tokens: int) -> None:
         """The attempt failed or was abandoned before its first byte."""
         self.num_in_flight -= 1
-        self.on_first_byte(redirected_tokens)
+        self.on_first_byte(awaited_tokens)

@@ -88,7 +88,7 @@ class Respond:
         on_end = partial(self._end_stream, limiter, call, admitted, routed.model)
         resumer = None
         if self.settings.max_resumes:
-            targets = ResumeTargets.of(self.router, parsed.affinity_key, routed)
+            targets = ResumeTargets.of(self.router, parsed, routed)
             resumer = Resumer(proxy, self.metrics, routed.upstream, parsed.prompt_tokens, targets)
             if self.settings.resume_prewarm and routed.tier == "region":
                 self._prewarm(proxy, routed, parsed.prompt_tokens, targets)

@@ -32,6 +32,7 @@ from functools import partial
 from gateway.dispatch import Routed
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
+from gateway.openai_request import ParsedRequest
 from gateway.proxy import Opened, Proxy
 from gateway.routing import Candidate, Router
 from gateway.sse import StreamReader
@@ -67,17 +68,25 @@ class ResumeTargets:
     affinity_key: str | None
     model: str | None  # the model planned for (None: model-blind, any region)
     serving_key: str | None  # the first region's nodes' for `model` (None: not one known)
+    prefix_tokens: int = 0  # the request's system prompt's part of its prompt
 
     @classmethod
-    def of(cls, router: Router, affinity_key: str | None, routed: Routed) -> ResumeTargets:
+    def of(cls, router: Router, parsed: ParsedRequest, routed: Routed) -> ResumeTargets:
+        key, prefix_tokens = parsed.affinity_key, parsed.prefix_tokens
         if not routed.is_model_aware:
-            return cls(router, affinity_key, None, None)
+            return cls(router, key, None, None, prefix_tokens)
         region = routed.opened.candidate.region
         serving_key = router.serving_key_of(region, routed.model)
-        return cls(router, affinity_key, routed.model, serving_key)
+        return cls(router, key, routed.model, serving_key, prefix_tokens)
 
     def candidates(self, prompt_tokens: int, tried: Collection[str]) -> list[Candidate]:
-        plan = self.router.plan(prompt_tokens, self.affinity_key, exclude=tried, model=self.model)
+        plan = self.router.plan(
+            prompt_tokens,
+            self.affinity_key,
+            exclude=tried,
+            model=self.model,
+            prefix_tokens=self.prefix_tokens,
+        )
         model = self.model
         if model is None:
             return plan.candidates

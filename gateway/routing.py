@@ -4,23 +4,28 @@ A region's cost is its expected time to first token from this PoP, in seconds:
 
     cost = rtt_weight * rtt_ms / 1000                  network round trip (wire/geo.py)
          + queue_weight * (queue_delay_s               prompt tokens ahead / the region's prefill
-                           + redirected_s              failovers and resumes sent, not answered
+                           + awaited_s                 prompts sent there, no first byte yet
                            + kv_pressure_s)            a fuller KV cache: slower steps
          + prompt_tokens / prefill_tokens_per_s        this request's own prefill, at the rate
                                                        the region's nodes report (else the
                                                        mean the fleet's nodes of the model
                                                        report, else the gateway's setting)
+         - cached_prefix_s                             its system prompt's prefill where the
+                                                       region's digest lists it (see below)
          + ttft_correction_s                           EWMA of (observed - predicted) TTFT here
 
 never less than the RTT term. The queue delay counts every prompt token the region's nodes
 have still to prefill, waiting or admitted (an admitted one's prefill may be far off behind
 others': a load surge shows up there long before requests wait for a slot), over the nodes'
 prefill rate, or the summary's own estimate (waiting tokens over the decode rate) if longer.
-The prompts that failovers and resumes brought the region, with no first byte yet, are queue
-too: a failed region's work arrives at once, the summaries show it a beat later, and in between
-it would all go to the one region that looked idle (a request's first attempt is not counted:
-the region's summary will, and counting it too pushed a tenant off the region that holds its
-prompt).
+The prompts this gateway sent the region with no first byte yet are queue too (less what was
+taken as cached: a tenant's hits would push it off the region holding its prompt): the
+summaries show them a beat later, and in between a surge, or a failed region's work, would all
+go to the one region that looked idle.
+A system prompt the region's nodes served lately (its key among the summary's hot prefixes) is
+likely cached there: its prefill comes off the cost if at least MIN_CACHED_PREFILL_S (worth a
+farther trip; a shorter one, cheap to miss once, drew tenants to the region that served them
+first, and then crowded it: simulated calm days' p99 4-6% worse).
 The correction learns what the summaries miss (a slow network path, a slower node type) from
 the TTFT this gateway measures on streams (not on those a grammar constrains: their TTFT holds
 the grammar's compile, which says nothing of the region), and decays with a half-life so a
@@ -102,6 +107,7 @@ class Candidate:
     predicted_ttft_s: float  # before the correction: what the observed TTFT is compared with
     rtt_ms: float  # expected, this PoP to the region (wire/geo.py): what a connect may take
     prompt_tokens: int  # what it was costed for
+    cached_tokens: int = 0  # of those, what its cost took as cached there (below)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +117,8 @@ class RoutePlan:
 
 
 _cost_s = operator.attrgetter("cost_s")
+# The least cached prefill taken off a region's cost (above): about the longest PoP-region RTT.
+MIN_CACHED_PREFILL_S = 0.25
 MAX_CACHED_RENDEZVOUS = 4096  # (system prompt hash, region) pairs
 
 
@@ -235,23 +243,33 @@ class Router:
         return self._candidate(state, self.load_of(state), prompt_tokens, now_s)
 
     def _candidate(
-        self, state: RegionState, load: SummaryLoad, prompt_tokens: int, now_s: float
+        self,
+        state: RegionState,
+        load: SummaryLoad,
+        prompt_tokens: int,
+        now_s: float,
+        cached_tokens: int = 0,
     ) -> Candidate:
         prefill_s = prompt_tokens / load.prefill_tokens_per_s
+        cached_tokens = min(cached_tokens, prompt_tokens)
+        if cached_tokens / load.prefill_tokens_per_s < MIN_CACHED_PREFILL_S:
+            cached_tokens = 0  # not worth a trip (above)
         policy = self.policy
         rtt_s = state.rtt_ms / 1000.0
         weighted_rtt_s = policy.rtt_weight * rtt_s
-        # What failovers and resumes brought here, not answered yet: a failed region's work
-        # arrives at once, and the summaries show it a beat later.
-        redirected_s = max(0, state.redirected_tokens) / load.prefill_capacity_tokens_per_s
-        cost_s = weighted_rtt_s + policy.queue_weight * (load.load_s + redirected_s) + prefill_s
+        # What this gateway sent here, not answered yet: the summaries show it a beat later.
+        awaited_s = max(0, state.awaited_tokens) / load.prefill_capacity_tokens_per_s
+        cost_s = weighted_rtt_s + policy.queue_weight * (load.load_s + awaited_s) + prefill_s
+        cost_s -= cached_tokens / load.prefill_tokens_per_s
         if self.num_ttft_samples:  # else no region has a correction yet
             cost_s += self.correction_s(state, now_s)
         if cost_s < weighted_rtt_s:  # never less than the RTT term
             cost_s = weighted_rtt_s
-        predicted_s = rtt_s + load.queue_s + redirected_s + prefill_s
+        predicted_s = rtt_s + load.queue_s + awaited_s + prefill_s
         name = state.summary.name
-        return Candidate(name, load.url, cost_s, predicted_s, state.rtt_ms, prompt_tokens)
+        return Candidate(
+            name, load.url, cost_s, predicted_s, state.rtt_ms, prompt_tokens, cached_tokens
+        )
 
     def plan(
         self,
@@ -260,12 +278,14 @@ class Router:
         now_s: float | None = None,
         exclude: Collection[str] = (),
         model: str | None = None,
+        prefix_tokens: int = 0,
     ) -> RoutePlan:
         """Regions to try, best first; empty if no region may take new work. `now_s` is the
         monotonic clock unless given (the simulator drives the router on its own clock);
         `exclude`: regions this request has tried already (a resume chooses among the rest).
         `model`: plan among the regions that serve it, each costed on its nodes for that
-        model (None: model-blind, on the region totals)."""
+        model (None: model-blind, on the region totals). `prefix_tokens`: the system prompt's
+        part of the prompt (`affinity_key` names it)."""
         now_s = time.monotonic() if now_s is None else now_s
         preferred: list[Candidate] = []
         others: list[Candidate] = []
@@ -279,7 +299,8 @@ class Router:
                 load = self.model_load_of(state, model)
             if load is None or not load.is_eligible:
                 continue
-            candidate = self._candidate(state, load, prompt_tokens, now_s)
+            cached = prefix_tokens if affinity_key in state.hot.get(model, {}) else 0
+            candidate = self._candidate(state, load, prompt_tokens, now_s, cached)
             is_preferred = not load.is_saturated and state.breaker.is_available(now_s)
             (preferred if is_preferred else others).append(candidate)
         preferred.sort(key=_cost_s)

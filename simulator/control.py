@@ -141,6 +141,7 @@ class SimControlPlane:
             decode_tokens_per_s=(load.generated_tokens - samples[0][1]) / DECODE_RATE_WINDOW_S,
             prefill_tokens_per_s=calibration.prefill_tokens_per_s,  # its node type's
             num_in_flight=load.num_in_flight,
+            hot_prefixes=node.hot_prefixes.hot(),
             timestamp=UNIX_AT_ZERO_S + now_s,
         )
         arrive_s = now_s + beating.delay_s + self.timing.extra_beat_delay_s

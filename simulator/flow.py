@@ -354,7 +354,10 @@ class Traffic:
         """The gateway's candidates for `picks`, whose details the flight keeps by region."""
         flight.picks.update((p.region, p) for p in picks)
         prompt_tokens = flight.request.prompt_tokens + flight.num_sent  # a continuation's too
-        return [Candidate(p.region, "", 0.0, p.predicted_ttft_s, 0.0, prompt_tokens) for p in picks]
+        return [
+            Candidate(p.region, "", 0.0, p.predicted_ttft_s, 0.0, prompt_tokens, p.cached_tokens)
+            for p in picks
+        ]
 
     def _leave_edge(self, flight: Flight) -> None:
         assert self.edge is not None

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from node_agent.hot_prefixes import HotPrefixes
 from simulator.calibration import ServiceCalibration
 from simulator.events import EventLoop
 from simulator.models import DEFAULT_MODEL
@@ -77,6 +78,8 @@ class Node:
     decoding: list[tuple[float, int, Job]] = field(default_factory=list)  # heap by finish_v
     free_blocks: int = 0
     prefix_cache: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # The system prompts served lately, as the node agent reports them in its beats.
+    hot_prefixes: HotPrefixes = field(init=False)
     v: float = 0.0  # decode steps every running sequence has taken since start (fluid)
     head_done: float = 0.0  # prefill tokens computed of the queue's head
     generated_tokens: float = 0.0
@@ -91,6 +94,10 @@ class Node:
 
     def __post_init__(self) -> None:
         self.free_blocks = self.calibration.kv_blocks
+        self.hot_prefixes = HotPrefixes(clock=self._now_s)
+
+    def _now_s(self) -> float:
+        return self.loop.now_s
 
     # What the outside sees.
 
@@ -129,6 +136,7 @@ class Node:
     def submit(self, job: Job, now_s: float) -> None:
         self._advance(now_s)
         job.num_blocks = self.blocks_for(job.prompt_tokens, job.output_tokens)
+        self.hot_prefixes.seen(job.prefix_key)
         self.waiting.append(job)
         self.waiting_prompt_tokens += job.prompt_tokens
         self._settle(now_s)
@@ -165,6 +173,7 @@ class Node:
         self.prefilling.clear()
         self.decoding.clear()
         self.prefix_cache.clear()
+        self.hot_prefixes = HotPrefixes(clock=self._now_s)  # a new node agent
         self.free_blocks = self.calibration.kv_blocks
         self.head_done = 0.0
         self.waiting_prompt_tokens = self.prefill_tokens_queued = 0

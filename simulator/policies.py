@@ -61,6 +61,7 @@ class Pick(NamedTuple):  # a tuple, not a frozen dataclass: made ~10 times per r
     # Whether the plan it is part of has capacity (meridian's: gateway.plan_checks.has_capacity;
     # the other policies plan only what they take to have it).
     has_capacity: bool = True
+    cached_tokens: int = 0  # of the prompt, what meridian's plan took as cached there
 
 
 class Chooser:
@@ -152,26 +153,30 @@ class MeridianChooser(Chooser):
         if not router.is_loaded or document.index != router.index:
             router.update(document)
         planned = planned_model(document, request.model)
-        plan = router.plan(request.prompt_tokens, request.affinity_key, now_s, exclude, planned)
+        key, prefix_tokens = request.affinity_key, request.prefix_tokens
+        plan = router.plan(request.prompt_tokens, key, now_s, exclude, planned, prefix_tokens)
         room = has_capacity(plan)
-        return [Pick(c.region, c.predicted_ttft_s, None, room) for c in plan.candidates[:limit]]
+        return [
+            Pick(c.region, c.predicted_ttft_s, None, room, c.cached_tokens)
+            for c in plan.candidates[:limit]
+        ]
 
     def on_attempt(self, pop: str, step: Try, now_s: float) -> None:
         state = self.routers[pop].state_of(step.candidate.region)
         if state is not None:
             state.breaker.on_attempt(now_s)
-            state.on_sent(step.redirected_tokens)
+            state.on_sent(step.awaited_tokens)
 
     def on_failure(self, pop: str, step: Try, now_s: float) -> None:
         state = self.routers[pop].state_of(step.candidate.region)
         if state is not None:
-            state.on_no_first_byte(step.redirected_tokens)
+            state.on_no_first_byte(step.awaited_tokens)
             state.breaker.on_failure(now_s)
 
     def on_first_byte(self, pop: str, step: Try, now_s: float) -> None:
         state = self.routers[pop].state_of(step.candidate.region)
         if state is not None:
-            state.on_first_byte(step.redirected_tokens)
+            state.on_first_byte(step.awaited_tokens)
             state.breaker.on_success()
 
     def on_end(self, pop: str, region: str, is_broken: bool, now_s: float) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from simulator.models import DEFAULT_MODEL
 from simulator.world import CONTINENT, MAX_DIURNAL_FACTOR, diurnal_factor
+from wire.prefix_key import prefix_key_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class WorkloadSpec:
 class Tenant:
     name: str
     system_prompt_tokens: int  # 0: none
+    # Its system prompt's key as the gateway makes it (wire/prefix_key.py); None without one.
+    prefix_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +70,7 @@ class Request:
     @property
     def affinity_key(self) -> str | None:
         """What the gateway hashes a system prompt to (only requests that carry one)."""
-        return self.tenant.name if self.tenant.system_prompt_tokens else None
+        return self.tenant.prefix_key
 
 
 def make_tenants(spec: WorkloadSpec, rng: random.Random) -> list[Tenant]:
@@ -75,7 +78,8 @@ def make_tenants(spec: WorkloadSpec, rng: random.Random) -> list[Tenant]:
     for i in range(spec.num_tenants):
         has_prompt = rng.random() < spec.share_with_system_prompt
         tokens = rng.randint(*spec.system_prompt_tokens) if has_prompt else 0
-        tenants.append(Tenant(f"tenant-{i}", tokens))
+        name = f"tenant-{i}"
+        tenants.append(Tenant(name, tokens, prefix_key_of(name, None) if tokens else None))
     return tenants
 
 

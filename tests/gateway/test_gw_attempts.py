@@ -50,23 +50,23 @@ def test_the_last_place_to_ask_is_the_last_region_of_the_last_model() -> None:
     assert lasts(AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), 10.0)) == [False, False]
 
 
-def test_failovers_carry_their_prompt_to_the_next_region_as_redirected_work() -> None:
-    sequence = AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), deadline_s=10.0)
+def test_each_attempt_brings_its_region_the_prompt_not_taken_as_cached_there() -> None:
+    cached = Candidate("b", "http://b", 0.01, 0.01, 10.0, 100, cached_tokens=60)
+    sequence = AttemptSequence([*plan("a"), cached], AttemptLimits(3, 1), deadline_s=10.0)
     first, failover = sequence.next(0.0), sequence.next(1.0)
     assert isinstance(first, Try) and isinstance(failover, Try)
-    assert (first.is_first, first.redirected_tokens) == (True, 0)
-    assert (failover.is_first, failover.redirected_tokens) == (False, 100)
+    assert (first.is_first, first.awaited_tokens) == (True, 100)
+    assert (failover.is_first, failover.awaited_tokens) == (False, 40)
 
 
 def test_a_resume_goes_on_with_regions_not_tried_yet_and_is_marked() -> None:
     sequence = AttemptSequence(plan("a", "b", "c"), AttemptLimits(3, 2), deadline_s=10.0)
     first = sequence.next(0.0)
     assert first == Try(plan("a")[0], is_resume=False, is_first=True, is_last=False)
-    assert first.redirected_tokens == 0  # sent there by the plan, not by a failure
     assert sequence.resume(1.0) is None
     step = sequence.next(1.0)
     assert isinstance(step, Try) and step.candidate.region == "b" and step.is_resume
-    assert step.redirected_tokens == step.candidate.prompt_tokens  # a broken stream's work
+    assert step.awaited_tokens == step.candidate.prompt_tokens  # a broken stream's work
     assert sequence.resume(2.0) is None
     assert names(sequence, 2.0) == ["c"]
 

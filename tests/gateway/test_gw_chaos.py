@@ -177,4 +177,4 @@ def test_a_dark_region_costs_a_few_of_its_round_trips_not_the_connect_ceiling(
     assert regions["us-east"].breaker.state == "open"
     assert region.upstream.num_requests == 0
     # The failovers' prompts counted as eu-west's queue until answered, then no longer.
-    assert all((s.num_awaiting_first_byte, s.redirected_tokens) == (0, 0) for s in regions.values())
+    assert all((s.num_awaiting_first_byte, s.awaited_tokens) == (0, 0) for s in regions.values())

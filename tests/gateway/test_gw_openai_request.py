@@ -143,6 +143,23 @@ def test_the_system_prompt_is_the_affinity_key() -> None:
     assert t1 == parse_request(with_system("you are A"), "chat", 8, cache_salt="t1").affinity_key
 
 
+def test_the_prefix_tokens_run_to_the_end_of_the_system_prompt() -> None:
+    system = {"role": "system", "content": "be brief " * 100}  # 900 characters
+    user = {"role": "user", "content": "hi " * 200}
+    first = parse_request(
+        json.dumps({"model": "m", "messages": [system, user]}).encode(), "chat", 8
+    )
+    assert first.prefix_tokens == 900 // 4 + 4 + 1  # its text, its turn's allowance, the chat's
+    assert first.prompt_tokens > first.prefix_tokens + 600 // 4
+    # A turn before it is part of the prefix a node caches with it.
+    later = [{"role": "user", "content": "x" * 400}, system, user]
+    second = parse_request(json.dumps({"model": "m", "messages": later}).encode(), "chat", 8)
+    assert second.prefix_tokens == first.prefix_tokens + 400 // 4 + 4
+    assert parse_request(chat(), "chat", 8).prefix_tokens == 0
+    completion = json.dumps({"model": "m", "prompt": "be brief " * 100}).encode()
+    assert parse_request(completion, "completions", 8).prefix_tokens == 0
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 

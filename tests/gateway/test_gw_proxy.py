@@ -144,7 +144,7 @@ def test_errors_caused_by_the_request_neither_fail_over_nor_open_the_breaker(
     assert two_regions.regions["eu-west"].upstream.num_requests == 0
     assert gateway.handlers.router.regions["us-east"].breaker.state == "closed"
     state = gateway.handlers.router.regions["us-east"]
-    assert (state.num_awaiting_first_byte, state.redirected_tokens) == (0, 0)
+    assert (state.num_awaiting_first_byte, state.awaited_tokens) == (0, 0)
 
 
 def new_key(fleet: Fleet, gateway: GatewayThread) -> tuple[str, str]:
@@ -255,7 +255,7 @@ def test_a_client_leaving_mid_stream_stops_the_upstream_and_settles(
         # Streaming: in flight, but past its first byte (no queue of ours there for routing).
         assert (state.num_in_flight, state.num_awaiting_first_byte) == (1, 0)
     wait_until(lambda: state.num_in_flight == 0, what="the stream to be abandoned")
-    assert (state.num_awaiting_first_byte, state.redirected_tokens) == (0, 0)
+    assert (state.num_awaiting_first_byte, state.awaited_tokens) == (0, 0)
     wait_until(lambda: upstream.num_abandoned == 1, what="the upstream to be closed")
     metrics = httpx.get(gateway.metrics_url).text
     assert 'region="us-east",status="499"' in metrics

@@ -229,14 +229,14 @@ def test_two_choices_weigh_requests_awaiting_a_first_byte_per_node_not_long_stre
     assert r.plan(10).candidates[0].region == "toronto"
 
 
-def test_failovers_and_resumes_awaiting_a_first_byte_are_queue_the_summary_lacks() -> None:
-    # A failed region's work arriving at once (its requests failing over, its streams resuming)
-    # shows in the summaries a beat later; this gateway knows what it redirected meanwhile.
+def test_prompts_awaiting_a_first_byte_are_queue_the_summary_lacks() -> None:
+    # A surge, or a failed region's work arriving at once (its requests failing over, its
+    # streams resuming), shows in the summaries a beat later; this gateway knows what it sent.
     r = router(summary("us-east", healthy_nodes=2), summary("eu-west"))
     state = r.regions["us-east"]
-    state.on_sent(0)  # a request's first attempt: its region's summary will count it
+    state.on_sent(0)  # an attempt whose whole prompt the plan took as cached there
     assert order(r, 400)[0] == "us-east"
-    for _ in range(40):  # 16,000 redirected prompt tokens over two nodes at 4,000 tokens/s: 2 s
+    for _ in range(40):  # 16,000 prompt tokens sent, over two nodes at 4,000 tokens/s: 2 s
         state.on_sent(400)
     rtt_s = rtt_ms(locate("new-york"), LOCATIONS["us-east"]) / 1000
     us_east = next(c for c in r.plan(400).candidates if c.region == "us-east")
@@ -247,7 +247,7 @@ def test_failovers_and_resumes_awaiting_a_first_byte_are_queue_the_summary_lacks
         state.on_first_byte(400)  # those streams go on, no longer ahead of anyone
     state.on_no_first_byte(400)  # one failed
     state.on_first_byte(0)
-    assert (state.redirected_tokens, state.num_awaiting_first_byte) == (0, 0)
+    assert (state.awaited_tokens, state.num_awaiting_first_byte) == (0, 0)
     assert state.num_in_flight == 40
     assert order(r, 400)[0] == "us-east"
 

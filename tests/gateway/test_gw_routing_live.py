@@ -191,7 +191,7 @@ def test_5xx_and_429_before_the_first_byte_fail_over(
     assert 'meridian_gateway_retries_total{cause="500",region="us-east"} 1.0' in metrics
     router = gateway.handlers.router
     for state in router.regions.values():
-        assert (state.num_awaiting_first_byte, state.redirected_tokens) == (0, 0)
+        assert (state.num_awaiting_first_byte, state.awaited_tokens) == (0, 0)
 
 
 def test_when_every_region_fails_the_last_answer_is_returned(

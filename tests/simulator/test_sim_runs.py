@@ -238,6 +238,39 @@ def test_the_router_hears_of_each_stream_s_prefix_cache_hits(
     assert all(n % ServiceCalibration().block_size == 0 for n in hits)
 
 
+def test_the_summaries_list_the_system_prompts_each_region_served() -> None:
+    """As the node agents do (node_agent/hot_prefixes.py), a simulated node reports in its beats
+    the keys of the system prompts it served; the summaries count them per region, and the
+    gateways' routers read them there."""
+    spec = world_spec(SCENARIOS["prefix_heavy"], 0, NUM_REQUESTS, ServiceCalibration())
+    world = World(spec, "meridian")
+    recorder = world.run()
+    served: dict[str, set[str]] = {}
+    settled: dict[str, set[str]] = {}  # served well before the last beats
+    settled_by_s = spec.requests[-1].arrival_s - 10.0
+    for request in spec.requests:
+        region = recorder.regions[recorder.region[request.request_id]]
+        if request.affinity_key is not None:
+            served.setdefault(region, set()).add(request.affinity_key)
+            if request.arrival_s < settled_by_s:
+                settled.setdefault(region, set()).add(request.affinity_key)
+    documents = {document.index: document for document in world.control.documents}
+
+    def listed(index: int) -> dict[str, set[str]]:
+        regions = documents[index].regions
+        return {s.name: {p.key for m in s.models for p in m.hot_prefixes} for s in regions}
+
+    last = listed(world.control.current.index)
+    assert settled and all(settled[name] <= last[name] for name in settled)
+    assert all(last[name] <= served.get(name, set()) for name in last)
+    assert isinstance(world.chooser, MeridianChooser)
+    routers = [r for r in world.chooser.routers.values() if r.index]  # those that served
+    assert routers
+    for router in routers:  # each read the digests of the document it adopted last
+        held = {name: set(state.hot.get(None, {})) for name, state in router.regions.items()}
+        assert held == listed(router.index)
+
+
 def test_the_router_judges_its_breakers_by_the_simulated_clock() -> None:
     spec = world_spec(SCENARIOS["steady"], 0, 50, ServiceCalibration())
     world = World(spec, "meridian")
