@@ -143,10 +143,10 @@ def _utf8_len(text: str) -> int:
 
 def _system_prompt(turns: list[ChatTurn]) -> tuple[str, int] | None:
     """The first system message's text, and the likely tokens of the prompt up to its end (what
-    a node's prefix cache holds of it)."""
+    a node's prefix cache holds of it); None without one, or when its text is empty."""
     for i, turn in enumerate(turns):
         if turn.role in ("system", "developer"):
-            return turn.text, of_chat(turns[: i + 1]).likely_tokens
+            return (turn.text, of_chat(turns[: i + 1]).likely_tokens) if turn.text else None
     return None
 
 
@@ -236,9 +236,9 @@ def parse_request(
                 estimate.max_tokens + num_tool_bytes,
             )
         system = _system_prompt(turns)
-        if system is not None and system[0]:
-            affinity_key = prefix_key_of(system[0], cache_salt)
-            prefix_tokens = system[1]
+        if system is not None:
+            text, prefix_tokens = system
+            affinity_key = prefix_key_of(text, cache_salt)
         max_tokens = chat_output_limit(partial(_int_field, body)) or default_max_tokens
         set_output_limit(body, max_tokens)
     else:
