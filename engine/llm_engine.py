@@ -61,6 +61,7 @@ class EngineStats:
     num_preemptions_total: int
     decode_tokens_per_s: float
     prefill_tokens_per_s: float | None = None  # measured (engine/prefill_rate.py); None: not yet
+    step_s: float | None = None  # a step's fixed part, measured there too; None: not yet
 
 
 class LLMEngine:
@@ -336,4 +337,5 @@ class LLMEngine:
             num_preemptions_total=s.num_preemptions,
             decode_tokens_per_s=recent / DECODE_RATE_WINDOW_S,
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
+            step_s=self._prefill_rate.step_s,
         )

@@ -1,6 +1,7 @@
 """The engine's measured prefill rate: prompt tokens computed per second that computing them
 added to the steps, over the last steps that prefilled (a node reports it in its heartbeat, and
-the gateways predict a request's prefill in its region by it).
+the gateways predict a request's prefill in its region by it), and the fixed part of a step
+(the region's picker counts a step of it for each request ahead of a new one).
 
 A step costs a fixed part (the decodes it carries, the launch and sampling) plus its prompt
 tokens at the rate. The fixed part is the mean time of the last steps that computed no prompt
@@ -40,11 +41,17 @@ class PrefillRate:
             self._others.append(seconds)
 
     @property
+    def step_s(self) -> float | None:
+        """The fixed part: the mean time of the last steps that computed no prompt token (None
+        until one has run). It grows with the batch: each running sequence adds to a step."""
+        return fmean(self._others) if self._others else None
+
+    @property
     def tokens_per_s(self) -> float | None:
         """None until a step has prefilled."""
         if not self._prefills:
             return None
-        fixed_s = fmean(self._others) if self._others else 0.0
+        fixed_s = self.step_s or 0.0
         num_tokens = sum(n for n, _ in self._prefills)
         added_s = sum(max(0.0, s - fixed_s) for _, s in self._prefills)
         return num_tokens / max(added_s, num_tokens * MIN_TOKEN_S)

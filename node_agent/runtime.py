@@ -188,6 +188,7 @@ class NodeRuntime:
             num_running_prefill_tokens=stats.num_running_prefill_tokens,
             decode_tokens_per_s=max(stats.decode_tokens_per_s, 0.0),
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            step_s=stats.step_s,
             draining=self.drain.is_draining or self.is_engine_dead,
             engine_alive=self.health_problem() is None,
             num_in_flight=self.admission.num_in_flight,

@@ -78,6 +78,7 @@ class NodeBook:
                 num_sent_prefill_tokens=self._sent_ahead(load.node_id, prefix),
                 num_pending=self._pending.get(load.node_id, 0),
                 prefill_tokens_per_s=load.prefill_tokens_per_s,
+                step_s=load.step_s,
             )
             for load in self._loads.values()
             if (model is None or load.model == model) and not self.streams.is_held_out(load.node_id)

@@ -4,13 +4,17 @@ Each candidate's cost is the work ahead of the request there, in prompt tokens:
 - the prompt tokens it would prefill (those past its cached prefix of the prompt's blocks),
 - the prefill tokens already ahead of it: waiting, admitted and not yet computed, and those the
   picker sent it lately, which its report (a heartbeat and a sweep behind) may not count yet,
-- a request's worth of tokens for each request waiting, or sent there by the picker and not yet
-  answered (the node's report, up to a sweep old, may not count those yet), and a smaller share
-  for each running one,
-all scaled up by how full its KV cache is (a node short of blocks evicts the very prefixes that
-make it cheap, and preempts), and by how much slower than the candidates' mean prefill rate it
-reports (unlike nodes in one region: work ahead of a node twice as fast costs half as long; a
-node that reports no rate is taken at the mean). The cheapest wins; of the near ties (within
+- a step for its own first token and one for each request waiting, or sent there by the picker
+  and not yet answered (the node's report, up to a sweep old, may not count those yet), at the
+  step time the node measures, in the tokens it prefills in that time: a node of slow steps (a
+  slower type, or a big batch: each running sequence lengthens a step) costs a short prompt
+  more than its prefill rate says. Where no step time is measured yet, a request's worth of
+  tokens for each request ahead and a smaller share for each running one stand in for it,
+all scaled up once its KV cache is fuller than KV_KNEE (a node short of blocks evicts the very
+prefixes that make it cheap, and preempts), and by how much slower than the candidates' mean
+prefill rate it reports (unlike nodes in one region: work ahead of a node twice as fast costs
+half as long; a node that reports no rate or step time is taken at the mean). The simulator
+chose these (docs/simulator.md, `mixed_hardware`). The cheapest wins; of the near ties (within
 `NEAR_TIE`) those holding the most of the prompt stay (a node that would prefill it again is no
 sooner for this request and costs the region the work), and of those two are drawn at random and
 the less busy of the two wins, so that one hot prefix spreads over the nodes that hold it
@@ -24,10 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-# What a queued request costs a new one, in prompt tokens: about a typical prompt's prefill.
+# Where no step time is measured: what a queued request costs a new one, in prompt tokens
+# (about a typical prompt's prefill), and what a running one costs (its decodes share the
+# batch's steps): a fraction of that.
 WAITING_REQUEST_TOKENS: Final = 256
-# What a running request costs (its decode steps share the batch): a fraction of that.
 RUNNING_REQUEST_TOKENS: Final = 32
+# KV use up to this share costs nothing; past it the cost rises to twice at a full cache.
+KV_KNEE: Final = 0.7
 # Costs within this fraction of the best (or NEAR_TIE_TOKENS of it) are ties.
 NEAR_TIE: Final = 0.1
 NEAR_TIE_TOKENS: Final = 64
@@ -57,6 +64,7 @@ class Candidate:
     num_sent_prefill_tokens: int = 0  # sent by the picker lately: maybe not in the report yet
     num_pending: int = 0  # requests the picker sent it whose response has not started
     prefill_tokens_per_s: float | None = None  # as it measures it (None: not measured yet)
+    step_s: float | None = None  # a step's time besides its prompt tokens, the same way
 
     @property
     def num_busy(self) -> int:
@@ -81,31 +89,40 @@ class Decision:
 
 
 def score(
-    candidate: Candidate, num_blocks: int, cached_blocks: int, mean_rate: float | None = None
+    candidate: Candidate,
+    num_blocks: int,
+    cached_blocks: int,
+    mean_rate: float | None = None,
+    mean_step_s: float | None = None,
 ) -> float:
     """The candidate's cost for a prompt of `num_blocks` full blocks, `cached_blocks` of them
     cached there (the partial last block is prefilled everywhere and left out), in prompt tokens
-    at `mean_rate` (the candidates' mean prefill rate; None: rates left out)."""
+    at `mean_rate` (the candidates' mean prefill rate; None: rates left out). `mean_step_s`: the
+    candidates' mean step time, for one that has measured none."""
     uncached = (num_blocks - cached_blocks) * candidate.block_size
     queued = candidate.num_waiting + candidate.num_pending
-    work = (
+    work: float = (
         uncached
         + candidate.num_waiting_prefill_tokens
         + candidate.num_running_prefill_tokens
         + candidate.num_sent_prefill_tokens
-        + WAITING_REQUEST_TOKENS * queued
-        + RUNNING_REQUEST_TOKENS * candidate.num_running
     )
+    rate = candidate.prefill_tokens_per_s or mean_rate
+    step_s = candidate.step_s or mean_step_s
+    if rate is None or step_s is None:
+        work += WAITING_REQUEST_TOKENS * queued + RUNNING_REQUEST_TOKENS * candidate.num_running
+    else:
+        work += step_s * rate * (queued + 1)
     total = max(candidate.kv_blocks_total, 1)
     used = 1.0 - min(candidate.kv_blocks_free, total) / total
-    rate = candidate.prefill_tokens_per_s
+    pressure = max(0.0, used - KV_KNEE) / (1.0 - KV_KNEE)
     slowness = 1.0 if mean_rate is None or rate is None else mean_rate / rate
-    return work * (1.0 + used) * slowness
+    return work * (1.0 + pressure) * slowness
 
 
-def mean_prefill_rate(candidates: Sequence[Candidate]) -> float | None:
-    rates = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s is not None]
-    return sum(rates) / len(rates) if rates else None
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def pick(
@@ -118,10 +135,11 @@ def pick(
     if not candidates:
         return None
     scored = []
-    mean_rate = mean_prefill_rate(candidates)
+    mean_rate = _mean([c.prefill_tokens_per_s for c in candidates])
+    mean_step_s = _mean([c.step_s for c in candidates])
     for candidate in candidates:
         cached = cache.cached_prefix_blocks(candidate.node_id, block_hashes) if block_hashes else 0
-        cost = score(candidate, len(block_hashes), cached, mean_rate)
+        cost = score(candidate, len(block_hashes), cached, mean_rate, mean_step_s)
         scored.append(Scored(candidate, cached, cost))
     best = min(s.cost for s in scored)
     ties = [s for s in scored if s.cost <= best + max(best * NEAR_TIE, NEAR_TIE_TOKENS)]

@@ -87,4 +87,5 @@ def _candidate(node: Node, now_s: float) -> Candidate:
         num_waiting_prefill_tokens=load.num_waiting_prefill_tokens,
         num_running_prefill_tokens=load.num_running_prefill_tokens,
         prefill_tokens_per_s=calibration.prefill_tokens_per_s,
+        step_s=calibration.step_s(load.num_running),  # what its engine would measure now
     )

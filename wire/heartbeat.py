@@ -87,6 +87,9 @@ class Heartbeat(BaseModel):
     # Prompt tokens per second the node prefills (its measured rate, or its hardware's
     # calibration). Optional: gateways assume their own fleet-wide rate for a node without it.
     prefill_tokens_per_s: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] | None = None
+    # Seconds a step takes besides its prompt tokens (the decodes it carries, launch, sampling),
+    # as the node measures it lately; longer on a busier or slower node. Optional, as above.
+    step_s: Annotated[float, Field(gt=0.0, le=1e3, allow_inf_nan=False)] | None = None
     draining: bool = False
     # False while the node's engine cannot serve (it died, or its core process does not answer:
     # stopped, or stuck in one step): the node is unhealthy, though it beats. Optional: an agent

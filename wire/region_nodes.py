@@ -35,6 +35,7 @@ class NodeLoad(BaseModel):
     num_running_prefill_tokens: Count = 0  # admitted, still to prefill
     # What the node measures (wire/heartbeat.py); None: not measured yet.
     prefill_tokens_per_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    step_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
 
 
 class RegionNodes(BaseModel):

@@ -47,6 +47,7 @@ def node_loads(nodes: list[Node], listed: Listed) -> tuple[NodeLoad, ...]:
                 num_waiting_prefill_tokens=beat.num_waiting_prefill_tokens,
                 num_running_prefill_tokens=beat.num_running_prefill_tokens,
                 prefill_tokens_per_s=beat.prefill_tokens_per_s,
+                step_s=beat.step_s,
             )
         )
     return tuple(loads)

@@ -98,7 +98,7 @@ async def test_region_nodes_lists_each_routable_nodes_load_and_blocks(
     cp: ControlPlaneClient,
 ) -> None:
     await cp.add_region("us-east")
-    await cp.beat("a", url="http://127.0.0.1:9001", num_running=2, kv_blocks_free=100)
+    await cp.beat("a", url="http://127.0.0.1:9001", num_running=2, kv_blocks_free=100, step_s=0.03)
     await cp.beat("b", url="http://127.0.0.1:9002", draining=True)
     await cp.beat("c", region="eu-west", url="http://127.0.0.1:9003")
     path = "/v1/regions/us-east/nodes"
@@ -106,7 +106,8 @@ async def test_region_nodes_lists_each_routable_nodes_load_and_blocks(
     reply = await cp.http.get(path, headers=cp.gateway)
     assert reply.status_code == 200, reply.text
     document = RegionNodes.model_validate_json(reply.content)
-    assert [(n.node_id, n.num_running, n.kv_blocks_free) for n in document.nodes] == [("a", 2, 100)]
+    loads = [(n.node_id, n.num_running, n.kv_blocks_free, n.step_s) for n in document.nodes]
+    assert loads == [("a", 2, 100, 0.03)]
     assert document.index == int(reply.headers["X-Meridian-Index"])
 
     # A blocking query answers when the region's load moves.

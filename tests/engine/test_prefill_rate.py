@@ -10,10 +10,11 @@ from engine.prefill_rate import MIN_TOKEN_S, PrefillRate
 
 def test_no_rate_until_a_step_has_prefilled() -> None:
     rate = PrefillRate()
-    assert rate.tokens_per_s is None
+    assert rate.tokens_per_s is None and rate.step_s is None
     rate.record(0, 0.02)  # a decode-only step
     rate.record(5, 0.0)  # timed at nothing
     assert rate.tokens_per_s is None
+    assert rate.step_s == pytest.approx(0.02)  # the fixed part, from the decode-only step
 
 
 def test_without_steps_to_compare_the_rate_is_tokens_over_the_steps_time() -> None:
@@ -34,6 +35,7 @@ def test_the_fixed_part_of_a_step_comes_off_its_time() -> None:
     rate.record(20, 0.06)
     rate.record(100, 0.14)  # so 120 tokens added 0.02 + 0.10 s
     assert rate.tokens_per_s == pytest.approx(1000.0)
+    assert rate.step_s == pytest.approx(0.04)  # prefilling steps are not in it
     # Shorter than the fixed part (noise): no time of its own, yet the rate stays bounded.
     rate = PrefillRate()
     rate.record(0, 0.05)

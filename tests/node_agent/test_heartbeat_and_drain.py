@@ -327,3 +327,5 @@ def test_heartbeats_carry_the_prefill_rate_once_the_engine_has_measured_one(
         assert wait_until(lambda: len(control_plane.beats) > num_beats + 1)
         beat = Heartbeat.model_validate(control_plane.beats[-1])
         assert beat.prefill_tokens_per_s == measured  # the only request: the rate stands
+        # Its second token took a step with no prompt token: the fixed part it beats.
+        assert beat.step_s is not None and beat.step_s == node.stats().step_s > 0.0

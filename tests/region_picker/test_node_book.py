@@ -21,6 +21,7 @@ def document(**running_prefill: int) -> RegionNodes:
                 kv_blocks_total=100,
                 kv_blocks_free=100,
                 num_running_prefill_tokens=tokens,
+                step_s=0.02 * (i + 1),
             )
             for i, (name, tokens) in enumerate(running_prefill.items())
         ),
@@ -36,6 +37,7 @@ def test_a_send_counts_until_the_report_can_and_the_report_counts_admitted_prefi
     loads = {c.node_id: c for c in book.candidates("m")}
     assert loads["a"].num_running_prefill_tokens == 700 and loads["a"].num_sent_prefill_tokens == 0
     assert loads["b"].num_sent_prefill_tokens == 1500 and loads["b"].num_pending == 0
+    assert (loads["a"].step_s, loads["b"].step_s) == (0.02, 0.04)  # as reported
     now[0] = REPORT_LAG_S / 2
     book.note_sent("b", 100)
     assert {c.node_id: c.num_sent_prefill_tokens for c in book.candidates("m")}["b"] == 1600

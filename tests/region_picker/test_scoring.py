@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import pytest
+
 from region_picker.routed_prefixes import RoutedPrefixes
 from region_picker.scoring import (
     RUNNING_REQUEST_TOKENS,
@@ -34,7 +36,7 @@ class Held:
 BLOCKS = [bytes([i]) * 16 for i in range(100)]  # a 1,600-token prompt
 
 
-def test_cost_is_the_work_ahead_in_tokens_scaled_by_kv_use() -> None:
+def test_cost_is_the_work_ahead_in_tokens_scaled_past_the_kv_knee() -> None:
     idle = node("a")
     assert score(idle, num_blocks=100, cached_blocks=0) == 1600
     assert score(idle, num_blocks=100, cached_blocks=90) == 160
@@ -49,8 +51,43 @@ def test_cost_is_the_work_ahead_in_tokens_scaled_by_kv_use() -> None:
     )
     expected = 160 + 500 + 300 + 1000 + 3 * WAITING_REQUEST_TOKENS + 3 * RUNNING_REQUEST_TOKENS
     assert score(busy, 100, 90) == expected
-    half_full = node("c", kv_blocks_free=500)
-    assert score(half_full, 100, 90) == 160 * 1.5
+    half_full = node("c", kv_blocks_free=500)  # below KV_KNEE: no cost
+    assert score(half_full, 100, 90) == 160
+    assert score(node("d", kv_blocks_free=100), 100, 90) == pytest.approx(160 * (1 + 0.2 / 0.3))
+    assert score(node("e", kv_blocks_free=0), 100, 90) == 320
+
+
+def test_a_measured_step_time_counts_a_step_for_its_own_token_and_each_request_ahead() -> None:
+    # 2 waiting and 1 sent: 4 steps of 0.05 s at 1,000 tokens/s, 200 tokens; the 30 running
+    # requests are in the step time, not counted again.
+    busy = node(
+        "a",
+        prefill_tokens_per_s=1000.0,
+        step_s=0.05,
+        num_waiting=2,
+        num_pending=1,
+        num_running=30,
+    )
+    assert score(busy, 100, 90, mean_rate=1000.0, mean_step_s=0.05) == pytest.approx(160 + 200)
+    # One that has measured no step yet is taken at the candidates' mean.
+    unmeasured = node("b", prefill_tokens_per_s=1000.0, num_waiting=2, num_pending=1)
+    assert score(unmeasured, 100, 90, mean_rate=1000.0, mean_step_s=0.1) == pytest.approx(560)
+
+
+def test_an_idle_node_of_slow_steps_loses_a_short_prompt_to_a_busier_fast_one() -> None:
+    short = BLOCKS[:4]  # 64 tokens: a step costs more than its prefill
+    fast = {"prefill_tokens_per_s": 3000.0, "num_waiting": 1}
+    slow = {"prefill_tokens_per_s": 1000.0}
+    # At the mean of 2,000 tokens/s: a (2 steps of 0.05 s) (64 + 300) * 2/3, b (1 of 0.2 s)
+    # (64 + 200) * 2.
+    nodes = [node("a", step_s=0.05, **fast), node("b", step_s=0.2, **slow)]
+    decision = pick(nodes, short, Held(), random.Random(0))
+    assert decision is not None and decision.chosen.candidate.node_id == "a"
+    assert [s.cost for s in decision.scored] == pytest.approx([364 * 2 / 3, 528])
+    # Without step times the guess (a request's worth for the one waiting) sends it to b.
+    blind = [node("a", **fast), node("b", **slow)]
+    decision = pick(blind, short, Held(), random.Random(0))
+    assert decision is not None and decision.chosen.candidate.node_id == "b"
 
 
 def test_a_faster_node_costs_less_and_one_not_measured_is_taken_at_the_mean() -> None:

@@ -63,6 +63,27 @@ def test_the_node_holding_the_tenants_system_prompt_takes_its_next_chat() -> Non
     assert site.pick_node(DEFAULT_MODEL, chat(None), now_s) is not holder
 
 
+def test_a_short_prompt_goes_to_a_busy_fast_node_not_an_idle_one_of_slow_steps() -> None:
+    # Each candidate carries the step time its engine would measure now (its class, its
+    # batch): a slow node's one step outweighs the fast node's running request.
+    loop = EventLoop()
+    slow = ServiceCalibration(prefill_tokens_per_s=800.0, step_base_s=0.4, step_per_seq_s=0.01)
+    fast_node = Node("fast", "r", CAL, loop, lambda job: None, lambda job: None)
+    slow_node = Node("slow", "r", slow, loop, lambda job: None, lambda job: None)
+    nodes = [fast_node, slow_node]
+    site = Site(
+        "r",
+        Location("r", 0.0, 0.0),
+        "",
+        nodes,
+        picker=node_picker.NodePicker(nodes, random.Random(0)),
+    )
+    serve(fast_node, Job("earlier", 100, 1000, None, 0))
+    assert fast_node.num_in_flight == 1
+    for _ in range(10):
+        assert site.pick_node(DEFAULT_MODEL, chat(None, prompt_tokens=32), loop.now_s) is fast_node
+
+
 def test_the_picker_skips_a_node_that_is_down_and_names_none_when_all_are() -> None:
     site = site_with_picker(2)
     holder = site.nodes[0]
