@@ -68,7 +68,7 @@ class ResumeTargets:
     affinity_key: str | None
     model: str | None  # the model planned for (None: model-blind, any region)
     serving_key: str | None  # the first region's nodes' for `model` (None: not one known)
-    prefix_tokens: int = 0  # the request's system prompt's part of its prompt
+    prefix_tokens: int  # the request's system prompt's part of its prompt (0: none)
 
     @classmethod
     def of(cls, router: Router, parsed: ParsedRequest, routed: Routed) -> ResumeTargets:

@@ -160,13 +160,13 @@ def test_a_stream_resumes_only_where_the_same_weights_serve_its_model() -> None:
             region("us-west", model_load("large", serving_keys=same)),  # another model
         )
     )
-    targets = ResumeTargets(router, None, "small", router.serving_key_of("us-east", "small"))
+    targets = ResumeTargets(router, None, "small", router.serving_key_of("us-east", "small"), 0)
     assert [c.region for c in targets.candidates(10, ["us-east"])] == ["chicago"]
     # Nodes that did not say what they serve: no region is known to write the same text.
-    unknown = ResumeTargets(router, None, "small", router.serving_key_of("eu-west", "small"))
+    unknown = ResumeTargets(router, None, "small", router.serving_key_of("eu-west", "small"), 0)
     assert unknown.serving_key is None and unknown.candidates(10, ["eu-west"]) == []
     # Model-blind (a version 1 document): every other region, as before.
-    blind = ResumeTargets(router, None, None, None)
+    blind = ResumeTargets(router, None, None, None, 0)
     assert len(blind.candidates(10, ["us-east"])) == 4
 
 

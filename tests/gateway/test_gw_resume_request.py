@@ -85,7 +85,7 @@ def test_a_resume_goes_where_the_router_would_send_the_continuation_at_the_break
 
     body = {"model": "m", "max_tokens": 10}
     proxy: Any = Proxy()
-    targets = ResumeTargets(router, None, None, None)
+    targets = ResumeTargets(router, None, None, None, 0)
     resumer = Resumer(proxy, GatewayMetrics("test"), request(body, 10), 400, targets)
     reader = StreamReader(strip_usage=False)
     reader.token_ids.extend([5, 6])
