@@ -173,9 +173,11 @@ class Fleet:
         tmp_path: Path,
         cert: tuple[Path, Path] | None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        missed_beats: int = 3,
     ) -> None:
         self.tmp_path = tmp_path
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.missed_beats = missed_beats
         self.proxies: list[DelayProxy] = []
         self.cert = cert
         self.tokens = Tokens()
@@ -197,6 +199,7 @@ class Fleet:
             admin_token=self.tokens.admin,
             gateway_token=self.tokens.gateway,
             heartbeat_interval_s=self.heartbeat_interval_s,
+            missed_beats=self.missed_beats,
             sweep_interval_s=0.05,
             xds_port=0,
             dns_port=0,
