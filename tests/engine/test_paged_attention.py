@@ -44,17 +44,17 @@ def random_batch(
     dtype: torch.dtype,
     block_size: int = BLOCK_SIZE,
     heads: Heads = Heads(),
+    num_blocks: int = NUM_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], list[torch.Tensor]]:
     """A cache holding each sequence's keys/values in scattered blocks, plus dense copies."""
     gen = torch.Generator().manual_seed(len(context_lens))
-    shape = (NUM_BLOCKS, block_size, heads.num_kv_heads, heads.head_dim)
+    shape = (num_blocks, block_size, heads.num_kv_heads, heads.head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for n in context_lens:
-        num_blocks = -(-n // block_size)
-        tables.append([order.pop() for _ in range(num_blocks)])
+        tables.append([order.pop() for _ in range(-(-n // block_size))])
     q = torch.randn(len(context_lens), heads.num_heads, heads.head_dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, tables, [torch.tensor(t) for t in tables]
 
@@ -131,6 +131,44 @@ def test_decode_attention_equals_dense_attention(
     torch.testing.assert_close(
         out.float(), dense_reference(q, k_cache, v_cache, tables, lens), **tolerance
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [Heads(9, 3, 64), Heads(4, 2, 128)], ids=["64", "128"])
+def test_a_long_context_split_into_parts_equals_dense_attention_and_itself_alone(
+    dtype: torch.dtype, heads: Heads
+) -> None:
+    """Past 512 tokens the kernel splits a context into parts of whole blocks, each on a thread
+    of its own, and merges them: two and three parts, block-aligned and not, a split context
+    across two threads' ranges; the parts follow from the context alone, so a sequence's
+    output is the same bits in a batch as alone."""
+    if cpu_kernels() is None:
+        pytest.skip("the native CPU kernel could not be built here")
+    lens = [1040, 513, 37, 700]
+    block_size = 32 if heads.head_dim > HEAD_DIM else BLOCK_SIZE * 4
+    q, k_cache, v_cache, tables, _ = random_batch(lens, dtype, block_size, heads, num_blocks=160)
+    empty_kv = torch.empty(0, heads.num_kv_heads, heads.head_dim, dtype=dtype)
+
+    def attend(rows: slice, seqs: list[int]) -> torch.Tensor:
+        meta = decode_metadata(
+            [tables[i] for i in seqs], [lens[i] for i in seqs], False, block_size
+        )
+        return paged_attention(q[rows], empty_kv, empty_kv, k_cache, v_cache, meta)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = attend(slice(None), list(range(len(lens))))
+        alone = [attend(slice(i, i + 1), [i]) for i in range(len(lens))]
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = (
+        {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    )
+    torch.testing.assert_close(
+        out.float(), dense_reference(q, k_cache, v_cache, tables, lens), **tolerance
+    )
+    assert torch.equal(torch.cat(alone), out)
 
 
 def prefill_metadata(
