@@ -10,6 +10,13 @@
   then its own requests in flight there per node), ignoring distance.
 - `oracle`: sees every node's true queue and the true path RTT now, and picks the node with the
   least predicted TTFT among those serving the model (the bound the others are measured against).
+- `oracle_spread`: the oracle, its first pick the node with the fewest requests not started
+  among those within `ORACLE_SPREAD` of the best prediction.
+- `oracle_meridian`: `meridian`'s own routing on the true state: every node beats 20 times a
+  second, with no delay to the control plane or the PoPs (simulator/run.py). Greedy oracles keep
+  a surge near its source while a node there predicts better than a far round trip, and each
+  request they add lengthens every step of the batch it joins; `meridian` counts what it sent
+  and spills sooner, so the bound needs its rule too.
 Every policy but `nearest` fails over in the order it gave, as the gateway does. Each plans for
 one model at a time, among the regions serving it (with a model-blind summary document: all),
 on the numbers of its nodes there; the gateway's fallback to another model is simulator/flow.py's.
@@ -41,7 +48,8 @@ from wire.geo import IPNetwork, client_subnet_of
 from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
 
 POLICIES: Final = (
-    "meridian", "round_robin", "nearest", "least_loaded", "oracle", "oracle_spread"
+    "meridian", "round_robin", "nearest", "least_loaded", "oracle", "oracle_spread",
+    "oracle_meridian",
 )  # fmt: skip
 # The near-best band of `oracle_spread`, as wide as the gateway's default `p2c_tolerance`.
 ORACLE_SPREAD: Final = 0.2

@@ -94,6 +94,13 @@ def _ingress_url(index: int) -> str:
     return f"http://198.19.0.{index + 1}:8000"
 
 
+# The control plane `oracle_meridian` sees: beats every 50 ms, a node unhealthy after three
+# missed, swept as often.
+FRESH_CONTROL = ControlTiming(
+    heartbeat_interval_s=0.05, unhealthy_after_s=0.15, sweep_interval_s=0.05
+)
+
+
 def _chooser(
     policy: str,
     spec: WorldSpec,
@@ -102,7 +109,7 @@ def _chooser(
     sites: dict[str, Site],
 ) -> Chooser:
     geography = spec.geography
-    if policy == "meridian":
+    if policy in ("meridian", "oracle_meridian"):
         return MeridianChooser(watches, geography, default_router_config(), spec.seed)
     if policy == "round_robin":
         return RoundRobinChooser(watches)
@@ -127,6 +134,11 @@ class World:
             for i, (name, place) in enumerate(sorted(geography.regions.items()))
         }
         timing = ControlTiming(extra_beat_delay_s=spec.scenario.extra_beat_delay_s)
+        # `oracle_meridian` routes on the true state: its nodes beat 20 times a second, straight
+        # to the control plane, and the PoPs hold each summary as it is made.
+        is_fresh = policy == "oracle_meridian"
+        if is_fresh:
+            timing = FRESH_CONTROL
         options = spec.options
         routing = options.routing_policy
         placement = spec.scenario.placement
@@ -138,7 +150,7 @@ class World:
         watches = {
             pop: PopWatch(self.control, delay_s, poll_at_cp_s=delay_s)
             for pop, place in geography.pops.items()
-            for delay_s in [geography.true_rtt_ms(place, cp) / 2000.0]
+            for delay_s in [0.0 if is_fresh else geography.true_rtt_ms(place, cp) / 2000.0]
         }
         self.sites: dict[str, Site] = {}
         self.chooser = _chooser(policy, spec, self.control, watches, self.sites)
@@ -180,7 +192,7 @@ class World:
                 name, place, region.ingress_url, nodes, deflect_at_waiting=deflect_at,
                 picker=picker,
             )  # fmt: skip
-            delay_s = geography.true_rtt_ms(place, cp) / 2000.0
+            delay_s = 0.0 if is_fresh else geography.true_rtt_ms(place, cp) / 2000.0
             for node in nodes:
                 self.control.add_node(node, f"http://{node.name}.{name}.sim:9001", delay_s)
 

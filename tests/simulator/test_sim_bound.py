@@ -8,7 +8,8 @@ import pytest
 
 from simulator.bound import floor_ttfts_s, prefill_floor_s
 from simulator.calibration import ServiceCalibration
-from simulator.compare import run_scenario, world_spec
+from simulator.compare import CLAIRVOYANT, run_scenario, world_spec
+from simulator.control import PopWatch
 from simulator.policies import POLICIES
 from simulator.results import Outcome
 from simulator.run import World
@@ -36,13 +37,49 @@ def test_no_answered_request_beats_its_floor(scenario: str, policy: str) -> None
 
 
 def test_the_bound_is_the_best_clairvoyant_p99() -> None:
-    result = run_scenario(SCENARIOS["steady"], 0, 300, CAL, ["meridian", "oracle", "oracle_spread"])
+    result = run_scenario(SCENARIOS["steady"], 0, 300, CAL, ["meridian", *CLAIRVOYANT])
     bound = result.bound
     assert bound is not None
     policy, p99_s = bound
-    assert policy in ("oracle", "oracle_spread")
-    assert p99_s == min(result.stats[p].ttft_p99_s for p in ("oracle", "oracle_spread"))
+    assert policy in CLAIRVOYANT
+    assert p99_s == min(result.stats[p].ttft_p99_s for p in CLAIRVOYANT)
     assert result.to_json()["bound"] == {"policy": policy, "ttft_p99_s": p99_s}
     for stats in result.stats.values():
         assert stats.floor_p99_s <= stats.ttft_p99_s
     assert run_scenario(SCENARIOS["steady"], 0, 50, CAL, ["meridian"]).bound is None
+
+
+def received_summaries(world: World) -> list[tuple[float, float]]:
+    """(published at, received at) of each summary document a PoP's watch took in, the watch
+    replayed in steps of 10 ms over the world's run."""
+    published_s = dict(
+        zip(map(id, world.control.documents), world.control.published_s, strict=True)
+    )
+    received = []
+    for watch in world.chooser.watches.values():  # type: ignore[attr-defined]
+        replay = PopWatch(world.control, watch.delay_s, poll_at_cp_s=watch.delay_s)
+        held = None
+        for tick in range(int(world.loop.now_s / 0.01)):
+            document = replay.read(tick * 0.01)
+            if document is not held and document is not None:
+                received.append((published_s[id(document)], tick * 0.01))
+            held = document
+    return received
+
+
+def test_oracle_meridian_routes_on_the_state_of_the_last_50_ms() -> None:
+    """`meridian`'s rule on the true state: its PoPs take in summaries of beats 50 ms apart,
+    each as it is published, where `meridian`'s come from beats a second apart, a way to the
+    control plane and back later."""
+    spec = world_spec(SCENARIOS["steady"], 0, 300, CAL)
+    received = {}
+    for policy in ("meridian", "oracle_meridian"):
+        world = World(spec, policy)
+        world.run()
+        received[policy] = np.array(received_summaries(world))
+    fresh, meridian = received["oracle_meridian"], received["meridian"]
+    assert len(fresh) >= 3 * len(
+        meridian
+    )  # beats 20 times as often; a summary unchanged is not sent
+    assert np.max(fresh[:, 1] - fresh[:, 0]) <= 0.01  # the replay's own step
+    assert np.median(meridian[:, 1] - meridian[:, 0]) >= 0.02

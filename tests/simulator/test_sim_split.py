@@ -10,11 +10,11 @@ def cost(group: list[str]) -> float:
     return sum(RELATIVE_COST[policy] for policy in group)
 
 
-def test_two_workers_get_about_equal_shares_of_the_five_worlds() -> None:
+def test_two_workers_get_about_equal_shares_of_the_worlds() -> None:
     groups = split_worlds(POLICIES, 2)
     assert sorted(p for group in groups for p in group) == sorted(POLICIES)
     assert len(groups) == 2
-    # No other split of five worlds in two is cheaper at its costliest.
+    # No other split of the worlds in two is cheaper at its costliest.
     total = cost(list(POLICIES))
     best = max(cost(group) for group in groups)
     for mask in range(1, 2 ** len(POLICIES) - 1):
