@@ -3,7 +3,9 @@ there, and what its streams taught it (the router's TTFT correction, gateway/rou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from gateway.breaker import CircuitBreaker
 from gateway.summary_loads import SummaryLoad
@@ -32,6 +34,11 @@ class RegionState:
     # the most over its models, for a model-blind plan.
     hot: dict[str | None, dict[str, int]] = field(default_factory=dict)
 
+    def nodes_holding(self, model: str | None, key: str | None) -> int:
+        """How many of the region's nodes for `model` (None: the most of any model's) its
+        summary lists `key` as a hot prefix of (0 without a key)."""
+        return 0 if key is None else self.hot.get(model, _NOT_HOT).get(key, 0)
+
     def on_sent(self, awaited_tokens: int) -> None:
         """An attempt left for the region (`gateway.attempts.Try.awaited_tokens`; its
         breaker is told apart)."""
@@ -47,3 +54,20 @@ class RegionState:
         """The attempt failed or was abandoned before its first byte."""
         self.num_in_flight -= 1
         self.on_first_byte(awaited_tokens)
+
+
+_NOT_HOT: Mapping[str, int] = MappingProxyType({})  # a model whose summary lists no hot prefix
+
+
+def hot_prefixes_of(summary: RegionSummary) -> dict[str | None, dict[str, int]]:
+    """`RegionState.hot` of `summary`."""
+    hot: dict[str | None, dict[str, int]] = {}
+    blind: dict[str, int] = {}
+    for model in summary.models:
+        if model.hot_prefixes:
+            hot[model.name] = {prefix.key: prefix.nodes for prefix in model.hot_prefixes}
+            for prefix in model.hot_prefixes:
+                blind[prefix.key] = max(blind.get(prefix.key, 0), prefix.nodes)
+    if blind:
+        hot[None] = blind
+    return hot

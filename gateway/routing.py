@@ -30,11 +30,11 @@ The correction learns what the summaries miss (a slow network path, a slower nod
 the TTFT this gateway measures on streams (not on those a grammar constrains: their TTFT holds
 the grammar's compile, which says nothing of the region), and decays with a half-life so a
 region it once judged slow is tried again; a region not measured yet takes the residual over
-all the regions measured (what every prediction misses), not 0. (It is fed when a stream ends:
-fed at the first token instead, it made the simulated surge's p99 worse, by reacting to the
-same stale queue twice.) A stream's prefix-cache hits, as its node's usage reports them, come
-off its prediction before the residual is taken: a region measured on hits would otherwise
-look cheaper for every prompt, and so would the regions not measured yet.
+all the regions measured (what every prediction misses), not 0. It is fed when a stream ends,
+not at its first token (which reacts to the same stale queue twice). A stream's prefix-cache
+hits, as its node's usage reports them, come off its prediction before the residual is taken:
+a region measured on hits would otherwise look cheaper for every prompt, and so would the
+regions not measured yet.
 
 A plan for a model (`plan(..., model=...)`) is made among the regions whose summary lists it,
 each costed on the numbers of its nodes serving that model (healthy nodes, KV cache, queue)
@@ -43,17 +43,16 @@ the region's. The summary-derived part is worked out once per document for each 
 model planned for (gateway/summary_loads.py), so that a catalog of many models costs nothing
 per request.
 
-Eligible regions are active, with healthy nodes (for a model: serving it), an ingress URL and
-a weight above 0. Among
-those, saturated ones (KV cache fuller than the policy's threshold) and ones whose circuit is
-open go last; below the threshold, KV use costs from `KV_PRESSURE_KNEE` of it on. The first
-choice is made among the near-best (cost within `p2c_tolerance` of the best, plus a small
-absolute slack): with affinity on and a system prompt, among the near-best regions whose
-summaries list the prompt's key among their hot prefixes (wire/prefix_key.py: their nodes served
-it lately, so their caches hold it) those with the most such nodes ("cached"), else all of them
-("affinity"), by rendezvous hashing of its hash (the same prompt lands on the same region while
-that region stays near-best, so its prefix cache is warm); otherwise by the power of two
-choices, picking the one of two random near-best regions where fewer of this gateway's
+Eligible regions are active, with healthy nodes (for a model: serving it), an ingress URL and a
+weight above 0. Among those, saturated ones (KV cache fuller than the policy's threshold) and
+ones whose circuit is open go last; below the threshold, KV use costs from `KV_PRESSURE_KNEE` of
+it on. The first choice is made among the near-best (cost within `p2c_tolerance` of the best,
+plus a small absolute slack): with affinity on and a system prompt, among the near-best regions
+whose summaries list the prompt's key among their hot prefixes (wire/prefix_key.py: their nodes
+served it lately, so their caches hold it) those with the most such nodes ("cached"), else all
+of them ("affinity"), by rendezvous hashing of its hash (the same prompt lands on the same
+region while that region stays near-best, so its prefix cache is warm); otherwise by the power
+of two choices, picking the one of two random near-best regions where fewer of this gateway's
 requests per healthy node still wait for their first byte, so that gateways do not all stampede
 onto the single best region. (Requests in flight would count long streams that are past their
 prefill: the nearest region always has the most, so two choices drifted to the farther region
@@ -74,7 +73,7 @@ from typing import Literal
 
 from gateway.breaker import CircuitBreaker
 from gateway.model_routes import ModelRoutes
-from gateway.region_state import RegionState
+from gateway.region_state import RegionState, hot_prefixes_of
 from gateway.summary_loads import (
     SummaryLoad,
     SummaryLoads,
@@ -134,19 +133,6 @@ def _rendezvous_score(key: str, region: str, weight: float) -> float:
     return -weight / _rendezvous_log(key, region)
 
 
-def _hot_of(summary: RegionSummary) -> dict[str | None, dict[str, int]]:
-    hot: dict[str | None, dict[str, int]] = {}
-    blind: dict[str, int] = {}
-    for model in summary.models:
-        if model.hot_prefixes:
-            hot[model.name] = {prefix.key: prefix.nodes for prefix in model.hot_prefixes}
-            for prefix in model.hot_prefixes:
-                blind[prefix.key] = max(blind.get(prefix.key, 0), prefix.nodes)
-    if blind:
-        hot[None] = blind
-    return hot
-
-
 @dataclass(slots=True)
 class Router:
     config: RouterConfig
@@ -184,7 +170,7 @@ class Router:
             known.load = None  # worked out when next planned (a PoP may adopt several first)
             known.models = {model.name: model for model in summary.models}
             known.model_loads = {}
-            known.hot = _hot_of(summary)
+            known.hot = hot_prefixes_of(summary)
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing
@@ -252,15 +238,16 @@ class Router:
     ) -> Candidate:
         prefill_s = prompt_tokens / load.prefill_tokens_per_s
         cached_tokens = min(cached_tokens, prompt_tokens)
-        if cached_tokens / load.prefill_tokens_per_s < MIN_CACHED_PREFILL_S:
-            cached_tokens = 0  # not worth a trip (above)
+        cached_s = cached_tokens / load.prefill_tokens_per_s
+        if cached_s < MIN_CACHED_PREFILL_S:
+            cached_tokens, cached_s = 0, 0.0  # not worth a trip (above)
         policy = self.policy
         rtt_s = state.rtt_ms / 1000.0
         weighted_rtt_s = policy.rtt_weight * rtt_s
         # What this gateway sent here, not answered yet: the summaries show it a beat later.
         awaited_s = max(0, state.awaited_tokens) / load.prefill_capacity_tokens_per_s
         cost_s = weighted_rtt_s + policy.queue_weight * (load.load_s + awaited_s) + prefill_s
-        cost_s -= cached_tokens / load.prefill_tokens_per_s
+        cost_s -= cached_s
         if self.num_ttft_samples:  # else no region has a correction yet
             cost_s += self.correction_s(state, now_s)
         if cost_s < weighted_rtt_s:  # never less than the RTT term
@@ -299,7 +286,7 @@ class Router:
                 load = self.model_load_of(state, model)
             if load is None or not load.is_eligible:
                 continue
-            cached = prefix_tokens if affinity_key in state.hot.get(model, {}) else 0
+            cached = prefix_tokens if state.nodes_holding(model, affinity_key) else 0
             candidate = self._candidate(state, load, prompt_tokens, now_s, cached)
             is_preferred = not load.is_saturated and state.breaker.is_available(now_s)
             (preferred if is_preferred else others).append(candidate)
@@ -330,7 +317,7 @@ class Router:
 
     def _holding(self, near: list[Candidate], key: str, model: str | None) -> list[Candidate]:
         """Those of `near` whose summaries say the most of their nodes hold `key`."""
-        counts = [self.regions[c.region].hot.get(model, {}).get(key, 0) for c in near]
+        counts = [self.regions[c.region].nodes_holding(model, key) for c in near]
         most = max(counts)
         return [c for c, n in zip(near, counts, strict=True) if n == most] if most else []
 
