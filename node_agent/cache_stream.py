@@ -28,6 +28,7 @@ from node_agent.cache_buffer import CacheEventBuffer, Delta, Snapshot
 from node_agent.metrics import PREFIX
 from wire.cache_events import (
     MAX_FRAME_BYTES,
+    MAX_SNAPSHOT_HASHES,
     CacheDelta,
     CacheResync,
     CacheSnapshot,
@@ -108,7 +109,12 @@ class CacheEventStream:
                 await self._buffer.wait()
             elif isinstance(message, Snapshot):
                 # A whole cache's JSON takes a while: built off the event loop.
-                await socket.send(await asyncio.to_thread(self._snapshot_frame, message))
+                target = self._target
+                frames = await asyncio.to_thread(
+                    snapshot_frames, target.node_id, target.block_size, message
+                )
+                for frame in frames:
+                    await socket.send(frame)
             else:
                 await socket.send(_delta_frame(self._target.node_id, message))
 
@@ -122,13 +128,24 @@ class CacheEventStream:
             logger.info("the picker asks for a snapshot: %s", resync.reason)
             self._buffer.request_snapshot()
 
-    def _snapshot_frame(self, snapshot: Snapshot) -> str:
-        return CacheSnapshot.model_construct(
-            node_id=self._target.node_id,
-            block_size=self._target.block_size,
+
+def snapshot_frames(
+    node_id: str, block_size: int, snapshot: Snapshot, max_hashes: int = MAX_SNAPSHOT_HASHES
+) -> list[str]:
+    """The snapshot's frames: its hashes in parts of at most `max_hashes` (at least one part,
+    `more` on all but the last), so that no frame passes the picker's size limit."""
+    hashes = [h.hex() for h in snapshot.hashes]
+    starts = range(0, max(len(hashes), 1), max_hashes)
+    return [
+        CacheSnapshot.model_construct(
+            node_id=node_id,
+            block_size=block_size,
             seq=snapshot.seq,
-            hashes=[h.hex() for h in snapshot.hashes],
+            hashes=hashes[start : start + max_hashes],
+            more=start + max_hashes < len(hashes),
         ).model_dump_json()
+        for start in starts
+    ]
 
 
 def _delta_frame(node_id: str, delta: Delta) -> str:

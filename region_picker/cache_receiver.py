@@ -26,6 +26,7 @@ from region_picker.node_streams import NodeStreams
 from wire.cache_events import (
     CACHE_EVENTS_PATH,
     MAX_FRAME_BYTES,
+    CacheDelta,
     CacheResync,
     CacheSnapshot,
     parse_node_message,
@@ -84,6 +85,7 @@ class CacheEventReceiver:
         self.stats.num_connections += 1
         node_id: str | None = None
         awaiting_snapshot = False
+        parts: list[CacheSnapshot] = []  # of a snapshot sent in parts, those taken so far
         try:
             async for frame in socket:
                 try:
@@ -97,7 +99,16 @@ class CacheEventReceiver:
                     await socket.close(_POLICY_VIOLATION, "one stream carries one node")
                     return
                 node_id = message.node_id
+                if parts and not _continues(parts[0], message):
+                    await socket.close(_POLICY_VIOLATION, "a snapshot's parts come together")
+                    return
+                if isinstance(message, CacheSnapshot) and message.more:
+                    parts.append(message)
+                    continue
                 if isinstance(message, CacheSnapshot):
+                    if parts:
+                        message = _joined([*parts, message])
+                        parts = []
                     self._streams[node_id] = socket
                     self._index.apply_snapshot(message)
                     self._node_streams.opened(node_id)
@@ -121,3 +132,17 @@ class CacheEventReceiver:
                 del self._streams[node_id]
                 self._index.forget(node_id)
                 self._node_streams.lost(node_id)
+
+
+def _continues(first: CacheSnapshot, message: CacheSnapshot | CacheDelta) -> bool:
+    """Whether `message` is a further part of the snapshot `first` began."""
+    return (
+        isinstance(message, CacheSnapshot)
+        and message.seq == first.seq
+        and message.block_size == first.block_size
+    )
+
+
+def _joined(parts: list[CacheSnapshot]) -> CacheSnapshot:
+    hashes = [h for part in parts for h in part.hashes]
+    return parts[-1].model_copy(update={"hashes": hashes})

@@ -1,12 +1,14 @@
 """The prefix-cache event stream: node agent → its region's picker, over one websocket.
 
-Each message is one JSON text frame. The node opens the stream with a `CacheSnapshot` (every block
-hash its prefix cache holds, as of batch `seq`), then sends one `CacheDelta` per batch of the
-engine's changes, numbered `seq + 1`, `seq + 2`, ... A receiver that sees a number out of turn
-has missed a batch: it stops trusting what it knows of the node and answers `CacheResync`; the
-node then sends a new snapshot (as it does on its own when its outbound buffer overflowed).
-Hashes are the engine's block hashes (engine/kv_cache_manager.py: 16 bytes, chained from the
-first block, salted per tenant) in lower-case hex.
+Each message is one JSON text frame. The node opens the stream with a `CacheSnapshot` (every
+block hash its prefix cache holds, as of batch `seq`; a cache of more than `MAX_SNAPSHOT_HASHES`
+blocks goes in parts of that many, one frame each, `more` set on all but the last), then sends
+one `CacheDelta` per batch of the engine's changes, numbered `seq + 1`, `seq + 2`, ... A
+receiver that sees a number out of turn has missed a batch: it stops trusting what it knows of
+the node and answers `CacheResync`; the node then sends a new snapshot (as it does on its own
+when its outbound buffer overflowed). Hashes are the engine's block hashes
+(engine/kv_cache_manager.py: 16 bytes, chained from the first block, salted per tenant) in
+lower-case hex.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from wire.heartbeat import Name
 CACHE_EVENTS_SCHEMA_VERSION: Final = 1
 # The picker's websocket route for the stream.
 CACHE_EVENTS_PATH: Final = "/v1/cache-events"
-# A frame may carry a whole snapshot: 34 bytes a block in JSON, a million blocks in 34 MB.
+# The most hashes in one snapshot frame: 34 bytes a block in JSON, a million blocks in 34 MB.
+MAX_SNAPSHOT_HASHES: Final = 1_000_000
 MAX_FRAME_BYTES: Final = 64 * 2**20
 
 _PICKER_URL = re.compile(
@@ -39,13 +42,15 @@ class _Message(BaseModel):
 
 
 class CacheSnapshot(_Message):
-    """Everything the node's prefix cache holds after batch `seq`."""
+    """Everything the node's prefix cache holds after batch `seq`, or a part of it: with `more`,
+    the next frame carries more of the same snapshot."""
 
     kind: Literal["snapshot"] = "snapshot"
     node_id: Name
     block_size: Annotated[int, Field(ge=1, le=2**16)]
     seq: Seq
-    hashes: list[BlockHashHex]
+    hashes: Annotated[list[BlockHashHex], Field(max_length=MAX_SNAPSHOT_HASHES)]
+    more: bool = False
 
 
 class CacheDelta(_Message):

@@ -32,12 +32,13 @@ from engine.cache_events import CacheEvents
 from engine.kv_cache_manager import chain_root, hash_block
 from engine.tokenizer import Tokenizer
 from node_agent.cache_buffer import CacheEventBuffer, Delta, Snapshot
+from node_agent.cache_stream import snapshot_frames
 from node_agent.settings import NodeAgentSettings
 from region_picker.cache_index import CacheIndex
 from region_picker.cache_receiver import CacheEventReceiver
 from region_picker.node_streams import NodeStreams
 from region_picker.prompt_hashes import PromptHasher
-from wire.cache_events import CACHE_EVENTS_PATH
+from wire.cache_events import CACHE_EVENTS_PATH, CacheSnapshot, parse_node_message
 from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
 
 WAIT_S = 10.0
@@ -282,6 +283,18 @@ def test_an_overflowing_buffer_drops_its_batches_for_one_snapshot() -> None:
         assert buffer.stats.num_overflows == 1
 
     asyncio.run(scenario())
+
+
+def test_a_snapshot_past_a_frames_share_goes_in_parts_and_an_empty_one_in_one() -> None:
+    hashes = tuple(bytes([n]) * 16 for n in range(5))
+    frames = [parse_node_message(f) for f in snapshot_frames("n1", 16, Snapshot(7, hashes), 2)]
+    assert all(isinstance(f, CacheSnapshot) and f.seq == 7 for f in frames)
+    parts = [f for f in frames if isinstance(f, CacheSnapshot)]
+    assert [len(p.hashes) for p in parts] == [2, 2, 1]
+    assert [p.more for p in parts] == [True, True, False]
+    assert [bytes.fromhex(x) for p in parts for x in p.hashes] == list(hashes)
+    (empty,) = [parse_node_message(f) for f in snapshot_frames("n1", 16, Snapshot(0, ()), 2)]
+    assert isinstance(empty, CacheSnapshot) and empty.hashes == [] and not empty.more
 
 
 def test_a_picker_url_that_is_not_one_is_refused_at_start() -> None:

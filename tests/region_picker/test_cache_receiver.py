@@ -26,8 +26,10 @@ def h(n: int) -> str:
     return n.to_bytes(16, "big").hex()
 
 
-def snapshot(seq: int, *hashes: int, node: str = "n1") -> str:
-    message = CacheSnapshot(node_id=node, block_size=16, seq=seq, hashes=[h(x) for x in hashes])
+def snapshot(seq: int, *hashes: int, node: str = "n1", more: bool = False) -> str:
+    message = CacheSnapshot(
+        node_id=node, block_size=16, seq=seq, hashes=[h(x) for x in hashes], more=more
+    )
     return message.model_dump_json()
 
 
@@ -76,6 +78,24 @@ def test_a_gap_is_answered_once_with_a_resync_and_the_snapshot_repairs() -> None
             await until(lambda: index.cached_prefix_blocks("n1", [bytes.fromhex(h(6))]) == 1)
             assert receiver.stats.num_gaps == 1 and receiver.stats.num_snapshots == 2
         await until(lambda: "n1" not in index.node_ids)  # its stream ended
+
+    run(scenario)
+
+
+def test_a_snapshot_in_parts_is_applied_whole_when_its_last_part_comes() -> None:
+    async def scenario(index: CacheIndex, receiver: CacheEventReceiver, url: str) -> None:
+        async with connect(url + CACHE_EVENTS_PATH) as socket:
+            await socket.send(snapshot(0, 9))
+            await until(lambda: index.hashes_of("n1") == {bytes.fromhex(h(9))})
+            await socket.send(snapshot(3, 1, 2, more=True))
+            await socket.send(snapshot(3, 3, more=True))
+            await asyncio.sleep(0.05)  # parts alone change nothing
+            assert index.hashes_of("n1") == {bytes.fromhex(h(9))}
+            await socket.send(snapshot(3, 4))
+            await socket.send(delta(4, 5))  # the snapshot was as of batch 3
+            await until(lambda: len(index.hashes_of("n1")) == 5)
+            assert index.hashes_of("n1") == {bytes.fromhex(h(n)) for n in (1, 2, 3, 4, 5)}
+            assert receiver.stats.num_snapshots == 2 and receiver.stats.num_gaps == 0
 
     run(scenario)
 
@@ -154,6 +174,8 @@ def test_a_held_out_node_comes_back_after_the_hold_or_when_the_control_plane_dro
         (["not json"], 1007),
         ([delta(1, 1).replace('"n1"', '"N 1"')], 1007),
         ([snapshot(0, 1), snapshot(0, 1, node="n2")], 1008),  # one stream carries one node
+        ([snapshot(0, 1, more=True), delta(1, 2)], 1008),  # a batch amid a snapshot's parts
+        ([snapshot(0, 1, more=True), snapshot(1, 2)], 1008),  # a part of another snapshot
     ],
 )
 def test_a_stream_that_breaks_the_protocol_is_closed(frames: list[str], code: int) -> None:
