@@ -74,7 +74,7 @@ void plan_attention(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
     const int64_t blocks = (lens[seq] + block_size - 1) / block_size;
     const int64_t parts = std::max<int64_t>(1, (blocks + max_blocks_per_part - 1) /
                                                    max_blocks_per_part);
-    const int64_t blocks_per_part = (blocks + parts - 1) / parts;
+    const int64_t blocks_per_part = std::max<int64_t>(1, (blocks + parts - 1) / parts);
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
       const int64_t merge = parts > 1 ? int64_t(plan.merges.size()) : -1;
       if (parts > 1) plan.merges.push_back({int64_t(plan.tasks.size()), parts});
