@@ -171,6 +171,21 @@ def test_a_long_context_split_into_parts_equals_dense_attention_and_itself_alone
     assert torch.equal(torch.cat(alone), out)
 
 
+def test_an_empty_context_attends_to_nothing() -> None:
+    if cpu_kernels() is None:
+        pytest.skip("the native CPU kernel could not be built here")
+    lens, heads = [0, 5], Heads(9, 3, 64)
+    q, k_cache, v_cache, tables, _ = random_batch(lens, torch.bfloat16, 16, heads)
+    empty_kv = torch.empty(0, heads.num_kv_heads, heads.head_dim, dtype=torch.bfloat16)
+    meta = decode_metadata([[0], tables[1]], lens, False, 16)
+    out = paged_attention(q, empty_kv, empty_kv, k_cache, v_cache, meta)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(
+        out[1:].float(), dense_reference(q[1:], k_cache, v_cache, tables[1:], lens[1:]),
+        atol=2e-2, rtol=2e-2,
+    )  # fmt: skip
+
+
 def prefill_metadata(
     tables: list[list[int]], contexts: list[int], chunks: list[int]
 ) -> AttentionMetadata:
