@@ -1,16 +1,16 @@
-"""A lower bound on every request's TTFT, worked out offline from the trace: what no policy in
-this world can beat, request by request.
+"""A lower bound on every request's TTFT, worked out offline from the trace: what no policy in this
+world can beat, request by request.
 
 For each request: the least, over the regions whose nodes serve its model (or one of its
 fallbacks), of the network round trip to the region (straight over the client's public path, or
 through any PoP and the backbone; jitter and loss left out) and the request's own prefill on the
-fastest of the region's nodes, idle (its chunks' steps at batch 1, and its tenant's system prompt
-taken as cached if an earlier request carried it). A region dark or hung when the request
+fastest of the region's nodes, idle (its chunks' steps at batch 1, and its tenant's system
+prompt taken as cached if an earlier request carried it). A region dark or hung when the request
 arrives adds the wait until it is back. Queues, slots and KV are left out, so this bounds every
 policy, each request's TTFT at least its floor; over the requests a policy answered, the floor's
 p99 is at most the policy's. It is loose where queues dominate: the routing targets are measured
-against the best of the clairvoyant policies (`oracle`, `oracle_spread`) instead. Edge nodes
-are not in it (a world with an edge tier has no floor).
+against the best of the clairvoyant policies (simulator/compare.py: `CLAIRVOYANT`) instead. Edge
+nodes are not in it (a world with an edge tier has no floor).
 """
 
 from __future__ import annotations
