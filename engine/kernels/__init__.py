@@ -59,22 +59,22 @@ def cpu_feature_digest() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
-def _build_digest() -> str:
+def _build_digest(source_dir: Path) -> str:
     """Checkouts of different versions (worktrees, upgrades) and different torch installs each
     keep their own build: torch rebuilds a module whose inputs changed, so sharing one name makes
     them rebuild in turn."""
-    sources = sorted(_SOURCE_DIR.glob("*.[ch]*"))
+    sources = sorted(source_dir.glob("*.[ch]*"))
     text = b"".join(path.read_bytes() for path in sources) + " ".join(_CFLAGS).encode()
     text += str(Path(torch.__file__).parent).encode()
     return hashlib.sha256(text).hexdigest()[:8]
 
 
-def _copy_sources(build_dir: Path) -> list[str]:
+def _copy_sources(source_dir: Path, build_dir: Path) -> list[str]:
     """The sources copied into the build directory, rewritten only when they differ: ninja
     rebuilds whatever is newer than its objects."""
     copies = build_dir / "src"
     copies.mkdir(exist_ok=True)
-    for source in sorted(_SOURCE_DIR.glob("*.[ch]*")):
+    for source in sorted(source_dir.glob("*.[ch]*")):
         copy = copies / source.name
         if not copy.exists() or copy.read_bytes() != source.read_bytes():
             copy.write_bytes(source.read_bytes())
@@ -88,9 +88,15 @@ def cpu_kernels() -> ModuleType | None:
     MERIDIAN_CPU_KERNELS=0 turns them off (for comparisons and for testing the twins)."""
     if os.environ.get("MERIDIAN_CPU_KERNELS", "1") == "0":
         return None
+    return build_cpu_kernels(_SOURCE_DIR)
+
+
+def build_cpu_kernels(source_dir: Path) -> ModuleType | None:
+    """The kernels built from the sources in `source_dir` (this checkout's, or another
+    revision's beside them for an A/B: bench/kernel_ab.py), or None if they cannot be built."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    name = f"meridian_cpu_kernels_{cpu_feature_digest()}_{_build_digest()}"
+    name = f"meridian_cpu_kernels_{cpu_feature_digest()}_{_build_digest(source_dir)}"
     torch_lib = Path(torch.__file__).parent / "lib"
     logger.info("loading the CPU kernels (the first build on a CPU takes about 20 s on 2 cores)")
     try:
@@ -98,7 +104,7 @@ def cpu_kernels() -> ModuleType | None:
         with _only_builder(build_dir):
             return load(
                 name=name,
-                sources=_copy_sources(build_dir),
+                sources=_copy_sources(source_dir, build_dir),
                 extra_cflags=_CFLAGS,
                 # Link torch's own OpenMP runtime: a second one would fight it for the cores.
                 extra_ldflags=[f"-L{torch_lib}", "-l:libgomp.so.1"],

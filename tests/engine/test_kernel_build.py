@@ -36,13 +36,13 @@ def test_kernels_command_says_when_they_are_off() -> None:
 
 
 def test_source_copies_are_rewritten_only_when_they_differ(tmp_path: Path) -> None:
-    copies = [Path(p) for p in kernels._copy_sources(tmp_path)]
+    copies = [Path(p) for p in kernels._copy_sources(kernels._SOURCE_DIR, tmp_path)]
     assert [p.read_bytes() for p in copies] == [
         (Path(kernels.__file__).parent / p.name).read_bytes() for p in copies
     ]
     os.utime(copies[0], (1_000_000, 1_000_000))
-    kernels._copy_sources(tmp_path)
+    kernels._copy_sources(kernels._SOURCE_DIR, tmp_path)
     assert copies[0].stat().st_mtime == 1_000_000  # unchanged: left alone
     copies[0].write_text("// stale\n")
-    kernels._copy_sources(tmp_path)
+    kernels._copy_sources(kernels._SOURCE_DIR, tmp_path)
     assert copies[0].read_bytes() == (Path(kernels.__file__).parent / copies[0].name).read_bytes()
