@@ -10,6 +10,8 @@ import pytest
 from bench.kernel_ab import KERNELS_DIR, kernels_at
 from engine.kernels import cpu_kernels
 
+pytestmark = pytest.mark.slow  # runs git
+
 
 def test_an_unknown_revision_is_refused_before_any_build(tmp_path: Path) -> None:
     with pytest.raises(subprocess.CalledProcessError):
