@@ -14,7 +14,9 @@ from node_helpers import MODEL_NAME, NodeHandle
 BIG_TEXT = " The quick brown fox jumps over the lazy dog." * 90_000
 # 2 MB of token ids, which stalled it for a second while their text was checked for surrogates.
 BIG_IDS = [5] * 600_000
-MAX_PROBE_S = 0.5
+# Under those stalls a probe waited a second or more; a loaded CI machine has taken 0.6 s for a
+# probe that overlapped the body's own parse.
+MAX_PROBE_S = 0.8
 
 
 @pytest.mark.parametrize(
