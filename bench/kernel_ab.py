@@ -30,6 +30,7 @@ from types import ModuleType
 from bench.engine_step import build
 from bench.report import cpu_vector_flags, load_average
 from engine.kernels import build_cpu_kernels, cpu_kernels
+from engine.llm_engine import LLMEngine
 from engine.model import fused_decode
 
 KERNELS_DIR = "engine/kernels"
@@ -48,11 +49,11 @@ def kernels_at(rev: str, workdir: Path) -> ModuleType:
     return module
 
 
-def step_ms(engine: object, steps: int) -> float:
+def step_ms(engine: LLMEngine, steps: int) -> float:
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        engine.step()  # type: ignore[attr-defined]
+        engine.step()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1000.0
 
