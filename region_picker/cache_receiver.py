@@ -26,6 +26,7 @@ from region_picker.node_streams import NodeStreams
 from wire.cache_events import (
     CACHE_EVENTS_PATH,
     MAX_FRAME_BYTES,
+    MAX_SNAPSHOT_PARTS,
     CacheDelta,
     CacheResync,
     CacheSnapshot,
@@ -103,6 +104,9 @@ class CacheEventReceiver:
                     await socket.close(_POLICY_VIOLATION, "a snapshot's parts come together")
                     return
                 if isinstance(message, CacheSnapshot) and message.more:
+                    if len(parts) + 1 >= MAX_SNAPSHOT_PARTS:
+                        await socket.close(_POLICY_VIOLATION, "a snapshot in too many parts")
+                        return
                     parts.append(message)
                     continue
                 if isinstance(message, CacheSnapshot):

@@ -25,6 +25,9 @@ CACHE_EVENTS_SCHEMA_VERSION: Final = 1
 CACHE_EVENTS_PATH: Final = "/v1/cache-events"
 # The most hashes in one snapshot frame: 34 bytes a block in JSON, a million blocks in 34 MB.
 MAX_SNAPSHOT_HASHES: Final = 1_000_000
+# The most parts one snapshot may come in (64 million blocks): a receiver holds them until the
+# last, so a stream that never ends one is cut off here.
+MAX_SNAPSHOT_PARTS: Final = 64
 MAX_FRAME_BYTES: Final = 64 * 2**20
 
 _PICKER_URL = re.compile(

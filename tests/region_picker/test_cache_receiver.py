@@ -16,7 +16,13 @@ from region_picker.cache_index import CacheIndex
 from region_picker.cache_receiver import CacheEventReceiver
 from region_picker.node_book import NodeBook
 from region_picker.node_streams import NodeStreams
-from wire.cache_events import CACHE_EVENTS_PATH, CacheDelta, CacheResync, CacheSnapshot
+from wire.cache_events import (
+    CACHE_EVENTS_PATH,
+    MAX_SNAPSHOT_PARTS,
+    CacheDelta,
+    CacheResync,
+    CacheSnapshot,
+)
 from wire.region_nodes import NodeLoad, RegionNodes
 
 Scenario = Callable[[CacheIndex, CacheEventReceiver, str], Awaitable[None]]
@@ -176,6 +182,7 @@ def test_a_held_out_node_comes_back_after_the_hold_or_when_the_control_plane_dro
         ([snapshot(0, 1), snapshot(0, 1, node="n2")], 1008),  # one stream carries one node
         ([snapshot(0, 1, more=True), delta(1, 2)], 1008),  # a batch amid a snapshot's parts
         ([snapshot(0, 1, more=True), snapshot(1, 2)], 1008),  # a part of another snapshot
+        ([snapshot(0, n, more=True) for n in range(MAX_SNAPSHOT_PARTS)], 1008),  # no last part
     ],
 )
 def test_a_stream_that_breaks_the_protocol_is_closed(frames: list[str], code: int) -> None:
