@@ -85,15 +85,21 @@ async def read_stream(
 async def read_streams(
     client: httpx.AsyncClient,
     bodies: list[dict[str, object]],
-    progress: tuple[int, asyncio.Event] | None = None,
+    progress: tuple[int, Callable[[list[StreamResult]], None]] | None = None,
 ) -> list[StreamResult]:
-    """Every stream at once; `progress` = (n, event): the event is set once each stream has had
-    n content chunks (where a benchmark or test breaks something mid-stream)."""
+    """Every stream at once; `progress` = (n, callback): the callback is called once, with the
+    results so far, when each stream has had n content chunks (where a benchmark or test breaks
+    something mid-stream)."""
     results = [StreamResult() for _ in bodies]
+    called = False
 
     def check() -> None:
-        if progress is not None and all(len(r.chunk_times_s) >= progress[0] for r in results):
-            progress[1].set()
+        nonlocal called
+        if progress is None or called:
+            return
+        if all(len(r.chunk_times_s) >= progress[0] for r in results):
+            called = True
+            progress[1](results)
 
     await asyncio.gather(
         *(read_stream(client, b, r, check) for b, r in zip(bodies, results, strict=True))

@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,9 +183,11 @@ class Fleet:
 
 def start_fleet(directory: Path, args: argparse.Namespace) -> Fleet:
     processes = Processes(directory)
-    tokens = {name: f"{name[:3]}-{secrets.token_urlsafe(24)}" for name in ("admin", "gateway")}
+    names = ("admin", "gateway", "serving")
+    tokens = {name: f"{name[:3]}-{secrets.token_urlsafe(24)}" for name in names}
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
-    env |= {"MERIDIAN_ADMIN_TOKEN": tokens["admin"], "MERIDIAN_GATEWAY_TOKEN": tokens["gateway"]}
+    # The nodes take a resumed stream's tokens only from a gateway that presents the serving token.
+    env |= {f"MERIDIAN_{name.upper()}_TOKEN": tokens[name] for name in names}
     cp_port = free_port()
     processes.start_control_plane(cp_port, env)
     wait_for_port(cp_port)
@@ -258,7 +261,7 @@ def bodies(
 async def run_streams(
     fleet: Fleet,
     streams: list[dict[str, object]],
-    progress: tuple[int, asyncio.Event] | None,
+    progress: tuple[int, Callable[[list[StreamResult]], None]] | None,
 ) -> list[StreamResult]:
     headers = {"Authorization": f"Bearer {fleet.api_key}"}
     async with httpx.AsyncClient(
@@ -274,20 +277,14 @@ async def run_streams(
 async def broken_run(
     fleet: Fleet, args: argparse.Namespace, streams: list[dict[str, object]]
 ) -> tuple[list[StreamResult], float | None]:
-    progress = asyncio.Event()
     broken_at: list[float] = []
 
-    async def break_near() -> None:
-        await progress.wait()
+    def break_near(_: list[StreamResult]) -> None:
         node = fleet.nodes[NEAR]
         node.send_signal(signal.SIGKILL if args.failure == "kill" else signal.SIGSTOP)
         broken_at.append(time.monotonic())
 
-    breaker = asyncio.create_task(break_near())
-    try:
-        results = await run_streams(fleet, streams, (args.kill_after, progress))
-    finally:
-        breaker.cancel()
+    results = await run_streams(fleet, streams, (args.kill_after, break_near))
     return results, (broken_at[0] if broken_at else None)
 
 

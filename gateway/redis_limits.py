@@ -60,9 +60,9 @@ class _Seen:
 
 
 class RedisBuckets:
-    def __init__(self, url: str, cooldown_s: float) -> None:
+    def __init__(self, url: str, cooldown_s: float, timeout_s: float = SOCKET_TIMEOUT_S) -> None:
         self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         self._admit = self._redis.register_script(ADMIT_SCRIPT)
         self._settle = self._redis.register_script(SETTLE_SCRIPT)

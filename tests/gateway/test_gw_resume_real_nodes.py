@@ -13,7 +13,7 @@ import signal
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_GREEDY = 16
 NUM_TOKENS = 128
 SEEDED = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.0, "top_p": 0.9, "seed": 12}]
-KILL_AFTER_TOKENS = 16  # every stream has had this many chunks when the near node dies
+KILL_AFTER_TOKENS = 16  # every stream has had this many chunks when a node dies
 MAX_RUN_S = 600.0  # a bound for a stuck run, far above what a healthy one takes
 # Nodes take `resume_token_ids` only from a gateway: one that presents their serving token.
 SERVING_TOKEN = "srv-" + "r" * 28
@@ -60,7 +60,7 @@ async def run_streams(
     gateway: GatewayThread,
     secret: str,
     verify: ssl.SSLContext,
-    on_progress: asyncio.Event | None = None,
+    on_progress: Callable[[list[StreamResult]], None] | None = None,
 ) -> list[StreamResult]:
     headers = {"Authorization": f"Bearer {secret}"}
     limits = httpx.Limits(max_connections=len(bodies()))
@@ -93,46 +93,41 @@ def test_streams_survive_their_regions_node_being_killed(
     assert all(r.error is None and r.num_resumes == 0 for r in unbroken)
     assert all(len(r.ids) == 1 for r in unbroken)
 
-    async def killed_mid_way() -> list[StreamResult]:
-        progress = asyncio.Event()
+    killed: list[str] = []
 
-        async def kill() -> None:
-            await progress.wait()
-            processes["us-east"].send_signal(signal.SIGKILL)
+    def kill_the_busiest_region(results: list[StreamResult]) -> None:
+        # The router decides where the streams go (on a loaded host it may send most of them to
+        # eu-west), so the region holding the most of them dies: at least half resume.
+        regions = [r.region for r in results]
+        killed.append(max(processes, key=regions.count))
+        processes[killed[0]].send_signal(signal.SIGKILL)
 
-        killer = asyncio.create_task(kill())
-        try:
-            return await run_streams(gateway, secret, client_ssl, progress)
-        finally:
-            killer.cancel()
-
-    # A fresh gateway: the first one learnt from the unbroken run's TTFTs that us-east (which
-    # took every stream) answers slowly, and would now send the streams to eu-west.
+    # A fresh gateway, so that its resume metrics count only the killed run's.
     gateway = fleet.start_gateway(serving_token=SERVING_TOKEN)
     fleet.wait_for_gateway(gateway, num_regions=2, timeout_s=MAX_LOAD_S)
     wait_until(lambda: len(gateway.handlers.keys) > 0, 5.0, "the key snapshot")
     started_s = time.monotonic()
-    broken = asyncio.run(killed_mid_way())
+    broken = asyncio.run(run_streams(gateway, secret, client_ssl, kill_the_busiest_region))
     broken_s = time.monotonic() - started_s
-    assert processes["us-east"].poll() is not None  # it was killed mid-run
-    rtt_ms = fleet.proxies[1].one_way_s * 2000
+    (dead,) = killed
+    (alive,) = set(processes) - {dead}
+    assert processes[dead].poll() is not None  # it was killed mid-run
+    rtt_ms = max(proxy.one_way_s for proxy in fleet.proxies) * 2000
     gaps = sorted(r.max_gap_s for r in broken)
-    print(
-        f"\n{sum(r.region == 'us-east' for r in broken)} of {len(broken)} streams began in us-east"
-    )
+    print(f"\n{sum(r.region == dead for r in broken)} of {len(broken)} streams began in {dead}")
     print(
         f"unbroken run {unbroken_s:.1f} s (longest gap {max(r.max_gap_s for r in unbroken):.3f}"
         f" s); killed run {broken_s:.1f} s; longest gap between chunks: max {gaps[-1]:.3f} s, "
-        f"median {gaps[len(gaps) // 2]:.3f} s; eu-west RTT {rtt_ms:.0f} ms"
+        f"median {gaps[len(gaps) // 2]:.3f} s; far region's RTT {rtt_ms:.0f} ms"
     )
     assert [r.error for r in broken] == [None] * len(broken)
     assert all(len(r.ids) == 1 for r in broken)
-    # Those that began in the killed region were resumed once (the router may have sent some
-    # to eu-west from the start), and every text is the unbroken run's.
-    assert [r.num_resumes for r in broken] == [int(r.region == "us-east") for r in broken]
+    # Those that began in the killed region were resumed once, and every text is the unbroken
+    # run's.
+    assert [r.num_resumes for r in broken] == [int(r.region == dead) for r in broken]
     num_resumed = sum(r.num_resumes for r in broken)
-    assert num_resumed >= NUM_GREEDY // 2
+    assert num_resumed >= len(broken) // 2
     for i, (before, after) in enumerate(zip(unbroken, broken, strict=True)):
         assert after.text == before.text, f"stream {i} differs after its resume"
     rendered = gateway.handlers.metrics.render().decode()
-    assert f'from_region="us-east",to_region="eu-west"}} {num_resumed}.0' in rendered
+    assert f'from_region="{dead}",to_region="{alive}"}} {num_resumed}.0' in rendered
