@@ -26,7 +26,7 @@ from simulator.world import build_geography
 
 # The clairvoyant policies: the best p99 of those run is the bound the others are measured
 # against (docs/simulator.md, "The bound").
-CLAIRVOYANT = ("oracle", "oracle_spread", "oracle_meridian")
+CLAIRVOYANT = ("oracle", "oracle_spread", "oracle_meridian", "oracle_direct")
 
 # progress(policy, num_ended)
 Progress = Callable[[str, int], None]

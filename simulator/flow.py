@@ -75,8 +75,8 @@ class Traffic:
         self.recorder = recorder
         self.timing = timing
         self.max_attempts = chooser.max_attempts or timing.max_attempts
-        # Clients that go to a region directly have no gateway to continue their streams.
-        max_resumes = timing.max_resumes if chooser.is_via_pop else 0
+        # Clients that send once have no gateway to continue their streams.
+        max_resumes = timing.max_resumes if chooser.has_gateway else 0
         self.limits = AttemptLimits(self.max_attempts, max_resumes)
         self.access = make_access(access, geography.pops, geography.cities)
         self.delays = OneWayDelays(geography, edge, chooser.is_via_pop)
@@ -94,7 +94,7 @@ class Traffic:
 
     def send(self, request: Request, models: tuple[str, ...]) -> None:
         """The client sends `request` now; `models`: its model, then the fallbacks a gateway
-        would try (a client that goes to a region directly has no gateway to fall back)."""
+        would try (a client that sends once has no gateway to fall back)."""
         city = self.geography.cities[request.city]
         if self.chooser.is_via_pop:
             pop = self.access.pop_for(request.city, self.loop.now_s)
@@ -103,7 +103,8 @@ class Traffic:
             flight = Flight(request, origin, pop, delay_s, models)
             self.loop.at(self.loop.now_s + delay_s, self._at_origin, flight)
         else:
-            self._at_origin(Flight(request, city, "", 0.0, models[:1]))
+            tries = models if self.chooser.has_gateway else models[:1]
+            self._at_origin(Flight(request, city, "", 0.0, tries))
 
     def _at_origin(self, flight: Flight) -> None:
         edge = self.edge

@@ -17,6 +17,8 @@
   a surge near its source while a node there predicts better than a far round trip, and each
   request they add lengthens every step of the batch it joins; `meridian` counts what it sent
   and spills sooner, so the bound needs its rule too.
+- `oracle_direct`: the oracle in the client rather than its PoP: straight to the region over the
+  client's own public path (as `nearest`'s clients go), where that is the shorter way.
 Every policy but `nearest` fails over in the order it gave, as the gateway does. Each plans for
 one model at a time, among the regions serving it (with a model-blind summary document: all),
 on the numbers of its nodes there; the gateway's fallback to another model is simulator/flow.py's.
@@ -25,9 +27,7 @@ on the numbers of its nodes there; the gateway's fallback to another model is si
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import ipaddress
-import itertools
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import partial
@@ -41,7 +41,6 @@ from gateway.routing import Router, RouterConfig, SummaryLoads
 from gateway.settings import GatewaySettings
 from simulator.control import PopWatch
 from simulator.node import Node
-from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
 from wire.geo import IPNetwork, client_subnet_of
@@ -49,10 +48,8 @@ from wire.region_summary import ModelLoad, RegionSummary, RegionSummaryIndex
 
 POLICIES: Final = (
     "meridian", "round_robin", "nearest", "least_loaded", "oracle", "oracle_spread",
-    "oracle_meridian",
+    "oracle_meridian", "oracle_direct",
 )  # fmt: skip
-# The near-best band of `oracle_spread`, as wide as the gateway's default `p2c_tolerance`.
-ORACLE_SPREAD: Final = 0.2
 
 
 def default_router_config() -> RouterConfig:
@@ -76,6 +73,9 @@ class Chooser:
     """A policy: the regions to try for a request, and what it learns from the attempts."""
 
     is_via_pop = True  # clients reach it through their Anycast PoP
+    # It retries, falls back to another model and resumes streams as the gateway does (else
+    # each client sends once, to one region).
+    has_gateway = True
     needs_control_plane = True  # it decides on heartbeats and summaries
     max_attempts: int | None = None  # None: the gateway's setting
 
@@ -258,6 +258,7 @@ class NearestChooser(Chooser):
     its own (the control plane's DNS has none: this is kinder to geo-DNS than it is today)."""
 
     is_via_pop = False
+    has_gateway = False
     max_attempts = 1
 
     def __init__(
@@ -310,90 +311,3 @@ class NearestChooser(Chooser):
     ) -> list[Pick]:
         region = self.answer(request.city, request.model, now_s)
         return [] if region is None else [Pick(region)]
-
-
-class OracleChooser(Chooser):
-    """Every node's true queue now, plus what this oracle already sent that is still on the
-    wire to it (so that it does not herd within one RTT)."""
-
-    needs_control_plane = False  # it reads the nodes themselves
-
-    def __init__(
-        self, sites: Mapping[str, Site], geography: Geography, spread: float = 0.0
-    ) -> None:
-        self.sites = sites
-        self.geography = geography
-        self.spread = spread
-        self._rtt_s: dict[tuple[str, str], float] = {}
-        self._on_the_way: list[tuple[float, int, str, int]] = []  # heap: arrival, seq, node, tokens
-        self._incoming: dict[str, tuple[int, int]] = {}  # node → (requests, prompt tokens)
-        self._sequence = itertools.count()
-
-    def rtt_s(self, pop: str, site: Site) -> float:
-        key = (pop, site.name)
-        rtt_s = self._rtt_s.get(key)
-        if rtt_s is None:
-            here = self.geography.pops[pop]
-            rtt_s = self._rtt_s[key] = self.geography.true_rtt_ms(here, site.location) / 1000.0
-        return rtt_s
-
-    def _arrived_by(self, now_s: float) -> None:
-        heap = self._on_the_way
-        while heap and heap[0][0] <= now_s:
-            _, _, name, tokens = heapq.heappop(heap)
-            num, total = self._incoming[name]
-            self._incoming[name] = (num - 1, total - tokens)
-
-    def order(
-        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
-    ) -> list[Pick]:
-        self._arrived_by(now_s)
-        model = request.model
-        picks = []
-        # Once per request, not once per node (`affinity_key` and `prefix_tokens` are properties).
-        prompt_tokens = request.prompt_tokens
-        key, prefix_tokens = request.affinity_key, request.prefix_tokens
-        incoming = self._incoming
-        for site in self.sites.values():
-            if not site.is_up or site.name in exclude:
-                continue
-            rtt_s = self.rtt_s(pop, site)
-            best: tuple[float, Node] | None = None
-            for node in site.serving.get(model, ()):
-                if not node.is_up:
-                    continue
-                num, tokens = incoming.get(node.name, (0, 0))
-                ttft_s = node.predict_ttft_s(prompt_tokens, key, prefix_tokens, now_s, num, tokens)
-                if best is None or ttft_s < best[0]:
-                    best = (ttft_s, node)
-            if best is not None:
-                picks.append(Pick(site.name, rtt_s + best[0], best[1]))
-        picks.sort(key=lambda pick: pick.predicted_ttft_s)
-        if picks and self.spread > 0.0:
-            picks = self._spread(picks)
-        if picks:  # the first is sent now: it reaches its node half an RTT from now
-            first, target = picks[0], picks[0].node
-            assert target is not None
-            arrive_s = now_s + self.rtt_s(pop, self.sites[first.region]) / 2.0
-            entry = (arrive_s, next(self._sequence), target.name, request.prompt_tokens)
-            heapq.heappush(self._on_the_way, entry)
-            num, tokens = self._incoming.get(target.name, (0, 0))
-            self._incoming[target.name] = (num + 1, tokens + request.prompt_tokens)
-        return picks[:limit]
-
-    def _spread(self, picks: list[Pick]) -> list[Pick]:
-        """`picks` (by predicted TTFT) with the first chosen among the near-best (within
-        `spread` of the best) as the one whose node has the fewest requests not started yet,
-        those on their way to it included: a surge spread before queues show it."""
-        limit_s = picks[0].predicted_ttft_s * (1.0 + self.spread)
-        near = [pick for pick in picks if pick.predicted_ttft_s <= limit_s]
-        if len(near) == 1:
-            return picks
-
-        def waiting(pick: Pick) -> tuple[int, float]:
-            assert pick.node is not None
-            num_incoming = self._incoming.get(pick.node.name, (0, 0))[0]
-            return pick.node.num_not_started + num_incoming, pick.predicted_ttft_s
-
-        chosen = min(near, key=waiting)
-        return [chosen, *(pick for pick in picks if pick is not chosen)]

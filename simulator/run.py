@@ -23,13 +23,12 @@ from simulator.flow import Traffic
 from simulator.gateway_timing import DEFAULT_MAX_RESUMES, GatewayTiming
 from simulator.node import Job, Node
 from simulator.node_picker import NodePicker
+from simulator.oracle import ORACLE_SPREAD, OracleChooser
 from simulator.policies import (
-    ORACLE_SPREAD,
     Chooser,
     LeastLoadedChooser,
     MeridianChooser,
     NearestChooser,
-    OracleChooser,
     RoundRobinChooser,
     default_router_config,
 )
@@ -121,6 +120,8 @@ def _chooser(
         return OracleChooser(sites, geography)
     if policy == "oracle_spread":
         return OracleChooser(sites, geography, ORACLE_SPREAD)
+    if policy == "oracle_direct":
+        return OracleChooser(sites, geography, is_direct=True)
     raise ValueError(f"unknown policy {policy!r}")
 
 

@@ -2,7 +2,7 @@
 
 A world's CPU time depends mostly on its policy (the same traffic, the same scenario), so each
 policy has a relative cost, measured on `steady` (docs/simulator.md, "Wall time"). The worlds
-are split into `jobs` groups that minimise the costliest group: with at most seven policies
+are split into `jobs` groups that minimise the costliest group: with at most eight policies
 every assignment can be tried. (A pool that hands each world to the first worker free, even
 costliest first, can leave one worker with a world to run alone at the end.)
 """
@@ -22,6 +22,7 @@ RELATIVE_COST: Final[Mapping[str, float]] = {
     "round_robin": 1.0,
     "oracle": 1.06,
     "oracle_spread": 1.06,  # the oracle's, not measured apart
+    "oracle_direct": 1.06,
     "nearest": 0.93,
     # Its nodes beat 20 times a second (steady, seed 0, 20,000 requests, 2026-12-06: 25.6 s
     # against round_robin's 5.1).

@@ -10,6 +10,7 @@ from simulator.bound import floor_ttfts_s, prefill_floor_s
 from simulator.calibration import ServiceCalibration
 from simulator.compare import CLAIRVOYANT, run_scenario, world_spec
 from simulator.control import PopWatch
+from simulator.oracle import OracleChooser
 from simulator.policies import POLICIES
 from simulator.results import Outcome
 from simulator.run import World
@@ -47,6 +48,25 @@ def test_the_bound_is_the_best_clairvoyant_p99() -> None:
     for stats in result.stats.values():
         assert stats.floor_p99_s <= stats.ttft_p99_s
     assert run_scenario(SCENARIOS["steady"], 0, 50, CAL, ["meridian"]).bound is None
+
+
+def test_the_direct_oracle_reckons_each_region_by_the_client_s_own_public_path() -> None:
+    spec = world_spec(SCENARIOS["steady"], 0, 50, CAL)
+    geography, request = spec.geography, spec.requests[0]
+    via_pop, direct = (World(spec, policy).chooser for policy in ("oracle", "oracle_direct"))
+    assert isinstance(via_pop, OracleChooser) and isinstance(direct, OracleChooser)
+    assert via_pop.is_via_pop and not direct.is_via_pop and direct.has_gateway
+    pop = next(iter(geography.pops))
+    city = geography.cities[request.city]
+    by_pop = {pick.region: pick for pick in via_pop.order(pop, request, 0.0, 10)}
+    for pick in direct.order("", request, 0.0, 10):  # idle nodes: only the paths differ
+        site = direct.sites[pick.region]
+        public_s = geography.true_rtt_ms(city, site.location, is_public=True) / 1000.0
+        backbone_s = geography.true_rtt_ms(geography.pops[pop], site.location) / 1000.0
+        assert direct.rtt_s("", request.city, site) == public_s
+        assert pick.predicted_ttft_s - by_pop[pick.region].predicted_ttft_s == pytest.approx(
+            public_s - backbone_s
+        )
 
 
 def received_summaries(world: World) -> list[tuple[float, float]]:

@@ -73,7 +73,9 @@ def test_changing_the_routing_policy_changes_the_simulated_decisions() -> None:
     assert np.nanmedian(distance_blind.ttft_s) > np.nanmedian(default.ttft_s)
 
 
-@pytest.mark.parametrize("policy", ["meridian", "oracle", "round_robin", "least_loaded"])
+@pytest.mark.parametrize(
+    "policy", ["meridian", "oracle", "oracle_direct", "round_robin", "least_loaded"]
+)
 def test_streams_a_dying_region_cuts_are_continued_elsewhere_as_the_gateway_does(
     policy: str,
 ) -> None:
