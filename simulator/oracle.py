@@ -1,4 +1,4 @@
-"""The clairvoyant policies that read the nodes themselves: `oracle`, `oracle_spread` and
+"""The clairvoyant policies that read the world itself: `oracle`, `oracle_spread` and
 `oracle_direct` (simulator/policies.py lists every policy)."""
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ ORACLE_SPREAD: Final = 0.2
 
 class OracleChooser(Chooser):
     """Every node's true queue now, plus what this oracle already sent that is still on the
-    wire to it (so that it does not herd within one RTT). `is_direct`: the oracle stands in the
-    client, not in its PoP: it sends over the client's own public path, straight to the region
-    (the way `nearest`'s clients go), with the gateway's rules for attempts, fallbacks and
-    resumes; on a calm day a client near a region may reach it sooner than through a PoP."""
+    wire to it (so that it does not herd within one RTT)."""
 
     needs_control_plane = False  # it reads the nodes themselves
 
@@ -32,32 +29,21 @@ class OracleChooser(Chooser):
         sites: Mapping[str, Site],
         geography: Geography,
         spread: float = 0.0,
-        is_direct: bool = False,
     ) -> None:
         self.sites = sites
         self.geography = geography
         self.spread = spread
-        self.is_via_pop = not is_direct
-        self._rtt_s: dict[tuple[str, str], float] = {}  # (PoP or client city, region)
+        self._rtt_s: dict[tuple[str, str], float] = {}
         self._on_the_way: list[tuple[float, int, str, int]] = []  # heap: arrival, seq, node, tokens
         self._incoming: dict[str, tuple[int, int]] = {}  # node → (requests, prompt tokens)
         self._sequence = itertools.count()
 
-    def rtt_s(self, pop: str, city: str, site: Site) -> float:
-        """The true RTT to `site` from the PoP, or, for a direct oracle, from the client's city
-        over its public path (its jitter and loss left out)."""
-        origin = pop if self.is_via_pop else city
-        key = (origin, site.name)
+    def rtt_s(self, pop: str, site: Site) -> float:
+        key = (pop, site.name)
         rtt_s = self._rtt_s.get(key)
         if rtt_s is None:
-            geography = self.geography
-            if self.is_via_pop:
-                rtt_ms = geography.true_rtt_ms(geography.pops[pop], site.location)
-            else:
-                rtt_ms = geography.true_rtt_ms(
-                    geography.cities[city], site.location, is_public=True
-                )
-            rtt_s = self._rtt_s[key] = rtt_ms / 1000.0
+            here = self.geography.pops[pop]
+            rtt_s = self._rtt_s[key] = self.geography.true_rtt_ms(here, site.location) / 1000.0
         return rtt_s
 
     def _arrived_by(self, now_s: float) -> None:
@@ -80,7 +66,7 @@ class OracleChooser(Chooser):
         for site in self.sites.values():
             if not site.is_up or site.name in exclude:
                 continue
-            rtt_s = self.rtt_s(pop, request.city, site)
+            rtt_s = self.rtt_s(pop, site)
             best: tuple[float, Node] | None = None
             for node in site.serving.get(model, ()):
                 if not node.is_up:
@@ -97,7 +83,7 @@ class OracleChooser(Chooser):
         if picks:  # the first is sent now: it reaches its node half an RTT from now
             first, target = picks[0], picks[0].node
             assert target is not None
-            arrive_s = now_s + self.rtt_s(pop, request.city, self.sites[first.region]) / 2.0
+            arrive_s = now_s + self.rtt_s(pop, self.sites[first.region]) / 2.0
             entry = (arrive_s, next(self._sequence), target.name, request.prompt_tokens)
             heapq.heappush(self._on_the_way, entry)
             num, tokens = self._incoming.get(target.name, (0, 0))
@@ -120,3 +106,49 @@ class OracleChooser(Chooser):
 
         chosen = min(near, key=waiting)
         return [chosen, *(pick for pick in picks if pick is not chosen)]
+
+
+class DirectOracleChooser(Chooser):
+    """`nearest` made clairvoyant: the client goes straight to the region its own public path
+    reaches soonest (the true RTT, not a DNS answer cached for its TTL) among those up with a
+    node up serving the model, where the region's picker chooses the node; with the gateway's
+    rules for attempts, fallbacks and resumes. On a calm day with fast nodes the path is most of
+    a TTFT, and a client near a region reaches it sooner than through a PoP and the backbone. (A
+    direct oracle that chose the node by its predicted TTFT, as `oracle` does, lost to `nearest`
+    at p99 by herding onto the nodes that held a prompt: docs/simulator.md.)"""
+
+    is_via_pop = False
+    needs_control_plane = False
+
+    def __init__(self, sites: Mapping[str, Site], geography: Geography) -> None:
+        self.sites = sites
+        self.geography = geography
+        self._by_rtt: dict[str, list[tuple[float, Site]]] = {}  # by city, nearest first
+
+    def by_rtt(self, city: str) -> list[tuple[float, Site]]:
+        """Every region with the true RTT of the city's public path to it, nearest first."""
+        ranked = self._by_rtt.get(city)
+        if ranked is None:
+            geography, here = self.geography, self.geography.cities[city]
+            ranked = sorted(
+                (
+                    (geography.true_rtt_ms(here, site.location, is_public=True) / 1000.0, site)
+                    for site in self.sites.values()
+                ),
+                key=lambda ranked_site: ranked_site[0],
+            )
+            self._by_rtt[city] = ranked
+        return ranked
+
+    def order(
+        self, pop: str, request: Request, now_s: float, limit: int, exclude: Collection[str] = ()
+    ) -> list[Pick]:
+        picks = []
+        for rtt_s, site in self.by_rtt(request.city):
+            if not site.is_up or site.name in exclude:
+                continue
+            if any(node.is_up for node in site.serving.get(request.model, ())):
+                picks.append(Pick(site.name, rtt_s))
+                if len(picks) == limit:
+                    break
+        return picks

@@ -17,8 +17,8 @@
   a surge near its source while a node there predicts better than a far round trip, and each
   request they add lengthens every step of the batch it joins; `meridian` counts what it sent
   and spills sooner, so the bound needs its rule too.
-- `oracle_direct`: the oracle in the client rather than its PoP: straight to the region over the
-  client's own public path (as `nearest`'s clients go), where that is the shorter way.
+- `oracle_direct`: `nearest` made clairvoyant: straight to the region the client's own public
+  path reaches soonest, among those up and serving the model (simulator/oracle.py).
 Every policy but `nearest` fails over in the order it gave, as the gateway does. Each plans for
 one model at a time, among the regions serving it (with a model-blind summary document: all),
 on the numbers of its nodes there; the gateway's fallback to another model is simulator/flow.py's.

@@ -23,7 +23,7 @@ from simulator.flow import Traffic
 from simulator.gateway_timing import DEFAULT_MAX_RESUMES, GatewayTiming
 from simulator.node import Job, Node
 from simulator.node_picker import NodePicker
-from simulator.oracle import ORACLE_SPREAD, OracleChooser
+from simulator.oracle import ORACLE_SPREAD, DirectOracleChooser, OracleChooser
 from simulator.policies import (
     Chooser,
     LeastLoadedChooser,
@@ -121,7 +121,7 @@ def _chooser(
     if policy == "oracle_spread":
         return OracleChooser(sites, geography, ORACLE_SPREAD)
     if policy == "oracle_direct":
-        return OracleChooser(sites, geography, is_direct=True)
+        return DirectOracleChooser(sites, geography)
     raise ValueError(f"unknown policy {policy!r}")
 
 

@@ -10,7 +10,7 @@ from simulator.bound import floor_ttfts_s, prefill_floor_s
 from simulator.calibration import ServiceCalibration
 from simulator.compare import CLAIRVOYANT, run_scenario, world_spec
 from simulator.control import PopWatch
-from simulator.oracle import OracleChooser
+from simulator.oracle import DirectOracleChooser
 from simulator.policies import POLICIES
 from simulator.results import Outcome
 from simulator.run import World
@@ -50,23 +50,25 @@ def test_the_bound_is_the_best_clairvoyant_p99() -> None:
     assert run_scenario(SCENARIOS["steady"], 0, 50, CAL, ["meridian"]).bound is None
 
 
-def test_the_direct_oracle_reckons_each_region_by_the_client_s_own_public_path() -> None:
+def test_the_direct_oracle_goes_to_the_region_the_client_s_own_path_reaches_soonest() -> None:
     spec = world_spec(SCENARIOS["steady"], 0, 50, CAL)
     geography, request = spec.geography, spec.requests[0]
-    via_pop, direct = (World(spec, policy).chooser for policy in ("oracle", "oracle_direct"))
-    assert isinstance(via_pop, OracleChooser) and isinstance(direct, OracleChooser)
-    assert via_pop.is_via_pop and not direct.is_via_pop and direct.has_gateway
-    pop = next(iter(geography.pops))
+    world = World(spec, "oracle_direct")
+    oracle = world.chooser
+    assert isinstance(oracle, DirectOracleChooser)
+    assert not oracle.is_via_pop and oracle.has_gateway  # fallbacks and resumes, as a gateway
     city = geography.cities[request.city]
-    by_pop = {pick.region: pick for pick in via_pop.order(pop, request, 0.0, 10)}
-    for pick in direct.order("", request, 0.0, 10):  # idle nodes: only the paths differ
-        site = direct.sites[pick.region]
-        public_s = geography.true_rtt_ms(city, site.location, is_public=True) / 1000.0
-        backbone_s = geography.true_rtt_ms(geography.pops[pop], site.location) / 1000.0
-        assert direct.rtt_s("", request.city, site) == public_s
-        assert pick.predicted_ttft_s - by_pop[pick.region].predicted_ttft_s == pytest.approx(
-            public_s - backbone_s
-        )
+    public_s = {
+        name: geography.true_rtt_ms(city, site.location, is_public=True) / 1000.0
+        for name, site in world.sites.items()
+    }
+    ranked = sorted(public_s, key=public_s.__getitem__)
+    picks = oracle.order("", request, 0.0, 3)
+    assert [pick.region for pick in picks] == ranked[:3]
+    assert all(pick.predicted_ttft_s == public_s[pick.region] for pick in picks)
+    assert all(pick.node is None for pick in picks)  # the region's picker chooses the node
+    world.sites[ranked[0]].is_up = False  # then one tried already
+    assert [pick.region for pick in oracle.order("", request, 0.0, 3, {ranked[1]})] == ranked[2:5]
 
 
 def received_summaries(world: World) -> list[tuple[float, float]]:
