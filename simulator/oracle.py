@@ -14,7 +14,8 @@ from simulator.site import Site
 from simulator.workload import Request
 from simulator.world import Geography
 
-# The near-best band of `oracle_spread`, as wide as the gateway's default `p2c_tolerance`.
+# The near-best band of `oracle_spread`: the gateway's `p2c_tolerance` when it was measured
+# (2026-12-05; the gateway's is 0.05 since 2026-12-06).
 ORACLE_SPREAD: Final = 0.2
 
 

@@ -16,14 +16,14 @@ async def test_routing_policy_defaults_and_replace(cp: ControlPlaneClient) -> No
     assert RoutingPolicy.model_validate(got.json()) == RoutingPolicy()
     put = await cp.http.put(
         "/v1/routing",
-        json={"rtt_weight": 0.5, "p2c_tolerance": 0.05, "saturation_threshold": 0.8},
+        json={"rtt_weight": 0.5, "p2c_tolerance": 0.3, "saturation_threshold": 0.8},
         headers=cp.admin,
     )
     assert put.status_code == 200
     again = RoutingPolicy.model_validate(
         (await cp.http.get("/v1/routing", headers=cp.admin)).json()
     )
-    assert (again.rtt_weight, again.p2c_tolerance, again.saturation_threshold) == (0.5, 0.05, 0.8)
+    assert (again.rtt_weight, again.p2c_tolerance, again.saturation_threshold) == (0.5, 0.3, 0.8)
     assert again.queue_weight == 1.0 and again.affinity_enabled is True
 
 
