@@ -26,10 +26,7 @@ class OracleChooser(Chooser):
     needs_control_plane = False  # it reads the nodes themselves
 
     def __init__(
-        self,
-        sites: Mapping[str, Site],
-        geography: Geography,
-        spread: float = 0.0,
+        self, sites: Mapping[str, Site], geography: Geography, spread: float = 0.0
     ) -> None:
         self.sites = sites
         self.geography = geography
