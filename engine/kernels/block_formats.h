@@ -44,6 +44,25 @@ struct Q4_1 {
     high = dequantized(_mm_and_si128(_mm_srli_epi16(qs, 4), low_nibbles), d, m, fused);
   }
 #endif
+#if defined(MERIDIAN_AVX512_BF16)
+  // The block's 32 weights rounded to bf16, as `weights` (unfused) forms them, for the GEMV
+  // loops (gemv_cpu.cpp): a block holds at most 16 values (q = 0..15), so those are formed and
+  // rounded once, into both halves of a table, and each weight is the table's entry at its
+  // nibble. vpermw reads an index's low 5 bits: a byte's low nibble (weights 0-15) picks the
+  // same entry in either half, so only the high nibbles (16-31) need a shift. 10 instructions a
+  // block against 16, the same bits. dequantize_block keeps the arithmetic: in the AMX loop the
+  // permutes shared a port with the tiles' work and lost (Sapphire Rapids, docs/benchmarks.md).
+  static __m512bh bf16_weights(const uint8_t* block) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 values = _mm512_add_ps(_mm512_mul_ps(q, _mm512_set1_ps(fp32_at(block))),
+                                        _mm512_set1_ps(fp32_at(block + 4)));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+    const __m128i quants = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(quants));
+    const __m512i nibbles = _mm512_mask_srli_epi16(bytes, __mmask32(0xffff0000u), bytes, 4);
+    return (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
+  }
+#endif
 };
 
 struct Q8_0 {
@@ -64,6 +83,13 @@ struct Q8_0 {
     };
     low = half(block + 4);
     high = half(block + 20);
+  }
+#endif
+#if defined(MERIDIAN_AVX512_BF16)
+  static __m512bh bf16_weights(const uint8_t* block) {
+    __m512 low, high;
+    weights(block, low, high, false);
+    return _mm512_cvtne2ps_pbh(high, low);
   }
 #endif
 };

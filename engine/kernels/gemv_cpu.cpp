@@ -42,6 +42,10 @@ namespace {
 
 constexpr int kRowsPerGroup = 4;  // weight rows whose dot products run side by side
 constexpr int kMaxTileTokens = 4;  // tokens sharing each loaded weight vector
+// A tile's R x T accumulators stay in registers only where every loop over them is unrolled:
+// GCC 12 left the 4 x 4 tile's outer loops rolled and kept its 16 accumulators on the stack,
+// storing each one every step (a product took 2.6x as long as in the 4 x 3 tile, AMD EPYC).
+// Hence `#pragma GCC unroll` on those loops.
 // Block weights' bf16 steps of this many tokens or more run on AMX tiles where the CPU has them
 // (amx_cpu.cpp), whose cost barely grows with the tokens. At one token the loop below takes 0.8x
 // their time (a decode step's matmuls of SmolLM2, Sapphire Rapids): a sequence decoded alone then
@@ -57,11 +61,13 @@ inline void tile_bf16(const uint16_t* x, const float* xf, int64_t k, const uint1
 #if defined(MERIDIAN_AVX512_BF16)
   (void)xf;
   __m512 acc[R][T];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   auto step = [&](int64_t i, __mmask32 mask) {
     __m512bh xv[T];
     for (int t = 0; t < T; ++t) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + t * k + i);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       // As in tile_blocks: the same columns of the next group's row.
       _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * ldw + i), _MM_HINT_T0);
@@ -72,6 +78,7 @@ inline void tile_bf16(const uint16_t* x, const float* xf, int64_t k, const uint1
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) step(i, __mmask32(0xffffffffu));
   if (i < k) step(i, __mmask32((uint64_t(1) << (k - i)) - 1));
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
 #else
@@ -150,6 +157,7 @@ inline void tile_blocks(const float* x, int64_t k, const uint8_t* w, int64_t ldw
   const int64_t num_blocks = k / kBlockWeights;
 #if defined(__AVX512F__)
   __m512 acc[R][T];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -172,6 +180,7 @@ inline void tile_blocks(const float* x, int64_t k, const uint8_t* w, int64_t ldw
       }
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
 #else
@@ -203,6 +212,7 @@ inline void tile_blocks_bf16(const uint16_t* x, int64_t k, const uint8_t* w, int
                              float* out) {
   const int64_t num_blocks = k / kBlockWeights;
   __m512 acc[R][T];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -213,12 +223,11 @@ inline void tile_blocks_bf16(const uint16_t* x, int64_t k, const uint8_t* w, int
     for (int r = 0; r < R; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * ldw + b * Format::kBlockBytes),
                    _MM_HINT_T0);
-      __m512 w_low, w_high;
-      Format::weights(w + r * ldw + b * Format::kBlockBytes, w_low, w_high, false);
-      const __m512bh wv = _mm512_cvtne2ps_pbh(w_high, w_low);
+      const __m512bh wv = Format::bf16_weights(w + r * ldw + b * Format::kBlockBytes);
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
@@ -250,8 +259,8 @@ const uint16_t* dequantize_rows(const uint8_t* w, int64_t rows, int64_t row_byte
   dense.resize(rows * k);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < k / kBlockWeights; ++b) {
-      dequantize_block<Format>(w + r * row_bytes + b * Format::kBlockBytes,
-                               dense.data() + r * k + b * kBlockWeights);
+      const __m512bh weights = Format::bf16_weights(w + r * row_bytes + b * Format::kBlockBytes);
+      _mm512_storeu_si512(dense.data() + r * k + b * kBlockWeights, (__m512i)weights);
     }
   }
   return reinterpret_cast<const uint16_t*>(dense.data());
