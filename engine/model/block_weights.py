@@ -41,10 +41,11 @@ GEMV_MAX_TOKENS = 16
 # pass of the tiles), and they beat oneDNN's AMX GEMM on the dense weight there (1.3-2.7x on
 # SmolLM2's shapes, the LM head's too); at 48 and 64 the tiles' two passes lost to it.
 AMX_BLOCKS_MAX_TOKENS = 32
-# The LM head, whose float rows the model keeps too, reads its blocks up to 8 tokens where the
-# bf16 kernel takes the float rows to 8 or more: above 8 the rows were faster (the Q8_0 blocks
-# against the rows, AMD EPYC: 2.8 against 3.0 ms at 8 tokens, 4.1 against 3.6 at 12).
-HEAD_BLOCKS_MAX_TOKENS = 8
+# The LM head, whose float rows the model keeps too (packed for oneDNN: model/parallel_layers.py),
+# reads its blocks up to 4 tokens: above, the packed rows were faster (the Q8_0 blocks against
+# them, AMD EPYC, 2 threads: 1.8 against 2.8 ms at 1 token, 2.0 against 2.5 at 4, 3.5 against
+# 2.4 at 8).
+HEAD_BLOCKS_MAX_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,7 @@ class BlockWeight:
         the bf16 kernel multiplies a dense weight over 16 tokens, the blocks take those steps
         too: each group of rows dequantized in L1 for the same loop (engine/kernels/gemv_cpu.cpp),
         where the dense path would dequantize the layer through memory first; on AMX tiles, up
-        to AMX_BLOCKS_MAX_TOKENS."""
+        to AMX_BLOCKS_MAX_TOKENS; the LM head's, up to HEAD_BLOCKS_MAX_TOKENS."""
         if not self._max_kernel_tokens:
             self._max_kernel_tokens = self._kernel_range()
         return self._max_kernel_tokens
@@ -137,10 +138,11 @@ class BlockWeight:
     def _kernel_range(self) -> int:
         if self.dtype == torch.bfloat16 and (k := cpu_kernels()) and k.amx_tiles_ready():
             return AMX_BLOCKS_MAX_TOKENS
-        dense_tokens = bf16_gemv_max_tokens(*self.shape) if self.dtype == torch.bfloat16 else 0
-        if self.float_rows_kept and dense_tokens >= HEAD_BLOCKS_MAX_TOKENS:
+        if self.dtype != torch.bfloat16:
+            return GEMV_MAX_TOKENS
+        if self.float_rows_kept:
             return HEAD_BLOCKS_MAX_TOKENS
-        return max(GEMV_MAX_TOKENS, dense_tokens)
+        return max(GEMV_MAX_TOKENS, bf16_gemv_max_tokens(*self.shape))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, K) -> x W^T (T, N)."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.model.block_weights import BlockFormat, BlockWeight
+from engine.model.dense_matmul import dense_linear, packed
 from engine.model.int8_weights import Int8Weight, linear
 
 
@@ -111,7 +112,10 @@ class VocabParallelEmbedding(nn.Module):
     all-reduce assembles every token's row. The same slice serves as the tied LM head, whose
     steps of few tokens read `head_blocks` where the runner kept the file's blocks (Q8_0: about
     half of bf16's bytes); lookups and bigger steps read the float rows, so a prefill chunk does
-    not dequantize the vocabulary."""
+    not dequantize the vocabulary. On a CPU the head multiplies a copy of the rows in oneDNN's
+    blocked layout (`packed`), made at its first step: the lookups need the plain rows, so bf16
+    keeps both (57 MB more for SmolLM2). The plain rows' best path took 1.1-1.5x its time on the
+    vocabulary's 49152 rows at 1 to 32 tokens (AMD EPYC, `python -m bench.linear_small_m`)."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
         super().__init__()
@@ -122,6 +126,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard, hidden))
         self.int8: Int8Weight | None = None
         self.head_blocks: BlockWeight | None = None
+        self._head_rows: torch.Tensor | None = None  # `weight` packed, from the first step
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -141,6 +146,7 @@ class VocabParallelEmbedding(nn.Module):
         target = self.weight.data
         target[rows.shape[0] :].zero_()
         _copy_checked(target[: rows.shape[0]], rows, "weight")
+        self._head_rows = None
 
     def keep_head_blocks(self, full: torch.Tensor, fmt: BlockFormat) -> None:
         """This rank's vocabulary rows of the file's blocks `full` (vocab, K / 32 * file bytes);
@@ -153,10 +159,18 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> fp32 logits over the whole vocabulary (N, vocab)."""
         if self.head_blocks is not None and self.head_blocks.kernels_for(hidden):
-            local = self.head_blocks.linear(hidden).float()
+            local = self.head_blocks.linear(hidden)
+        elif self.int8 is not None:
+            local = self.int8.linear(hidden)
         else:
-            local = linear(hidden, self.weight, None, self.int8).float()
-        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+            local = dense_linear(hidden, self.head_rows())
+        return self.tp.all_gather_last_dim(local.float())[:, : self.vocab_size]
+
+    def head_rows(self) -> torch.Tensor:
+        """The float rows as the head's dense steps read them (see the class)."""
+        if self._head_rows is None:
+            self._head_rows = packed(self.weight.detach())
+        return self._head_rows
 
 
 def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:

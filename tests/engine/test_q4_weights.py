@@ -282,7 +282,7 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
         logits = head.logits(x)
         assert logits.dtype == torch.float32 and logits.shape == (num_tokens, vocab)
         reads_blocks = kernels_on and num_tokens <= head.head_blocks.max_kernel_tokens()
-        expected = head.head_blocks.linear(x) if reads_blocks else dense_linear(x, head.weight)
+        expected = head.head_blocks.linear(x) if reads_blocks else dense_linear(x, head.head_rows())
         assert torch.equal(logits, expected.float())
         # The float rows are the weights rounded to the dtype, as the blocks' bf16 loop rounds.
         rounded = not reads_blocks or _has_avx512_bf16()
@@ -299,9 +299,11 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
         # fp32: no bf16 kernel reads the dense weight, and no AMX tiles multiply fp32.
         (torch.float32, 64, False, False, GEMV_MAX_TOKENS),
         (torch.float32, 4, False, True, GEMV_MAX_TOKENS),
-        # The LM head: its float rows beat its blocks over 8 where the kernel reads them.
+        # The LM head: its packed float rows beat its blocks over 4 tokens, whatever the bf16
+        # kernel's range; in fp32 the blocks keep their range.
         (torch.bfloat16, 64, True, False, HEAD_BLOCKS_MAX_TOKENS),
-        (torch.bfloat16, 8, True, False, HEAD_BLOCKS_MAX_TOKENS),
+        (torch.bfloat16, 4, True, False, HEAD_BLOCKS_MAX_TOKENS),
+        (torch.float32, 64, True, False, GEMV_MAX_TOKENS),
         # AMX: the blocks on the tiles up to 32 tokens, the head's too.
         (torch.bfloat16, 4, False, True, AMX_BLOCKS_MAX_TOKENS),
         (torch.bfloat16, 4, True, True, AMX_BLOCKS_MAX_TOKENS),
