@@ -4,6 +4,7 @@ into the edit-test loop."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
 import platform
 import subprocess
@@ -87,6 +88,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # The processor's name is read from `uname -p` once, on first use (the openai client's
         # headers ask for it): read it before the guard, not in whichever test asks first.
         platform.processor()
+        # matplotlib lists the system's fonts with `fc-list` once per machine, at its first
+        # import (the simulator's plots): on a fresh machine the first plotting test did.
+        with contextlib.suppress(ImportError):
+            import matplotlib.font_manager  # noqa: F401
         guard = UnitGuard()
         patches = pytest.MonkeyPatch()
         guard.install(patches)
