@@ -284,6 +284,8 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
         reads_blocks = kernels_on and num_tokens <= head.head_blocks.max_kernel_tokens()
         expected = head.head_blocks.linear(x) if reads_blocks else dense_linear(x, head.head_rows())
         assert torch.equal(logits, expected.float())
+        # Where oneDNN multiplies bf16, the rows the dense steps read are packed for it.
+        assert head.head_rows().is_mkldnn == (dtype == torch.bfloat16 and packs_bf16())
         # The float rows are the weights rounded to the dtype, as the blocks' bf16 loop rounds.
         rounded = not reads_blocks or _has_avx512_bf16()
         weights = dense.to(dtype).float() if rounded else dense
