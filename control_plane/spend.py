@@ -7,9 +7,14 @@ tokens count in the period holding the moment the control plane hears of them. C
 period starts counting anew: spend recorded under the old period's starts counts only where
 such a start falls inside the new current period.
 
+A report's spend counts once: each gateway process (`UsageReport.reporter`, a PoP may run
+several) sends its batches one at a time, the unanswered one again until answered, so a batch
+equal to the last one applied from the same process is a resend (table `spend_reporters`).
+
 Rows of periods that ended before a key's previous one are deleted (`prune_spend`, from the
 usage reports' transaction, at most once per `PRUNE_INTERVAL_S`): nothing reads them, and the
-table would otherwise grow by every key's models each period for ever.
+table would otherwise grow by every key's models each period for ever; so are the last batches
+of processes not heard from in `REPORTER_RETENTION_S`.
 """
 
 from __future__ import annotations
@@ -29,16 +34,22 @@ def _period_of(budget_period_s: int | None) -> int:
 
 
 def record_spend(conn: Connection, report: UsageReport, now: float) -> None:
-    """Add the report's spend, unless its batch is the last one applied for its PoP (a report
-    sent again after its answer was lost). Unknown and revoked keys are skipped; the PoP's row
-    in `limit_pops` must exist."""
+    """Add the report's spend, unless its batch is the last one applied from the process that
+    sent it (a report sent again after its answer was lost). Unknown and revoked keys are
+    skipped."""
     if not report.spend or report.spend_batch is None:
         return
-    row = conn.execute("SELECT spend_batch FROM limit_pops WHERE pop = ?", (report.pop,)).fetchone()
+    sender = (report.pop, report.reporter or "")  # a gateway that names no process: its PoP
+    row = conn.execute(
+        "SELECT spend_batch FROM spend_reporters WHERE pop = ? AND reporter = ?", sender
+    ).fetchone()
     if row is not None and row["spend_batch"] == report.spend_batch:
         return
     conn.execute(
-        "UPDATE limit_pops SET spend_batch = ? WHERE pop = ?", (report.spend_batch, report.pop)
+        "INSERT INTO spend_reporters (pop, reporter, spend_batch, applied_at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (pop, reporter) DO UPDATE "
+        "SET spend_batch = excluded.spend_batch, applied_at = excluded.applied_at",
+        (*sender, report.spend_batch, now),
     )
     totals: dict[tuple[str, str], int] = defaultdict(int)
     for spend in report.spend:
@@ -58,16 +69,20 @@ def record_spend(conn: Connection, report: UsageReport, now: float) -> None:
 
 PRUNE_INTERVAL_S: Final = 3600
 PRUNED_ROW: Final = "key_spend_pruned"  # meta: the last PRUNE_INTERVAL_S slot pruned in
+# A process that has not had a batch applied for this long is forgotten: a row per process start,
+# and a batch held unanswered for longer (its control plane out of reach a week) counts again.
+REPORTER_RETENTION_S: Final = 7 * 86_400
 
 
 def prune_spend(conn: Connection, now: float) -> int:
     """Delete the spend of periods that ended before each key's previous one (its current and
-    previous periods stay, per model), unless that was done in this `PRUNE_INTERVAL_S` slot
-    already. Returns the rows deleted."""
+    previous periods stay, per model) and the batches of processes long gone, unless that was
+    done in this `PRUNE_INTERVAL_S` slot already. Returns the spend rows deleted."""
     slot = str(int(now // PRUNE_INTERVAL_S))
     if get_meta(conn, PRUNED_ROW) == slot:
         return 0
     set_meta(conn, PRUNED_ROW, slot)
+    conn.execute("DELETE FROM spend_reporters WHERE applied_at < ?", (now - REPORTER_RETENTION_S,))
     num_deleted = 0
     periods = conn.execute(
         "SELECT DISTINCT COALESCE(budget_period_s, ?) AS period_s FROM api_keys",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from gateway.control_plane_client import CALL_FAILURES, ControlPlaneClient
 from gateway.limit_shares import Asked, PopLimiter
@@ -36,6 +37,9 @@ class UsageReporter:
         self._client = client
         self._urls = client.urls
         self._pop = pop
+        # This process among the PoP's: the control plane tells its batch sent again from another
+        # process's new one (control_plane/spend.py).
+        self._reporter = secrets.token_hex(8)
         self._limiter = limiter
         self._interval_s = interval_s
         self.num_reports = 0
@@ -67,6 +71,7 @@ class UsageReporter:
             keys=self._uses(taken),
             spend=batch.spend() if batch is not None else [],
             spend_batch=batch.id if batch is not None else None,
+            reporter=self._reporter,
         )
         try:
             answer = await self._post(report)

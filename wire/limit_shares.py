@@ -12,8 +12,9 @@ A key's limits on one model (`KeyGrant.model_limits`) are a limit entry of their
 same way: its id is `model_entry(key_id, model)` wherever a key id goes here.
 
 Spend: a report also carries the tokens each key used per model since the last one (`spend`,
-settled from the nodes' usage), under a `spend_batch` id; a report sent again after its answer
-was lost repeats the batch, which the control plane then skips (spend counts once). The answer
+settled from the nodes' usage), under a `spend_batch` id and the sending process's `reporter`
+id; a report sent again after its answer was lost repeats the batch, which the control plane
+then skips (spend counts once, however many processes the PoP runs). The answer
 lists, per key with a budget, what it spent in its current period (`spent`), so that each PoP
 refuses a key whose budget is gone.
 """
@@ -85,6 +86,9 @@ class UsageReport(BaseModel):
     spend: list[ModelSpend] = Field(default_factory=list, max_length=MAX_REPORTED_KEYS)
     # The spend's id (None with no spend): a batch the control plane has applied is not again.
     spend_batch: str | None = Field(default=None, min_length=1, max_length=64)
+    # The gateway process sending it (fresh at each start): a PoP may run several, and each
+    # one's batch sent again is told from another's new one (None: the PoP is one process).
+    reporter: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 class KeySpent(BaseModel):

@@ -161,6 +161,19 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # gives the region's ingress Envoys its ext_proc filter (control_plane/xds/picker.py).
         "ALTER TABLE regions ADD COLUMN picker TEXT",
     ),
+    (
+        # The last spend batch applied per gateway process of each PoP (control_plane/spend.py):
+        # a PoP may run several, each sending its own unanswered batch again; the PoP-wide
+        # column took another process's batch for a new one and counted a resent batch twice.
+        """CREATE TABLE spend_reporters (
+            pop TEXT NOT NULL,
+            reporter TEXT NOT NULL,
+            spend_batch TEXT NOT NULL,
+            applied_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (pop, reporter)
+        )""",
+        "ALTER TABLE limit_pops DROP COLUMN spend_batch",
+    ),
 )
 
 

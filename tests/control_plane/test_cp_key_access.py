@@ -147,11 +147,14 @@ async def test_a_patch_of_nothing_a_missing_or_a_revoked_key_is_refused(
     assert unauthorized.status_code == 401
 
 
-def report(pop: str, batch: str, *spend: tuple[str, str, int]) -> UsageReport:
+def report(
+    pop: str, batch: str, *spend: tuple[str, str, int], reporter: str | None = None
+) -> UsageReport:
     return UsageReport(
         pop=pop,
         spend=[ModelSpend(key_id=k, model=m, num_tokens=n) for k, m, n in spend],
         spend_batch=batch,
+        reporter=reporter,
     )
 
 
@@ -196,6 +199,36 @@ async def test_spend_is_recorded_per_model_once_per_batch_and_read_back(
 
 
 @pytest.mark.asyncio
+async def test_each_gateway_process_of_a_pop_has_its_resent_batch_counted_once(
+    cp: ControlPlaneClient,
+) -> None:
+    key = (await create_key(cp, max_budget_tokens=10_000, budget_period="1h"))["id"]
+    ledger = LimitLedger(cp.services.store, LimitSharesConfig())
+
+    async def spent() -> int:
+        return int(
+            (await cp.http.get(f"/v1/keys/{key}/spend", headers=cp.admin)).json()["spent_tokens"]
+        )
+
+    # Two processes of one PoP: the first's answer is lost while the second reports, and the
+    # first sends its batch again; so does the second, after a third batch of the first.
+    first, second = (
+        report("new-york", "a1", (key, SMALL, 100), reporter="p1"),
+        report("new-york", "b1", (key, SMALL, 10), reporter="p2"),
+    )
+    for sent in (first, second, first):
+        await ledger.report(sent)
+    assert await spent() == 110
+    await ledger.report(report("new-york", "a2", (key, SMALL, 1000), reporter="p1"))
+    await ledger.report(second)
+    assert await spent() == 1110
+    # A gateway that names no process is its PoP's only one, as before.
+    for _ in range(2):
+        await ledger.report(report("london", "c1", (key, SMALL, 5)))
+    assert await spent() == 1115
+
+
+@pytest.mark.asyncio
 async def test_spend_of_periods_before_each_keys_previous_one_is_pruned(
     cp: ControlPlaneClient,
 ) -> None:
@@ -230,6 +263,15 @@ async def test_spend_of_periods_before_each_keys_previous_one_is_pruned(
     assert kept == sorted(
         [(h, m, later - 1) for m in (SMALL, LARGE)] + [(d, SMALL, start), (d, SMALL, start + day_s)]
     )
+
+    def senders(conn: Any) -> list[tuple[str, str]]:
+        found = conn.execute("SELECT pop, reporter FROM spend_reporters").fetchall()
+        return sorted((r["pop"], r["reporter"]) for r in found)
+
+    # The last batch of a process not heard from in a week is forgotten; a live one's is kept.
+    now[0] = later + 7 * day_s + hour_s
+    await ledger.report(report("london", "c1", (d, SMALL, 1), reporter="p1"))
+    assert await cp.services.store.read(senders) == [("london", "p1")]
 
 
 @pytest.mark.asyncio
