@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import plain_http
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
@@ -249,7 +250,7 @@ async def live_cp(settings: Settings, tokens: TokenSet) -> AsyncIterator[Control
     server = ThreadedServer(app, settings)
     base_url = server.start()
     try:
-        async with httpx.AsyncClient(base_url=base_url, timeout=10.0) as http:
+        async with plain_http.async_client(base_url=base_url, timeout=10.0) as http:
             yield ControlPlaneClient(
                 http=http,
                 tokens=tokens,

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 import bounded_wait
 import httpx
+import plain_http
 import uvicorn
 import uvloop
 from gw_fakes import DelayProxy, FakeUpstream
@@ -226,7 +227,7 @@ class Fleet:
         """Use the control plane at `url` (started elsewhere, with `self.tokens`): admin calls
         and the fake nodes' heartbeats go there."""
         self.cp_url = url
-        self.admin = httpx.Client(
+        self.admin = plain_http.client(
             base_url=self.cp_url,
             headers={"Authorization": f"Bearer {self.tokens.admin}"},
             timeout=10.0,

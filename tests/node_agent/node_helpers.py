@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import plain_http
 from fake_engine import FakeEngine
 from fastapi import FastAPI
 from tiny_checkpoints import save_tiny_transformers_model
@@ -155,7 +156,7 @@ class NodeHandle:
         return stats
 
     def client(self, **kwargs: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=30.0, **kwargs)
+        return plain_http.client(base_url=self.base_url, timeout=30.0, **kwargs)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         if not wait_until(lambda: self.done.done() or is_ready_at(self.base_url), timeout_s):
@@ -211,7 +212,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, step_s: fl
 def is_ready_at(base_url: str) -> bool:
     """`/ready` answers 200 there (False while nothing listens yet)."""
     try:
-        return httpx.get(base_url + "/ready").status_code == 200
+        return plain_http.get(base_url + "/ready").status_code == 200
     except httpx.TransportError:
         return False
 

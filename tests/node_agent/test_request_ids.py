@@ -8,7 +8,7 @@ import re
 import socket
 from collections.abc import Iterator
 
-import httpx
+import plain_http
 import pytest
 import uvicorn
 from node_helpers import BackgroundLoop, wait_until
@@ -45,7 +45,7 @@ def node_url(server_loop: BackgroundLoop) -> Iterator[str]:
 
 
 def answered_id(node_url: str, given: bytes) -> str:
-    with httpx.Client(base_url=node_url) as http:
+    with plain_http.client(base_url=node_url) as http:
         response = http.get("/v1/nope", headers={"x-request-id": given})
     assert response.status_code == 404
     assert response.headers["x-meridian-node"] == "n1"
