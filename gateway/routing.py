@@ -73,7 +73,7 @@ from typing import Literal
 
 from gateway.breaker import CircuitBreaker
 from gateway.model_routes import ModelRoutes
-from gateway.region_state import RegionState, hot_prefixes_of
+from gateway.region_state import RegionState
 from gateway.summary_loads import (
     SummaryLoad,
     SummaryLoads,
@@ -166,11 +166,7 @@ class Router:
                 known = RegionState(summary, rtt_ms(self.pop, summary), breaker)
             elif (known.summary.lat, known.summary.lon) != (summary.lat, summary.lon):
                 known.rtt_ms = rtt_ms(self.pop, summary)
-            known.summary = summary
-            known.load = None  # worked out when next planned (a PoP may adopt several first)
-            known.models = {model.name: model for model in summary.models}
-            known.model_loads = {}
-            known.hot = hot_prefixes_of(summary)
+            known.adopt(summary)
             regions[summary.name] = known
         self.regions = regions
         self.policy = document.routing

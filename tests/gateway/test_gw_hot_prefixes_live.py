@@ -87,11 +87,11 @@ def test_a_prompt_cached_in_toronto_goes_to_toronto_by_the_digest(
         assert response.status_code == 200, response.text
 
     def toronto_digest() -> dict[str, int]:
-        return router.regions["toronto"].hot.get(DEFAULT_MODEL, {})
+        return dict(router.regions["toronto"].hot_prefixes(DEFAULT_MODEL))
 
     wait_until(lambda: key_of(cached) in toronto_digest(), 10.0, "toronto's digest")
     assert toronto_digest() == {key_of(cached): 1}
-    assert router.regions["us-east"].hot == {}
+    assert not router.regions["us-east"].hot_prefixes(DEFAULT_MODEL)
 
     headers = {"Authorization": f"Bearer {secret}"}
     with httpx.Client(
@@ -106,4 +106,4 @@ def test_a_prompt_cached_in_toronto_goes_to_toronto_by_the_digest(
         assert served.status_code == 200, served.text
         assert served.headers["x-meridian-region"] == "us-east"
     # The gateway sent the key upstream: us-east's node now reports the plain prompt.
-    wait_until(lambda: key_of(plain) in router.regions["us-east"].hot.get(DEFAULT_MODEL, {}))
+    wait_until(lambda: key_of(plain) in router.regions["us-east"].hot_prefixes(DEFAULT_MODEL))

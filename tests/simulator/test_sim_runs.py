@@ -269,7 +269,10 @@ def test_the_summaries_list_the_system_prompts_each_region_served() -> None:
     routers = [r for r in world.chooser.routers.values() if r.index]  # those that served
     assert routers
     for router in routers:  # each read the digests of the document it adopted last
-        held = {name: set(state.hot.get(None, {})) for name, state in router.regions.items()}
+        held = {
+            name: {key for model in state.models for key in state.hot_prefixes(model)}
+            for name, state in router.regions.items()
+        }
         assert held == listed(router.index)
 
 
