@@ -13,22 +13,18 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-# CPU seconds of one world relative to `round_robin`'s (steady, seed 0, 100,000 requests, after
-# the summary tick's change; the least of eight runs each on the shared 2-core machine,
-# 2026-12-02: 11.2, 9.7, 7.4, 7.9 and 6.9 s).
+# CPU seconds of one world relative to `round_robin`'s (steady, seed 0, 100,000 requests, one
+# world a process, ~1.5 s of start-up taken off each; EPYC, 2026-12-07: `round_robin` 20.9 s,
+# `meridian` 30.0, `oracle_meridian` 105.8).
 RELATIVE_COST: Final[Mapping[str, float]] = {
-    "meridian": 1.51,
-    "least_loaded": 1.31,
+    "meridian": 1.47,
+    "least_loaded": 0.96,
     "round_robin": 1.0,
-    "oracle": 1.06,
-    "oracle_spread": 1.06,  # the oracle's, not measured apart
-    # No control plane, no prediction (steady, seed 0, 100,000 requests, 2026-12-06: 12.9 s
-    # against round_robin's 26.2, each with ~1.5 s of start).
-    "oracle_direct": 0.46,
-    "nearest": 0.93,
-    # Its nodes beat 20 times a second (steady, seed 0, 20,000 requests, 2026-12-06: 25.6 s
-    # against round_robin's 5.1).
-    "oracle_meridian": 5.0,
+    "oracle": 0.43,
+    "oracle_spread": 0.43,
+    "oracle_direct": 0.37,  # no control plane, no prediction
+    "nearest": 1.01,
+    "oracle_meridian": 5.39,  # its nodes beat 20 times a second
 }
 UNKNOWN_COST = 1.0
 
