@@ -2,6 +2,7 @@
 
     python -m bench.gateway_overhead [--json] [--latency-requests 2000] [--throughput-s 5]
         [--streams 256] [--stream-window-s 6] [--envoy-workers 1] [--no-envoy] [--no-litellm]
+        [--no-floor]
         [--catalog-models N [--catalog-aliases-per-model M]]
 
 One run starts everything on 127.0.0.1: the fast upstream (`bench/gateway_upstream.py`, its own
@@ -12,8 +13,12 @@ settings otherwise: keys, limits, routing, metrics and access log all on), and E
 config proxying the same upstream, and LiteLLM's proxy (`bench/litellm_proxy.py`: its own
 virtual environment, made and cached by the first run; one worker, the fastest settings its
 documentation gives) forwarding to the same upstream as an OpenAI-compatible backend; without
-the package registry that column is skipped with a line saying so. Against each of direct /
-gateway / Envoy / LiteLLM, from one aiohttp client in this process:
+the package registry that column is skipped with a line saying so. Two more columns give the
+least a Python proxy costs here (`bench/floor_proxy.py`, aiohttp on uvloop, nothing but the
+forwarding): `floor` forwards each request as it came; `floor_collect` asks the upstream for a
+non-streamed answer as a stream and answers it whole, as the gateway does (to resume it), so
+`gateway/floor_collect` is what the gateway's own work costs. Against each of them, from one
+aiohttp client in this process:
 
 - latency at concurrency 1: small non-streamed chat completions, p50 and p99, and what the
   proxy adds over direct (target: the gateway adds at most 0.6 ms at p50);
@@ -372,6 +377,13 @@ def started_fleet(args: argparse.Namespace, processes: Processes) -> Iterator[Fl
         )
         urls["envoy"] = f"http://127.0.0.1:{envoy_port}"
         wait_for_port(envoy_port)
+    if not args.no_floor:
+        for name, mode in (("floor", []), ("floor_collect", ["--collect"])):
+            port = free_port()
+            command = [python, "-m", "bench.floor_proxy", "--port", str(port)]
+            pids[name] = processes.start(name, [*command, "--upstream", upstream_url, *mode])
+            wait_for_port(port)
+            urls[name] = f"http://127.0.0.1:{port}"
     fleet = Fleet(urls, pids, api_key, beat)
     if not args.no_litellm:
         _start_litellm(processes, upstream_url, fleet)
@@ -659,7 +671,8 @@ def print_table(report: Report) -> None:
         (f"{streams} SSE at once TTFB p50 (ms)", column("burst_ttfb_p50_ms"), ""),
         (f"{streams} SSE at once TTFB p99 (ms)", column("burst_ttfb_p99_ms"), ""),
     ]
-    ratios = [(a, b) for a, b in (("gateway", "envoy"), ("gateway", "litellm")) if b in names]
+    pairs = (("gateway", "envoy"), ("gateway", "litellm"), ("gateway", "floor_collect"))
+    ratios = [(a, b) for a, b in pairs if b in names]
     header = ["metric", *names, *(f"{a}/{b}" for a, b in ratios), "target"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -718,6 +731,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream-window-s", type=float, default=6.0)
     parser.add_argument("--envoy-workers", type=int, default=1)
     parser.add_argument("--no-envoy", action="store_true")
+    parser.add_argument(
+        "--no-floor", action="store_true", help="no columns of the least a Python proxy costs"
+    )
     parser.add_argument(
         "--no-litellm", action="store_true", help="no LiteLLM column (and no environment made)"
     )
