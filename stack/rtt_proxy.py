@@ -119,10 +119,15 @@ async def _delayed_pipe(
             await reading
 
 
-async def close_writer(writer: asyncio.StreamWriter) -> None:
-    writer.close()
-    with contextlib.suppress(ConnectionError):
-        await writer.wait_closed()
+async def close_writer(*writers: asyncio.StreamWriter) -> None:
+    """Close every one of `writers` at once, then wait for them: a wait cancelled part way
+    (the proxy closing) leaves none of them open, which Python 3.12's `Server.wait_closed`
+    would wait on forever."""
+    for writer in writers:
+        writer.close()
+    for writer in writers:
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
 
 
 async def connect(upstream: tuple[str, int]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -144,8 +149,7 @@ async def pipe_delayed(
             _delayed_pipe(up_reader, client_writer, delays[1]),
         )
     finally:
-        for writer in (up_writer, client_writer):
-            await close_writer(writer)
+        await close_writer(up_writer, client_writer)
 
 
 async def relay(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -230,7 +231,14 @@ def nested(depth: int, inner: bytes = b"") -> bytes:
     ("endpoint", "raw"),
     [
         ("chat", b'{"model": "m", "messages": [{"role": "user"}], "x": %s}' % nested(100_000)),
-        ("chat", b'{"model": "m", "messages": [{"role": "user", "content": %s}]}' % nested(990)),
+        pytest.param(
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": %s}]}' % nested(990),
+            marks=pytest.mark.skipif(
+                sys.version_info >= (3, 12),
+                reason="3.12's json parses and encodes 990 levels in C: nothing recurses after",
+            ),
+        ),
         ("completions", b'{"model": "m", "prompt": %s}' % nested(900, b"1")),
     ],
 )
