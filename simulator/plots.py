@@ -17,9 +17,10 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt
 import numpy as np
+import numpy.typing as npt
 
 from simulator.compare import ScenarioResult
-from simulator.results import GOODPUT_TTFT_S
+from simulator.results import GOODPUT_TTFT_S, Recorder
 
 NUM_TIME_BINS = 60
 
@@ -42,6 +43,11 @@ def _ttft_cdf(result: ScenarioResult, path: Path) -> None:
     plt.close(figure)
 
 
+def _time_edges(recorder: Recorder) -> npt.NDArray[np.float64]:
+    """`NUM_TIME_BINS` equal bins over the run's arrivals."""
+    return np.linspace(np.min(recorder.arrival_s), np.max(recorder.arrival_s), NUM_TIME_BINS + 1)
+
+
 def _region_load(result: ScenarioResult, path: Path) -> None:
     recorders = result.recorders
     figure, rows = plt.subplots(
@@ -49,7 +55,7 @@ def _region_load(result: ScenarioResult, path: Path) -> None:
     )
     for (policy, recorder), (axes,) in zip(recorders.items(), rows, strict=True):
         served = recorder.region >= 0
-        edges = np.linspace(recorder.arrival_s.min(), recorder.arrival_s.max(), NUM_TIME_BINS + 1)
+        edges = _time_edges(recorder)
         width_s = edges[1] - edges[0]
         for index, region in enumerate(recorder.regions):
             times = recorder.arrival_s[served & (recorder.region == index)]
@@ -73,7 +79,7 @@ def _region_share(result: ScenarioResult, path: Path) -> None:
     positions = np.arange(len(regions))
     for i, (policy, recorder) in enumerate(recorders.items()):
         counts = np.bincount(recorder.region[recorder.region >= 0], minlength=len(regions))
-        axes.bar(positions + i * width, counts / max(1, counts.sum()), width, label=policy)
+        axes.bar(positions + i * width, counts / max(1, int(counts.sum())), width, label=policy)
     axes.set_xticks(positions + width * (len(recorders) - 1) / 2, regions, rotation=20)
     axes.set_ylabel("share of requests")
     axes.set_title(f"{result.scenario}: traffic share per region (seed {result.seed})")
@@ -93,7 +99,7 @@ def _placed_model(result: ScenarioResult, path: Path) -> None:
     for (policy, recorder), (axes,) in zip(recorders.items(), rows, strict=True):
         index = recorder.models.index(placed)
         asked = recorder.asked == index
-        edges = np.linspace(recorder.arrival_s.min(), recorder.arrival_s.max(), NUM_TIME_BINS + 1)
+        edges = _time_edges(recorder)
         width_s = edges[1] - edges[0]
         answered = recorder.answered[asked]
         for label, chosen in (
