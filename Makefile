@@ -52,11 +52,14 @@ TEST_WORKERS ?= 3
 # from a cold cache, and the suite leaves the cores half idle while it waits on its servers.
 # One OpenMP thread a process, as in test-fast: the workers and the servers they start already
 # outnumber the cores, and a kernel's threads then wait at its barriers for one another's cores.
+# Coverage through sys.monitoring where Python has it (3.12+; 3.11 keeps the C tracer): the unit
+# suite with coverage took 123 s of CPU against 203 s with the tracer on 3.12.1, same total.
+COVERAGE_CORE = $(shell $(BIN)/python -c 'import sys; print("sysmon" if sys.version_info >= (3, 12) else "ctrace")' 2>/dev/null)
 test: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@types_log=$$(mktemp); $(BIN)/mypy > $$types_log 2>&1 & types=$$!; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=; tests=$$?; \
+	COVERAGE_CORE=$(COVERAGE_CORE) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=; tests=$$?; \
 	wait $$types; types_rc=$$?; echo "mypy: $$(cat $$types_log)"; rm -f $$types_log; \
 	test $$tests -eq 0 -a $$types_rc -eq 0
 	@echo "line coverage of the services' packages: $$($(BIN)/coverage report --format=total)%"
