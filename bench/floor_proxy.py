@@ -15,8 +15,9 @@ import argparse
 import json
 
 import aiohttp
-import uvloop
 from aiohttp import web
+
+from bench.gateway_upstream import serve
 
 Json = dict[str, object]
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -105,16 +106,7 @@ def main() -> None:
         "--collect", action="store_true", help="answer non-streamed requests from a stream"
     )
     args = parser.parse_args()
-    app = make_app(args.upstream, args.collect)
-    web.run_app(
-        app,
-        host=args.host,
-        port=args.port,
-        access_log=None,
-        print=None,
-        backlog=4096,
-        loop=uvloop.new_event_loop(),
-    )
+    serve(make_app(args.upstream, args.collect), args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -96,11 +96,16 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9100)
     args = parser.parse_args()
-    app = make_app()
+    serve(make_app(), args.host, args.port)
+
+
+def serve(app: web.Application, host: str, port: int) -> None:
+    """`app` on uvloop until stopped: no access log, a deep accept queue (the benchmark's
+    hundreds of streams open at once)."""
     web.run_app(
         app,
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         access_log=None,
         print=None,
         backlog=4096,
