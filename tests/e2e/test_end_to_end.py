@@ -207,10 +207,15 @@ def chat(client: openai.OpenAI, content: str) -> tuple[str, str]:
 
 
 def stream(client: openai.OpenAI, content: str) -> list[str]:
+    """A streamed chat completion, greedy: a sampled answer may be one word and a stop."""
     pieces = []
     finish = None
     for chunk in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=16, stream=True
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
     ):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
