@@ -7,7 +7,8 @@ of them, until one answers. Once its stream is committed and then breaks, it may
 them, in the order of a plan made at the break (the router's view then: the broken region's breaker,
 the other streams already moved) or, without one, the first plan's. Every attempt stays within the
 deadline, and no region is tried twice for one request (a region that failed it once is the last
-place to ask).
+place to ask), but for a region whose picker sent the first attempt back (`deflected`): it can take
+the request, so it is asked again last.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Try:
     is_first: bool  # the request's first attempt: not sent here because another region failed
     # The last place to ask: no region left in this opening, no other model after it.
     is_last: bool
+    # What the plan's next-best region costs, told this region (a first attempt only: any later
+    # one is sent where the plan had no better choice left; wire/deflection.py).
+    alternative_s: float | None = None
 
     @property
     def awaited_tokens(self) -> int:
@@ -81,6 +85,7 @@ class AttemptSequence:
     # No other model is tried after these regions (the request's last fallback): its last
     # region is the last place to ask at all.
     is_last_resort: bool = False
+    alternative_s: float | None = None  # the plan's (RoutePlan.alternative_s)
     num_tried: int = 0  # candidates handed out so far
     num_resumes: int = 0
     _num_left_in_opening: int = 0
@@ -100,7 +105,16 @@ class AttemptSequence:
         is_last = self.is_last_resort and (
             self._num_left_in_opening == 0 or self.num_tried == len(self.candidates)
         )
-        return Try(candidate, self.num_resumes > 0, self.num_tried == 1, is_last)
+        is_first = self.num_tried == 1
+        alternative_s = self.alternative_s if is_first else None
+        return Try(candidate, self.num_resumes > 0, is_first, is_last, alternative_s)
+
+    def deflected(self) -> None:
+        """The attempt just handed out was sent back by its region's picker (wire/deflection.py):
+        it counts against no limit, and the region, which can take the request, becomes the
+        last place to ask (asked then without an alternative, so it does not send it back)."""
+        self._num_left_in_opening += 1
+        self.candidates = [*self.candidates, self.candidates[self.num_tried - 1]]
 
     def resume(
         self, now_s: float, replan: Callable[[list[str]], list[Candidate]] | None = None

@@ -15,7 +15,9 @@ gateway/whole.py), so that it can resume.
 Other statuses (400, 404, 413, 422, ...) are the node's judgement of the request itself: they
 go back to the client as they are, are not retried elsewhere (every region would say the same)
 and count as the region's success, never towards opening its breaker. Every attempt feeds the
-region's circuit breaker; all of them together stay within the request's deadline and
+region's circuit breaker (but a 429 with DEFLECTED_HEADER: the region's picker sent the request
+back to try the next-best region, which the first attempt tells it the cost of:
+wire/deflection.py); all of them together stay within the request's deadline and
 `max_attempts`. When every region failed with a status,
 the last such answer goes back to the client (a 429 keeps its Retry-After); when none answered
 at all, 502 (504 if the deadline passed first). Which region comes next is decided by the pure
@@ -50,6 +52,7 @@ from gateway.routing import Candidate, RoutePlan, Router
 from gateway.settings import GatewaySettings
 from gateway.sse import DATA_PREFIX, ERROR_PREFIX, EVENT_END, first_output
 from gateway.upstream_request import UpstreamRequest
+from wire.deflection import ALTERNATIVE_HEADER, DEFLECTED_HEADER, alternative_header
 from wire.heartbeat import NODE_ID_HEADER
 from wire.upstream_url import join_path
 
@@ -99,6 +102,10 @@ def _waits_past_timeout(step: Try, state: RegionState | None) -> bool:
 
 # Headers from the node worth passing on to the client (hop-by-hop ones are not).
 PASSED_HEADERS = ("content-type", "retry-after", "retry-after-ms")
+
+
+def _is_deflection(response: aiohttp.ClientResponse) -> bool:
+    return response.status == 429 and DEFLECTED_HEADER in response.headers
 
 
 @dataclass(slots=True)
@@ -206,7 +213,9 @@ class Proxy:
                 "no region can take requests now", "no_capacity", headers={"retry-after": "1"}
             )
         self._metrics.count_decision(plan.candidates[0].region, plan.reason)
-        attempts = AttemptSequence(plan.candidates, self._limits, deadline_s, is_last_resort)
+        attempts = AttemptSequence(
+            plan.candidates, self._limits, deadline_s, is_last_resort, plan.alternative_s
+        )
         return await self._open_next(request, attempts)
 
     async def resume(self, request: UpstreamRequest, attempts: AttemptSequence) -> Opened:
@@ -239,8 +248,11 @@ class Proxy:
                 state.breaker.on_attempt(now_s)
                 state.on_sent(awaited)
             waits = partial(_waits_past_timeout, step, state) if step.is_last else None
+            sent, alternative_s = request, step.alternative_s
+            if alternative_s is not None:
+                sent = request.with_header(ALTERNATIVE_HEADER, alternative_header(alternative_s))
             try:
-                opened = await self._attempt(request, candidate, attempts.deadline_s - now_s, waits)
+                opened = await self._attempt(sent, candidate, attempts.deadline_s - now_s, waits)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self._on_failure(step, state, _cause_of(exc), repr(exc))
                 num_retries += 1
@@ -252,6 +264,13 @@ class Proxy:
                 raise
             opened.state, opened.sent_at_s, opened.num_retries = state, now_s, num_retries
             opened.attempts = attempts
+            # Only an attempt told an alternative may be sent back (else a 429 like any other).
+            if alternative_s is not None and _is_deflection(opened.response):
+                opened.response.release()
+                self._on_deflected(step, state)
+                attempts.deflected()
+                num_retries += 1
+                continue
             if opened.status >= 500 or opened.status == 429:
                 opened.response.release()
                 self._on_failure(step, state, str(opened.status), f"HTTP {opened.status}")
@@ -307,6 +326,13 @@ class Proxy:
             response.close()
             raise
         return Opened(candidate, None, response, first, 0.0, 0, answered_at_s)
+
+    def _on_deflected(self, step: Try, state: RegionState | None) -> None:
+        """The region's picker sent the request back: the region answered, and works."""
+        if state is not None:
+            state.on_no_first_byte(step.awaited_tokens)
+            state.breaker.on_success()
+        self._metrics.count_retry(step.candidate.region, "deflected")
 
     def _on_failure(self, step: Try, state: RegionState | None, cause: str, detail: str) -> None:
         if state is not None:

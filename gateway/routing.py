@@ -56,7 +56,10 @@ of two choices, picking the one of two random near-best regions where fewer of t
 requests per healthy node still wait for their first byte, so that gateways do not all stampede
 onto the single best region. (Requests in flight would count long streams that are past their
 prefill: the nearest region always has the most, so two choices drifted to the farther region
-even when neither had a queue.) The rest follow by cost, for failover.
+even when neither had a queue.) The rest follow by cost, for failover. The first attempt tells
+the chosen region what the next-best preferred region costs (`RoutePlan.alternative_s`): the
+region's picker, which sees each node, sends the request back when its best node is further
+from a first token than that (wire/deflection.py).
 """
 
 from __future__ import annotations
@@ -113,6 +116,11 @@ class Candidate:
 class RoutePlan:
     candidates: list[Candidate]  # the choice first, then failover order
     reason: Reason
+    # What the next-best region costs, told the first region so that its picker may send the
+    # request back when none of its nodes would beat it (wire/deflection.py); None: no such
+    # region, or its cost took a cached system prompt off (a guess from its digest: tenants
+    # sent back on it prefilled their prompts cold elsewhere).
+    alternative_s: float | None = None
 
 
 _cost_s = operator.attrgetter("cost_s")
@@ -306,7 +314,8 @@ class Router:
         else:
             chosen, reason = self._by_two_choices(near), "p2c"
         rest = [c for c in preferred if c is not chosen]
-        return RoutePlan([chosen, *rest, *others], reason)
+        alternative_s = rest[0].cost_s if not rest[0].cached_tokens else None
+        return RoutePlan([chosen, *rest, *others], reason, alternative_s)
 
     def _weight(self, candidate: Candidate) -> float:
         return self.regions[candidate.region].summary.weight

@@ -83,6 +83,9 @@ class UpstreamRequest:
     def data(self) -> bytes | None:
         return self.body.encoded if self.body is not None else None
 
+    def with_header(self, name: str, value: str) -> UpstreamRequest:
+        return replace(self, headers={**self.headers, name: value})
+
     def for_model(self, model: str) -> UpstreamRequest:
         """This request for `model`: its body's `model` and MODEL_HEADER (what a region's
         ingress routes on) name it."""

@@ -6,11 +6,14 @@ Envoy opens one stream per HTTP request and sends the request's headers, then it
 or as much as its buffer holds: a body cut short does not parse, and Envoy balances that
 request itself), then the response's headers: until they come the request counts as pending
 on the node named (it waits or prefills there). Any request this service does not answer in
-time, or at all, goes on without it (`failure_mode_allow`).
+time, or at all, goes on without it (`failure_mode_allow`). A request the picker sends back to
+its gateway (wire/deflection.py) gets Envoy's immediate answer instead: 429 with
+DEFLECTED_HEADER and an OpenAI error body, before any node sees it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,9 +22,11 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
 
 from region_picker.metrics import PickerMetrics
-from region_picker.picker import Picker
+from region_picker.picker import Deflection, Picker
+from wire.deflection import DEFLECTED_HEADER
 from wire.region_nodes import DESTINATION_HEADER
 
 logger = logging.getLogger(__name__)
@@ -39,17 +44,37 @@ def headers_of(message: pb.HttpHeaders) -> dict[str, str]:
     }
 
 
-def destination_response(address: str) -> pb.ProcessingResponse:
-    mutation = pb.HeaderMutation(
-        set_headers=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=address.encode()),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        ]
+def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
     )
+
+
+def destination_response(address: str) -> pb.ProcessingResponse:
+    mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, address)])
     common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+def deflection_response(deflection: Deflection) -> pb.ProcessingResponse:
+    message = (
+        f"sent back to the gateway: the region's best node is {deflection.wait_s:.3f} s from a "
+        f"first token, the next-best region {deflection.alternative_s:.3f} s"
+    )
+    error = {"message": message, "type": "rate_limit_error", "param": None, "code": "deflected"}
+    answer = pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests),
+        headers=pb.HeaderMutation(
+            set_headers=[
+                _header("content-type", "application/json"),
+                _header(DEFLECTED_HEADER, "picker"),
+            ]
+        ),
+        body=json.dumps({"error": error}).encode(),
+        details="meridian_picker_deflected",
+    )
+    return pb.ProcessingResponse(immediate_response=answer)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -98,6 +123,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self._metrics.decision_seconds.observe(time.perf_counter() - started)
         if decision is None:
             return _CONTINUE_BODY, None
+        if isinstance(decision, Deflection):
+            return deflection_response(decision), None
         chosen = decision.chosen.candidate
         return destination_response(chosen.address), chosen.node_id
 

@@ -37,6 +37,12 @@ class PickerMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.deflections = Counter(
+            "meridian_picker_deflections",
+            "Requests sent back to their gateway: the best node here was further from a first "
+            "token than the next-best region the gateway named",
+            registry=self.registry,
+        )
         self.decision_seconds = Histogram(
             "meridian_picker_decision_seconds",
             "Time from a request's body in to the picker's answer out",

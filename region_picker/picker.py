@@ -1,5 +1,6 @@
 """One decision: a request's headers and body in, the node to send it to (or None: let Envoy
-balance it) out. Synchronous and quick: it runs on the ext_proc server's event loop."""
+balance it; or a `Deflection`: send it back to its gateway, wire/deflection.py) out.
+Synchronous and quick: it runs on the ext_proc server's event loop."""
 
 from __future__ import annotations
 
@@ -14,12 +15,22 @@ from region_picker.metrics import PickerMetrics
 from region_picker.node_book import NodeBook
 from region_picker.prompt_hashes import PromptHasher
 from region_picker.routed_prefixes import RoutedPrefixes
-from region_picker.scoring import CacheView, Decision, pick
+from region_picker.scoring import CacheView, Decision, deflects, pick
 from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
+from wire.deflection import ALTERNATIVE_HEADER, alternative_of
 from wire.model_catalog import MODEL_HEADER
 
 # OpenAI's name for the system role in newer models; the node agent maps it the same way.
 _ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass(frozen=True, slots=True)
+class Deflection:
+    """The request goes back to its gateway: its best node here is further from a first token
+    than the next-best region the gateway had for it."""
+
+    wait_s: float
+    alternative_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +98,7 @@ class Picker:
         self._metrics = metrics
         self._rng = rng
 
-    def decide(self, headers: Mapping[str, str], body: bytes) -> Decision | None:
+    def decide(self, headers: Mapping[str, str], body: bytes) -> Decision | Deflection | None:
         prompt = parse_prompt(headers, body)
         if prompt is None:
             self._metrics.fallback("unreadable_body")
@@ -107,6 +118,11 @@ class Picker:
             hashes, prefix = [], None
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None
+        alternative_s = alternative_of(headers.get(ALTERNATIVE_HEADER))
+        if alternative_s is not None and deflects(decision, alternative_s):
+            assert decision.wait_s is not None
+            self._metrics.deflections.inc()
+            return Deflection(decision.wait_s, alternative_s)
         chosen = decision.chosen
         node_id, block_size = chosen.candidate.node_id, chosen.candidate.block_size
         # Its full blocks not cached there, and the partial last block, which never is.

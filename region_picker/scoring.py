@@ -18,7 +18,8 @@ chose these (docs/simulator.md, `mixed_hardware`). The cheapest wins; of the nea
 `NEAR_TIE`) those holding the most of the prompt stay (a node that would prefill it again is no
 sooner for this request and costs the region the work), and of those two are drawn at random and
 the less busy of the two wins, so that one hot prefix spreads over the nodes that hold it
-instead of piling onto one.
+instead of piling onto one. A request whose gateway says what its next-best region costs goes
+back to the gateway when the winner is further from a first token than that (`deflects`).
 """
 
 from __future__ import annotations
@@ -82,10 +83,21 @@ class Scored:
 class Decision:
     chosen: Scored
     scored: tuple[Scored, ...]  # every candidate, in the order given
+    # The chosen node's cost in seconds, its work ahead at its own rate: about how long until
+    # the request's first token there (None: no candidate has measured its rate yet).
+    wait_s: float | None = None
 
     @property
     def cached_tokens(self) -> int:
         return self.chosen.cached_blocks * self.chosen.candidate.block_size
+
+
+def deflects(decision: Decision, alternative_s: float | None) -> bool:
+    """Whether the request goes back to its gateway (wire/deflection.py): the node chosen is
+    further from a first token than the gateway's next-best region, as the gateway costed it.
+    Both count from the region on: the trip here and back again is spent either way."""
+    wait_s = decision.wait_s
+    return alternative_s is not None and wait_s is not None and wait_s > alternative_s
 
 
 def score(
@@ -148,7 +160,10 @@ def pick(
     most = max(s.cached_blocks for s in ties)
     ties = [s for s in ties if s.cached_blocks == most]
     if len(ties) == 1:
-        return Decision(ties[0], tuple(scored))
-    first, second = rng.sample(ties, 2)
-    chosen = min((first, second), key=lambda s: (s.candidate.num_busy, s.cost))
-    return Decision(chosen, tuple(scored))
+        chosen = ties[0]
+    else:
+        first, second = rng.sample(ties, 2)
+        chosen = min((first, second), key=lambda s: (s.candidate.num_busy, s.cost))
+    # A cost is in prompt tokens at the mean rate (`score`).
+    wait_s = None if mean_rate is None else chosen.cost / mean_rate
+    return Decision(chosen, tuple(scored), wait_s)

@@ -4,7 +4,8 @@ Which region comes next is the gateway's own `AttemptSequence` (gateway/attempts
 simulated clock as `gateway/proxy.py` and `gateway/resume.py` drive it on the real one: the policy's
 regions in order, at most `max_attempts` per opening, within the request's deadline. An attempt
 fails over when a dark region does not connect (`gateway.attempts.ConnectTimeout`), answers 429 (its
-node's waiting queue is full) or sends no first byte within `first_byte_timeout_s`, unless it is the
+node's waiting queue is full, or its picker sent the first attempt back to try the next-best region:
+wire/deflection.py) or sends no first byte within `first_byte_timeout_s`, unless it is the
 last place to ask (the last region of the last model) and the PoP's summaries show it a healthy node
 (simulator/first_byte.py). Once the first byte has come the stream is committed. A dying node resets
 its connections (the region's Envoy ends them), which reaches the gateway one way later: an attempt
@@ -48,7 +49,7 @@ from simulator.hung_streams import HungStreams
 from simulator.node import Job
 from simulator.policies import Chooser, Pick
 from simulator.results import TIER_EDGE, TIER_NONE, TIER_REGION, Outcome, Recorder
-from simulator.site import Site
+from simulator.site import Refusal, Site
 from simulator.workload import Request
 from simulator.world import Geography
 
@@ -144,7 +145,9 @@ class Traffic:
         candidates = self._candidates(flight, picks)
         started_s = flight.request.arrival_s + flight.client_delay_s
         deadline_s = started_s + self.timing.request_deadline_s
-        flight.attempts = AttemptSequence(candidates, limits, deadline_s, is_last_resort)
+        flight.attempts = AttemptSequence(
+            candidates, limits, deadline_s, is_last_resort, picks[0].alternative_s
+        )
         self._try_next(flight)
 
     def _try_next(self, flight: Flight) -> None:
@@ -184,29 +187,23 @@ class Traffic:
     def _at_region(self, event: AttemptEvent) -> None:
         flight = event[0]
         now_s = self.loop.now_s
-        assert flight.pick is not None and flight.site is not None
-        site = flight.site
-        model = flight.model
+        site, pick, step = flight.site, flight.pick, flight.step
+        assert pick is not None and site is not None and step is not None
         request = flight.request
         sent = flight.num_sent  # a continuation: the prompt and the output relayed so far
         job = Job(
             flight, request.prompt_tokens + sent, request.output_tokens - sent,
             request.affinity_key, request.prefix_tokens,
         )  # fmt: skip
-        node = (
-            flight.pick.node if flight.pick.node is not None else site.pick_node(model, job, now_s)
-        )
-        if not site.is_up or node is None or not node.is_up:
-            if site.is_up and not site.is_serving(model):  # the ingress has no route for it
-                back_s = now_s + self.delays.between(site.location, flight.origin)
-                self.loop.at(back_s, self._failed, event)
-            else:
-                waited_s = dark_connect_s(self.timing, flight.pop, flight.origin, site.location)
-                self.loop.at(flight.sent_s + waited_s, self._failed, event)
+        node = site.take(flight.model, job, now_s, pick.node, step.alternative_s)
+        if node is Refusal.DARK:
+            waited_s = dark_connect_s(self.timing, flight.pop, flight.origin, site.location)
+            self.loop.at(flight.sent_s + waited_s, self._failed, event)
             return
-        if node.is_overloaded() or not node.can_ever_fit(job):
+        if isinstance(node, Refusal):  # answered at once: 404, 429 or sent back (a 429 too)
             back_s = now_s + self.delays.between(site.location, flight.origin)
-            self.loop.at(back_s, self._failed, event)  # 429: try the next region
+            deflected = node is Refusal.DEFLECTED
+            self.loop.at(back_s, partial(self._failed, deflected=deflected), event)
             return
         flight.job, flight.node = job, node
         node.submit(job, now_s)
@@ -274,12 +271,16 @@ class Traffic:
             flight.node.abort(flight.job, self.loop.now_s)
         self._failed(event)
 
-    def _failed(self, event: AttemptEvent) -> None:
+    def _failed(self, event: AttemptEvent, deflected: bool = False) -> None:
+        """No first byte from the attempt (`deflected`: its region's picker sent it back)."""
         flight, attempt = event
         if attempt != flight.attempt or flight.is_ended:
             return
-        assert flight.pick is not None and flight.step is not None
-        if not flight.is_edge:
+        assert flight.step is not None and flight.attempts is not None
+        if deflected:
+            self.chooser.on_deflected(flight.pop, flight.step, self.loop.now_s)
+            flight.attempts.deflected()
+        elif not flight.is_edge:
             self.chooser.on_failure(flight.pop, flight.step, self.loop.now_s)
         self._try_next(flight)
 

@@ -7,17 +7,27 @@ is handed the same things as they are now: each node's true queue and free KV bl
 tenants' system prompts it holds. The simulated nodes cache whole system prompts only
 (simulator/node.py), so a prompt's blocks are its system prompt's, keyed by tenant, then blocks
 no node ever holds. A request the picker names goes to that node through Envoy's
-original-destination route, which has no other host to retry: the node takes it (no
-deflection).
+original-destination route, which has no other host to retry: the node takes it (no node
+deflects), unless the picker itself sends it back to its gateway (wire/deflection.py).
 """
 
 from __future__ import annotations
 
+import enum
 import random
 from collections.abc import Sequence
+from typing import Final, Literal
 
-from region_picker.scoring import Candidate, pick
+from region_picker.scoring import Candidate, deflects, pick
 from simulator.node import Job, Node
+
+
+class Deflected(enum.Enum):
+    DEFLECTED = "deflected"
+
+
+DEFLECTED: Final = Deflected.DEFLECTED  # the picker sent the request back to its gateway
+Named = Node | Literal[Deflected.DEFLECTED] | None
 
 _UNCACHED = b""  # a block past the system prompt: never in any node's cache
 
@@ -59,9 +69,12 @@ class NodePicker:
         self._cache = TenantBlocks(nodes)
         self._rng = rng
 
-    def pick(self, nodes: Sequence[Node], job: Job, now_s: float) -> Node | None:
+    def pick(
+        self, nodes: Sequence[Node], job: Job, now_s: float, alternative_s: float | None = None
+    ) -> Named:
         """The node of `nodes` (those serving the request's model) the picker names; None if
-        none is up."""
+        none is up; DEFLECTED if it sends the request back, none of them being sooner than
+        `alternative_s`, the next-best region as its gateway costs it."""
         live = [node for node in nodes if node.is_up]
         if not live:
             return None
@@ -69,6 +82,8 @@ class NodePicker:
         hashes = self._cache.block_hashes(job, candidates[0].block_size)
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None
+        if deflects(decision, alternative_s):
+            return DEFLECTED
         index = candidates.index(decision.chosen.candidate)
         return live[index]
 

@@ -16,7 +16,9 @@
   second, with no delay to the control plane or the PoPs (simulator/run.py). Greedy oracles keep
   a surge near its source while a node there predicts better than a far round trip, and each
   request they add lengthens every step of the batch it joins; `meridian` counts what it sent
-  and spills sooner, so the bound needs its rule too.
+  and spills sooner, so the bound needs its rule too. Its regions' pickers are not told the
+  next-best region (wire/deflection.py): sending a request back mends stale summaries, which it
+  has none of, and with it the bound only loosened (CPU `surge` seed 1: 0.370 -> 0.375 s).
 - `oracle_direct`: `nearest` made clairvoyant: straight to the region the client's own public
   path reaches soonest, among those up and serving the model (simulator/oracle.py).
 Every policy but `nearest` fails over in the order it gave, as the gateway does. Each plans for
@@ -67,6 +69,8 @@ class Pick(NamedTuple):  # a tuple, not a frozen dataclass: made ~10 times per r
     # the other policies plan only what they take to have it).
     has_capacity: bool = True
     cached_tokens: int = 0  # of the prompt, what meridian's plan took as cached there
+    # Meridian's first pick: what its plan's next-best region costs (RoutePlan.alternative_s).
+    alternative_s: float | None = None
 
 
 class Chooser:
@@ -90,6 +94,10 @@ class Chooser:
         return None
 
     def on_failure(self, pop: str, step: Try, now_s: float) -> None:
+        return None
+
+    def on_deflected(self, pop: str, step: Try, now_s: float) -> None:
+        """The region's picker sent the attempt back (only meridian's carry an alternative)."""
         return None
 
     def on_first_byte(self, pop: str, step: Try, now_s: float) -> None:
@@ -142,9 +150,15 @@ class MeridianChooser(Chooser):
     """The gateway's routing: every decision is the real Router's and breaker's."""
 
     def __init__(
-        self, watches: Mapping[str, PopWatch], geography: Geography, config: RouterConfig, seed: int
+        self,
+        watches: Mapping[str, PopWatch],
+        geography: Geography,
+        config: RouterConfig,
+        seed: int,
+        tells_alternative: bool = True,
     ) -> None:
         self.watches = watches
+        self.tells_alternative = tells_alternative  # the first pick's (RoutePlan.alternative_s)
         loads = SummaryLoads()  # the PoPs adopt the same documents: one load per summary
         self.routers = {
             pop: Router(config, place, rng=random.Random(f"router/{seed}/{pop}"), loads=loads)
@@ -164,16 +178,25 @@ class MeridianChooser(Chooser):
         key, prefix_tokens = request.affinity_key, request.prefix_tokens
         plan = router.plan(request.prompt_tokens, key, now_s, exclude, planned, prefix_tokens)
         room = has_capacity(plan)
-        return [
+        picks = [
             Pick(c.region, c.predicted_ttft_s, None, room, c.cached_tokens)
             for c in plan.candidates[:limit]
         ]
+        if picks and self.tells_alternative:
+            picks[0] = picks[0]._replace(alternative_s=plan.alternative_s)
+        return picks
 
     def on_attempt(self, pop: str, step: Try, now_s: float) -> None:
         state = self.routers[pop].state_of(step.candidate.region)
         if state is not None:
             state.breaker.on_attempt(now_s)
             state.on_sent(step.awaited_tokens)
+
+    def on_deflected(self, pop: str, step: Try, now_s: float) -> None:
+        state = self.routers[pop].state_of(step.candidate.region)
+        if state is not None:  # as gateway/proxy.py
+            state.on_no_first_byte(step.awaited_tokens)
+            state.breaker.on_success()
 
     def on_failure(self, pop: str, step: Try, now_s: float) -> None:
         state = self.routers[pop].state_of(step.candidate.region)

@@ -109,7 +109,9 @@ def _chooser(
 ) -> Chooser:
     geography = spec.geography
     if policy in ("meridian", "oracle_meridian"):
-        return MeridianChooser(watches, geography, default_router_config(), spec.seed)
+        is_fresh = policy == "oracle_meridian"
+        config = default_router_config()
+        return MeridianChooser(watches, geography, config, spec.seed, not is_fresh)
     if policy == "round_robin":
         return RoundRobinChooser(watches)
     if policy == "nearest":

@@ -12,12 +12,22 @@ its fallback. A region that is down answers nothing.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from simulator.node import Job, Node
-from simulator.node_picker import NodePicker
+from simulator.node_picker import DEFLECTED, Named, NodePicker
 from wire.deflection import DEFAULT_DEFLECT_AT_WAITING, should_deflect
 from wire.geo import Location
+
+
+class Refusal(enum.Enum):
+    """Why an attempt arriving at a region is not taken by a node there."""
+
+    DARK = "dark"  # the region, or every node it would route to, is down: no connect
+    NO_ROUTE = "no_route"  # no node here serves the model: the ingress answers 404
+    FULL = "full"  # the node's queue is full, or the request can never fit it: 429
+    DEFLECTED = "deflected"  # the picker sent it back to its gateway: 429
 
 
 @dataclass(slots=True)
@@ -50,12 +60,14 @@ class Site:
         """Whether any node here serves `model` (else its ingress has no route for it)."""
         return model in self.serving
 
-    def pick_node(self, model: str, job: Job, now_s: float) -> Node | None:
+    def pick_node(
+        self, model: str, job: Job, now_s: float, alternative_s: float | None = None
+    ) -> Named:
         """The node serving `model` that takes `job`, arriving now (None: no such node is
-        up)."""
+        up; DEFLECTED: the picker sent it back, `alternative_s` being sooner)."""
         nodes = self.serving.get(model, [])
         if self.picker is not None:
-            return self.picker.pick(nodes, job, now_s)
+            return self.picker.pick(nodes, job, now_s, alternative_s)
         tried: list[Node] = []
         attempt = 1
         while True:
@@ -67,3 +79,19 @@ class Site:
             self.num_deflected += 1
             tried.append(node)
             attempt += 1
+
+    def take(
+        self, model: str, job: Job, now_s: float, node: Node | None, alternative_s: float | None
+    ) -> Node | Refusal:
+        """The node that takes `job`, arriving now (`node`: the one a policy named, else the
+        ingress chooses), or why none does."""
+        named: Named = node
+        if named is None:
+            named = self.pick_node(model, job, now_s, alternative_s)
+        if named is DEFLECTED:
+            return Refusal.DEFLECTED
+        if not self.is_up or named is None or not named.is_up:
+            return Refusal.NO_ROUTE if self.is_up and not self.is_serving(model) else Refusal.DARK
+        if named.is_overloaded() or not named.can_ever_fit(job):
+            return Refusal.FULL
+        return named

@@ -1,6 +1,7 @@
 """A region's endpoint picker in the live path of a real Envoy configured by our xDS: two
 stand-in nodes, the picker (region_picker, in this event loop) sends a repeated prompt prefix
-to the same node; with the picker gone, requests still succeed through least request."""
+to the same node; with the picker gone, requests still succeed through least request; a request
+whose gateway has a sooner region is answered by Envoy for the picker, no node seeing it."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from control_plane.tokens import TokenSet
 from region_picker.service import RunningPicker, start
 from region_picker.settings import PickerSettings
 from wire.cache_salt import CACHE_SALT_HEADER
+from wire.deflection import ALTERNATIVE_HEADER, DEFLECTED_HEADER
 from wire.model_catalog import MODEL_HEADER
 
 pytestmark = [
@@ -195,3 +197,34 @@ async def test_a_node_gone_silent_leaves_the_pickers_choices(
 
     await eventually(all_go_to_the_other, timeout_s=15.0)
     assert region.picker.metrics.fallbacks.labels("no_candidate")._value.get() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_whose_gateway_has_a_sooner_region_goes_back_from_envoy(
+    cp: LiveControlPlane, region: Region
+) -> None:
+    for node in region.nodes:  # rates measured: the picker can tell how long each would take
+        await cp.beat(node.name, prefill_tokens_per_s=1000.0, step_s=0.02)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Which?"}]})
+
+    async def post(alternative_s: str) -> tuple[int, str, str | None]:
+        headers = {ALTERNATIVE_HEADER: alternative_s, "content-type": "application/json"}
+        url = region.envoy.url + "/v1/chat/completions"
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, data=body, headers=headers) as r,
+        ):
+            return r.status, await r.text(), r.headers.get(DEFLECTED_HEADER)
+
+    async def sent_back() -> bool:  # once the picker has read the rates from the control plane
+        return (await post("0.001"))[0] == 429
+
+    await eventually(sent_back)
+    seen = [len(node.attempts_seen) for node in region.nodes]
+    status, text, deflected = await post("0.001")
+    assert (status, deflected) == (429, "picker")
+    assert json.loads(text)["error"]["code"] == "deflected"
+    assert [len(node.attempts_seen) for node in region.nodes] == seen  # no node saw it
+    status, text, deflected = await post("60")
+    assert (status, deflected) == (200, None) and text in {"a", "b"}
+    assert region.picker.metrics.deflections._value.get() >= 2

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from wire.deflection import ALTERNATIVE_HEADER, DEFLECTED_HEADER
 from wire.heartbeat import NODE_ID_HEADER
 
 JSON = dict[str, object]
@@ -37,6 +38,9 @@ class Behavior:
     die_after_finish: bool = False  # drop the connection after the finish, before the usage
     put_usage_in_last_choice: bool = False
     cached_tokens: int = 0  # prompt tokens it reports as found in its prefix cache
+    # Send requests back (429 + DEFLECTED_HEADER): "told", those told an alternative, as a
+    # region's picker with busy nodes does; "all", every one (a region gone wrong).
+    deflects: str | None = None
 
 
 @dataclass
@@ -109,6 +113,10 @@ class FakeUpstream:
         behavior = self.behavior
         if behavior.delay_s:
             await asyncio.sleep(behavior.delay_s)
+        told = ALTERNATIVE_HEADER in request.headers
+        if behavior.deflects == "all" or (behavior.deflects == "told" and told):
+            error = {"error": {"message": "sent back", "type": "x", "code": "deflected"}}
+            return web.json_response(error, status=429, headers={DEFLECTED_HEADER: "picker"})
         status = behavior.fail_status
         if behavior.num_fail_then_ok > 0:
             behavior.num_fail_then_ok -= 1

@@ -59,6 +59,35 @@ def test_each_attempt_brings_its_region_the_prompt_not_taken_as_cached_there() -
     assert (failover.is_first, failover.awaited_tokens) == (False, 40)
 
 
+def test_only_the_first_attempt_carries_the_plans_alternative() -> None:
+    sequence = AttemptSequence(plan("a", "b", "c"), AttemptLimits(3, 1), 10.0, alternative_s=0.2)
+    steps = [sequence.next(0.0) for _ in range(3)]
+    assert [s.alternative_s for s in steps if isinstance(s, Try)] == [0.2, None, None]
+    # Nor does a continuation.
+    resumed = AttemptSequence(plan("a", "b"), AttemptLimits(1, 1), 10.0, alternative_s=0.2)
+    resumed.next(0.0)
+    assert resumed.resume(1.0) is None
+    step = resumed.next(1.0)
+    assert isinstance(step, Try) and step.is_resume and step.alternative_s is None
+
+
+def test_a_region_that_sent_the_first_attempt_back_is_asked_again_last_at_no_cost() -> None:
+    sequence = AttemptSequence(plan("a", "b", "c"), AttemptLimits(2, 1), 10.0, True, 0.2)
+    first = sequence.next(0.0)
+    assert isinstance(first, Try) and first.alternative_s == 0.2
+    sequence.deflected()
+    steps = []
+    while isinstance(step := sequence.next(0.0), Try):
+        steps.append((step.candidate.region, step.alternative_s, step.is_last))
+    # Two attempts after the one sent back, as if it had not been made; then no more (the
+    # limit of two), so "a" comes last only where the plan has room for it.
+    assert steps == [("b", None, False), ("c", None, True)]
+    again = AttemptSequence(plan("a", "b"), AttemptLimits(3, 1), 10.0, True, 0.2)
+    again.next(0.0)
+    again.deflected()
+    assert names(again) == ["b", "a"]
+
+
 def test_a_resume_goes_on_with_regions_not_tried_yet_and_is_marked() -> None:
     sequence = AttemptSequence(plan("a", "b", "c"), AttemptLimits(3, 2), deadline_s=10.0)
     first = sequence.next(0.0)

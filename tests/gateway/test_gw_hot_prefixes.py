@@ -76,6 +76,15 @@ def test_a_long_cached_system_prompt_draws_the_request_to_a_farther_region() -> 
     assert [c.region for c in plan.candidates] == ["ap-northeast", "us-east"]
     far, near = plan.candidates
     assert far.cost_s < near.cost_s - MIN_CACHED_PREFILL_S / 2
+    assert plan.alternative_s == near.cost_s  # priced without a cache: it holds none
+    # A next-best region priced on a cache it may not hold is no alternative to offer.
+    both = router(
+        region("us-east", model_load("small", hot_prefixes=hot())),
+        region("ap-northeast", model_load("small", hot_prefixes=hot())),
+    )
+    plan = both.plan(long_prefix + 100, KEY, model="small", prefix_tokens=long_prefix)
+    assert [c.cached_tokens > 0 for c in plan.candidates] == [True, True]
+    assert plan.alternative_s is None
     # What the attempt brings the region to prefill, counted as queue there until its first
     # byte (gateway/attempts.py), leaves the cached part out.
     assert (far.cached_tokens, near.cached_tokens) == (long_prefix, 0)

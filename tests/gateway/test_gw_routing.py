@@ -202,6 +202,17 @@ def test_saturated_and_open_circuit_regions_go_last() -> None:
     assert r.plan(10).reason == "only"
 
 
+def test_the_plan_tells_its_first_region_what_the_next_best_preferred_one_costs() -> None:
+    plan = router(summary("ap-northeast"), summary("eu-west"), summary("us-east")).plan(10)
+    assert [c.region for c in plan.candidates] == ["us-east", "eu-west", "ap-northeast"]
+    assert plan.alternative_s == plan.candidates[1].cost_s
+    # A saturated region is no alternative, nor is there one with a single region.
+    plan = router(summary("us-east"), summary("eu-west", kv_blocks_free=50)).plan(10)
+    assert [c.region for c in plan.candidates] == ["us-east", "eu-west"]
+    assert plan.alternative_s is None
+    assert router(summary("us-east")).plan(10).alternative_s is None
+
+
 def test_two_choices_spread_load_over_near_best_regions() -> None:
     r = router(summary("us-east"), summary("toronto"), summary("eu-west"))
     first: Counter[str] = Counter()

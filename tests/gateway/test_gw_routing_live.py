@@ -13,6 +13,8 @@ import httpx
 import pytest
 from gw_fleet import Fleet, GatewayThread, wait_until
 
+from wire.deflection import ALTERNATIVE_HEADER
+
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
 MAX_LOAD_S = 10.0
 
@@ -192,6 +194,38 @@ def test_5xx_and_429_before_the_first_byte_fail_over(
     router = gateway.handlers.router
     for state in router.regions.values():
         assert (state.num_awaiting_first_byte, state.awaited_tokens) == (0, 0)
+
+
+def test_a_region_that_sends_the_first_attempt_back_keeps_its_breaker_and_is_asked_last(
+    two_regions: Fleet, gateway: GatewayThread, http: httpx.Client
+) -> None:
+    us_east, eu_west = (two_regions.regions[r].upstream for r in ("us-east", "eu-west"))
+    us_east.behavior.deflects = "told"
+    for _ in range(4):  # two failures would open its breaker; deflections are none
+        assert served_by(http) == "eu-west"
+        # Told what eu-west costs; eu-west, the failover, is told nothing.
+        told = us_east.seen[-1].headers[ALTERNATIVE_HEADER]
+        assert float(told) > two_regions.regions["eu-west"].rtt_ms / 1000
+        assert ALTERNATIVE_HEADER not in eu_west.seen[-1].headers
+    router = gateway.handlers.router
+    assert router.regions["us-east"].breaker.state == "closed"
+    metrics = httpx.get(gateway.metrics_url).text
+    assert 'meridian_gateway_retries_total{cause="deflected",region="us-east"} 4.0' in metrics
+    # With nowhere else to go, the region that sent the request back takes it, asked again
+    # without an alternative.
+    eu_west.behavior.fail_status = 500
+    assert served_by(http) == "us-east"
+    assert ALTERNATIVE_HEADER not in us_east.seen[-1].headers
+    assert ALTERNATIVE_HEADER in us_east.seen[-2].headers
+    for state in router.regions.values():
+        assert (state.num_awaiting_first_byte, state.awaited_tokens) == (0, 0)
+    # A region that sends back what it was not told an alternative for is refusing it: a 429
+    # like any other, and the request does not go round again.
+    us_east.behavior.deflects = "all"
+    num_seen = len(us_east.seen)
+    response = http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 429 and response.json()["error"]["code"] == "deflected"
+    assert len(us_east.seen) == num_seen + 2
 
 
 def test_when_every_region_fails_the_last_answer_is_returned(

@@ -22,13 +22,15 @@ from engine.loader import Checkpoint
 from region_picker.cache_index import SENT_RECENTLY_S, CacheIndex, ExactOrGuessed
 from region_picker.metrics import PickerMetrics
 from region_picker.node_book import REPORT_LAG_S, NodeBook
-from region_picker.picker import Picker
+from region_picker.picker import Deflection, Picker
 from region_picker.prompt_hashes import PromptHasher
 from region_picker.routed_prefixes import RoutedPrefixes
+from region_picker.scoring import Decision
 from region_picker.service import start
 from region_picker.settings import PickerSettings
 from wire.cache_events import CACHE_EVENTS_PATH, CacheSnapshot
 from wire.cache_salt import CACHE_SALT_HEADER, engine_cache_salt
+from wire.deflection import ALTERNATIVE_HEADER
 from wire.region_nodes import NodeLoad, RegionNodes
 
 MODEL = "smollm2-135m-instruct"
@@ -80,20 +82,20 @@ def test_a_prompt_goes_where_the_nodes_stream_says_it_is_cached(
     picker = picker_over(book, index, routed, hasher)
     body = {"model": MODEL, "messages": [*system, {"role": "user", "content": "Which region?"}]}
     decision = picker.decide({CACHE_SALT_HEADER: "tenant-1"}, json.dumps(body).encode())
-    assert decision is not None
+    assert isinstance(decision, Decision)
     assert decision.chosen.candidate.node_id == "node-b"
     assert (
         decision.chosen.cached_blocks >= len(held) - 1 > 0
     )  # the template's last block may differ
     other = picker.decide({CACHE_SALT_HEADER: "tenant-2"}, json.dumps(body).encode())
-    assert other is not None and other.chosen.cached_blocks == 0  # another tenant's chain
+    assert isinstance(other, Decision) and other.chosen.cached_blocks == 0  # another tenant's chain
     # A body `cache_salt` splits the tenant's partition further, at the node and here alike.
     split = hasher.chat_hashes(system, engine_cache_salt("tenant-1", "team-a"))
     index.apply_snapshot(snapshot("node-a", split))
     now[0] += REPORT_LAG_S + 1  # the reports count what was sent above
     salted = json.dumps(body | {"cache_salt": "team-a"}).encode()
     decision = picker.decide({CACHE_SALT_HEADER: "tenant-1"}, salted)
-    assert decision is not None and decision.chosen.candidate.node_id == "node-a"
+    assert isinstance(decision, Decision) and decision.chosen.candidate.node_id == "node-a"
     assert decision.chosen.cached_blocks >= len(split) - 1 > 0
 
 
@@ -114,7 +116,7 @@ def test_cold_prompts_spread_and_a_prompts_next_request_follows_it_before_its_ev
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         body = json.dumps({"model": MODEL, "messages": messages, "stream": True}).encode()
         decision = picker.decide({CACHE_SALT_HEADER: tenant}, body)
-        assert decision is not None
+        assert isinstance(decision, Decision)
         picker.started(decision.chosen.candidate.node_id)  # a stream's headers come at once
         return decision.chosen.candidate.node_id
 
@@ -137,9 +139,44 @@ def test_nodes_keeping_blocks_of_another_size_are_balanced_by_load_alone(
     picker = picker_over(book, index, routed, hasher)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which?"}]
     decision = picker.decide({}, json.dumps({"model": MODEL, "messages": messages}).encode())
-    assert decision is not None
+    assert isinstance(decision, Decision)
     assert [s.cached_blocks for s in decision.scored] == [0, 0]
     assert len(routed) == 0
+
+
+def test_a_request_with_a_sooner_region_elsewhere_goes_back_and_costs_no_node_anything(
+    smollm2_checkpoint: Checkpoint,
+) -> None:
+    hasher = PromptHasher(smollm2_checkpoint.tokenizer, 16)
+    measured = NODES.model_copy(
+        update={
+            "nodes": tuple(
+                n.model_copy(update={"prefill_tokens_per_s": 1000.0, "step_s": 0.02})
+                for n in NODES.nodes
+            )
+        }
+    )
+    book, index, routed = NodeBook(), CacheIndex(), RoutedPrefixes()
+    book.adopt(measured)
+    metrics = PickerMetrics()
+    view = ExactOrGuessed(index, routed)
+    picker = Picker(book, {MODEL: hasher}, view, routed, metrics, random.Random(0))
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which?"}]
+    body = json.dumps({"model": MODEL, "messages": messages}).encode()
+    kept = picker.decide({ALTERNATIVE_HEADER: "60"}, body)
+    assert isinstance(kept, Decision) and kept.wait_s is not None and kept.wait_s > 0.02
+    picker.started(kept.chosen.candidate.node_id)
+    before, num_routed = book.candidates(MODEL), len(routed)
+    # Any node's wait holds a step (20 ms) for the request's own first token.
+    sent_back = picker.decide({ALTERNATIVE_HEADER: "0.015"}, body)
+    assert isinstance(sent_back, Deflection)
+    assert sent_back.wait_s >= 0.02 and sent_back.alternative_s == 0.015
+    # Sent back, it is no work ahead on any node, and no prompt was routed anywhere.
+    assert book.candidates(MODEL) == before and len(routed) == num_routed
+    assert metrics.deflections._value.get() == 1
+    # An alternative the picker cannot read is none.
+    for header in ("soon", "-1", "nan", "1e400"):
+        assert isinstance(picker.decide({ALTERNATIVE_HEADER: header}, body), Decision)
 
 
 @pytest_asyncio.fixture

@@ -13,6 +13,7 @@ from region_picker.scoring import (
     RUNNING_REQUEST_TOKENS,
     WAITING_REQUEST_TOKENS,
     Candidate,
+    deflects,
     pick,
     score,
 )
@@ -103,6 +104,23 @@ def test_a_faster_node_costs_less_and_one_not_measured_is_taken_at_the_mean() ->
     # c's 2,600 stay 2,600.
     assert [s.cost for s in decision.scored] == [2100, 3300, 2600]
     assert decision.chosen.candidate.node_id == "a"
+
+
+def test_the_winners_wait_is_its_work_at_its_own_rate_and_a_sooner_alternative_takes_it() -> None:
+    nodes = [
+        node("a", prefill_tokens_per_s=2000.0, num_waiting_prefill_tokens=1200),
+        node("b", prefill_tokens_per_s=1000.0, num_waiting_prefill_tokens=600),
+    ]
+    decision = pick(nodes, BLOCKS, Held(), random.Random(0))
+    assert decision is not None and decision.chosen.candidate.node_id == "a"
+    assert decision.wait_s == pytest.approx(2800 / 2000)  # its 2,800 tokens of work
+    assert deflects(decision, 1.3) and not deflects(decision, 1.5)
+    assert not deflects(decision, None)  # no gateway's alternative: the region keeps it
+    # Nodes that have measured no rate cannot tell how long they would take: kept.
+    busy = node("c", num_waiting_prefill_tokens=9000)
+    unmeasured = pick([busy], BLOCKS, Held(), random.Random(0))
+    assert unmeasured is not None and unmeasured.wait_s is None
+    assert not deflects(unmeasured, 0.0)
 
 
 def test_the_node_holding_the_prompt_wins_against_modest_load() -> None:

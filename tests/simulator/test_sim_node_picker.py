@@ -1,6 +1,7 @@
 """The region picker in a simulated region: the node is chosen by region_picker/scoring.py
 itself, from each node's true queue and prefix cache, and on `prefix_heavy` it finds the
-cached system prompts that least request misses."""
+cached system prompts that least request misses; a request whose gateway knows a sooner region
+goes back to it (wire/deflection.py)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,31 @@ def test_the_picker_skips_a_node_that_is_down_and_names_none_when_all_are() -> N
 
 
 @pytest.mark.slow  # two whole simulated runs
+def test_the_picker_sends_a_request_back_when_the_gateways_alternative_is_sooner() -> None:
+    site = site_with_picker(2)
+    now_s = site.nodes[0].loop.now_s
+    # Idle nodes at 1,000 prompt tokens/s: 1.5 s of prefill and a step for the first token.
+    job = chat(None)
+    assert site.pick_node(DEFAULT_MODEL, job, now_s, alternative_s=1.0) is node_picker.DEFLECTED
+    assert site.pick_node(DEFAULT_MODEL, job, now_s, alternative_s=2.0) in site.nodes
+    assert site.pick_node(DEFAULT_MODEL, job, now_s) in site.nodes
+
+
+def test_on_mixed_hardware_meridians_retries_are_the_pickers_deflections() -> None:
+    """No region fails there: with the pickers, requests their region's nodes would keep
+    waiting go to the next-best region, and nothing is lost; without them, none goes back."""
+    retried = {}
+    for picker in (True, False):
+        result = run_scenario(
+            SCENARIOS["mixed_hardware"], 1, 1500, ServiceCalibration(), ["meridian"],
+            options=WorldOptions(node_picker=picker),
+        )  # fmt: skip
+        stats = result.stats["meridian"]
+        assert stats.lost == 0 and stats.failed == 0
+        retried[picker] = stats.retried
+    assert retried[True] > 0 == retried[False]
+
+
 def test_prefix_heavy_with_the_picker_finds_more_cached_prompt_tokens_than_without() -> None:
     share = {}
     for picker in (True, False):
