@@ -132,11 +132,11 @@ def test_a_dark_region_costs_the_connect_timeout_of_its_rtt_not_the_ceiling(
             rtt = rtt_ms(flight.origin, flight.site.location)
             dark[(id(flight), event[1])] = timeout.of(rtt)
 
-    def failed_spy(self: Traffic, event: AttemptEvent) -> None:
+    def failed_spy(self: Traffic, event: AttemptEvent, deflected: bool = False) -> None:
         expected_s = dark.pop((id(event[0]), event[1]), None)
         if expected_s is not None:
             waits.append((self.loop.now_s - event[0].sent_s, expected_s))
-        failed(self, event)
+        failed(self, event, deflected)
 
     monkeypatch.setattr(Traffic, "_at_region", at_region_spy)
     monkeypatch.setattr(Traffic, "_failed", failed_spy)
