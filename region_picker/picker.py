@@ -119,8 +119,8 @@ class Picker:
         decision = pick(candidates, hashes, self._cache, self._rng)
         assert decision is not None
         alternative_s = alternative_of(headers.get(ALTERNATIVE_HEADER))
-        if alternative_s is not None and deflects(decision, alternative_s):
-            assert decision.wait_s is not None
+        if deflects(decision, alternative_s):
+            assert alternative_s is not None and decision.wait_s is not None
             self._metrics.deflections.inc()
             return Deflection(decision.wait_s, alternative_s)
         chosen = decision.chosen
