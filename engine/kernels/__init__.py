@@ -7,10 +7,12 @@ They are built with `-march=native`, so an object built on one CPU may hold inst
 lacks (AVX-512 on a machine without it: SIGILL). torch's build cache is keyed by the sources and
 flags only, so the module's name carries a digest of the CPU's feature flags: a home directory
 shared between machines (or a container image moved to another host) gets one build per CPU.
-It also carries a digest of the sources and of the torch it builds against, so that two versions
-of the engine (or two virtual environments) on one machine do not rebuild the same module in turn;
-and torch compiles copies of the sources kept in the build directory, since its ninja file names
-each source by its absolute path: two checkouts of one version then share one build.
+It also carries a digest of the sources and of the torch version it builds against, so that two
+versions of the engine (or two torch versions) on one machine do not rebuild the same module in
+turn; and torch compiles copies of the sources kept in the build directory, since its ninja file
+names each source by its absolute path: two checkouts of one version, or two virtual environments
+with one torch version, then share one build (the module names torch's libraries without a path,
+and the process that loads it has loaded them already).
 """
 
 from __future__ import annotations
@@ -59,14 +61,16 @@ def cpu_feature_digest() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
-def _build_digest(source_dir: Path) -> str:
-    """Checkouts of different versions (worktrees, upgrades) and different torch installs each
-    keep their own build: torch rebuilds a module whose inputs changed, so sharing one name makes
-    them rebuild in turn."""
+def kernel_module_name(source_dir: Path) -> str:
+    """The name the kernels built from `source_dir` have on this CPU with this torch.
+
+    Checkouts of different versions (worktrees, upgrades) and different torch builds each keep
+    their own build: torch rebuilds a module whose inputs changed, so sharing one name makes them
+    rebuild in turn."""
     sources = sorted(source_dir.glob("*.[ch]*"))
     text = b"".join(path.read_bytes() for path in sources) + " ".join(_CFLAGS).encode()
-    text += str(Path(torch.__file__).parent).encode()
-    return hashlib.sha256(text).hexdigest()[:8]
+    text += f"{torch.__version__} {torch.version.git_version}".encode()
+    return f"meridian_cpu_kernels_{cpu_feature_digest()}_{hashlib.sha256(text).hexdigest()[:8]}"
 
 
 def _copy_sources(source_dir: Path, build_dir: Path) -> list[str]:
@@ -96,7 +100,7 @@ def build_cpu_kernels(source_dir: Path) -> ModuleType | None:
     revision's beside them for an A/B: bench/kernel_ab.py), or None if they cannot be built."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    name = f"meridian_cpu_kernels_{cpu_feature_digest()}_{_build_digest(source_dir)}"
+    name = kernel_module_name(source_dir)
     torch_lib = Path(torch.__file__).parent / "lib"
     logger.info("loading the CPU kernels (the first build on a CPU takes about 20 s on 2 cores)")
     try:

@@ -3,7 +3,7 @@
 A fresh virtualenv gets torch and then this project, nothing else; each service starts from it
 (outside the source tree, so nothing is imported from the checkout) and answers. Optional parts
 (Redis's client, Envoy, Terraform) are extras, and their absence must not stop a service. The
-installed package carries the CPU kernels' sources, which build from where it is installed.
+installed package carries the CPU kernels' sources, which name the checkout's build.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 from suite_env import child_env
+
+from engine.kernels import kernel_module_name
 
 pytestmark = pytest.mark.slow
 
@@ -102,12 +104,13 @@ def test_no_optional_part_is_installed(fresh_python: Path) -> None:
     assert not (fresh_python.parent / "envoy").exists()
 
 
-def test_the_cpu_kernels_build_from_the_installed_package(
+def test_the_cpu_kernels_come_from_the_installed_package(
     fresh_python: Path, tmp_path: Path
 ) -> None:
-    """Not an editable install: the installed package's files alone give the engine its kernels,
-    built here (the fresh torch's path is part of the build's name, so no earlier build is
-    found); the node below then finds them built."""
+    """Not an editable install: the installed package's files alone give the engine its kernels.
+    Their build is named by the sources' digest and torch's version, and compiles copies of the
+    sources in its own directory, so the fresh install names the checkout's build (every source
+    and header shipped, the same torch) and shares it, built by whichever came first."""
     env = child_env("MERIDIAN_", "PYTHON")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -122,6 +125,8 @@ def test_the_cpu_kernels_build_from_the_installed_package(
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("CPU kernels ready: ")
     assert "CPU kernels unavailable" not in done.stderr
+    built = Path(done.stdout.removeprefix("CPU kernels ready: ").strip())
+    assert built.name.split(".")[0] == kernel_module_name(REPO / "engine" / "kernels")
 
 
 def test_services_start_from_a_plain_install(
