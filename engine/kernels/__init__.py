@@ -7,12 +7,14 @@ They are built with `-march=native`, so an object built on one CPU may hold inst
 lacks (AVX-512 on a machine without it: SIGILL). torch's build cache is keyed by the sources and
 flags only, so the module's name carries a digest of the CPU's feature flags: a home directory
 shared between machines (or a container image moved to another host) gets one build per CPU.
-It also carries a digest of the sources and of the torch version it builds against, so that two
-versions of the engine (or two torch versions) on one machine do not rebuild the same module in
-turn; and torch compiles copies of the sources kept in the build directory, since its ninja file
-names each source by its absolute path: two checkouts of one version, or two virtual environments
-with one torch version, then share one build (the module names torch's libraries without a path,
-and the process that loads it has loaded them already).
+It also carries a digest of the sources, the flags and the torch version it builds against, so
+that two versions of the engine (or two torch versions) on one machine do not rebuild the same
+module in turn. A module of that name, once built, is imported as it is: torch's ninja file names
+the sources and torch's own directories by their absolute paths, so asking torch to load it from
+a second checkout or virtual environment would rebuild it, and the first would rebuild it back.
+The module names torch's libraries without a path (the process importing it has loaded them), so
+every checkout and environment with one torch version shares one build; torch compiles copies of
+the sources kept in the build directory.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -48,6 +51,8 @@ _SOURCES = [
     "bindings_cpu.cpp",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations"]
+# Link torch's own OpenMP runtime: a second one would fight it for the cores.
+_LDFLAGS = ["-l:libgomp.so.1"]
 
 
 def cpu_feature_digest() -> str:
@@ -68,7 +73,7 @@ def kernel_module_name(source_dir: Path) -> str:
     their own build: torch rebuilds a module whose inputs changed, so sharing one name makes them
     rebuild in turn."""
     sources = sorted(source_dir.glob("*.[ch]*"))
-    text = b"".join(path.read_bytes() for path in sources) + " ".join(_CFLAGS).encode()
+    text = b"".join(path.read_bytes() for path in sources) + " ".join(_CFLAGS + _LDFLAGS).encode()
     text += f"{torch.__version__} {torch.version.git_version}".encode()
     return f"meridian_cpu_kernels_{cpu_feature_digest()}_{hashlib.sha256(text).hexdigest()[:8]}"
 
@@ -106,17 +111,30 @@ def build_cpu_kernels(source_dir: Path) -> ModuleType | None:
     try:
         build_dir = Path(_get_build_directory(name, verbose=False))
         with _only_builder(build_dir):
+            built = build_dir / f"{name}.so"
+            if built.exists():  # these sources, flags and torch version (its name says so)
+                try:
+                    return _import_built(name, built)
+                except ImportError:  # cut short while linking (a killed build): build it again
+                    built.unlink()
             return load(
                 name=name,
                 sources=_copy_sources(source_dir, build_dir),
                 extra_cflags=_CFLAGS,
-                # Link torch's own OpenMP runtime: a second one would fight it for the cores.
-                extra_ldflags=[f"-L{torch_lib}", "-l:libgomp.so.1"],
+                extra_ldflags=[f"-L{torch_lib}", *_LDFLAGS],
                 build_directory=str(build_dir),
             )
     except Exception as exc:  # any build failure leaves the portable path in charge
         logger.warning("CPU kernels unavailable, using the PyTorch path: %s", exc)
         return None
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
