@@ -38,9 +38,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 MODEL = "smollm2-135m-instruct"
 TF_REGION = "ap-southeast"
 MAX_UP_S = 300.0
-# The Terraform node's load waits behind whatever holds the CPU kernels' build lock (in a full
-# run, other tests' nodes and kernel builds): in 3 of 6 full runs it sat 180 s at "loading the CPU
-# kernels" while alone it loads in seconds.
+# The Terraform node's load waits behind whatever holds the CPU kernels' build lock: `make setup`
+# builds them, but a run after a kernel source changed builds them in the suite, and before setup
+# did, the node sat 180 s at "loading the CPU kernels" in 3 of 6 full runs (alone: seconds).
 MAX_NODE_S = 400.0
 
 ROOT_TF = """
