@@ -110,7 +110,8 @@ def test_the_cpu_kernels_come_from_the_installed_package(
     """Not an editable install: the installed package's files alone give the engine its kernels.
     Their build is named by the sources' digest and torch's version, and compiles copies of the
     sources in its own directory, so the fresh install names the checkout's build (every source
-    and header shipped, the same torch) and shares it, built by whichever came first."""
+    and header shipped, the same torch) and imports it as built (by `make setup`, or by whichever
+    loaded the engine first)."""
     env = child_env("MERIDIAN_", "PYTHON")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
