@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import logging
 import os
 import platform
@@ -103,7 +102,12 @@ def cpu_kernels() -> ModuleType | None:
 def build_cpu_kernels(source_dir: Path) -> ModuleType | None:
     """The kernels built from the sources in `source_dir` (this checkout's, or another
     revision's beside them for an A/B: bench/kernel_ab.py), or None if they cannot be built."""
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import (
+        LIB_EXT,
+        _get_build_directory,
+        _import_module_from_library,
+        load,
+    )
 
     name = kernel_module_name(source_dir)
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -111,10 +115,10 @@ def build_cpu_kernels(source_dir: Path) -> ModuleType | None:
     try:
         build_dir = Path(_get_build_directory(name, verbose=False))
         with _only_builder(build_dir):
-            built = build_dir / f"{name}.so"
+            built = build_dir / f"{name}{LIB_EXT}"
             if built.exists():  # these sources, flags and torch version (its name says so)
                 try:
-                    return _import_built(name, built)
+                    return _import_module_from_library(name, str(build_dir), True)
                 except ImportError:  # cut short while linking (a killed build): build it again
                     built.unlink()
             return load(
@@ -127,14 +131,6 @@ def build_cpu_kernels(source_dir: Path) -> ModuleType | None:
     except Exception as exc:  # any build failure leaves the portable path in charge
         logger.warning("CPU kernels unavailable, using the PyTorch path: %s", exc)
         return None
-
-
-def _import_built(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @contextlib.contextmanager
