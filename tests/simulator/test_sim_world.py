@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from simulator.access import AnycastAccess, DnsAccess
 from simulator.calibration import ServiceCalibration
 from simulator.compare import world_spec
@@ -15,6 +17,20 @@ from wire.geo import REGIONS
 from wire.model_catalog import ModelCatalog
 from wire.region_summary import ModelLoad, QueueEstimate, RegionSummary, RegionSummaryIndex
 from wire.routing_policy import RoutingPolicy
+
+
+def test_a_run_leaves_what_the_process_froze_frozen_and_thaws_only_its_own() -> None:
+    """A world freezes what exists before its run; where the process froze objects of its own
+    (the suite freezes its modules), thawing the world's would thaw those too, and every later
+    full collection would walk them again."""
+    spec = world_spec(SCENARIOS["steady"], 0, 10, ServiceCalibration())
+    gc.freeze()
+    World(spec, "meridian").run()
+    assert gc.get_freeze_count() > 0  # (unfreezing empties the permanent generation)
+    gc.unfreeze()
+    World(spec, "meridian").run()
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the suite's freeze (tests/suite_gc.py), as it was
 
 
 def test_a_withdrawn_pop_sends_its_clients_to_the_next_nearest_and_wins_them_back() -> None:
