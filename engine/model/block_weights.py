@@ -28,13 +28,16 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.kernels import cpu_kernels
-from engine.model.dense_matmul import bf16_gemv_max_tokens, dense_linear, packed
+from engine.model.dense_matmul import dense_linear, packed
 
 BLOCK_WEIGHTS = 32
-# Steps of up to this many tokens read the blocks where F.linear multiplies the dequantized
-# weight above: the blocks' loop reads a row's blocks once per 4 tokens, so its cost grows with
-# the tokens while dequantizing costs the same at any step size; they crossed between 16 and 32
-# tokens on the model's Q4_1 shapes (see docs/benchmarks.md).
+# Steps of up to this many tokens read the blocks; above, oneDNN multiplies the dequantized
+# weight, packed (`dense_for`). The blocks' loop takes 4 tokens at a time, so its cost grows
+# with the tokens, where oneDNN's GEMM is built for many. On the AMD EPYC (AVX-512 BF16, no AMX;
+# bench/engine_step.py, `q4_1` against `q4_1-gemv-4`, 2026-12-07) a decode step of 32 sequences
+# ran 1.03-1.08x faster with the packed weight above 16 tokens than with the blocks up to 64
+# (the range the bf16 GEMV's probes gave them before), though alone the blocks beat the packed
+# weight on 2 of SmolLM2's 4 shapes at 32 tokens and on 3 at 64 (bench/linear_small_m.py).
 GEMV_MAX_TOKENS = 16
 # Where the kernels multiply bf16 steps of 2 or more tokens on AMX tiles (a Sapphire Rapids:
 # engine/kernels/amx_cpu.cpp), dequantizing is their cost at any step of up to 32 tokens (one
@@ -126,11 +129,9 @@ class BlockWeight:
         return None
 
     def max_kernel_tokens(self) -> int:
-        """Steps of up to this many tokens read the blocks; bigger ones the dense weight. Where
-        the bf16 kernel multiplies a dense weight over 16 tokens, the blocks take those steps
-        too: each group of rows dequantized in L1 for the same loop (engine/kernels/gemv_cpu.cpp),
-        where the dense path would dequantize the layer through memory first; on AMX tiles, up
-        to AMX_BLOCKS_MAX_TOKENS; the LM head's, up to HEAD_BLOCKS_MAX_TOKENS."""
+        """Steps of up to this many tokens read the blocks (GEMV_MAX_TOKENS); bigger ones the
+        dense weight. On AMX tiles, up to AMX_BLOCKS_MAX_TOKENS; the LM head's, up to
+        HEAD_BLOCKS_MAX_TOKENS."""
         if not self._max_kernel_tokens:
             self._max_kernel_tokens = self._kernel_range()
         return self._max_kernel_tokens
@@ -140,9 +141,7 @@ class BlockWeight:
             return AMX_BLOCKS_MAX_TOKENS
         if self.dtype != torch.bfloat16:
             return GEMV_MAX_TOKENS
-        if self.float_rows_kept:
-            return HEAD_BLOCKS_MAX_TOKENS
-        return max(GEMV_MAX_TOKENS, bf16_gemv_max_tokens(*self.shape))
+        return HEAD_BLOCKS_MAX_TOKENS if self.float_rows_kept else GEMV_MAX_TOKENS
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, K) -> x W^T (T, N)."""

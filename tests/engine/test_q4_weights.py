@@ -293,33 +293,28 @@ def test_the_q8_0_head_s_logits_read_the_blocks_for_few_tokens(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "bf16_gemv_tokens", "float_rows_kept", "amx", "expected"),
+    ("dtype", "float_rows_kept", "amx", "expected"),
     [
-        # The bf16 kernel on the dense weight takes the steps over 16: so do the blocks.
-        (torch.bfloat16, 64, False, False, 64),
-        (torch.bfloat16, 8, False, False, GEMV_MAX_TOKENS),  # F.linear from 16: blocks to 16
-        # fp32: no bf16 kernel reads the dense weight, and no AMX tiles multiply fp32.
-        (torch.float32, 64, False, False, GEMV_MAX_TOKENS),
-        (torch.float32, 4, False, True, GEMV_MAX_TOKENS),
-        # The LM head: its packed float rows beat its blocks over 4 tokens, whatever the bf16
-        # kernel's range; in fp32 the blocks keep their range.
-        (torch.bfloat16, 64, True, False, HEAD_BLOCKS_MAX_TOKENS),
-        (torch.bfloat16, 4, True, False, HEAD_BLOCKS_MAX_TOKENS),
-        (torch.float32, 64, True, False, GEMV_MAX_TOKENS),
+        # Without AMX, the packed dense weight takes the steps over 16 tokens, bf16 or fp32.
+        (torch.bfloat16, False, False, GEMV_MAX_TOKENS),
+        (torch.float32, False, False, GEMV_MAX_TOKENS),
+        (torch.float32, False, True, GEMV_MAX_TOKENS),  # no AMX tiles multiply fp32
+        # The LM head: its packed float rows beat its blocks over 4 tokens; in fp32 the blocks
+        # keep their range.
+        (torch.bfloat16, True, False, HEAD_BLOCKS_MAX_TOKENS),
+        (torch.float32, True, False, GEMV_MAX_TOKENS),
         # AMX: the blocks on the tiles up to 32 tokens, the head's too.
-        (torch.bfloat16, 4, False, True, AMX_BLOCKS_MAX_TOKENS),
-        (torch.bfloat16, 4, True, True, AMX_BLOCKS_MAX_TOKENS),
+        (torch.bfloat16, False, True, AMX_BLOCKS_MAX_TOKENS),
+        (torch.bfloat16, True, True, AMX_BLOCKS_MAX_TOKENS),
     ],
 )
 def test_blocks_are_read_where_they_beat_the_dense_weight(
     monkeypatch: pytest.MonkeyPatch,
     dtype: torch.dtype,
-    bf16_gemv_tokens: int,
     float_rows_kept: bool,
     amx: bool,
     expected: int,
 ) -> None:
-    monkeypatch.setattr(block_weights, "bf16_gemv_max_tokens", lambda n, k: bf16_gemv_tokens)
     calls: list[str] = []
 
     class Recording:
