@@ -18,11 +18,9 @@ group under pytest 9.2, so the grouping is a scheduler of our own.)
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 from xdist.scheduler import LoadFileScheduling
-from xdist.workermanage import Producer
+from xdist.workermanage import Producer, WorkerController
 
 GROUPS = {
     "transformers-reference": (
@@ -63,33 +61,37 @@ def scope_of(nodeid: str) -> str:
     return GROUP_OF.get(path, path)
 
 
-def in_running_order(nodeids: list[str]) -> list[str]:
-    """LONGEST_FIRST, then by number of tests (a stable sort: a file's tests keep their order)."""
-    counts = Counter(scope_of(nodeid) for nodeid in nodeids)
+def running_order(work_units: dict[str, dict[str, bool]]) -> list[str]:
+    """The scopes LONGEST_FIRST, then by number of tests (a stable sort: ties keep their order)."""
 
-    def rank(nodeid: str) -> tuple[int, int]:
-        scope = scope_of(nodeid)
+    def rank(scope: str) -> tuple[int, int]:
         first = LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
-        return first, -counts[scope]
+        return first, -len(work_units[scope])
 
-    return sorted(nodeids, key=rank)
+    return sorted(work_units, key=rank)
 
 
 class FilesInGroups(LoadFileScheduling):
+    """The work queue in our order. Only the queue: xdist names a test to a worker by its index
+    in the worker's own collection, so reordering the collections (as this class once did) sent
+    each worker other tests than the queue's: files split over all three workers, each setting
+    up the module fixtures again, and the fleets' group ran beside other fleets."""
+
     def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
         super().__init__(config, log)
-        # The work queue is built in the order of the collection, which schedule() sets:
-        # xdist's own reordering by number of tests would undo it.
-        config.option.loadscopereorder = False
+        config.option.loadscopereorder = False  # xdist's own order (by size) would undo ours
+        self._is_ordered = False
 
     def _split_scope(self, nodeid: str) -> str:
         return scope_of(nodeid)
 
-    def schedule(self) -> None:
-        if self.collection is None:  # the first call, which builds the work queue
-            for node, collection in self.registered_collections.items():
-                self.registered_collections[node] = in_running_order(list(collection))
-        super().schedule()
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        if not self._is_ordered:  # the first assignment: schedule() has just built the queue
+            self._is_ordered = True
+            units = dict(self.workqueue)
+            self.workqueue.clear()
+            self.workqueue.update((scope, units[scope]) for scope in running_order(units))
+        super()._assign_work_unit(node)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFileScheduling | None:
