@@ -14,17 +14,15 @@ adaptive threads; `q4_1-float-head` is q4_1 with the LM head read in the model's
 `layers` and `q4_1-layers` run each decode step's layers one module at a time instead of the
 fused call (engine/model/fused_decode.py; so do `eager`, `torch-mm` and the compiled ones);
 `eager` is the default with the fused CPU layer ops swapped for their eager twins;
-`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `gemv-4` (and
-`q4_1-gemv-4`) the default (q4_1) with that kernel for steps of up to 4 tokens only, and the
-blocks up to 16, as on CPUs with AMX; `fixed-64` (and `q4_1-fixed-64`) with the kernel's range
-fixed at 64 tokens on every shape and the blocks read up to 8, the layer dequantized above (the
-rule before the range was measured per shape); `rebuild` is the
-default with each step's inputs built from the sequences alone (`build_step_inputs`, the path
-before the persistent input batch); `compile` is the
-default with its decode steps' forward under torch.compile and the fused layer ops left to
-inductor, `compile-fused` the same keeping our fused ops (bench/compiled_model.py), and
-`q4_1-compile`, `q4_1-compile-fused` those on q4_1; their first steps (the compiles) run before
-the rounds, and their time and Dynamo's counts are printed.
+`torch-mm` is the default with our bf16 GEMV kernel swapped for `F.linear`; `gemv-4` the default
+with that kernel for steps of up to 4 tokens only, as on CPUs with AMX; `fixed-64` (and
+`q4_1-fixed-64`) with the kernel's range fixed at 64 tokens on every shape and the blocks read up to
+8, the layer dequantized above (the rule before the range was measured per shape); `rebuild` is the
+default with each step's inputs built from the sequences alone (`build_step_inputs`, the path before
+the persistent input batch); `compile` is the default with its decode steps' forward under
+torch.compile and the fused layer ops left to inductor, `compile-fused` the same keeping our fused
+ops (bench/compiled_model.py), and `q4_1-compile`, `q4_1-compile-fused` those on q4_1; their first
+steps (the compiles) run before the rounds, and their time and Dynamo's counts are printed.
 Prints each round's median step time per variant and, per round, each variant against the
 first, with the median time of preparing the step's inputs (inside the step time) and its
 share; the load average and CPU flags beside them.
@@ -129,12 +127,9 @@ def build_engine(name: str, model: str, batch: int, context: int, kv_gib: float)
 
 @contextmanager
 def gemv_4() -> Iterator[None]:
-    """The bf16 GEMV kernel for steps of up to 4 tokens only, the Q4_1 and Q8_0 blocks up to 16:
-    the ranges before they followed the CPU (AMX CPUs still run these)."""
-    with (
-        mock.patch("engine.model.dense_matmul.bf16_gemv_max_tokens", lambda n, k: 4),
-        mock.patch("engine.model.block_weights.bf16_gemv_max_tokens", lambda n, k: 4),
-    ):
+    """The bf16 GEMV kernel for steps of up to 4 tokens only: its range before it followed the
+    CPU (AMX CPUs still run it)."""
+    with mock.patch("engine.model.dense_matmul.bf16_gemv_max_tokens", lambda n, k: 4):
         yield
 
 

@@ -31,12 +31,12 @@ from engine.kernels import cpu_kernels
 from engine.model.dense_matmul import dense_linear, packed
 
 BLOCK_WEIGHTS = 32
-# Steps of up to this many tokens read the blocks; above, oneDNN multiplies the dequantized
-# weight, packed (`dense_for`). The blocks' loop takes 4 tokens at a time, so its cost grows
-# with the tokens, where oneDNN's GEMM is built for many. On the AMD EPYC (AVX-512 BF16, no AMX;
-# bench/engine_step.py, `q4_1` against `q4_1-gemv-4`, 2026-12-07) a decode step of 32 sequences
-# ran 1.03-1.08x faster with the packed weight above 16 tokens than with the blocks up to 64
-# (the range the bf16 GEMV's probes gave them before), though alone the blocks beat the packed
+# Steps of up to this many tokens read the blocks; above, oneDNN multiplies the dequantized weight,
+# packed (`dense_for`). The blocks' loop takes 4 tokens at a time, so its cost grows with the
+# tokens, where oneDNN's GEMM is built for many. On the AMD EPYC (AVX-512 BF16, no AMX;
+# bench/engine_step.py at dc8df86, `q4_1` against `q4_1-gemv-4`, 2026-12-07) a decode step of 32
+# sequences ran 1.03-1.08x faster with the packed weight above 16 tokens than with the blocks up to
+# 64 (the range the bf16 GEMV's probes gave them before), though alone the blocks beat the packed
 # weight on 2 of SmolLM2's 4 shapes at 32 tokens and on 3 at 64 (bench/linear_small_m.py).
 GEMV_MAX_TOKENS = 16
 # Where the kernels multiply bf16 steps of 2 or more tokens on AMX tiles (a Sapphire Rapids:
