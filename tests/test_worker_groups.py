@@ -7,7 +7,6 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
-import worker_groups
 from worker_groups import FilesInGroups
 
 COLLECTION = [
@@ -60,4 +59,3 @@ def test_each_worker_runs_whole_files_and_groups_in_the_queue_s_order() -> None:
     assert sorted(nodeid for tests in ran for nodeid in tests) == sorted(COLLECTION)  # all once
     for path in {nodeid.split("::")[0] for nodeid in COLLECTION}:
         assert sum(path in names for names in files) == 1, path
-    assert worker_groups.scope_of(COLLECTION[2]) == worker_groups.scope_of(COLLECTION[4])
