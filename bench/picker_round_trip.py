@@ -1,21 +1,27 @@
 """Benchmark: the region picker's `ext_proc` round trip at 1 and 32 concurrent requests (issue 34:
-within 1 ms p50 at 32).
+within 1 ms p50 at 32), from a Python client and as a real Envoy waits for it.
 
-    python -m bench.picker_round_trip [--exchanges 1600] [--json out]
+    python -m bench.picker_round_trip [--exchanges 1600] [--chats 1600] [--json out]
 
 The picker runs as its own process (`python -m region_picker`, the default model's tokenizer),
-watching a stand-in control plane that lists 3 nodes (none needs to exist: the picker only names
-them). A gRPC client in this process plays Envoy: per request one `ext_proc` stream with the
-request's headers (the tenant's cache salt), its body (a chat with one of 8 tenants' ~1,500-token
-system prompts and a question of its own) and the response's headers, as Envoy sends them. Timed:
-from sending the body to its answer, the part Envoy waits on before it can route.
+watching a stand-in control plane that lists 3 fake nodes (`bench.gateway_upstream`, one process
+each). Per request: the request's headers (the tenant's cache salt), its body (a chat with one of
+8 tenants' ~1,500-token system prompts and a question of its own) and the response's headers.
 
-Two kinds of request alternate in every round, on the same streams and bodies:
+First a gRPC client in this process plays Envoy, timed from sending the body to its answer (the
+answer Envoy routes on). Two kinds of request alternate, on the same streams and bodies:
 - decided: the body names the model the picker tokenizes for; it renders the chat, hashes its
   blocks (the system prompt's from the memo after its first time), scores the nodes and names one;
 - floor: the body names a model no node serves; the picker parses it and lets Envoy balance it.
 The difference is the decision; the floor is gRPC, protobuf and the body's parse on both sides.
-The client is Python too (grpc.aio), so the figures are an upper bound on what Envoy waits.
+
+Then the real thing: an Envoy with the ingress's ext_proc filter, picked route and clusters as
+xDS builds them (bench/picker_envoy.py), chats sent through it to the nodes, and Envoy's own
+timings from its access log: how long each request waited from its first byte to its first
+byte sent to a node (`routed`), and the picker's answers to its headers and its body. Three
+loads: one chat at a time, 32 back to back (the picker saturated: at c=32 a request waits for
+the 31 before it), and 32 concurrent chats paced like a model's decode (`--chunks` chunks,
+`--pace-ms` apart), arriving at the rate a region's picker sees.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from bench import picker_envoy
 from bench.gateway_overhead import free_port
 from bench.loadgen import percentile
 from bench.report import load_average, machine, report_out
@@ -66,31 +73,32 @@ WORDS = [
 ]
 
 
-def nodes_document() -> RegionNodes:
+def nodes_document(ports: list[int]) -> RegionNodes:
     return RegionNodes(
         index=1,
         region=REGION,
         nodes=tuple(
             NodeLoad(
                 node_id=f"node-{i}",
-                url=f"http://127.0.0.1:{9001 + i}",
+                url=f"http://127.0.0.1:{port}",
                 model=DEFAULT_MODEL,
                 block_size=16,
                 kv_blocks_total=5825,
                 kv_blocks_free=5825,
             )
-            for i in range(3)
+            for i, port in enumerate(ports)
         ),
     )
 
 
 @contextlib.contextmanager
-def standin_control_plane() -> Iterator[str]:
-    """The region nodes query, answered from a thread: the document, then no change."""
+def standin_control_plane(node_ports: list[int]) -> Iterator[str]:
+    """The region nodes query for nodes on `node_ports`, answered from a thread: the document,
+    then no change."""
     loop = asyncio.new_event_loop()
     closing = asyncio.Event()
     runners: list[web.AppRunner] = []
-    document = nodes_document().model_dump_json()
+    document = nodes_document(node_ports).model_dump_json()
 
     async def nodes(request: web.Request) -> web.Response:
         if request.query.get("index") != "0":  # a blocking query with nothing new
@@ -241,37 +249,91 @@ def wait_ready(port: int, metrics_port: int, process: subprocess.Popen[bytes], l
     raise SystemExit(f"the picker named no node in 120 s: {log.read_text()[-2000:]}")
 
 
+def client_round_trips(port: int, exchanges: int) -> list[dict[str, Any]]:
+    """Python's gRPC client playing Envoy, decided against the floor, at 1 and 32."""
+    asyncio.run(measure(port, 8, 64))  # warm: every tenant's system prompt in the memo
+    runs = []
+    for concurrency in (1, 32):
+        result = asyncio.run(measure(port, concurrency, exchanges))
+        runs.append(result)
+        d, f = result["decided"], result["floor"]
+        print(
+            f"client c={concurrency:>2}: decided p50 {d['p50_ms']:.3f} ms p99 {d['p99_ms']:.3f}"
+            f" ({d['named_a_node']}/{d['exchanges']} named a node); floor p50"
+            f" {f['p50_ms']:.3f} ms p99 {f['p99_ms']:.3f}; the decision's share of p50"
+            f" {result['decision_p50_ms']:.3f} ms",
+            flush=True,
+        )
+    return runs
+
+
+def envoy_round_trips(envoy: picker_envoy.Envoy, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Chats through the real Envoy: back to back at 1 and 32 (the picker's saturation), then
+    32 paced like a model's decode, each chat of a seeded length around `--chunks` and the
+    workers' starts spread over one chat, so that they arrive apart (the rate and spread a
+    region's picker sees at 32 concurrent chats)."""
+    rng = random.Random(0)
+    levels = [
+        ("back to back", 1, args.chats // 4, 0.0),
+        ("back to back", 32, args.chats, 0.0),
+        ("paced", 32, args.chats, args.pace_ms),
+    ]
+    runs = []
+    for kind, concurrency, num, pace_ms in levels:
+        chats = []
+        for i in range(num):
+            tenant, chunks = i % NUM_TENANTS, rng.randint(args.chunks // 2, args.chunks * 3 // 2)
+            payload = picker_envoy.chat(body(DEFAULT_MODEL, tenant, i % 4), chunks, pace_ms)
+            chats.append((f"tenant-{tenant}", payload))
+        stagger_s = args.chunks * pace_ms / 1000
+        result = asyncio.run(picker_envoy.measure(envoy, chats, concurrency, stagger_s))
+        result.update(kind=kind, concurrency=concurrency, pace_ms=pace_ms, chunks=args.chunks)
+        runs.append(result)
+        print(
+            f"envoy c={concurrency:>2} {kind}: {result['requests_per_s']} chats/s; routed after"
+            f" p50 {result['routed_p50_ms']:.3f} ms p99 {result['routed_p99_ms']:.3f}; the"
+            f" picker's answers p50: to the headers {result['headers_p50_ms']:.3f} ms, to the"
+            f" body (naming the node) {result['body_p50_ms']:.3f} ms; {result['named_a_node']}/"
+            f"{result['requests']} named a node, {result['went_where_named']} went there,"
+            f" {result['failed']} failed",
+            flush=True,
+        )
+    return runs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--exchanges", type=int, default=1600, help="of each kind, at each concurrency"
     )
+    parser.add_argument("--chats", type=int, default=1600, help="through Envoy, at 32")
+    parser.add_argument("--chunks", type=int, default=16, help="a chat's streamed chunks")
+    parser.add_argument("--pace-ms", type=float, default=25.0, help="between a paced chat's chunks")
     parser.add_argument("--json", help="write the whole report here")
     args = parser.parse_args(argv)
     load_before = load_average()
-    with tempfile.TemporaryDirectory(prefix="bench-picker-") as root, standin_control_plane() as cp:
-        log = Path(root) / "picker.log"
-        process, port, metrics_port = start_picker(cp, log)
+    with tempfile.TemporaryDirectory(prefix="bench-picker-") as directory:
+        root = Path(directory)
+        nodes, node_ports = picker_envoy.start_nodes(root, 3)
+        envoy: picker_envoy.Envoy | None = None
         try:
-            wait_ready(port, metrics_port, process, log)
-            asyncio.run(measure(port, 8, 64))  # warm: every tenant's system prompt in the memo
-            runs = []
-            for concurrency in (1, 32):
-                result = asyncio.run(measure(port, concurrency, args.exchanges))
-                runs.append(result)
-                d, f = result["decided"], result["floor"]
-                print(
-                    f"c={concurrency:>2}: decided p50 {d['p50_ms']:.3f} ms p99 {d['p99_ms']:.3f}"
-                    f" ({d['named_a_node']}/{d['exchanges']} named a node); floor p50"
-                    f" {f['p50_ms']:.3f} ms p99 {f['p99_ms']:.3f}; the decision's share of p50"
-                    f" {result['decision_p50_ms']:.3f} ms",
-                    flush=True,
-                )
+            with standin_control_plane(node_ports) as cp:
+                log = root / "picker.log"
+                process, port, metrics_port = start_picker(cp, log)
+                try:
+                    wait_ready(port, metrics_port, process, log)
+                    client = client_round_trips(port, args.exchanges)
+                    envoy = picker_envoy.start_envoy(root, port, node_ports[0])
+                    through_envoy = envoy_round_trips(envoy, args)
+                finally:
+                    process.terminate()
+                    process.wait(timeout=30)
         finally:
-            process.terminate()
-            process.wait(timeout=30)
-    report = {"runs": runs, "machine": machine(load_before)}
-    report_out(report, args.json, ("runs", "machine"))
+            for child in [*nodes, *([envoy.process] if envoy else [])]:
+                child.terminate()
+                child.wait(timeout=30)
+    report = {"client": client, "envoy": through_envoy, "machine": machine(load_before)}
+    report_out(report, args.json, ("client", "envoy", "machine"))
 
 
 if __name__ == "__main__":

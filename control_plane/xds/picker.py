@@ -63,7 +63,7 @@ def _strip_destination() -> extension_pb2.TypedExtensionConfig:
     )
 
 
-def _ext_proc() -> hcm_pb2.HttpFilter:
+def ext_proc_filter() -> hcm_pb2.HttpFilter:
     Mode = processing_mode_pb2.ProcessingMode
     config = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
@@ -84,14 +84,14 @@ def _ext_proc() -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name="envoy.filters.http.ext_proc", typed_config=pack(config))
 
 
-def _picked_route() -> route_components_pb2.Route:
+def picked_route() -> route_components_pb2.Route:
     header = route_components_pb2.HeaderMatcher(name=DESTINATION_HEADER, present_match=True)
     return route(
         "picked", route_components_pb2.RouteMatch(prefix="/", headers=[header]), PICKED_CLUSTER
     )
 
 
-def _picked_cluster() -> cluster_pb2.Cluster:
+def picked_cluster() -> cluster_pb2.Cluster:
     return cluster_pb2.Cluster(
         name=PICKED_CLUSTER,
         type=cluster_pb2.Cluster.ORIGINAL_DST,
@@ -105,7 +105,7 @@ def _picked_cluster() -> cluster_pb2.Cluster:
     )
 
 
-def _picker_cluster(host: str, port: int) -> cluster_pb2.Cluster:
+def picker_cluster(host: str, port: int) -> cluster_pb2.Cluster:
     Options = http_protocol_options_pb2.HttpProtocolOptions
     http2 = Options(
         explicit_http_config=Options.ExplicitHttpConfig(
@@ -135,8 +135,8 @@ def add_picker(plan: EnvoyPlan, resources: dict[str, list[Message]]) -> None:
     """Put the plan's picker into an ingress's resources (nothing without one)."""
     if plan.picker is None:
         return
-    resources[LISTENER_TYPE] = [listener(plan, (_ext_proc(),), (_strip_destination(),))]
+    resources[LISTENER_TYPE] = [listener(plan, (ext_proc_filter(),), (_strip_destination(),))]
     (config,) = resources[ROUTE_TYPE]
     assert isinstance(config, route_pb2.RouteConfiguration)
-    config.virtual_hosts[0].routes.insert(0, _picked_route())
-    resources[CLUSTER_TYPE] += [_picked_cluster(), _picker_cluster(*plan.picker)]
+    config.virtual_hosts[0].routes.insert(0, picked_route())
+    resources[CLUSTER_TYPE] += [picked_cluster(), picker_cluster(*plan.picker)]
