@@ -318,7 +318,12 @@ def test_heartbeats_carry_the_prefill_rate_once_the_engine_has_measured_one(
         with node.client() as http:
             reply = http.post(
                 "/v1/completions",
-                json={"model": TINY_SERVED_NAME, "prompt": "a longer prompt " * 5, "max_tokens": 2},
+                json={
+                    "model": TINY_SERVED_NAME,
+                    "prompt": "a longer prompt " * 5,
+                    "max_tokens": 2,
+                    "ignore_eos": True,  # sampled, its first token may be EOS: no second step
+                },
             )
             assert reply.status_code == 200, reply.text
         measured = node.stats().prefill_tokens_per_s
