@@ -291,9 +291,9 @@ def envoy_round_trips(envoy: picker_envoy.Envoy, args: argparse.Namespace) -> li
         runs.append(result)
         print(
             f"envoy c={concurrency:>2} {kind}: {result['requests_per_s']} chats/s; routed after"
-            f" p50 {result['routed_p50_ms']:.3f} ms p99 {result['routed_p99_ms']:.3f}; the"
-            f" picker's answers p50: to the headers {result['headers_p50_ms']:.3f} ms, to the"
-            f" body (naming the node) {result['body_p50_ms']:.3f} ms; {result['named_a_node']}/"
+            f" p50 {result['routed_p50_ms']} ms p99 {result['routed_p99_ms']}; the picker's"
+            f" answers p50: to the headers {result['headers_p50_ms']} ms, to the body (naming"
+            f" the node) {result['body_p50_ms']} ms; {result['named_a_node']}/"
             f"{result['requests']} named a node, {result['went_where_named']} went there,"
             f" {result['failed']} failed",
             flush=True,
