@@ -1,4 +1,4 @@
-"""A region's real node killed mid-stream: 16 concurrent greedy streams of 128 tokens (and two
+"""A region's real node killed mid-stream: 16 concurrent greedy streams of 64 tokens (and two
 seeded ones) through the gateway to two regions of real node agents (the real SmolLM2, in their
 own processes, behind the simulated RTTs). Every stream completes, its text the same as an
 unbroken run's; the longest gap between two chunks a client saw is printed (a measured figure
@@ -27,7 +27,7 @@ from engine.model_store import DEFAULT_MODEL
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NUM_GREEDY = 16
-NUM_TOKENS = 128
+NUM_TOKENS = 64  # 48 after the kill: bf16 texts part within 30 (docs/gateway.md); fp32 must not
 SEEDED = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.0, "top_p": 0.9, "seed": 12}]
 KILL_AFTER_TOKENS = 16  # every stream has had this many chunks when a node dies
 MAX_RUN_S = 600.0  # a bound for a stuck run, far above what a healthy one takes
