@@ -54,6 +54,9 @@ LOG_FIELDS = {
     # From the request's first byte to its first byte sent to a node: what it waits in the
     # ingress, the picker's answers included.
     "routed_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+    # The picker's answer to the response's headers (it counts the request pending on its node
+    # until then), which holds them from the client meanwhile.
+    "response_us": f"%FILTER_STATE({EXT_PROC_STATE}:FIELD:response_header_latency_us)%",
     "destination": f"%REQ({DESTINATION_HEADER})%",
     "code": "%RESPONSE_CODE%",
     "upstream": "%UPSTREAM_HOST%",
@@ -232,7 +235,13 @@ def summarize(entries: list[dict[str, Any]], seconds: float, failed: int) -> dic
         "named_a_node": sum(e["destination"] not in ("-", None, "") for e in entries),
         "went_where_named": sum(e["destination"] == e["upstream"] for e in entries),
     }
-    for name, field in (("routed", "routed_us"), ("headers", "header_us"), ("body", "body_us")):
+    timings = (
+        ("routed", "routed_us"),
+        ("headers", "header_us"),
+        ("body", "body_us"),
+        ("response_headers", "response_us"),
+    )
+    for name, field in timings:
         summary[f"{name}_p50_ms"], summary[f"{name}_p99_ms"] = ms(field, 50), ms(field, 99)
     return summary
 

@@ -18,10 +18,11 @@ The difference is the decision; the floor is gRPC, protobuf and the body's parse
 Then the real thing: an Envoy with the ingress's ext_proc filter, picked route and clusters as
 xDS builds them (bench/picker_envoy.py), chats sent through it to the nodes, and Envoy's own
 timings from its access log: how long each request waited from its first byte to its first
-byte sent to a node (`routed`), and the picker's answers to its headers and its body. Three
-loads: one chat at a time, 32 back to back (the picker saturated: at c=32 a request waits for
-the 31 before it), and 32 concurrent chats paced like a model's decode (`--chunks` chunks,
-`--pace-ms` apart), arriving at the rate a region's picker sees.
+byte sent to a node (`routed`), and the picker's answers to its headers, its body and the
+response's headers (which Envoy holds from the client until then). Three loads: one chat at a
+time, 32 back to back (the picker saturated: at c=32 a request waits for the 31 before it), and
+32 concurrent chats paced like a model's decode (`--chunks` chunks, `--pace-ms` apart),
+arriving at the rate a region's picker sees.
 """
 
 from __future__ import annotations
@@ -293,7 +294,8 @@ def envoy_round_trips(envoy: picker_envoy.Envoy, args: argparse.Namespace) -> li
             f"envoy c={concurrency:>2} {kind}: {result['requests_per_s']} chats/s; routed after"
             f" p50 {result['routed_p50_ms']} ms p99 {result['routed_p99_ms']}; the picker's"
             f" answers p50: to the headers {result['headers_p50_ms']} ms, to the body (naming"
-            f" the node) {result['body_p50_ms']} ms; {result['named_a_node']}/"
+            f" the node) {result['body_p50_ms']} ms, to the response's headers"
+            f" {result['response_headers_p50_ms']} ms; {result['named_a_node']}/"
             f"{result['requests']} named a node, {result['went_where_named']} went there,"
             f" {result['failed']} failed",
             flush=True,
