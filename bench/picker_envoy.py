@@ -24,9 +24,7 @@ from typing import Any
 import aiohttp
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.bootstrap.v3 import bootstrap_pb2
-from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import address_pb2, substitution_format_string_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.file.v3 import file_pb2
@@ -39,12 +37,18 @@ from google.protobuf import json_format, struct_pb2
 from bench.gateway_overhead import free_port, wait_for_port
 from bench.gateway_upstream import PACE_FIELD
 from bench.loadgen import percentile
-from control_plane.xds.picker import ext_proc_filter, picked_cluster, picked_route, picker_cluster
+from control_plane.xds.picker import (
+    ext_proc_filter,
+    picked_cluster,
+    picked_route,
+    picker_cluster,
+    static_cluster,
+)
 from control_plane.xds.resources import pack, route
 from wire.cache_salt import CACHE_SALT_HEADER
 from wire.region_nodes import DESTINATION_HEADER
 
-EXT_PROC_STATE = "envoy.filters.http.ext_proc"
+EXT_PROC_STATE = ext_proc_filter().name  # the filter state's key: the filter's name
 # What Envoy logs of each request: how long it waited, the picker's answers to its headers and
 # to its body (the one naming the node; microseconds, as Envoy timed them), the node named, the
 # node it went to and the status.
@@ -67,20 +71,6 @@ UNPICKED_CLUSTER = "unpicked"  # Envoy's own choice when the picker names nothin
 def _address(port: int) -> address_pb2.Address:
     return address_pb2.Address(
         socket_address=address_pb2.SocketAddress(address="127.0.0.1", port_value=port)
-    )
-
-
-def _one_node(name: str, port: int) -> cluster_pb2.Cluster:
-    endpoint = endpoint_components_pb2.LbEndpoint(
-        endpoint=endpoint_components_pb2.Endpoint(address=_address(port))
-    )
-    return cluster_pb2.Cluster(
-        name=name,
-        type=cluster_pb2.Cluster.STATIC,
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=name,
-            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])],
-        ),
     )
 
 
@@ -139,7 +129,7 @@ def bootstrap(listen_port: int, picker_port: int, node_port: int, log: Path) -> 
             clusters=[
                 picked_cluster(),
                 picker_cluster("127.0.0.1", picker_port),
-                _one_node(UNPICKED_CLUSTER, node_port),
+                static_cluster(UNPICKED_CLUSTER, "127.0.0.1", node_port),
             ],
         )
     )
@@ -228,12 +218,13 @@ def summarize(entries: list[dict[str, Any]], seconds: float, failed: int) -> dic
         value = percentile(values, q)
         return None if value is None else round(value / 1000, 3)
 
+    named = [e for e in entries if e["destination"] not in (None, "-", "")]
     summary: dict[str, Any] = {
         "requests": len(entries),
         "requests_per_s": round(len(entries) / seconds, 1),
         "failed": failed,
-        "named_a_node": sum(e["destination"] not in ("-", None, "") for e in entries),
-        "went_where_named": sum(e["destination"] == e["upstream"] for e in entries),
+        "named_a_node": len(named),
+        "went_where_named": sum(e["destination"] == e["upstream"] for e in named),
     }
     timings = (
         ("routed", "routed_us"),

@@ -105,13 +105,8 @@ def picked_cluster() -> cluster_pb2.Cluster:
     )
 
 
-def picker_cluster(host: str, port: int) -> cluster_pb2.Cluster:
-    Options = http_protocol_options_pb2.HttpProtocolOptions
-    http2 = Options(
-        explicit_http_config=Options.ExplicitHttpConfig(
-            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
-        )
-    )
+def static_cluster(name: str, host: str, port: int) -> cluster_pb2.Cluster:
+    """A cluster of one fixed address."""
     address = address_pb2.Address(
         socket_address=address_pb2.SocketAddress(address=host, port_value=port)
     )
@@ -119,16 +114,27 @@ def picker_cluster(host: str, port: int) -> cluster_pb2.Cluster:
         endpoint=endpoint_components_pb2.Endpoint(address=address)
     )
     return cluster_pb2.Cluster(
-        name=PICKER_CLUSTER,
+        name=name,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=duration_pb2.Duration(seconds=CONNECT_TIMEOUT_S),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=PICKER_CLUSTER,
+            cluster_name=name,
             endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])],
         ),
         circuit_breakers=circuit_breakers(),
-        typed_extension_protocol_options={HTTP_OPTIONS_KEY: pack(http2)},
     )
+
+
+def picker_cluster(host: str, port: int) -> cluster_pb2.Cluster:
+    Options = http_protocol_options_pb2.HttpProtocolOptions
+    http2 = Options(
+        explicit_http_config=Options.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    cluster = static_cluster(PICKER_CLUSTER, host, port)
+    cluster.typed_extension_protocol_options[HTTP_OPTIONS_KEY].CopyFrom(pack(http2))
+    return cluster
 
 
 def add_picker(plan: EnvoyPlan, resources: dict[str, list[Message]]) -> None:
