@@ -251,25 +251,38 @@ async def test_known_nodes_take_the_fast_path_with_the_same_answers(
 
 
 @pytest.mark.asyncio
-async def test_nodes_starting_together_register_in_a_few_writes(
+async def test_nodes_beating_while_a_registration_is_written_share_the_next_write(
     cp: ControlPlaneClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = cp.services.store
-    original = store.write
-    num_writes = 0
+    store, registry = cp.services.store, cp.services.registry
+    write, record = store.write, registry.record_heartbeat
+    num_writes = num_beats = 0
+    every_beat_in = asyncio.Event()
     for i in range(40):
         await cp.mint(f"n{i}")  # an operator's writes, one by one, before the nodes start
 
     async def counting(change: Any, changes: tuple[str, ...] = ()) -> Any:
         nonlocal num_writes
-        num_writes += 1
-        return await original(change, changes)
+        if "nodes" in changes:  # not the health saves, which come on their own timer
+            num_writes += 1
+            if num_writes == 1:  # the first node's: held until every beat is in (a slow store)
+                await asyncio.wait_for(every_beat_in.wait(), timeout=30.0)
+        return await write(change, changes)
+
+    async def arriving(actor: Any, beat: Heartbeat) -> Any:
+        nonlocal num_beats
+        num_beats += 1
+        if num_beats == 40:
+            every_beat_in.set()
+        return await record(actor, beat)
 
     monkeypatch.setattr(store, "write", counting)
+    monkeypatch.setattr(registry, "record_heartbeat", arriving)
     await cp.add_region("us-east")
     await asyncio.gather(*(cp.beat(f"n{i}") for i in range(40)))
     assert len(cp.services.fleet.nodes) == 40
-    assert num_writes <= 1 + 5  # the region, then a few group commits for 40 nodes
+    # The first node, then the 39 that came while it was written: one group commit.
+    assert num_writes == 2
     entries = (await cp.http.get("/v1/audit", headers=cp.admin)).json()["entries"]
     assert sorted(e["target"] for e in entries if e["action"] == "node.register") == sorted(
         f"n{i}" for i in range(40)
