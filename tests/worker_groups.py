@@ -74,7 +74,7 @@ def running_order(work_units: dict[str, dict[str, bool]]) -> list[str]:
 class FilesInGroups(LoadFileScheduling):
     """The work queue in our order. Only the queue: xdist names a test to a worker by its index
     in the worker's own collection, so reordering the collections (as this class once did) sent
-    each worker other tests than the queue's: files split over all three workers, each setting
+    each worker other tests than the queue's: files split over all the workers, each setting
     up the module fixtures again, and the fleets' group ran beside other fleets."""
 
     def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
